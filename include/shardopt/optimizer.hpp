@@ -1,0 +1,148 @@
+// optimizer.hpp: the sharded AdamW optimizer, the library's C++ entry point.
+//
+// Life cycle (calls marked "collective" must be made by every rank of the group, in the
+// same order):
+//   ShardedOptimizer opt(comm, options);
+//   opt.add_group({...});  opt.add_param("w1", n1, group);  ...   // local, same on all ranks
+//   opt.finalize();                                 // collective: verifies layouts, allocates
+//   opt.set_param(i, initial_fp32_values);          // local: replica + master from fp32
+//   loop: forward reads opt.param<bf16>(i); backward writes opt.grad(i) (or
+//         accumulate_grad); stage 2 also calls grad_ready(i) in backward order;
+//         StepResult r = opt.step();                // collective
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardopt/bf16.hpp"
+#include "shardopt/comm.hpp"
+#include "shardopt/layout.hpp"
+#include "shardopt/memory.hpp"
+#include "shardopt/options.hpp"
+
+namespace shardopt {
+
+struct StepResult {
+  double grad_norm = 0.0;   ///< global L2 norm of the averaged gradient, before clipping
+  double clip_coef = 1.0;   ///< factor applied to the gradient (1 when not clipped)
+  bool clipped = false;
+  bool skipped = false;     ///< a gradient was NaN/Inf on some rank: no update anywhere
+  std::int64_t step = 0;    ///< number of updates applied so far (skipped steps excluded)
+};
+
+class Backend;  // buffers and kernels of one device kind (internal)
+
+class ShardedOptimizer {
+ public:
+  /// Validates options on this rank (throws Error(InvalidArgument)); no communication.
+  ShardedOptimizer(std::shared_ptr<Communicator> comm, OptimizerOptions options);
+  ~ShardedOptimizer();
+  ShardedOptimizer(const ShardedOptimizer&) = delete;
+  ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
+
+  // ---- registration (local; before finalize) ----------------------------------------------
+  /// Adds a parameter group and returns its index (group 0 exists already).
+  int add_group(const GroupOptions& group);
+  /// Registers a parameter; returns its index. Throws for an empty/duplicate name, zero
+  /// size or unknown group.
+  std::size_t add_param(std::string_view name, std::size_t numel, int group = 0);
+
+  /// Collective. Builds the padded layout, verifies that every rank registered the same
+  /// parameters, groups, dtypes and stage (otherwise every rank throws LayoutMismatch), and
+  /// allocates the buffers. Parameters, master weights and moments start at zero.
+  void finalize();
+  bool finalized() const { return finalized_; }
+
+  // ---- parameters and gradients (local) ------------------------------------------------------
+  /// Sets parameter i from fp32 values (numel of them): the replica (rounded to its dtype)
+  /// and this rank's part of the fp32 master. Every rank must pass the same values.
+  void set_param(std::size_t i, std::span<const float> values);
+  /// Copies parameter i's fp32 master values into `out` (numel); collective, because the
+  /// master is sharded (each rank contributes its part).
+  void get_master(std::size_t i, std::span<float> out);
+
+  /// The full-replica view of parameter i, as the forward pass reads it. T must be bf16 or
+  /// float, matching options().param_dtype.
+  template <class T>
+  std::span<T> param(std::size_t i);
+
+  /// The fp32 gradient of parameter i that backward writes or accumulates into. Stage 0/1:
+  /// a view of the full gradient buffer. Stage 2: a view into the bucket being filled; the
+  /// bucket must be the next one in backward order, and earlier buckets are reduced first.
+  std::span<float> grad(std::size_t i);
+  /// grad(i) += src (fp32 or bf16, numel elements), in one fused pass.
+  void accumulate_grad(std::size_t i, std::span<const float> src);
+  void accumulate_grad(std::size_t i, std::span<const bf16> src);
+  /// Stage 2: parameter i's gradient is complete; a full bucket is reduced at once
+  /// (collective in effect: all ranks reduce buckets in the same order). No-op otherwise.
+  void grad_ready(std::size_t i);
+  /// Collective. Stage 2: reduces every bucket not yet reduced (ends a micro-batch's
+  /// backward). No-op for other stages.
+  void reduce_gradients();
+  /// Zeroes every gradient (local).
+  void zero_grad();
+
+  // ---- the step (collective) ---------------------------------------------------------------
+  StepResult step();
+
+  void set_lr(double lr);  ///< local; takes effect at the next step
+  double lr() const { return options_.adam.lr; }
+  void set_adam_config(const AdamConfig& c);  ///< validated; local
+  void set_group(int group, const GroupOptions& g);  ///< validated; local
+  std::int64_t step_count() const { return step_count_; }
+
+  // ---- introspection ---------------------------------------------------------------------
+  const OptimizerOptions& options() const { return options_; }
+  const FlatLayout& layout() const { return layout_; }
+  const std::vector<GroupOptions>& groups() const { return groups_; }
+  Communicator& comm() const { return *comm_; }
+  /// The part of the flat buffer whose master and moments this rank holds.
+  Range owned_range() const { return owned_; }
+  MemoryReport memory_report() const { return tracker_.report(); }
+
+  /// This rank's optimizer state over owned_range() (for checkpoints; device memory when
+  /// the device is CUDA).
+  std::span<float> master_shard();
+  std::span<float> exp_avg_shard();
+  std::span<float> exp_avg_sq_shard();
+  void set_step_count(std::int64_t s);
+  /// Rewrites the replica's owned part from the master and all-gathers it (collective).
+  void refresh_replica();
+
+ private:
+  void require_finalized(const char* what) const;
+  void require_registering(const char* what) const;
+  void reduce_bucket(std::size_t b);
+  void open_bucket_for(std::size_t param);
+  void all_gather_replica();
+  std::vector<UpdateSegment> make_segments(const StepHyper& h) const;
+  float* grad_shard_ptr();
+  void* replica_ptr(std::size_t elem_offset) const;
+
+  std::shared_ptr<Communicator> comm_;
+  OptimizerOptions options_;
+  std::unique_ptr<Backend> backend_;
+  std::vector<GroupOptions> groups_;
+  FlatLayout layout_;
+  bool finalized_ = false;
+  Range owned_;
+  std::int64_t step_count_ = 0;
+
+  MemoryTracker tracker_;
+  struct Buffers;
+  std::unique_ptr<Buffers> buf_;
+
+  // Stage 2 bucket state.
+  std::vector<Bucket> buckets_;
+  std::vector<std::size_t> bucket_of_param_;
+  std::vector<std::size_t> ready_in_bucket_;
+  std::vector<unsigned char> param_ready_;
+  std::size_t open_bucket_ = 0;     ///< bucket currently staged (== buckets_.size(): none)
+  std::size_t next_bucket_ = 0;     ///< first bucket not yet reduced in this pass
+};
+
+}  // namespace shardopt

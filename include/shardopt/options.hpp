@@ -1,0 +1,50 @@
+// options.hpp: what a trainer chooses: sharding stage, dtypes, Adam hyperparameters, groups.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "shardopt/adam_math.hpp"
+#include "shardopt/dtype.hpp"
+
+namespace shardopt {
+
+enum class Stage : int {
+  DataParallel = 0,  ///< baseline: all-reduce, every rank holds and updates everything
+  Zero1 = 1,         ///< optimizer state sharded; full fp32 gradient buffer on every rank
+  Zero2 = 2,         ///< state and gradients sharded; gradients reduced bucket by bucket
+};
+const char* stage_name(Stage s) noexcept;
+
+enum class Device : int { Cpu = 0, Cuda = 1 };
+
+struct AdamConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+  AdamMode mode = AdamMode::AdamW;
+  double max_grad_norm = 0.0;  ///< clip the global L2 norm to this; 0 disables clipping
+};
+
+/// Returns an empty string when valid, otherwise what is wrong (lr >= 0, 0 <= beta < 1,
+/// eps > 0, weight_decay >= 0, max_grad_norm >= 0, all finite).
+std::string validate(const AdamConfig& c);
+
+/// Options of one parameter group. Group 0 always exists with the defaults.
+struct GroupOptions {
+  double lr_scale = 1.0;      ///< this group's lr is lr * lr_scale
+  bool weight_decay = true;   ///< false for biases and norms, as is usual
+};
+std::string validate(const GroupOptions& g);
+
+struct OptimizerOptions {
+  Stage stage = Stage::Zero1;
+  DType param_dtype = DType::BF16;  ///< dtype of the full replica the forward pass reads
+  Device device = Device::Cpu;
+  AdamConfig adam;
+  std::size_t bucket_elems = std::size_t{1} << 20;  ///< stage 2 bucket size (4 MiB of fp32)
+};
+
+}  // namespace shardopt

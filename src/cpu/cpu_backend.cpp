@@ -1,0 +1,57 @@
+// cpu_backend.cpp: the Backend of host memory and the CPU kernels.
+#include <cstring>
+
+#include "../backend.hpp"
+#include "kernels.hpp"
+
+namespace shardopt {
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  const char* name() const override { return "cpu"; }
+  Allocation allocate(MemoryTracker* tracker, MemCategory category, std::size_t bytes) override {
+    return allocate_host(tracker, category, bytes);
+  }
+  void fill_zero(void* p, std::size_t bytes) override {
+    if (bytes % sizeof(float) == 0) {
+      cpu::fill_zero(static_cast<float*>(p), bytes / sizeof(float));
+    } else {
+      std::memset(p, 0, bytes);
+    }
+  }
+  void copy_from_host(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void copy_to_host(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  double sum_squares(const float* x, std::size_t n) override { return cpu::sum_squares(x, n); }
+  void accumulate(float* dst, const void* src, DType t, std::size_t n) override {
+    if (t == DType::F32) {
+      cpu::accumulate(dst, static_cast<const float*>(src), n);
+    } else {
+      cpu::accumulate(dst, static_cast<const bf16*>(src), n);
+    }
+  }
+  void cast_from_f32(const float* src, void* dst, DType t, std::size_t n) override {
+    if (t == DType::F32) {
+      if (dst != src && n) std::memcpy(dst, src, n * sizeof(float));
+    } else {
+      cpu::cast_f32_to_bf16(src, static_cast<bf16*>(dst), n);
+    }
+  }
+  void adam_update(const StepScalars& s, std::span<const UpdateSegment> segments, float* master,
+                   const float* grad, float* m, float* v, void* replica,
+                   DType replica_dtype) override {
+    bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
+    float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
+    cpu::adam_update(s, segments, master, grad, m, v, out_bf16, out_f32);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace shardopt

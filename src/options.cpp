@@ -1,0 +1,61 @@
+// options.cpp: validation of hyperparameters and names of enums.
+#include "shardopt/options.hpp"
+
+#include <cmath>
+
+#include "shardopt/error.hpp"
+
+namespace shardopt {
+
+const char* stage_name(Stage s) noexcept {
+  switch (s) {
+    case Stage::DataParallel: return "data-parallel";
+    case Stage::Zero1: return "zero-1";
+    case Stage::Zero2: return "zero-2";
+  }
+  return "?";
+}
+
+const char* status_name(Status s) noexcept {
+  switch (s) {
+    case Status::Ok: return "ok";
+    case Status::InvalidArgument: return "invalid argument";
+    case Status::InvalidState: return "invalid state";
+    case Status::LayoutMismatch: return "layout mismatch";
+    case Status::RemoteError: return "error on another rank";
+    case Status::Communication: return "communication error";
+    case Status::OutOfMemory: return "out of memory";
+    case Status::Io: return "I/O error";
+    case Status::CorruptData: return "corrupt data";
+    case Status::Unsupported: return "unsupported";
+    case Status::Cuda: return "CUDA error";
+    case Status::Internal: return "internal error";
+  }
+  return "unknown status";
+}
+
+std::string validate(const AdamConfig& c) {
+  auto bad = [](const char* what, double v) {
+    return std::string("invalid ") + what + " " + std::to_string(v);
+  };
+  if (!std::isfinite(c.lr) || c.lr < 0) return bad("learning rate (need lr >= 0):", c.lr);
+  if (!std::isfinite(c.beta1) || c.beta1 < 0 || c.beta1 >= 1)
+    return bad("beta1 (need 0 <= beta1 < 1):", c.beta1);
+  if (!std::isfinite(c.beta2) || c.beta2 < 0 || c.beta2 >= 1)
+    return bad("beta2 (need 0 <= beta2 < 1):", c.beta2);
+  if (!std::isfinite(c.eps) || c.eps <= 0) return bad("eps (need eps > 0):", c.eps);
+  if (!std::isfinite(c.weight_decay) || c.weight_decay < 0)
+    return bad("weight_decay (need >= 0):", c.weight_decay);
+  if (!std::isfinite(c.max_grad_norm) || c.max_grad_norm < 0)
+    return bad("max_grad_norm (need >= 0, 0 = no clipping):", c.max_grad_norm);
+  if (c.mode != AdamMode::AdamW && c.mode != AdamMode::AdamL2) return "invalid Adam mode";
+  return {};
+}
+
+std::string validate(const GroupOptions& g) {
+  if (!std::isfinite(g.lr_scale) || g.lr_scale < 0)
+    return "invalid group lr_scale " + std::to_string(g.lr_scale) + " (need >= 0)";
+  return {};
+}
+
+}  // namespace shardopt

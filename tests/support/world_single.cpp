@@ -1,0 +1,6 @@
+// world_single.cpp: world() for test binaries that run without MPI.
+#include "world.hpp"
+
+namespace shardopt::test {
+std::shared_ptr<Communicator> world() { return make_single_process_communicator(); }
+}  // namespace shardopt::test

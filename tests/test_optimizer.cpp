@@ -1,0 +1,390 @@
+// test_optimizer.cpp: the sharded step against the double-precision reference, at whatever
+// rank count the binary runs with (1 without MPI; 1-4 under mpiexec).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <ostream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "shardopt/optimizer.hpp"
+#include "support/reference.hpp"
+#include "support/world.hpp"
+
+using namespace shardopt;
+using shardopt::test::synth;
+
+namespace {
+
+// Odd sizes; with 4 ranks the 5000-element parameter is larger than a shard and several
+// parameters straddle shard boundaries.
+const std::vector<std::size_t> kSizes = {1, 7, 300, 5000, 65, 129, 3, 1000};
+
+struct Model {
+  std::vector<std::size_t> sizes = kSizes;
+  std::vector<int> groups;  // per parameter
+};
+
+Model make_model() {
+  Model m;
+  for (std::size_t i = 0; i < m.sizes.size(); ++i) m.groups.push_back(i % 3 == 1 ? 1 : 0);
+  return m;
+}
+
+std::vector<GroupOptions> group_table() { return {GroupOptions{}, GroupOptions{0.5, false}}; }
+
+float init_value(std::size_t param, std::size_t k) { return synth(99, 0, param, k); }
+
+// Gradient of rank r at step s; one parameter is given in bf16 to exercise that path.
+// Values are multiples of 2^-10 in (-1, 1): fp32 sums over ranks are then exact in any
+// order, so the oracle checks the update arithmetic and not MPI's summation order (Adam
+// turns a rounding error of a near-zero average gradient into a full lr-sized step).
+bool grad_in_bf16(std::size_t param) { return param == 2; }
+float grad_value(int rank, int step, std::size_t param, std::size_t k) {
+  const float u = synth(static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(step), param, k);
+  const float g = std::round(u * 1024.0f) / 1024.0f;
+  return grad_in_bf16(param) ? to_float(to_bf16(g)) : g;
+}
+
+struct Harness {
+  std::unique_ptr<ShardedOptimizer> opt;
+  std::vector<test::RefParam> ref;
+  std::vector<GroupOptions> groups = group_table();
+  AdamConfig cfg;
+  Model model = make_model();
+  std::int64_t ref_step = 0;
+
+  Harness(Stage stage, DType dtype, AdamConfig c, std::size_t bucket = 700) : cfg(c) {
+    OptimizerOptions o;
+    o.stage = stage;
+    o.param_dtype = dtype;
+    o.adam = c;
+    o.bucket_elems = bucket;
+    opt = std::make_unique<ShardedOptimizer>(test::world(), o);
+    EXPECT_EQ(opt->add_group(groups[1]), 1);
+    for (std::size_t i = 0; i < model.sizes.size(); ++i)
+      opt->add_param("p" + std::to_string(i), model.sizes[i], model.groups[i]);
+    opt->finalize();
+    for (std::size_t i = 0; i < model.sizes.size(); ++i) {
+      std::vector<float> init(model.sizes[i]);
+      test::RefParam rp;
+      rp.group = model.groups[i];
+      for (std::size_t k = 0; k < init.size(); ++k) {
+        init[k] = init_value(i, k);
+        rp.p.push_back(init[k]);
+      }
+      rp.m.assign(init.size(), 0.0);
+      rp.v.assign(init.size(), 0.0);
+      ref.push_back(rp);
+      opt->set_param(i, init);
+    }
+  }
+
+  // Backward in reverse registration order, as stage 2 requires.
+  void write_grads(int step, int poison_rank = -1) {
+    const int rank = opt->comm().rank();
+    for (std::size_t i = model.sizes.size(); i-- > 0;) {
+      std::vector<float> g(model.sizes[i]);
+      for (std::size_t k = 0; k < g.size(); ++k) g[k] = grad_value(rank, step, i, k);
+      if (rank == poison_rank && i == 3) g[17] = std::numeric_limits<float>::quiet_NaN();
+      if (grad_in_bf16(i)) {
+        std::vector<bf16> low(g.size());
+        for (std::size_t k = 0; k < g.size(); ++k) low[k] = to_bf16(g[k]);
+        opt->accumulate_grad(i, std::span<const bf16>(low));
+      } else {
+        std::span<float> dst = opt->grad(i);
+        std::copy(g.begin(), g.end(), dst.begin());
+      }
+      opt->grad_ready(i);
+    }
+  }
+
+  test::RefResult reference(int step) {
+    const int world = opt->comm().size();
+    std::vector<std::vector<double>> avg(model.sizes.size());
+    for (std::size_t i = 0; i < model.sizes.size(); ++i) {
+      avg[i].assign(model.sizes[i], 0.0);
+      for (std::size_t k = 0; k < model.sizes[i]; ++k) {
+        for (int r = 0; r < world; ++r) avg[i][k] += grad_value(r, step, i, k);
+        avg[i][k] /= world;
+      }
+    }
+    test::RefResult r = test::reference_step(ref, avg, cfg, groups, ref_step + 1);
+    if (!r.skipped) ++ref_step;
+    return r;
+  }
+
+  void expect_matches_reference(const char* where) {
+    for (std::size_t i = 0; i < model.sizes.size(); ++i) {
+      std::vector<float> master(model.sizes[i]);
+      opt->get_master(i, master);
+      double worst = 0;
+      for (std::size_t k = 0; k < master.size(); ++k) {
+        const double err = std::fabs(master[k] - ref[i].p[k]) / (1e-3 + std::fabs(ref[i].p[k]));
+        worst = std::max(worst, err);
+      }
+      EXPECT_LT(worst, 2e-5) << where << ": parameter " << i;
+      // The replica is the master rounded to the parameter dtype, bit for bit.
+      for (std::size_t k = 0; k < master.size(); ++k) {
+        if (opt->options().param_dtype == DType::BF16) {
+          ASSERT_EQ(opt->param<bf16>(i)[k].bits, to_bf16(master[k]).bits) << where << " p" << i;
+        } else {
+          ASSERT_EQ(opt->param<float>(i)[k], master[k]) << where << " p" << i;
+        }
+      }
+    }
+  }
+};
+
+struct Config {
+  Stage stage;
+  DType dtype;
+  AdamMode mode;
+  double max_norm;
+};
+
+std::string config_name(const testing::TestParamInfo<Config>& info) {
+  const Config& c = info.param;
+  std::string s = std::string(stage_name(c.stage)) + "_" + dtype_name(c.dtype) + "_" +
+                  (c.mode == AdamMode::AdamW ? "adamw" : "adaml2") +
+                  (c.max_norm > 0 ? "_clip" : "");
+  for (char& ch : s)
+    if (ch == '-') ch = '_';
+  return s;
+}
+
+class StepVsReference : public testing::TestWithParam<Config> {};
+
+void PrintTo(const Config& c, std::ostream* os) {
+  *os << stage_name(c.stage) << "/" << dtype_name(c.dtype);
+}
+
+}  // namespace
+
+TEST_P(StepVsReference, SeveralStepsMatchDoublePrecision) {
+  const Config c = GetParam();
+  AdamConfig a;
+  a.lr = 1e-2;
+  a.weight_decay = 0.1;
+  a.mode = c.mode;
+  a.max_grad_norm = c.max_norm;
+  Harness h(c.stage, c.dtype, a);
+  for (int step = 1; step <= 4; ++step) {
+    if (step == 3) {  // the learning rate may change between steps
+      h.opt->set_lr(3e-3);
+      h.cfg.lr = 3e-3;
+    }
+    h.write_grads(step);
+    const StepResult r = h.opt->step();
+    const test::RefResult rr = h.reference(step);
+    EXPECT_FALSE(r.skipped);
+    EXPECT_EQ(r.step, step);
+    EXPECT_NEAR(r.grad_norm, rr.grad_norm, 1e-6 * rr.grad_norm);
+    EXPECT_EQ(r.clipped, rr.clipped);
+    h.expect_matches_reference(("step " + std::to_string(step)).c_str());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllStages, StepVsReference,
+    testing::Values(Config{Stage::DataParallel, DType::BF16, AdamMode::AdamW, 0},
+                    Config{Stage::Zero1, DType::BF16, AdamMode::AdamW, 0},
+                    Config{Stage::Zero2, DType::BF16, AdamMode::AdamW, 0},
+                    Config{Stage::Zero1, DType::F32, AdamMode::AdamW, 0},
+                    Config{Stage::Zero2, DType::F32, AdamMode::AdamL2, 0},
+                    Config{Stage::DataParallel, DType::F32, AdamMode::AdamL2, 0},
+                    Config{Stage::Zero1, DType::BF16, AdamMode::AdamL2, 5.0},
+                    Config{Stage::Zero2, DType::BF16, AdamMode::AdamW, 5.0}),
+    config_name);
+
+TEST(Optimizer, StagesGiveTheSameParameters) {
+  AdamConfig a;
+  a.lr = 5e-3;
+  Harness dp(Stage::DataParallel, DType::F32, a), z1(Stage::Zero1, DType::F32, a),
+      z2(Stage::Zero2, DType::F32, a, 256);
+  for (int step = 1; step <= 3; ++step) {
+    for (Harness* h : {&dp, &z1, &z2}) {
+      h->write_grads(step);
+      h->opt->step();
+    }
+  }
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    std::vector<float> a0(kSizes[i]), a1(kSizes[i]), a2(kSizes[i]);
+    dp.opt->get_master(i, a0);
+    z1.opt->get_master(i, a1);
+    z2.opt->get_master(i, a2);
+    for (std::size_t k = 0; k < kSizes[i]; ++k) {
+      // Exact gradient sums and the same update arithmetic: identical bits.
+      ASSERT_EQ(a0[k], a1[k]) << "p" << i << "[" << k << "]";
+      ASSERT_EQ(a1[k], a2[k]) << "p" << i << "[" << k << "]";
+    }
+  }
+}
+
+TEST(Optimizer, NonFiniteGradientOnOneRankSkipsEverywhere) {
+  AdamConfig a;
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+    Harness h(stage, DType::BF16, a);
+    h.write_grads(1);
+    h.opt->step();
+    h.reference(1);
+    const int last = h.opt->comm().size() - 1;
+    h.write_grads(2, last);
+    const StepResult r = h.opt->step();
+    EXPECT_TRUE(r.skipped) << stage_name(stage);
+    EXPECT_FALSE(std::isfinite(r.grad_norm));
+    EXPECT_EQ(r.step, 1);
+    EXPECT_EQ(h.opt->step_count(), 1);
+    h.expect_matches_reference("after skipped step");  // state untouched
+    // The gradients were cleared; training continues normally.
+    h.write_grads(3);
+    const StepResult r3 = h.opt->step();
+    EXPECT_FALSE(r3.skipped);
+    EXPECT_EQ(r3.step, 2);
+    h.reference(3);
+    h.expect_matches_reference("after recovery");
+  }
+}
+
+TEST(Optimizer, MemoryAccountingFollowsTheStage) {
+  AdamConfig a;
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+    Harness h(stage, DType::BF16, a, 700);
+    const FlatLayout& l = h.opt->layout();
+    const std::size_t P = l.padded_size();
+    const std::size_t owned = stage == Stage::DataParallel ? P : l.shard_size();
+    const MemoryReport m = h.opt->memory_report();
+    EXPECT_EQ(m[MemCategory::Params], 2 * P);
+    EXPECT_EQ(m[MemCategory::Master], 4 * owned);
+    EXPECT_EQ(m[MemCategory::Moments], 8 * owned);
+    if (stage == Stage::Zero2) {
+      EXPECT_EQ(m[MemCategory::Grads], 4 * owned);
+      std::size_t largest = 0;
+      for (const Bucket& b : l.make_buckets(700)) largest = std::max(largest, b.flat.size());
+      EXPECT_EQ(m[MemCategory::Scratch], 4 * largest);
+    } else {
+      EXPECT_EQ(m[MemCategory::Grads], 4 * P);
+      EXPECT_EQ(m[MemCategory::Scratch], 0u);
+    }
+  }
+}
+
+TEST(Optimizer, Fp32ReplicaIsTheMaster) {
+  AdamConfig a;
+  Harness h(Stage::Zero1, DType::F32, a);
+  EXPECT_EQ(h.opt->memory_report()[MemCategory::Master], 0u);
+  EXPECT_EQ(h.opt->memory_report()[MemCategory::Params], 4 * h.opt->layout().padded_size());
+}
+
+// ---- bad input -------------------------------------------------------------------------------
+
+namespace {
+
+void expect_status(Status want, const std::function<void()>& f, const char* what) {
+  try {
+    f();
+    ADD_FAILURE() << what << ": no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), want) << what << ": " << e.what();
+    EXPECT_GT(std::string(e.what()).size(), 10u) << what;
+  }
+}
+
+}  // namespace
+
+TEST(BadInput, InvalidHyperparametersFailOnEveryRank) {
+  const int last = test::world()->size() - 1;
+  auto with = [](auto mutate) {
+    OptimizerOptions o;
+    mutate(o.adam);
+    return o;
+  };
+  const OptimizerOptions bad[] = {
+      with([](AdamConfig& c) { c.lr = -1e-3; }), with([](AdamConfig& c) { c.beta1 = 1.0; }),
+      with([](AdamConfig& c) { c.beta2 = -0.1; }), with([](AdamConfig& c) { c.eps = 0; }),
+      with([](AdamConfig& c) { c.weight_decay = -1; }),
+      with([](AdamConfig& c) { c.lr = std::nan(""); }),
+      with([](AdamConfig& c) { c.max_grad_norm = -1; })};
+  for (const OptimizerOptions& o : bad) {
+    // Everyone passes the bad value.
+    expect_status(Status::InvalidArgument, [&] { ShardedOptimizer opt(test::world(), o); },
+                  "all ranks");
+    // Only the last rank passes it: every rank still gets the error (no hang).
+    const int rank = test::world()->rank();
+    expect_status(Status::InvalidArgument,
+                  [&] { ShardedOptimizer opt(test::world(), rank == last ? o : OptimizerOptions{}); },
+                  "last rank only");
+  }
+  ShardedOptimizer ok(test::world(), OptimizerOptions{});
+  expect_status(Status::InvalidArgument, [&] { ok.set_lr(-1); }, "set_lr");
+  expect_status(Status::InvalidArgument, [&] { ok.add_group(GroupOptions{-2, true}); },
+                "add_group");
+}
+
+TEST(BadInput, MismatchedLayoutsFailOnEveryRank) {
+  const auto w = test::world();
+  if (w->size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
+  const bool odd = w->rank() == w->size() - 1;
+  struct Variant {
+    const char* what;
+    std::function<void(ShardedOptimizer&)> reg;
+  };
+  const Variant variants[] = {
+      {"size", [&](ShardedOptimizer& o) { o.add_param("a", 10); o.add_param("b", odd ? 21 : 20); }},
+      {"name", [&](ShardedOptimizer& o) { o.add_param("a", 10); o.add_param(odd ? "c" : "b", 20); }},
+      {"order", [&](ShardedOptimizer& o) {
+         if (odd) { o.add_param("b", 20); o.add_param("a", 10); }
+         else { o.add_param("a", 10); o.add_param("b", 20); } }},
+      {"count", [&](ShardedOptimizer& o) { o.add_param("a", 10); if (!odd) o.add_param("b", 20); }},
+      {"group", [&](ShardedOptimizer& o) { o.add_group({}); o.add_param("a", 10, odd ? 1 : 0); }},
+  };
+  for (const Variant& v : variants) {
+    ShardedOptimizer opt(w, OptimizerOptions{});
+    v.reg(opt);
+    expect_status(Status::LayoutMismatch, [&] { opt.finalize(); }, v.what);
+  }
+  OptimizerOptions o;
+  o.param_dtype = odd ? DType::F32 : DType::BF16;
+  ShardedOptimizer dt(w, o);
+  dt.add_param("a", 10);
+  expect_status(Status::LayoutMismatch, [&] { dt.finalize(); }, "dtype");
+}
+
+TEST(BadInput, WrongSizesIndicesAndCallOrder) {
+  ShardedOptimizer opt(test::world(), OptimizerOptions{});
+  expect_status(Status::InvalidState, [&] { opt.step(); }, "step before finalize");
+  expect_status(Status::InvalidState, [&] { opt.grad(0); }, "grad before finalize");
+  expect_status(Status::InvalidArgument, [&] { opt.add_param("x", 0); }, "zero size");
+  expect_status(Status::InvalidArgument, [&] { opt.add_param("x", 4, 3); }, "unknown group");
+  opt.add_param("w", 100);
+  expect_status(Status::InvalidArgument, [&] { opt.add_param("w", 5); }, "duplicate name");
+  opt.finalize();
+  expect_status(Status::InvalidState, [&] { opt.add_param("late", 5); }, "add after finalize");
+  std::vector<float> wrong(99);
+  expect_status(Status::InvalidArgument, [&] { opt.set_param(0, wrong); }, "set_param size");
+  expect_status(Status::InvalidArgument,
+                [&] { opt.accumulate_grad(0, std::span<const float>(wrong)); }, "accumulate size");
+  expect_status(Status::InvalidArgument, [&] { opt.grad(1); }, "index");
+  expect_status(Status::InvalidArgument, [&] { opt.param<float>(0); }, "dtype of view");
+  EXPECT_EQ(opt.param<bf16>(0).size(), 100u);
+}
+
+TEST(BadInput, Stage2GradientsOutOfBackwardOrder) {
+  OptimizerOptions o;
+  o.stage = Stage::Zero2;
+  o.bucket_elems = 64;
+  ShardedOptimizer opt(test::world(), o);
+  opt.add_param("first", 64);
+  opt.add_param("second", 64);
+  opt.finalize();
+  opt.grad(1)[0] = 1.0f;  // backward order: the last parameter first
+  opt.grad_ready(1);
+  opt.grad(0)[0] = 1.0f;
+  opt.grad_ready(0);
+  expect_status(Status::InvalidState, [&] { opt.grad(1); }, "bucket already reduced");
+  expect_status(Status::InvalidState, [&] { opt.grad_ready(0); }, "ready twice");
+  opt.step();
+  opt.grad(1);  // a new pass may start after the step
+}
