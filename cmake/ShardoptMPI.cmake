@@ -53,6 +53,7 @@ if(MPI_CXX_FOUND AND MPIEXEC_EXECUTABLE)
   elseif(_ver MATCHES "HYDRA|MPICH")
     set(SHARDOPT_MPI_FLAVOR_FOUND "mpich")
   endif()
+  set(SHARDOPT_MPIEXEC_FLAGS_CACHED "${SHARDOPT_MPIEXEC_FLAGS}" CACHE INTERNAL "for scripts/")
   message(STATUS "shardopt: MPI ${MPI_CXX_VERSION} (${SHARDOPT_MPI_FLAVOR_FOUND}), "
                  "launcher ${MPIEXEC_EXECUTABLE}")
 endif()
