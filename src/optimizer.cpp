@@ -7,14 +7,12 @@
 #include <sstream>
 
 #include "backend.hpp"
+#include "grad_reducer.hpp"
 
 namespace shardopt {
 
 struct ShardedOptimizer::Buffers {
   Allocation replica;     ///< full parameter replica (param dtype)
-  Allocation grad_full;   ///< full fp32 gradient (data-parallel, stage 1)
-  Allocation grad_shard;  ///< owned fp32 gradient (stage 2)
-  Allocation staging;     ///< one bucket of fp32 gradient (stage 2)
   Allocation master;      ///< owned fp32 master (absent when the replica is fp32)
   Allocation exp_avg;
   Allocation exp_avg_sq;
@@ -35,6 +33,8 @@ std::string options_problem(const OptimizerOptions& o) {
   if (o.param_dtype != DType::F32 && o.param_dtype != DType::BF16) return "invalid param dtype";
   if (o.device != Device::Cpu && o.device != Device::Cuda) return "invalid device";
   if (o.bucket_elems == 0) return "bucket_elems must be positive";
+  if (o.buckets_in_flight < 1) return "buckets_in_flight must be at least 1";
+  if (o.reduce_dtype != DType::F32 && o.reduce_dtype != DType::BF16) return "invalid reduce dtype";
   return {};
 }
 
@@ -57,7 +57,12 @@ ShardedOptimizer::ShardedOptimizer(std::shared_ptr<Communicator> comm, Optimizer
       groups_{GroupOptions{}},
       buf_(std::make_unique<Buffers>()) {}
 
-ShardedOptimizer::~ShardedOptimizer() = default;
+ShardedOptimizer::~ShardedOptimizer() {
+  try {
+    wait_gathers();  // collectives in flight must complete before their buffers go away
+  } catch (...) {  // a destructor cannot report
+  }
+}
 
 void ShardedOptimizer::require_finalized(const char* what) const {
   require(finalized_, Status::InvalidState,
@@ -103,9 +108,10 @@ namespace {
 std::uint64_t configuration_fingerprint(const FlatLayout& layout, const OptimizerOptions& o,
                                         const std::vector<GroupOptions>& groups) {
   std::uint64_t h = layout.fingerprint();
-  const std::int64_t ints[4] = {static_cast<int>(o.stage), static_cast<int>(o.param_dtype),
+  const std::int64_t ints[7] = {static_cast<int>(o.stage), static_cast<int>(o.param_dtype),
                                 static_cast<int>(o.adam.mode),
-                                static_cast<std::int64_t>(o.bucket_elems)};
+                                static_cast<std::int64_t>(o.bucket_elems), o.overlap ? 1 : 0,
+                                o.buckets_in_flight, static_cast<int>(o.reduce_dtype)};
   h = fnv1a64(ints, sizeof ints, h);
   const double reals[6] = {o.adam.lr, o.adam.beta1, o.adam.beta2, o.adam.eps,
                            o.adam.weight_decay, o.adam.max_grad_norm};
@@ -171,23 +177,12 @@ void ShardedOptimizer::finalize() {
     Buffers& b = *buf_;
     b.replica = be.allocate(&tracker_, MemCategory::Params,
                             padded * dtype_size(options_.param_dtype));
-    if (options_.stage == Stage::Zero2) {
-      buckets_ = layout_.make_buckets(options_.bucket_elems);
-      std::size_t capacity = 0;
-      bucket_of_param_.assign(layout_.num_params(), 0);
-      for (std::size_t k = 0; k < buckets_.size(); ++k) {
-        capacity = std::max(capacity, buckets_[k].flat.size());
-        for (std::size_t p = buckets_[k].first_param; p < buckets_[k].end_param; ++p)
-          bucket_of_param_[p] = k;
-      }
-      ready_in_bucket_.assign(buckets_.size(), 0);
-      param_ready_.assign(layout_.num_params(), 0);
-      open_bucket_ = buckets_.size();
-      b.grad_shard = be.allocate(&tracker_, MemCategory::Grads, owned * sizeof(float));
-      b.staging = be.allocate(&tracker_, MemCategory::Scratch, capacity * sizeof(float));
-    } else {
-      b.grad_full = be.allocate(&tracker_, MemCategory::Grads, padded * sizeof(float));
-    }
+    reducer_ = std::make_unique<GradReducer>(
+        *comm_, be, tracker_, layout_, owned_,
+        GradReducer::Config{options_.stage, options_.bucket_elems, options_.buckets_in_flight,
+                            options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
+                            options_.overlap});
+    gathers_.resize(reducer_->buckets().size());
     if (options_.param_dtype == DType::F32) {
       b.master_ptr = b.replica.as<float>() + owned_.begin;  // fp32 replica is the master
     } else {
@@ -217,6 +212,7 @@ void ShardedOptimizer::set_param(std::size_t i, std::span<const float> values) {
   require(values.size() == p.numel, Status::InvalidArgument,
           "set_param: parameter '" + p.name + "' has " + std::to_string(p.numel) +
               " elements, got " + std::to_string(values.size()));
+  wait_gathers();
   // Host-side cast, then one copy: set_param is not on the hot path.
   if (options_.param_dtype == DType::BF16) {
     std::vector<bf16> low(p.numel);
@@ -262,18 +258,38 @@ std::span<T> ShardedOptimizer::param(std::size_t i) {
           std::string("param: the replica is ") + dtype_name(options_.param_dtype) +
               ", not " + dtype_name(want));
   const ParamInfo& p = layout_.param(i);
+  wait_param(i);
   return {static_cast<T*>(replica_ptr(p.flat.begin)), p.numel};
+}
+
+void ShardedOptimizer::wait_param(std::size_t i) {
+  require_finalized("wait_param");
+  layout_.param(i);  // index check
+  std::unique_ptr<CommRequest>& g = gathers_[reducer_->bucket_of(i)];
+  if (g) {
+    g->wait();
+    g.reset();
+  }
+}
+
+void ShardedOptimizer::wait_gathers() {
+  for (std::unique_ptr<CommRequest>& g : gathers_) {
+    if (!g) continue;
+    g->wait();
+    g.reset();
+  }
+}
+
+void ShardedOptimizer::begin_backward(bool sync) {
+  require_finalized("begin_backward");
+  reducer_->begin_backward(sync);
 }
 template std::span<float> ShardedOptimizer::param<float>(std::size_t);
 template std::span<bf16> ShardedOptimizer::param<bf16>(std::size_t);
 
 std::span<float> ShardedOptimizer::grad(std::size_t i) {
   require_finalized("grad");
-  const ParamInfo& p = layout_.param(i);
-  if (options_.stage != Stage::Zero2) return {buf_->grad_full.as<float>() + p.flat.begin, p.numel};
-  open_bucket_for(i);
-  const Bucket& bk = buckets_[open_bucket_];
-  return {buf_->staging.as<float>() + (p.flat.begin - bk.flat.begin), p.numel};
+  return reducer_->grad(i);
 }
 
 void ShardedOptimizer::accumulate_grad(std::size_t i, std::span<const float> src) {
@@ -292,75 +308,14 @@ void ShardedOptimizer::accumulate_grad(std::size_t i, std::span<const bf16> src)
   backend_->accumulate(g.data(), src.data(), DType::BF16, g.size());
 }
 
-// ---- stage 2 buckets ----------------------------------------------------------------------
-
-void ShardedOptimizer::open_bucket_for(std::size_t i) {
-  const std::size_t b = bucket_of_param_[i];
-  if (b == open_bucket_) return;
-  require(b >= next_bucket_, Status::InvalidState,
-          "grad: the bucket of parameter '" + layout_.param(i).name +
-              "' was already reduced; in stage 2 gradients are produced in backward order "
-              "(reverse registration order), each bucket once per reduce_gradients()/step()");
-  // Earlier buckets are complete by the backward-order contract: reduce them now, in order,
-  // so every rank issues the same sequence of collectives.
-  while (next_bucket_ < b) reduce_bucket(next_bucket_);
-  open_bucket_ = b;
-}
-
 void ShardedOptimizer::grad_ready(std::size_t i) {
   require_finalized("grad_ready");
-  layout_.param(i);  // index check
-  if (options_.stage != Stage::Zero2) return;
-  require(param_ready_[i] == 0, Status::InvalidState,
-          "grad_ready: parameter '" + layout_.param(i).name +
-              "' was already marked ready in this backward pass");
-  open_bucket_for(i);
-  param_ready_[i] = 1;
-  const std::size_t b = bucket_of_param_[i];
-  const Bucket& bk = buckets_[b];
-  if (++ready_in_bucket_[b] == bk.end_param - bk.first_param) reduce_bucket(b);
-}
-
-void ShardedOptimizer::reduce_bucket(std::size_t b) {
-  const Bucket& bk = buckets_[b];
-  const int n = comm_->size();
-  std::vector<std::size_t> counts(static_cast<std::size_t>(n));
-  for (int r = 0; r < n; ++r)
-    counts[static_cast<std::size_t>(r)] = bk.flat.intersect(layout_.shard_range(r)).size();
-  float* staging = buf_->staging.as<float>();
-  comm_->reduce_scatter_sum_inplace(staging, counts);
-  const Range mine = bk.flat.intersect(owned_);
-  if (!mine.empty())
-    backend_->accumulate(buf_->grad_shard.as<float>() + (mine.begin - owned_.begin), staging,
-                         DType::F32, mine.size());
-  backend_->fill_zero(staging, bk.flat.size() * sizeof(float));
-  next_bucket_ = b + 1;
-  open_bucket_ = buckets_.size();
-}
-
-void ShardedOptimizer::reduce_gradients() {
-  require_finalized("reduce_gradients");
-  if (options_.stage != Stage::Zero2) return;
-  while (next_bucket_ < buckets_.size()) reduce_bucket(next_bucket_);
-  next_bucket_ = 0;
-  std::fill(ready_in_bucket_.begin(), ready_in_bucket_.end(), 0);
-  std::fill(param_ready_.begin(), param_ready_.end(), 0);
+  reducer_->grad_ready(i);
 }
 
 void ShardedOptimizer::zero_grad() {
   require_finalized("zero_grad");
-  Buffers& b = *buf_;
-  if (options_.stage == Stage::Zero2) {
-    backend_->fill_zero(b.grad_shard.data(), b.grad_shard.bytes());
-    if (open_bucket_ < buckets_.size())
-      backend_->fill_zero(b.staging.data(), buckets_[open_bucket_].flat.size() * sizeof(float));
-    open_bucket_ = buckets_.size();
-    next_bucket_ = 0;
-    std::fill(ready_in_bucket_.begin(), ready_in_bucket_.end(), 0);
-    std::fill(param_ready_.begin(), param_ready_.end(), 0);
-  } else {
-    backend_->fill_zero(b.grad_full.data(), b.grad_full.bytes());
-  }
+  reducer_->zero();
 }
 
 // ---- the step -------------------------------------------------------------------------------
@@ -377,15 +332,17 @@ void ShardedOptimizer::set_adam_config(const AdamConfig& c) {
   options_.adam = c;
 }
 
-std::vector<UpdateSegment> ShardedOptimizer::make_segments(const StepHyper& h) const {
+std::vector<UpdateSegment> ShardedOptimizer::make_segments(const StepHyper& h,
+                                                           Range window) const {
   std::vector<SegmentScalars> per_group;
   for (const GroupOptions& g : groups_)
     per_group.push_back(make_segment_scalars(h, g.lr_scale, g.weight_decay));
   // Each piece is extended over the padding that follows it (always zero, so any scalars
-  // keep it zero); neighbours of the same group merge into one segment.
+  // keep it zero); neighbours of the same group merge into one segment. Offsets are
+  // relative to window.begin.
   std::vector<UpdateSegment> segs;
   int last_group = -1;
-  for (const ShardPiece& piece : layout_.pieces_in(owned_)) {
+  for (const ShardPiece& piece : layout_.pieces_in(window)) {
     const int g = layout_.param(piece.param).group;
     if (g == last_group) {
       segs.back().end = piece.local.end;
@@ -397,14 +354,8 @@ std::vector<UpdateSegment> ShardedOptimizer::make_segments(const StepHyper& h) c
     last_group = g;
   }
   if (segs.empty()) segs.push_back(UpdateSegment{0, 0, per_group[0]});
-  segs.back().end = owned_.size();
+  segs.back().end = window.size();
   return segs;
-}
-
-float* ShardedOptimizer::grad_shard_ptr() {
-  // Stage 1 reduce-scatters in place: the owned sum lands at the front of the full buffer.
-  return options_.stage == Stage::Zero2 ? buf_->grad_shard.as<float>()
-                                        : buf_->grad_full.as<float>();
 }
 
 void ShardedOptimizer::all_gather_replica() {
@@ -413,27 +364,46 @@ void ShardedOptimizer::all_gather_replica() {
                             options_.param_dtype == DType::F32 ? CommType::F32 : CommType::U16);
 }
 
+// Updates the owned range and gathers the replica. With overlap (stages 1/2) this goes
+// bucket by bucket in forward order: each bucket's all-gather starts right after its part of
+// the update, and the next forward waits only for the buckets it reads (param()).
+void ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper& h,
+                                         const float* grads) {
+  Buffers& b = *buf_;
+  const bool low_precision_copy = options_.param_dtype != DType::F32;
+  auto update = [&](Range window) {
+    const std::size_t off = window.begin - owned_.begin;
+    backend_->adam_update(s, make_segments(h, window), b.master_ptr + off, grads + off,
+                          b.exp_avg.as<float>() + off, b.exp_avg_sq.as<float>() + off,
+                          low_precision_copy ? replica_ptr(window.begin) : nullptr,
+                          options_.param_dtype);
+  };
+  const bool bucketed = options_.overlap && options_.stage != Stage::DataParallel;
+  if (!bucketed) {
+    update(owned_);
+    all_gather_replica();
+    return;
+  }
+  const CommType type = options_.param_dtype == DType::F32 ? CommType::F32 : CommType::U16;
+  const std::vector<Bucket>& buckets = reducer_->buckets();
+  for (std::size_t k = buckets.size(); k-- > 0;) {
+    const Range window = buckets[k].flat.intersect(owned_);
+    if (!window.empty()) update(window);
+    backend_->synchronize();
+    gathers_[k] = comm_->start_all_gatherv(replica_ptr(buckets[k].flat.begin),
+                                          reducer_->block_counts(k), type);
+  }
+}
+
 StepResult ShardedOptimizer::step() {
   require_finalized("step");
-  Buffers& b = *buf_;
+  wait_gathers();
   const int world = comm_->size();
 
-  // 1. Reduce the gradients: sum over ranks, the owned part lands in grad_shard_ptr().
-  switch (options_.stage) {
-    case Stage::DataParallel:
-      comm_->all_reduce_sum(b.grad_full.data(), layout_.padded_size(), CommType::F32);
-      break;
-    case Stage::Zero1: {
-      const std::vector<std::size_t> counts(static_cast<std::size_t>(world),
-                                            layout_.shard_size());
-      comm_->reduce_scatter_sum_inplace(b.grad_full.as<float>(), counts);
-      break;
-    }
-    case Stage::Zero2:
-      reduce_gradients();
-      break;
-  }
-  float* grads = grad_shard_ptr();
+  // 1. Reduce the gradients: buckets not started during backward start now; the sum over
+  // ranks and micro-batches of the owned range is then at reducer_->owned_grad().
+  reducer_->finish();
+  const float* grads = reducer_->owned_grad();
 
   // 2. Global norm: one all-reduce of the shard's sum of squares (fp64). Data-parallel
   // ranks all hold the whole reduced gradient, so only rank 0 contributes.
@@ -442,13 +412,13 @@ StepResult ShardedOptimizer::step() {
   comm_->all_reduce_sum_host(&sumsq, 1);
 
   StepResult r;
-  const double average = 1.0 / world;
+  const double average = 1.0 / (static_cast<double>(world) * reducer_->micro_batches());
   r.grad_norm = std::sqrt(sumsq) * average;
   // 3. A NaN or Inf anywhere makes the global sum non-finite on every rank alike.
   if (!std::isfinite(sumsq)) {
     r.skipped = true;
     r.step = step_count_;
-    zero_grad();
+    reducer_->zero();
     return r;
   }
   if (options_.adam.max_grad_norm > 0) {
@@ -459,19 +429,15 @@ StepResult ShardedOptimizer::step() {
     }
   }
 
-  // 4. Fused update of the owned shard: master, m, v and the replica's owned part.
+  // 4-5. Fused update of the owned shard (master, m, v and the replica's owned part), then
+  // the all-gather of the updated shards into the replica.
   ++step_count_;
   const AdamConfig& a = options_.adam;
   const StepHyper h{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.mode, step_count_};
-  const StepScalars scalars = make_step_scalars(h, average * r.clip_coef);
-  const std::vector<UpdateSegment> segments = make_segments(h);
-  void* replica_out = options_.param_dtype == DType::F32 ? nullptr : replica_ptr(owned_.begin);
-  backend_->adam_update(scalars, segments, b.master_ptr, grads, b.exp_avg.as<float>(),
-                        b.exp_avg_sq.as<float>(), replica_out, options_.param_dtype);
+  update_and_gather(make_step_scalars(h, average * r.clip_coef), h, grads);
 
-  // 5. All-gather the updated shards into the replica, then clear the gradients.
-  all_gather_replica();
-  zero_grad();
+  // 6. Clear the gradients for the next step.
+  reducer_->zero();
   r.step = step_count_;
   return r;
 }
@@ -497,6 +463,7 @@ void ShardedOptimizer::set_step_count(std::int64_t s) {
 
 void ShardedOptimizer::refresh_replica() {
   require_finalized("refresh_replica");
+  wait_gathers();
   if (options_.param_dtype == DType::BF16)
     backend_->cast_from_f32(buf_->master_ptr, replica_ptr(owned_.begin), DType::BF16,
                             owned_.size());

@@ -12,8 +12,20 @@
 
 namespace shardopt {
 
-/// Element types that cross the wire.
-enum class CommType { F32, F64, U16, U8 };
+/// Element types that cross the wire. BF16 is a reduction type: fp32 values are sent and
+/// summed as bf16 (half the bytes; every partial sum is rounded to bf16) and the result is
+/// written back as fp32.
+enum class CommType { F32, F64, U16, U8, BF16 };
+
+/// A collective that was started and may still be running. Every started collective must be
+/// completed (wait) on every rank; destroying an unfinished request waits for it.
+class CommRequest {
+ public:
+  virtual ~CommRequest() = default;
+  /// Drives progress; returns true once the operation has completed.
+  virtual bool test() = 0;
+  virtual void wait() = 0;
+};
 
 class Communicator {
  public:
@@ -22,35 +34,54 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string name() const = 0;
-  /// True when buffers passed to the collectives must be device memory.
+  /// True when buffers passed to the data collectives must be device memory.
   virtual bool device_buffers() const { return false; }
 
-  // Data collectives: buffers are device memory when device_buffers() is true.
-  /// In-place sum over all ranks. CommType F32 or F64.
+  // ---- data collectives (device memory when device_buffers()) --------------------------------
+
+  /// Starts an in-place reduce-scatter (sum) with per-rank block lengths `counts` (size()
+  /// entries; block r starts at counts[0] + ... + counts[r-1]). On completion block rank(),
+  /// at its own offset, holds the sum over ranks of everyone's block rank(); the other blocks
+  /// are undefined (NCCL's in-place convention). `wire` is F32 or BF16.
+  virtual std::unique_ptr<CommRequest> start_reduce_scatter_sum(
+      float* buf, std::span<const std::size_t> counts, CommType wire) = 0;
+
+  /// Starts an in-place sum over all ranks of `count` fp32 values; `wire` is F32 or BF16.
+  virtual std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
+                                                            CommType wire) = 0;
+
+  /// Starts an in-place all-gather: on entry block rank() (blocks laid out as for
+  /// start_reduce_scatter_sum, `counts` elements of `type` each) holds this rank's data; on
+  /// completion every block holds its owner's data. `type` is F32 or U16.
+  virtual std::unique_ptr<CommRequest> start_all_gatherv(void* buf,
+                                                         std::span<const std::size_t> counts,
+                                                         CommType type) = 0;
+
+  /// In-place sum over all ranks, blocking. CommType F32 or F64.
   virtual void all_reduce_sum(void* buf, std::size_t count, CommType type) = 0;
 
-  /// In-place reduce-scatter (sum) with per-rank block lengths `counts` (size() entries):
-  /// on entry buf holds sum(counts) floats, block r starting at counts[0] + ... + counts[r-1];
-  /// on return buf[0, counts[rank()]) holds the sum over ranks of block rank().
-  virtual void reduce_scatter_sum_inplace(float* buf, std::span<const std::size_t> counts) = 0;
+  /// Blocking forms of the above.
+  void reduce_scatter_sum_inplace(float* buf, std::span<const std::size_t> counts,
+                                  CommType wire = CommType::F32) {
+    start_reduce_scatter_sum(buf, counts, wire)->wait();
+  }
+  /// Equal blocks of count_per_rank elements.
+  void all_gather_inplace(void* buf, std::size_t count_per_rank, CommType type);
 
-  /// In-place all-gather of equal blocks: on entry block rank() of buf (count_per_rank
-  /// elements at offset rank() * count_per_rank) holds this rank's data; on return every block
-  /// holds its owner's data.
-  virtual void all_gather_inplace(void* buf, std::size_t count_per_rank, CommType type) = 0;
+  // ---- host collectives for small metadata ------------------------------------------------------
 
   /// In-place sum of a few doubles in host memory (flags, norms), whatever device_buffers().
   virtual void all_reduce_sum_host(double* buf, std::size_t count) {
     all_reduce_sum(buf, count, CommType::F64);
   }
-
-  // Host collectives for small metadata.
   /// Gathers `bytes` from every rank into recv (size() * bytes), in rank order.
   virtual void all_gather_bytes(const void* send, void* recv, std::size_t bytes) = 0;
-
   virtual void broadcast_bytes(void* buf, std::size_t bytes, int root) = 0;
   virtual void barrier() = 0;
 };
+
+/// A request that completed when it was made (blocking implementations return it).
+std::unique_ptr<CommRequest> completed_request();
 
 /// A group of one: every collective is a no-op (or a copy). Needs no MPI.
 std::shared_ptr<Communicator> make_single_process_communicator();

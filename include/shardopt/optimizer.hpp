@@ -34,7 +34,8 @@ struct StepResult {
   std::int64_t step = 0;    ///< number of updates applied so far (skipped steps excluded)
 };
 
-class Backend;  // buffers and kernels of one device kind (internal)
+class Backend;      // buffers and kernels of one device kind (internal)
+class GradReducer;  // bucketed gradient reduction (internal)
 
 class ShardedOptimizer {
  public:
@@ -66,23 +67,29 @@ class ShardedOptimizer {
   void get_master(std::size_t i, std::span<float> out);
 
   /// The full-replica view of parameter i, as the forward pass reads it. T must be bf16 or
-  /// float, matching options().param_dtype.
+  /// float, matching options().param_dtype. After a step with overlap, this waits until the
+  /// bucket holding parameter i has been gathered (other buckets may still be in flight).
   template <class T>
   std::span<T> param(std::size_t i);
+  /// Waits until parameter i's replica is complete after the last step (see param()).
+  void wait_param(std::size_t i);
+
+  /// Starts the backward pass of one micro-batch. sync = false for every micro-batch but the
+  /// last of a step: gradients then accumulate locally with no communication. step()
+  /// averages over the micro-batches begun since the previous step (one if never called).
+  void begin_backward(bool sync = true);
 
   /// The fp32 gradient of parameter i that backward writes or accumulates into. Stage 0/1:
-  /// a view of the full gradient buffer. Stage 2: a view into the bucket being filled; the
-  /// bucket must be the next one in backward order, and earlier buckets are reduced first.
-  std::span<float> grad(std::size_t i);
+  /// a view of the full gradient buffer. Stage 2: a view into the staging bucket being
+  /// filled; buckets are filled in backward order and earlier buckets are reduced first.
   /// grad(i) += src (fp32 or bf16, numel elements), in one fused pass.
   void accumulate_grad(std::size_t i, std::span<const float> src);
   void accumulate_grad(std::size_t i, std::span<const bf16> src);
-  /// Stage 2: parameter i's gradient is complete; a full bucket is reduced at once
-  /// (collective in effect: all ranks reduce buckets in the same order). No-op otherwise.
+  std::span<float> grad(std::size_t i);
+  /// Parameter i's gradient of this micro-batch is complete. With overlap, a bucket whose
+  /// parameters are all ready starts its reduction at once (buckets start in bucket order on
+  /// every rank). Optional for stages 0/1 (step() reduces what was not started).
   void grad_ready(std::size_t i);
-  /// Collective. Stage 2: reduces every bucket not yet reduced (ends a micro-batch's
-  /// backward). No-op for other stages.
-  void reduce_gradients();
   /// Zeroes every gradient (local).
   void zero_grad();
 
@@ -116,11 +123,10 @@ class ShardedOptimizer {
  private:
   void require_finalized(const char* what) const;
   void require_registering(const char* what) const;
-  void reduce_bucket(std::size_t b);
-  void open_bucket_for(std::size_t param);
   void all_gather_replica();
-  std::vector<UpdateSegment> make_segments(const StepHyper& h) const;
-  float* grad_shard_ptr();
+  void update_and_gather(const StepScalars& s, const StepHyper& h, const float* grads);
+  std::vector<UpdateSegment> make_segments(const StepHyper& h, Range window) const;
+  void wait_gathers();
   void* replica_ptr(std::size_t elem_offset) const;
 
   std::shared_ptr<Communicator> comm_;
@@ -135,14 +141,8 @@ class ShardedOptimizer {
   MemoryTracker tracker_;
   struct Buffers;
   std::unique_ptr<Buffers> buf_;
-
-  // Stage 2 bucket state.
-  std::vector<Bucket> buckets_;
-  std::vector<std::size_t> bucket_of_param_;
-  std::vector<std::size_t> ready_in_bucket_;
-  std::vector<unsigned char> param_ready_;
-  std::size_t open_bucket_ = 0;     ///< bucket currently staged (== buckets_.size(): none)
-  std::size_t next_bucket_ = 0;     ///< first bucket not yet reduced in this pass
+  std::unique_ptr<GradReducer> reducer_;
+  std::vector<std::unique_ptr<CommRequest>> gathers_;  ///< per bucket, after an overlapped step
 };
 
 }  // namespace shardopt

@@ -44,7 +44,17 @@ struct OptimizerOptions {
   DType param_dtype = DType::BF16;  ///< dtype of the full replica the forward pass reads
   Device device = Device::Cpu;
   AdamConfig adam;
-  std::size_t bucket_elems = std::size_t{1} << 20;  ///< stage 2 bucket size (4 MiB of fp32)
+  /// Gradients are reduced, and stage 1/2 parameters gathered, in buckets of about this many
+  /// elements (4 MiB of fp32); a larger parameter gets a bucket of its own.
+  std::size_t bucket_elems = std::size_t{1} << 20;
+  /// Start each bucket's collective as soon as it is complete (and, after the update, gather
+  /// the replica bucket by bucket) instead of doing all communication inside step().
+  bool overlap = true;
+  /// Stage 2: staging buckets that may be in flight at once (memory: this many buckets).
+  int buckets_in_flight = 2;
+  /// Wire type of the gradient reduction: F32, or BF16 for half the bytes (each partial sum
+  /// rounded to bf16: about 3 significant digits; see docs/architecture.md).
+  DType reduce_dtype = DType::F32;
 };
 
 }  // namespace shardopt

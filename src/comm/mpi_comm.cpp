@@ -2,9 +2,13 @@
 #include "shardopt/mpi_comm.hpp"
 
 #include <climits>
-#include <numeric>
+#include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
+
+#include "../cpu/kernels.hpp"
+#include "shardopt/bf16.hpp"
 
 namespace shardopt {
 namespace {
@@ -23,19 +27,76 @@ MPI_Datatype mpi_type(CommType t) {
     case CommType::F32: return MPI_FLOAT;
     case CommType::F64: return MPI_DOUBLE;
     case CommType::U16: return MPI_UINT16_T;
+    case CommType::BF16: return MPI_UINT16_T;
     case CommType::U8: return MPI_BYTE;
   }
   return MPI_DATATYPE_NULL;
 }
 
-// MPI-3 counts are int. Larger messages go through a contiguous datatype of `unit` elements
-// where the operation allows it (data movement); reductions are split into chunks.
+std::size_t type_size(CommType t) {
+  switch (t) {
+    case CommType::F64: return 8;
+    case CommType::F32: return 4;
+    case CommType::U16:
+    case CommType::BF16: return 2;
+    case CommType::U8: return 1;
+  }
+  return 1;
+}
+
+// MPI-3 counts are int: larger messages must be split or use a larger datatype.
 int checked_int(std::size_t n, const char* what) {
   if (n > static_cast<std::size_t>(INT_MAX))
     throw Error(Status::Unsupported, std::string(what) + ": count " + std::to_string(n) +
-                                         " exceeds the MPI int limit");
+                                         " exceeds the MPI int limit; use smaller buckets");
   return static_cast<int>(n);
 }
+
+// The reduction of the bf16 wire: each partial sum is computed in fp32 and rounded to bf16.
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const std::uint16_t*>(in);
+  auto* b = static_cast<std::uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i)
+    b[i] = float_to_bf16_bits(bf16_bits_to_float(a[i]) + bf16_bits_to_float(b[i]));
+}
+
+// One started MPI operation, the arrays MPI reads until it completes, and what to do after.
+class MpiRequest final : public CommRequest {
+ public:
+  std::vector<MPI_Request> requests;
+  std::vector<int> counts, displs;
+  std::vector<bf16> wire;
+  std::function<void()> on_complete;
+
+  ~MpiRequest() override {
+    if (done_) return;
+    try {
+      wait();
+    } catch (...) {  // a destructor cannot report; the next collective will
+    }
+  }
+  bool test() override {
+    if (done_) return true;
+    int flag = 0;
+    SHARDOPT_MPI(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag,
+                             MPI_STATUSES_IGNORE));
+    if (flag) finish();
+    return done_;
+  }
+  void wait() override {
+    if (done_) return;
+    SHARDOPT_MPI(MPI_Waitall(static_cast<int>(requests.size()), requests.data(),
+                             MPI_STATUSES_IGNORE));
+    finish();
+  }
+
+ private:
+  void finish() {
+    done_ = true;
+    if (on_complete) on_complete();
+  }
+  bool done_ = false;
+};
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -47,49 +108,103 @@ class MpiCommunicator final : public Communicator {
     SHARDOPT_MPI(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     SHARDOPT_MPI(MPI_Comm_rank(comm_, &rank_));
     SHARDOPT_MPI(MPI_Comm_size(comm_, &size_));
+    SHARDOPT_MPI(MPI_Op_create(&bf16_sum, 1, &bf16_sum_op_));
   }
   ~MpiCommunicator() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Comm_free(&comm_);
+    if (finalized) return;
+    MPI_Op_free(&bf16_sum_op_);
+    MPI_Comm_free(&comm_);
   }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return "mpi"; }
 
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf,
+                                                        std::span<const std::size_t> counts,
+                                                        CommType wire) override {
+    auto req = blocks(counts, "MPI_Ireduce_scatter");
+    const std::size_t mine = counts[static_cast<std::size_t>(rank_)];
+    const std::size_t offset = static_cast<std::size_t>(req->displs[static_cast<std::size_t>(rank_)]);
+    req->requests.resize(1);
+    if (wire == CommType::BF16) {
+      // Send bf16: convert, reduce the bf16 values, convert this rank's block back in place.
+      const std::size_t total = offset_end(counts);
+      req->wire.resize(total);
+      cpu::cast_f32_to_bf16(buf, req->wire.data(), total);
+      SHARDOPT_MPI(MPI_Ireduce_scatter(MPI_IN_PLACE, req->wire.data(), req->counts.data(),
+                                       MPI_UINT16_T, bf16_sum_op_, comm_, &req->requests[0]));
+      MpiRequest* r = req.get();
+      req->on_complete = [r, buf, mine, offset] {
+        cpu::cast_bf16_to_f32(r->wire.data(), buf + offset, mine);
+      };
+    } else {
+      require(wire == CommType::F32, Status::InvalidArgument, "reduce_scatter: wire F32 or BF16");
+      SHARDOPT_MPI(MPI_Ireduce_scatter(MPI_IN_PLACE, buf, req->counts.data(), MPI_FLOAT, MPI_SUM,
+                                       comm_, &req->requests[0]));
+      // MPI leaves the result at the front; move it to this rank's own block.
+      if (offset != 0 && mine != 0)
+        req->on_complete = [buf, mine, offset] {
+          std::memmove(buf + offset, buf, mine * sizeof(float));
+        };
+    }
+    return req;
+  }
+
+  std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
+                                                    CommType wire) override {
+    auto req = std::make_unique<MpiRequest>();
+    req->requests.resize(1);
+    const int n = checked_int(count, "MPI_Iallreduce");
+    if (wire == CommType::BF16) {
+      req->wire.resize(count);
+      cpu::cast_f32_to_bf16(buf, req->wire.data(), count);
+      SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, req->wire.data(), n, MPI_UINT16_T, bf16_sum_op_,
+                                  comm_, &req->requests[0]));
+      MpiRequest* r = req.get();
+      req->on_complete = [r, buf, count] { cpu::cast_bf16_to_f32(r->wire.data(), buf, count); };
+    } else {
+      require(wire == CommType::F32, Status::InvalidArgument, "all_reduce: wire F32 or BF16");
+      SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, comm_,
+                                  &req->requests[0]));
+    }
+    return req;
+  }
+
+  std::unique_ptr<CommRequest> start_all_gatherv(void* buf, std::span<const std::size_t> counts,
+                                                 CommType type) override {
+    // Blocks are multiples of the layout's 64-element alignment in practice: moving them as
+    // 64-element units keeps int counts valid for buffers of up to 2^37 elements.
+    std::size_t unit = 64;
+    for (std::size_t c : counts) unit = c % unit == 0 ? unit : 1;
+    std::vector<std::size_t> units(counts.begin(), counts.end());
+    for (std::size_t& u : units) u /= unit;
+    auto req = blocks(units, "MPI_Iallgatherv");
+    MPI_Datatype elem = mpi_type(type);
+    if (unit > 1) {
+      SHARDOPT_MPI(MPI_Type_contiguous(static_cast<int>(unit), elem, &elem));
+      SHARDOPT_MPI(MPI_Type_commit(&elem));
+    }
+    req->requests.resize(1);
+    const int rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, req->counts.data(),
+                                   req->displs.data(), elem, comm_, &req->requests[0]);
+    if (unit > 1) MPI_Type_free(&elem);  // MPI keeps it alive until the operation completes
+    check_mpi(rc, "MPI_Iallgatherv");
+    return req;
+  }
+
   void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
-    const std::size_t elem = type == CommType::F64 ? 8 : 4;
+    require(type == CommType::F32 || type == CommType::F64, Status::InvalidArgument,
+            "all_reduce_sum: type F32 or F64");
+    const std::size_t elem = type_size(type);
     constexpr std::size_t kChunk = std::size_t{1} << 30;
     for (std::size_t off = 0; off < count; off += kChunk) {
       const std::size_t n = std::min(kChunk, count - off);
       SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(buf) + off * elem,
                                  static_cast<int>(n), mpi_type(type), MPI_SUM, comm_));
     }
-  }
-
-  void reduce_scatter_sum_inplace(float* buf, std::span<const std::size_t> counts) override {
-    require(counts.size() == static_cast<std::size_t>(size_), Status::InvalidArgument,
-            "reduce_scatter: need one count per rank");
-    bool equal = true;
-    std::vector<int> icounts(counts.size());
-    for (std::size_t r = 0; r < counts.size(); ++r) {
-      icounts[r] = checked_int(counts[r], "MPI_Reduce_scatter");
-      equal = equal && counts[r] == counts[0];
-    }
-    if (equal) {
-      SHARDOPT_MPI(MPI_Reduce_scatter_block(MPI_IN_PLACE, buf, icounts[0], MPI_FLOAT, MPI_SUM,
-                                            comm_));
-    } else {
-      SHARDOPT_MPI(MPI_Reduce_scatter(MPI_IN_PLACE, buf, icounts.data(), MPI_FLOAT, MPI_SUM,
-                                      comm_));
-    }
-  }
-
-  void all_gather_inplace(void* buf, std::size_t count_per_rank, CommType type) override {
-    SHARDOPT_MPI(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf,
-                               checked_int(count_per_rank, "MPI_Allgather"), mpi_type(type),
-                               comm_));
   }
 
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
@@ -104,7 +219,28 @@ class MpiCommunicator final : public Communicator {
   void barrier() override { SHARDOPT_MPI(MPI_Barrier(comm_)); }
 
  private:
+  // A request with int counts and displacements for per-rank blocks.
+  std::unique_ptr<MpiRequest> blocks(std::span<const std::size_t> counts, const char* what) const {
+    require(counts.size() == static_cast<std::size_t>(size_), Status::InvalidArgument,
+            std::string(what) + ": need one count per rank");
+    auto req = std::make_unique<MpiRequest>();
+    std::size_t offset = 0;
+    for (std::size_t c : counts) {
+      req->counts.push_back(checked_int(c, what));
+      req->displs.push_back(checked_int(offset, what));
+      offset += c;
+    }
+    checked_int(offset, what);
+    return req;
+  }
+  static std::size_t offset_end(std::span<const std::size_t> counts) {
+    std::size_t t = 0;
+    for (std::size_t c : counts) t += c;
+    return t;
+  }
+
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Op bf16_sum_op_ = MPI_OP_NULL;
   int rank_ = 0;
   int size_ = 1;
 };

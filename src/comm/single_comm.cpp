@@ -1,21 +1,42 @@
 // single_comm.cpp: the communicator of a one-process group; runs without MPI.
 #include <cstring>
 
+#include "shardopt/bf16.hpp"
 #include "shardopt/comm.hpp"
 
 namespace shardopt {
 namespace {
+
+// With a bf16 wire the single rank's values still go through bf16, so that results do not
+// change character with the number of ranks.
+void round_through_bf16(float* buf, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) buf[i] = to_float(to_bf16(buf[i]));
+}
 
 class SingleProcessCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
   std::string name() const override { return "single-process"; }
-  void all_reduce_sum(void*, std::size_t, CommType) override {}
-  void reduce_scatter_sum_inplace(float*, std::span<const std::size_t> counts) override {
+
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf,
+                                                        std::span<const std::size_t> counts,
+                                                        CommType wire) override {
     require(counts.size() == 1, Status::InvalidArgument, "reduce_scatter: need one count");
+    if (wire == CommType::BF16) round_through_bf16(buf, counts[0]);
+    return completed_request();
   }
-  void all_gather_inplace(void*, std::size_t, CommType) override {}
+  std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
+                                                    CommType wire) override {
+    if (wire == CommType::BF16) round_through_bf16(buf, count);
+    return completed_request();
+  }
+  std::unique_ptr<CommRequest> start_all_gatherv(void*, std::span<const std::size_t> counts,
+                                                 CommType) override {
+    require(counts.size() == 1, Status::InvalidArgument, "all_gather: need one count");
+    return completed_request();
+  }
+  void all_reduce_sum(void*, std::size_t, CommType) override {}
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
     if (bytes != 0 && send != recv) std::memmove(recv, send, bytes);
   }
