@@ -6,33 +6,14 @@
 #include <limits>
 
 #include "shardopt/bf16.hpp"
+#include "support/bf16_reference.hpp"
 
 using shardopt::bf16_bits_to_float;
 using shardopt::bits_float;
 using shardopt::float_bits;
 using shardopt::float_to_bf16_bits;
 
-namespace {
-
-// Independent reference: pick the nearer of the two bf16 neighbours in double arithmetic,
-// ties to the even mantissa.
-std::uint16_t reference_bf16(float f) {
-  if (std::isnan(f)) return std::signbit(f) ? 0xFFC0 : 0x7FC0;
-  const std::uint32_t u = float_bits(f);
-  const std::uint16_t down = static_cast<std::uint16_t>(u >> 16);
-  if ((u & 0xFFFFu) == 0) return down;
-  const std::uint16_t up = static_cast<std::uint16_t>(down + 1);
-  const double x = f;
-  const double lo = bf16_bits_to_float(down);
-  const double hi = (up & 0x7FFF) == 0x7F80 ? std::copysign(std::ldexp(1.0, 128), x)
-                                            : static_cast<double>(bf16_bits_to_float(up));
-  const double dlo = std::fabs(x - lo), dhi = std::fabs(hi - x);
-  if (dlo < dhi) return down;
-  if (dhi < dlo) return up;
-  return (down & 1) ? up : down;
-}
-
-}  // namespace
+using shardopt::test::reference_bf16;
 
 TEST(Bf16, EdgeValuesBitExact) {
   struct Case {

@@ -1,0 +1,392 @@
+// bench_cpu_kernels.cpp: every CPU kernel of the step against the machine's own memory
+// bandwidth, measured in the same run.
+//
+// Ceilings: a STREAM triad (a = b + s*c) and an in-place update (a += s*b). The in-place
+// update is the fair ceiling for an optimizer that updates in place: it pays no
+// write-allocate read, which STREAM does not count either. Each kernel runs through the
+// dispatched ISA, forced to the portable path, without non-temporal stores where it has
+// them, and as the straightforward scalar loop (the baseline). After the Google Benchmark
+// output a table gives parameters/s, GB/s and the fraction of the in-place bandwidth.
+//
+//   bench_cpu_kernels [--sizes=1M,16M,64M,256M] [--threads=2] [Google Benchmark flags]
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "kernels.hpp"
+
+namespace {
+
+using namespace shardopt;
+using cpu::Isa;
+using cpu::StreamPolicy;
+
+// ---- buffers, first touched with the kernels' own static partition -----------------------
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+template <class T>
+std::unique_ptr<T[], FreeDeleter> alloc(std::size_t n) {
+  const std::size_t bytes = (n * sizeof(T) + 4095) / 4096 * 4096;
+  return std::unique_ptr<T[], FreeDeleter>(static_cast<T*>(std::aligned_alloc(4096, bytes)));
+}
+
+struct Buffers {
+  std::size_t n = 0;
+  std::unique_ptr<float[], FreeDeleter> p, g, m, v;
+  std::unique_ptr<bf16[], FreeDeleter> half;
+};
+
+float value(std::size_t i, std::uint32_t salt) {
+  std::uint32_t h = static_cast<std::uint32_t>(i) * 2654435761u ^ salt * 40503u;
+  h ^= h >> 15;
+  return static_cast<float>(h & 0xFFFF) / 32768.0f - 1.0f;
+}
+
+/// One set of arrays at a time (256M parameters take 4.5 GB); kept while sizes repeat.
+Buffers& buffers(std::size_t n) {
+  static Buffers b;
+  if (b.n == n) return b;
+  b = Buffers{};
+  b.n = n;
+  b.p = alloc<float>(n), b.g = alloc<float>(n), b.m = alloc<float>(n), b.v = alloc<float>(n);
+  b.half = alloc<bf16>(n);
+  for (float* x : {b.p.get(), b.g.get(), b.m.get(), b.v.get()}) cpu::fill_zero(x, n);
+  cpu::cast_f32_to_bf16(b.m.get(), b.half.get(), n);  // first touch in the same partition
+  float* p = b.p.get();
+  float* g = b.g.get();
+#pragma omp parallel for schedule(static)
+  for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(n); ++i) {
+    p[i] = value(static_cast<std::size_t>(i), 1);
+    g[i] = 1e-2f * value(static_cast<std::size_t>(i), 2);
+  }
+  cpu::cast_f32_to_bf16(p, b.half.get(), n);
+  return b;
+}
+
+void set_threads(int t) {
+#if defined(_OPENMP)
+  omp_set_num_threads(t);
+#else
+  (void)t;
+#endif
+}
+
+const StepHyper kHyper{1e-3, 0.9, 0.999, 1e-8, 0.1, AdamMode::AdamW, 10};
+
+// ---- the straightforward scalar loops (baseline) -----------------------------------------
+
+void scalar_adam(const StepScalars& s, const SegmentScalars& sg, float* p, const float* g,
+                 float* m, float* v, bf16* out, std::size_t n) {
+#pragma omp parallel for schedule(static)
+  for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(n); ++i) {
+    adam_element(s, sg, p[i], g[i], m[i], v[i]);
+    out[i] = to_bf16(p[i]);
+  }
+}
+
+// ---- what runs: name, bytes per parameter, body -------------------------------------------
+
+enum class Variant { Dispatched, Portable, NoStream, Scalar, Ceiling };
+
+struct Kernel {
+  std::string name;
+  double bytes_per_param;
+  Variant variant;
+  std::function<double(Buffers&)> run;  // returns something to keep
+};
+
+std::vector<Kernel> kernels() {
+  std::vector<Kernel> k;
+  auto add = [&](std::string name, double bytes, Variant var, std::function<double(Buffers&)> f) {
+    k.push_back({std::move(name), bytes, var, std::move(f)});
+  };
+  add("triad", 12, Variant::Ceiling, [](Buffers& b) {
+    float *a = b.p.get(), *x = b.g.get(), *y = b.m.get();
+    const float s = 0.5f;
+#pragma omp parallel for simd schedule(static)
+    for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) a[i] = x[i] + s * y[i];
+    return 0.0;
+  });
+  add("inplace", 12, Variant::Ceiling, [](Buffers& b) {
+    float *a = b.m.get(), *x = b.g.get();
+    const float s = 1e-3f;
+#pragma omp parallel for simd schedule(static)
+    for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) a[i] += s * x[i];
+    return 0.0;
+  });
+
+  const StepScalars s = make_step_scalars(kHyper, 1.0);
+  const SegmentScalars sg = make_segment_scalars(kHyper, 1.0, true);
+  auto adam = [s, sg](Buffers& b) {
+    const UpdateSegment seg{0, b.n, sg};
+    cpu::adam_update(s, {&seg, 1}, b.p.get(), b.g.get(), b.m.get(), b.v.get(), b.half.get(),
+                     nullptr);
+    return 0.0;
+  };
+  auto down = [](Buffers& b) { cpu::cast_f32_to_bf16(b.p.get(), b.half.get(), b.n); return 0.0; };
+  auto up = [](Buffers& b) { cpu::cast_bf16_to_f32(b.half.get(), b.v.get(), b.n); return 0.0; };
+  auto acc32 = [](Buffers& b) { cpu::accumulate(b.m.get(), b.g.get(), b.n); return 0.0; };
+  auto acc16 = [](Buffers& b) { cpu::accumulate(b.m.get(), b.half.get(), b.n); return 0.0; };
+  auto sumsq = [](Buffers& b) { return cpu::sum_squares(b.g.get(), b.n); };
+  auto finite = [](Buffers& b) { return cpu::all_finite(b.g.get(), b.n) ? 1.0 : 0.0; };
+  auto scale = [](Buffers& b) { cpu::scale(b.g.get(), b.n, 1.0f); return 0.0; };
+
+  struct Entry {
+    const char* name;
+    double bytes;
+    std::function<double(Buffers&)> fn;
+    bool streams;
+    std::function<double(Buffers&)> scalar;
+  };
+  const std::vector<Entry> entries = {
+      {"adamw_bf16", 30, adam, true,
+       [s, sg](Buffers& b) {
+         scalar_adam(s, sg, b.p.get(), b.g.get(), b.m.get(), b.v.get(), b.half.get(), b.n);
+         return 0.0;
+       }},
+      {"cast_f32_to_bf16", 6, down, true,
+       [](Buffers& b) {
+         const float* x = b.p.get();
+         bf16* y = b.half.get();
+#pragma omp parallel for schedule(static)
+         for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) y[i] = to_bf16(x[i]);
+         return 0.0;
+       }},
+      {"cast_bf16_to_f32", 6, up, true,
+       [](Buffers& b) {
+         const bf16* x = b.half.get();
+         float* y = b.v.get();
+#pragma omp parallel for schedule(static)
+         for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) y[i] = to_float(x[i]);
+         return 0.0;
+       }},
+      {"accumulate_f32", 12, acc32, false,
+       [](Buffers& b) {
+         float* d = b.m.get();
+         const float* x = b.g.get();
+#pragma omp parallel for schedule(static)
+         for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) d[i] += x[i];
+         return 0.0;
+       }},
+      {"accumulate_bf16", 10, acc16, false,
+       [](Buffers& b) {
+         float* d = b.m.get();
+         const bf16* x = b.half.get();
+#pragma omp parallel for schedule(static)
+         for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) d[i] += to_float(x[i]);
+         return 0.0;
+       }},
+      {"sum_squares", 4, sumsq, false,
+       [](Buffers& b) {
+         const float* x = b.g.get();
+         double acc = 0;
+#pragma omp parallel for schedule(static) reduction(+ : acc)
+         for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i)
+           acc += static_cast<double>(x[i]) * x[i];
+         return acc;
+       }},
+      {"all_finite", 4, finite, false,
+       [](Buffers& b) {
+         const float* x = b.g.get();
+         int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+         for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) bad |= !std::isfinite(x[i]);
+         return static_cast<double>(bad);
+       }},
+      {"scale", 8, scale, false,
+       [](Buffers& b) {
+         float* x = b.g.get();
+         volatile float one = 1.0f;  // a literal 1.0f would let the compiler drop the loop
+         const float f = one;
+#pragma omp parallel for schedule(static)
+         for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) x[i] *= f;
+         return 0.0;
+       }},
+  };
+  for (const Entry& e : entries) {
+    add(e.name, e.bytes, Variant::Dispatched, e.fn);
+    if (e.streams) {
+      add(e.name, e.bytes, Variant::NoStream, [fn = e.fn](Buffers& b) {
+        const StreamPolicy keep = cpu::stream_policy();
+        cpu::set_stream_policy(StreamPolicy::Never);
+        const double r = fn(b);
+        cpu::set_stream_policy(keep);
+        return r;
+      });
+    }
+    add(e.name, e.bytes, Variant::Portable, [fn = e.fn](Buffers& b) {
+      const Isa keep = cpu::active_isa();
+      cpu::set_isa(Isa::Portable);
+      const double r = fn(b);
+      cpu::set_isa(keep);
+      return r;
+    });
+    add(e.name, e.bytes, Variant::Scalar, e.scalar);
+  }
+  return k;
+}
+
+std::string variant_label(Variant v) {
+  switch (v) {
+    case Variant::Dispatched:
+      return cpu::isa_name(cpu::active_isa());
+    case Variant::Portable:
+      return "portable";
+    case Variant::NoStream:
+      return std::string(cpu::isa_name(cpu::active_isa())) + ",no-nt";
+    case Variant::Scalar:
+      return "scalar-loop";
+    default:
+      return "ceiling";
+  }
+}
+
+std::string size_label(std::size_t n) {
+  return n % (1u << 20) == 0 ? std::to_string(n >> 20) + "M" : std::to_string(n);
+}
+
+// ---- the fraction-of-bandwidth table -------------------------------------------------------
+
+struct Row {
+  std::string kernel, label;
+  std::size_t n;
+  int threads;
+  double bytes_per_param;
+  double seconds = 0;  // per iteration
+};
+
+std::vector<Row> g_rows;                 // in registration order
+std::map<std::string, std::size_t> g_row_of;  // benchmark function name -> row
+
+class FractionReporter : public benchmark::ConsoleReporter {
+ public:
+  FractionReporter() : ConsoleReporter(isatty(STDOUT_FILENO) ? OO_Defaults : OO_Tabular) {}
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& r : runs) {
+      if (r.error_occurred) continue;
+      const bool median = r.run_type == Run::RT_Aggregate && r.aggregate_name == "median";
+      if (r.run_type == Run::RT_Aggregate && !median) continue;
+      auto it = g_row_of.find(r.run_name.function_name);
+      if (it == g_row_of.end()) continue;
+      const double sec = r.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(r.time_unit);
+      if (median || r.repetitions <= 1) g_rows[it->second].seconds = sec;
+    }
+  }
+};
+
+void print_table() {
+  std::printf("\nFraction of the in-place update bandwidth (a += s*b), same run%s:\n",
+              g_rows.empty() || g_rows.front().seconds <= 0 ? "" : " (median if repeated)");
+  std::printf("%-18s %-14s %6s %3s %6s %12s %9s %9s\n", "kernel", "path", "n", "thr", "B/par",
+              "params/s", "GB/s", "x inplace");
+  std::map<std::pair<std::size_t, int>, double> ceiling;
+  for (const Row& r : g_rows)
+    if (r.kernel == "inplace" && r.seconds > 0)
+      ceiling[{r.n, r.threads}] = r.bytes_per_param * static_cast<double>(r.n) / r.seconds;
+  for (const Row& r : g_rows) {
+    if (r.seconds <= 0) continue;
+    const double pps = static_cast<double>(r.n) / r.seconds;
+    const double bw = pps * r.bytes_per_param;
+    const auto c = ceiling.find({r.n, r.threads});
+    const double frac = c == ceiling.end() ? 0.0 : bw / c->second;
+    std::printf("%-18s %-14s %6s %3d %6.0f %12.4g %9.2f %9.3f\n", r.kernel.c_str(), r.label.c_str(),
+                size_label(r.n).c_str(), r.threads, r.bytes_per_param, pps, bw * 1e-9, frac);
+  }
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t b = 0;
+  while (b <= s.size()) {
+    const std::size_t e = s.find(',', b);
+    out.push_back(s.substr(b, e == std::string::npos ? std::string::npos : e - b));
+    if (e == std::string::npos) break;
+    b = e + 1;
+  }
+  return out;
+}
+
+std::size_t parse_size(const std::string& s) {
+  const std::size_t base = std::stoull(s);
+  if (!s.empty() && (s.back() == 'M' || s.back() == 'm')) return base << 20;
+  if (!s.empty() && (s.back() == 'K' || s.back() == 'k')) return base << 10;
+  return base;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::size_t> sizes = {1u << 20, 16u << 20, 64u << 20, 256u << 20};
+  std::vector<int> threads = {2};
+  std::vector<char*> rest;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--sizes=", 0) == 0) {
+      sizes.clear();
+      for (const std::string& s : split(a.substr(8))) sizes.push_back(parse_size(s));
+    } else if (a.rfind("--threads=", 0) == 0) {
+      threads.clear();
+      for (const std::string& t : split(a.substr(10))) threads.push_back(std::stoi(t));
+    } else {
+      rest.push_back(argv[i]);
+    }
+  }
+  int rest_argc = static_cast<int>(rest.size());
+  benchmark::Initialize(&rest_argc, rest.data());
+  if (benchmark::ReportUnrecognizedArguments(rest_argc, rest.data())) return 1;
+
+  std::printf("shardopt CPU kernels: ISA %s (best %s), streaming stores %s above %zu MiB\n",
+              cpu::isa_name(cpu::active_isa()), cpu::isa_name(cpu::best_isa()),
+              cpu::stream_policy() == StreamPolicy::Auto ? "auto"
+              : cpu::stream_policy() == StreamPolicy::Always ? "always" : "never",
+              cpu::kStreamMinBytes >> 20);
+  const std::vector<Kernel> ks = kernels();
+  for (std::size_t n : sizes) {
+    for (int t : threads) {
+      for (const Kernel& k : ks) {
+        Row row{k.name, variant_label(k.variant), n, t, k.bytes_per_param};
+        const std::string name = k.name + "[" + row.label + "]/n:" + size_label(n) +
+                                 "/threads:" + std::to_string(t);
+        g_row_of[name] = g_rows.size();
+        g_rows.push_back(row);
+        benchmark::RegisterBenchmark(name.c_str(), [&k, n, t](benchmark::State& st) {
+          set_threads(t);
+          Buffers& b = buffers(n);
+          k.run(b);  // warm: page tables, caches
+          for (auto _ : st) {
+            benchmark::DoNotOptimize(k.run(b));
+            benchmark::ClobberMemory();
+          }
+          const double items = static_cast<double>(st.iterations()) * static_cast<double>(n);
+          st.counters["params/s"] = benchmark::Counter(items, benchmark::Counter::kIsRate);
+          st.counters["bytes/s"] =
+              benchmark::Counter(items * k.bytes_per_param, benchmark::Counter::kIsRate,
+                                 benchmark::Counter::kIs1024);
+        })->UseRealTime()->Unit(benchmark::kMillisecond);
+      }
+    }
+  }
+  FractionReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  print_table();
+  benchmark::Shutdown();
+  return 0;
+}

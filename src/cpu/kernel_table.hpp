@@ -1,0 +1,59 @@
+// kernel_table.hpp: the single-threaded range kernels that each ISA file provides.
+//
+// kernels.cpp threads them (static OpenMP chunks); dispatch.cpp picks one table at run time.
+// The SIMD files (kernels_avx2.cpp, kernels_avx512.cpp) are compiled with ISA flags, so they
+// must not call inline functions from other headers (adam_element, float_to_bf16_bits,
+// <cmath>): the linker could keep their AVX copy for the whole program. They hand heads and
+// tails to the portable range kernels instead, which are the reference arithmetic.
+#pragma once
+
+#include <cstddef>
+
+#include "shardopt/adam_math.hpp"
+#include "shardopt/bf16.hpp"
+
+namespace shardopt::cpu {
+
+struct RangeKernels {
+  const char* name;
+  /// Pointers already offset to the range start; stream: non-temporal stores for outputs.
+  void (*adam)(const StepScalars& s, const SegmentScalars& g, float* p, const float* grad,
+               float* m, float* v, bf16* out_bf16, float* out_f32, std::size_t n, bool stream);
+  void (*cast_f32_to_bf16)(const float* src, bf16* dst, std::size_t n, bool stream);
+  void (*cast_bf16_to_f32)(const bf16* src, float* dst, std::size_t n, bool stream);
+  void (*accumulate_f32)(float* dst, const float* src, std::size_t n);
+  void (*accumulate_bf16)(float* dst, const bf16* src, std::size_t n);
+  /// One block (n <= kSumBlock) in the lane order documented in kernels.hpp.
+  double (*sum_squares_block)(const float* x, std::size_t n);
+  bool (*any_nonfinite)(const float* x, std::size_t n);
+  void (*scale)(float* x, std::size_t n, float factor);
+};
+
+extern const RangeKernels kPortableKernels;
+#if defined(__x86_64__) || defined(_M_X64)
+#define SHARDOPT_CPU_X86 1
+extern const RangeKernels kAvx2Kernels;
+extern const RangeKernels kAvx512Kernels;
+#endif
+
+/// The table of the active ISA (see active_isa()); call it outside parallel regions.
+const RangeKernels& active_kernels();
+/// Whether a call that touches `bytes` in total should stream its write-only outputs.
+bool use_streaming_stores(std::size_t bytes);
+
+namespace portable {
+// Exposed for the SIMD files' heads and tails.
+void adam(const StepScalars& s, const SegmentScalars& g, float* p, const float* grad, float* m,
+          float* v, bf16* out_bf16, float* out_f32, std::size_t n, bool stream);
+void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n, bool stream);
+void cast_bf16_to_f32(const bf16* src, float* dst, std::size_t n, bool stream);
+void accumulate_f32(float* dst, const float* src, std::size_t n);
+void accumulate_bf16(float* dst, const bf16* src, std::size_t n);
+bool any_nonfinite(const float* x, std::size_t n);
+void scale(float* x, std::size_t n, float factor);
+/// Adds the tail elements (fewer than kSumLanes) to lanes 0.. and folds the lanes: the one
+/// definition of the in-block order.
+double finish_sum_lanes(double* lanes, const float* tail, std::size_t tail_n);
+}  // namespace portable
+
+}  // namespace shardopt::cpu

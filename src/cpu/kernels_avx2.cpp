@@ -1,0 +1,243 @@
+// kernels_avx2.cpp: AVX2 range kernels (compiled with -mavx2 -ffp-contract=off).
+//
+// Each vector loop mirrors the portable kernel operation for operation with correctly
+// rounded IEEE operations (add, mul, div, sqrt) and no FMA, so it returns the same bits.
+// Heads (to align streamed outputs) and tails go to the portable kernels; see
+// kernel_table.hpp for why this file calls no inline functions of other headers.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernel_table.hpp"
+#include "kernels.hpp"
+
+namespace shardopt::cpu::avx2 {
+namespace {
+
+constexpr std::size_t kW = 8;  // floats per vector
+
+/// Elements before p reaches a 32-byte boundary (n if never: p not element-aligned).
+template <class T>
+std::size_t head_to_align32(const T* p, std::size_t n) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  if (addr % sizeof(T) != 0) return n;
+  const std::size_t h = ((32 - addr % 32) % 32) / sizeof(T);
+  return h < n ? h : n;
+}
+
+/// float -> bf16 bits (in the low half of each 32-bit lane), as float_to_bf16_bits().
+__m256i bf16_bits(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i hi = _mm256_srli_epi32(u, 16);
+  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                            _mm256_set1_epi32(0x7F800000));
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i nan = _mm256_or_si256(_mm256_and_si256(hi, _mm256_set1_epi32(0x8000)),
+                                      _mm256_set1_epi32(0x7FC0));
+  return _mm256_blendv_epi8(rounded, nan, is_nan);
+}
+
+/// 16 floats -> 16 bf16 in order.
+__m256i pack_bf16(__m256 a, __m256 b) {
+  // packus interleaves 128-bit lanes: [a0-3 b0-3 a4-7 b4-7]; the permute restores order.
+  const __m256i packed = _mm256_packus_epi32(bf16_bits(a), bf16_bits(b));
+  return _mm256_permute4x64_epi64(packed, 0xD8);
+}
+
+__m256 widen_bf16(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+void store_bf16x16(bf16* dst, __m256i x, bool stream) {
+  if (stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), x);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), x);
+  }
+}
+
+void store_f32x8(float* dst, __m256 x, bool stream) {
+  if (stream) {
+    _mm256_stream_ps(dst, x);
+  } else {
+    _mm256_storeu_ps(dst, x);
+  }
+}
+
+struct AdamVec {
+  __m256 beta1, beta2, omb1, omb2, eps, bc2, grad_scale, step_size, decay, l2;
+};
+
+/// adam_element() on 8 lanes; returns the new weights.
+template <bool kL2>
+__m256 adam8(const AdamVec& c, float* p, const float* grad, float* m, float* v) {
+  __m256 gr = _mm256_mul_ps(_mm256_loadu_ps(grad), c.grad_scale);
+  __m256 pv = _mm256_loadu_ps(p);
+  if constexpr (kL2) gr = _mm256_add_ps(gr, _mm256_mul_ps(c.l2, pv));
+  pv = _mm256_mul_ps(pv, c.decay);
+  const __m256 mv = _mm256_add_ps(_mm256_mul_ps(c.beta1, _mm256_loadu_ps(m)),
+                                  _mm256_mul_ps(c.omb1, gr));
+  const __m256 vv = _mm256_add_ps(_mm256_mul_ps(c.beta2, _mm256_loadu_ps(v)),
+                                  _mm256_mul_ps(c.omb2, _mm256_mul_ps(gr, gr)));
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), c.bc2), c.eps);
+  pv = _mm256_sub_ps(pv, _mm256_mul_ps(c.step_size, _mm256_div_ps(mv, denom)));
+  _mm256_storeu_ps(m, mv);
+  _mm256_storeu_ps(v, vv);
+  _mm256_storeu_ps(p, pv);
+  return pv;
+}
+
+template <bool kL2>
+std::size_t adam_body(const AdamVec& c, float* p, const float* grad, float* m, float* v,
+                      bf16* out_bf16, float* out_f32, std::size_t n, bool stream16,
+                      bool stream32) {
+  std::size_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    const __m256 p0 = adam8<kL2>(c, p + i, grad + i, m + i, v + i);
+    const __m256 p1 = adam8<kL2>(c, p + i + kW, grad + i + kW, m + i + kW, v + i + kW);
+    if (out_bf16) store_bf16x16(out_bf16 + i, pack_bf16(p0, p1), stream16);
+    if (out_f32) {
+      store_f32x8(out_f32 + i, p0, stream32);
+      store_f32x8(out_f32 + i + kW, p1, stream32);
+    }
+  }
+  return i;
+}
+
+void adam(const StepScalars& s, const SegmentScalars& g, float* p, const float* grad, float* m,
+          float* v, bf16* out_bf16, float* out_f32, std::size_t n, bool stream) {
+  // Stream one output (the bf16 copy when there is one); align its start first.
+  std::size_t head = 0;
+  bool stream16 = false, stream32 = false;
+  if (stream && out_bf16) {
+    head = head_to_align32(out_bf16, n);
+    stream16 = true;
+  } else if (stream && out_f32) {
+    head = head_to_align32(out_f32, n);
+    stream32 = true;
+  }
+  portable::adam(s, g, p, grad, m, v, out_bf16, out_f32, head, false);
+  const AdamVec c{_mm256_set1_ps(s.beta1),       _mm256_set1_ps(s.beta2),
+                  _mm256_set1_ps(s.one_minus_beta1), _mm256_set1_ps(s.one_minus_beta2),
+                  _mm256_set1_ps(s.eps),         _mm256_set1_ps(s.bias_correction2_sqrt),
+                  _mm256_set1_ps(s.grad_scale),  _mm256_set1_ps(g.step_size),
+                  _mm256_set1_ps(g.decay_factor), _mm256_set1_ps(g.l2_decay)};
+  bf16* o16 = out_bf16 ? out_bf16 + head : nullptr;
+  float* o32 = out_f32 ? out_f32 + head : nullptr;
+  const std::size_t rest = n - head;
+  const std::size_t done =
+      s.mode == AdamMode::AdamL2
+          ? adam_body<true>(c, p + head, grad + head, m + head, v + head, o16, o32, rest,
+                            stream16, stream32)
+          : adam_body<false>(c, p + head, grad + head, m + head, v + head, o16, o32, rest,
+                             stream16, stream32);
+  const std::size_t t = head + done;
+  portable::adam(s, g, p + t, grad + t, m + t, v + t, out_bf16 ? out_bf16 + t : nullptr,
+                 out_f32 ? out_f32 + t : nullptr, n - t, false);
+  if (stream) _mm_sfence();  // order the weakly ordered stores before other threads read
+}
+
+void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n, bool stream) {
+  const std::size_t head = stream ? head_to_align32(dst, n) : 0;
+  portable::cast_f32_to_bf16(src, dst, head, false);
+  std::size_t i = head;
+  for (; i + 2 * kW <= n; i += 2 * kW)
+    store_bf16x16(dst + i, pack_bf16(_mm256_loadu_ps(src + i), _mm256_loadu_ps(src + i + kW)),
+                  stream);
+  portable::cast_f32_to_bf16(src + i, dst + i, n - i, false);
+  if (stream) _mm_sfence();
+}
+
+void cast_bf16_to_f32(const bf16* src, float* dst, std::size_t n, bool stream) {
+  const std::size_t head = stream ? head_to_align32(dst, n) : 0;
+  portable::cast_bf16_to_f32(src, dst, head, false);
+  std::size_t i = head;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    store_f32x8(dst + i, widen_bf16(_mm256_castsi256_si128(h)), stream);
+    store_f32x8(dst + i + kW, widen_bf16(_mm256_extracti128_si256(h, 1)), stream);
+  }
+  portable::cast_bf16_to_f32(src + i, dst + i, n - i, false);
+  if (stream) _mm_sfence();
+}
+
+void accumulate_f32(float* dst, const float* src, std::size_t n) {
+  std::size_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(dst + i), _mm256_loadu_ps(src + i)));
+    _mm256_storeu_ps(dst + i + kW, _mm256_add_ps(_mm256_loadu_ps(dst + i + kW),
+                                                 _mm256_loadu_ps(src + i + kW)));
+  }
+  portable::accumulate_f32(dst + i, src + i, n - i);
+}
+
+void accumulate_bf16(float* dst, const bf16* src, std::size_t n) {
+  std::size_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(dst + i),
+                                            widen_bf16(_mm256_castsi256_si128(h))));
+    _mm256_storeu_ps(dst + i + kW, _mm256_add_ps(_mm256_loadu_ps(dst + i + kW),
+                                                 widen_bf16(_mm256_extracti128_si256(h, 1))));
+  }
+  portable::accumulate_bf16(dst + i, src + i, n - i);
+}
+
+double sum_squares_block(const float* x, std::size_t n) {
+  // Four accumulators of 4 doubles are lanes 0-3, 4-7, 8-11, 12-15 of the documented order.
+  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
+  std::size_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + kW);
+    const __m256d d[4] = {_mm256_cvtps_pd(_mm256_castps256_ps128(a)),
+                          _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)),
+                          _mm256_cvtps_pd(_mm256_castps256_ps128(b)),
+                          _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1))};
+    for (int k = 0; k < 4; ++k) acc[k] = _mm256_add_pd(acc[k], _mm256_mul_pd(d[k], d[k]));
+  }
+  alignas(32) double lanes[kSumLanes];
+  for (int k = 0; k < 4; ++k) _mm256_store_pd(lanes + 4 * k, acc[k]);
+  return portable::finish_sum_lanes(lanes, x + i, n - i);
+}
+
+bool any_nonfinite(const float* x, std::size_t n) {
+  const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
+  __m256i bad = _mm256_setzero_si256();
+  std::size_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + kW));
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(a, exp_mask), exp_mask));
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(b, exp_mask), exp_mask));
+  }
+  return !_mm256_testz_si256(bad, bad) || portable::any_nonfinite(x + i, n - i);
+}
+
+void scale(float* x, std::size_t n, float factor) {
+  const __m256 f = _mm256_set1_ps(factor);
+  std::size_t i = 0;
+  for (; i + kW <= n; i += kW) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), f));
+  portable::scale(x + i, n - i, factor);
+}
+
+}  // namespace
+}  // namespace shardopt::cpu::avx2
+
+namespace shardopt::cpu {
+
+const RangeKernels kAvx2Kernels = {
+    "avx2",
+    avx2::adam,
+    avx2::cast_f32_to_bf16,
+    avx2::cast_bf16_to_f32,
+    avx2::accumulate_f32,
+    avx2::accumulate_bf16,
+    avx2::sum_squares_block,
+    avx2::any_nonfinite,
+    avx2::scale,
+};
+
+}  // namespace shardopt::cpu

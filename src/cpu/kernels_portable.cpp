@@ -1,0 +1,91 @@
+// kernels_portable.cpp: the range kernels in plain C++, for any CPU. They define the
+// arithmetic: adam_element() and float_to_bf16_bits() per element; the SIMD files mirror them.
+#include <cstring>
+
+#include "kernel_table.hpp"
+#include "kernels.hpp"
+
+namespace shardopt::cpu::portable {
+
+void adam(const StepScalars& s, const SegmentScalars& g, float* p, const float* grad, float* m,
+          float* v, bf16* out_bf16, float* out_f32, std::size_t n, bool /*stream*/) {
+  for (std::size_t i = 0; i < n; ++i) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    adam_element(s, g, pi, grad[i], mi, vi);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if (out_bf16) out_bf16[i] = to_bf16(pi);
+    if (out_f32) out_f32[i] = pi;
+  }
+}
+
+void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n, bool /*stream*/) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
+void cast_bf16_to_f32(const bf16* src, float* dst, std::size_t n, bool /*stream*/) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+void accumulate_f32(float* dst, const float* src, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+void accumulate_bf16(float* dst, const bf16* src, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] += to_float(src[i]);
+}
+
+bool any_nonfinite(const float* x, std::size_t n) {
+  // On the bits, so it holds under -ffast-math too: exponent all ones is Inf or NaN.
+  std::uint32_t bad = 0;
+  for (std::size_t i = 0; i < n; ++i) bad |= (float_bits(x[i]) & 0x7F800000u) == 0x7F800000u;
+  return bad != 0;
+}
+
+void scale(float* x, std::size_t n, float factor) {
+  for (std::size_t i = 0; i < n; ++i) x[i] *= factor;
+}
+
+double finish_sum_lanes(double* lanes, const float* tail, std::size_t tail_n) {
+  for (std::size_t k = 0; k < tail_n; ++k) {
+    const double d = tail[k];
+    lanes[k] += d * d;
+  }
+  for (std::size_t w = kSumLanes / 2; w >= 1; w /= 2)
+    for (std::size_t j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+  return lanes[0];
+}
+
+namespace {
+
+double sum_squares_block(const float* x, std::size_t n) {
+  double lanes[kSumLanes] = {};
+  std::size_t i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (std::size_t j = 0; j < kSumLanes; ++j) {
+      const double d = x[i + j];
+      lanes[j] += d * d;  // exact square: fused or not, one rounding
+    }
+  }
+  return finish_sum_lanes(lanes, x + i, n - i);
+}
+
+}  // namespace
+}  // namespace shardopt::cpu::portable
+
+namespace shardopt::cpu {
+
+const RangeKernels kPortableKernels = {
+    "portable",
+    portable::adam,
+    portable::cast_f32_to_bf16,
+    portable::cast_bf16_to_f32,
+    portable::accumulate_f32,
+    portable::accumulate_bf16,
+    portable::sum_squares_block,
+    portable::any_nonfinite,
+    portable::scale,
+};
+
+}  // namespace shardopt::cpu
