@@ -77,5 +77,6 @@ endif()
 # The prefix is found relative to the .pc file, so the installed tree can be moved
 # (cmake --install --prefix elsewhere).
 file(RELATIVE_PATH SHARDOPT_PC_PREFIX "/p/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/p")
+string(REGEX REPLACE "/$" "" SHARDOPT_PC_PREFIX "${SHARDOPT_PC_PREFIX}")
 configure_file(${PROJECT_SOURCE_DIR}/cmake/shardopt.pc.in ${PROJECT_BINARY_DIR}/shardopt.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/shardopt.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
