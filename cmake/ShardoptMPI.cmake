@@ -29,14 +29,15 @@ if(NOT MPI_C_COMPILER AND NOT MPI_CXX_COMPILER AND NOT SHARDOPT_MPI_FLAVOR STREQ
   endif()
 endif()
 
-set(_components C CXX)
+set(_optional_components "")
 if(CMAKE_Fortran_COMPILER)
-  list(APPEND _components Fortran)
+  # Only the Fortran drivers need it; the library does not.
+  list(APPEND _optional_components Fortran)
 endif()
 if(SHARDOPT_MPI STREQUAL "ON")
-  find_package(MPI REQUIRED COMPONENTS ${_components})
+  find_package(MPI REQUIRED COMPONENTS C CXX OPTIONAL_COMPONENTS ${_optional_components})
 else()
-  find_package(MPI COMPONENTS ${_components})
+  find_package(MPI COMPONENTS C CXX OPTIONAL_COMPONENTS ${_optional_components})
 endif()
 
 set(SHARDOPT_MPI_FLAVOR_FOUND "other")

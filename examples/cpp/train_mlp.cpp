@@ -7,7 +7,10 @@
 // optimizer reduce-scatters, clips, updates its shard and all-gathers.
 //
 //   mpiexec -n 2 ./train_mlp [--steps N] [--stage 0|1|2] [--dtype bf16|fp32]
-//                            [--loss-out FILE] [--check-against FILE]
+//                            [--loss-out FILE] [--check-against FILE] [--params-out FILE]
+//
+// --params-out writes the final fp32 master weights of every parameter, in order, as raw
+// floats; the C and Fortran trainers (examples/c, examples/fortran) write the same file.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -55,7 +58,7 @@ struct Options {
   int steps = 200;
   Stage stage = Stage::Zero1;
   DType dtype = DType::BF16;
-  std::string loss_out, check_against;
+  std::string loss_out, check_against, params_out;
 };
 
 Options parse(int argc, char** argv) {
@@ -71,6 +74,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--dtype") o.dtype = next() == "fp32" ? DType::F32 : DType::BF16;
     else if (a == "--loss-out") o.loss_out = next();
     else if (a == "--check-against") o.check_against = next();
+    else if (a == "--params-out") o.params_out = next();
     else throw Error(Status::InvalidArgument, "unknown option " + a);
   }
   return o;
@@ -205,6 +209,21 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   }
 
   int rc = 0;
+  if (!cli.params_out.empty()) {
+    std::ofstream f;
+    if (rank == 0) f.open(cli.params_out, std::ios::binary);
+    for (std::size_t p = 0; p < opt.layout().num_params(); ++p) {
+      std::vector<float> master(opt.layout().param(p).numel);
+      opt.get_master(p, master);  // collective
+      if (rank == 0)
+        f.write(reinterpret_cast<const char*>(master.data()),
+                static_cast<std::streamsize>(master.size() * sizeof(float)));
+    }
+    if (rank == 0 && !f) {
+      std::fprintf(stderr, "cannot write %s\n", cli.params_out.c_str());
+      rc = 1;
+    }
+  }
   if (rank == 0 && !cli.loss_out.empty()) {
     std::ofstream f(cli.loss_out);
     f.precision(17);

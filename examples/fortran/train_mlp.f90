@@ -1,0 +1,322 @@
+! train_mlp.f90: the MLP trainer of examples/cpp/train_mlp.cpp, written against the Fortran
+! module `shardopt`.
+!
+! Same model (16 -> 64 -> 4, ReLU), data, initialisation, hyperparameters, learning-rate
+! schedule, parameter order and groups, and the same float arithmetic in the same order, so its
+! final master weights equal the C++ trainer's bit for bit (tested by ctest). A weight matrix
+! w(i, j) here is element j * n_in + i of the C++ trainer's row-major w[j][i].
+!
+!   mpiexec -n 2 ./train_mlp_f [--steps N] [--stage 0|1|2] [--dtype bf16|fp32]
+!                              [--params-out FILE]
+program train_mlp_f
+  use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int16_t, c_int64_t, c_int
+  use, intrinsic :: iso_fortran_env, only: error_unit, int64
+  use mpi
+  use shardopt
+  implicit none
+
+  integer, parameter :: n_in = 16, n_hidden = 64, n_out = 4, global_batch = 96
+  real(c_double), parameter :: pi = 3.14159265358979323846_c_double
+
+  type(shardopt_optimizer) :: opt
+  type(shardopt_config) :: cfg
+  type(shardopt_step_result) :: r
+  integer :: steps, stage, ierr, status, rank, world, rc
+  integer(c_int) :: dtype
+  character(len=:), allocatable :: params_out
+  character(len=512) :: msg
+
+  call mpi_init(ierr)
+  call parse_arguments(steps, stage, dtype, params_out)
+
+  call shardopt_config_init(cfg, status)
+  cfg%stage = stage
+  cfg%param_dtype = dtype
+  cfg%lr = 1e-2_c_double
+  cfg%weight_decay = 0.01_c_double
+  cfg%max_grad_norm = 1.0_c_double
+  cfg%bucket_elems = 1024  ! several stage-2 buckets even for this small model
+  call shardopt_create(opt, status, config=cfg, comm=MPI_COMM_WORLD, errmsg=msg)
+  call check(status, msg)
+
+  rc = train()
+  call mpi_allreduce(MPI_IN_PLACE, rc, 1, MPI_INTEGER, MPI_MAX, MPI_COMM_WORLD, ierr)
+  call shardopt_destroy(opt, status)  ! before mpi_finalize: frees the library's communicator
+  call mpi_finalize(ierr)
+  if (rc /= 0) error stop 1
+
+contains
+
+  !> Stops with the library's message when a call failed.
+  subroutine check(status, msg)
+    integer, intent(in) :: status
+    character(len=*), intent(in) :: msg
+    if (status == SHARDOPT_SUCCESS) return
+    write (error_unit, '(a,a,a,a,a)') 'train_mlp_f: ', trim(msg), ' (', shardopt_status_string(status), ')'
+    error stop 1
+  end subroutine check
+
+  subroutine parse_arguments(steps, stage, dtype, params_out)
+    integer, intent(out) :: steps, stage
+    integer(c_int), intent(out) :: dtype
+    character(len=:), allocatable, intent(out) :: params_out
+    character(len=512) :: flag, value
+    integer :: i
+    steps = 200
+    stage = SHARDOPT_STAGE_ZERO1
+    dtype = SHARDOPT_DTYPE_BF16
+    params_out = ''
+    i = 1
+    do while (i + 1 <= command_argument_count())
+      call get_command_argument(i, flag)
+      call get_command_argument(i + 1, value)
+      select case (trim(flag))
+      case ('--steps')
+        read (value, *) steps
+      case ('--stage')
+        read (value, *) stage
+      case ('--dtype')
+        dtype = merge(SHARDOPT_DTYPE_F32, SHARDOPT_DTYPE_BF16, trim(value) == 'fp32')
+      case ('--params-out')
+        params_out = trim(value)
+      case default
+        write (error_unit, '(a,a)') 'train_mlp_f: unknown option ', trim(flag)
+        error stop 2
+      end select
+      i = i + 2
+    end do
+    if (i <= command_argument_count()) then
+      write (error_unit, '(a)') 'train_mlp_f: every option needs a value'
+      error stop 2
+    end if
+  end subroutine parse_arguments
+
+  !> Deterministic uniform value in [-1, 1) from integers (splitmix64). The arithmetic wraps
+  !> modulo 2**64 like C's uint64_t (built with -fwrapv); shiftr is a logical shift.
+  real(c_float) function uniform(a, b)
+    integer(int64), intent(in) :: a, b
+    integer(int64) :: z
+    z = a * (-7046029254386353131_int64) + b * (-3335678366873096957_int64) + 7146057691288625177_int64
+    z = ieor(z, shiftr(z, 30)) * (-4658895280553007687_int64)
+    z = ieor(z, shiftr(z, 27)) * (-7723592293110705685_int64)
+    z = ieor(z, shiftr(z, 31))
+    uniform = real(real(shiftr(z, 11), c_double) * 2.0_c_double**(-53) * 2.0_c_double - 1.0_c_double, c_float)
+  end function uniform
+
+  !> Sample s of step t: inputs x and targets y = teacher(x).
+  subroutine make_sample(step, s, x, y)
+    integer, intent(in) :: step, s
+    real(c_float), intent(out) :: x(n_in), y(n_out)
+    integer(int64) :: id
+    real(c_double) :: acc
+    integer :: i, o
+    id = int(step, int64) * global_batch + int(s, int64)
+    do i = 1, n_in
+      x(i) = uniform(id, int(i - 1, int64))
+    end do
+    do o = 1, n_out
+      acc = 0
+      do i = 1, n_in
+        acc = acc + real(uniform(int(1000003 + o - 1, int64), int(i - 1, int64)) * x(i), c_double)
+      end do
+      y(o) = real(sin(acc), c_float)
+    end do
+  end subroutine make_sample
+
+  !> Sets a parameter to scale * uniform(seed, k), the same on every rank.
+  subroutine init_param(index, n, scale, seed)
+    integer, intent(in) :: index, n
+    real(c_float), intent(in) :: scale
+    integer, intent(in) :: seed
+    real(c_float) :: v(n)
+    integer :: k
+    do k = 1, n
+      v(k) = scale * uniform(int(seed, int64), int(k - 1, int64))
+    end do
+    call shardopt_set_param(opt, index, v, status, msg)
+    call check(status, msg)
+  end subroutine init_param
+
+  !> Copies a rank-2 parameter's replica into w, whatever the replica dtype: through a
+  !> pointer of the right shape into the optimizer's buffer, without a copy on its side.
+  subroutine read_matrix(index, w)
+    integer, intent(in) :: index
+    real(c_float), intent(out) :: w(:, :)
+    real(c_float), pointer :: p(:, :)
+    integer(c_int16_t), pointer :: bits(:, :)
+    if (dtype == SHARDOPT_DTYPE_BF16) then
+      call shardopt_param_bf16(opt, index, bits, shape(w), status, msg)
+      call check(status, msg)
+      w = shardopt_bf16_to_real(bits)
+    else
+      call shardopt_param(opt, index, p, shape(w), status, msg)
+      call check(status, msg)
+      w = p
+    end if
+  end subroutine read_matrix
+
+  subroutine read_vector(index, v)
+    integer, intent(in) :: index
+    real(c_float), intent(out) :: v(:)
+    real(c_float), pointer :: p(:)
+    integer(c_int16_t), pointer :: bits(:)
+    if (dtype == SHARDOPT_DTYPE_BF16) then
+      call shardopt_param_bf16(opt, index, bits, status, msg)
+      call check(status, msg)
+      v = shardopt_bf16_to_real(bits)
+    else
+      call shardopt_param(opt, index, p, status, msg)
+      call check(status, msg)
+      v = p
+    end if
+  end subroutine read_vector
+
+  !> Rank 0 writes every parameter's fp32 master weights, in order, as raw floats.
+  subroutine write_params(path)
+    character(len=*), intent(in) :: path
+    real(c_float), allocatable :: master(:)
+    integer(c_int64_t) :: n
+    integer :: p, count, unit
+    call shardopt_num_params(opt, count, status, msg)
+    call check(status, msg)
+    if (rank == 0) open (newunit=unit, file=path, access='stream', form='unformatted', status='replace')
+    do p = 1, count
+      call shardopt_param_numel(opt, p, n, status, msg)
+      call check(status, msg)
+      allocate (master(n))
+      call shardopt_get_master(opt, p, master, status, msg)  ! collective
+      call check(status, msg)
+      if (rank == 0) write (unit) master
+      deallocate (master)
+    end do
+    if (rank == 0) close (unit)
+  end subroutine write_params
+
+  integer function train()
+    real(c_float) :: w1(n_in, n_hidden), b1(n_hidden), w2(n_hidden, n_out), b2(n_out)
+    real(c_float) :: gw1(n_in, n_hidden), gb1(n_hidden), gw2(n_hidden, n_out), gb2(n_out)
+    real(c_float) :: x(n_in), y(n_out), h(n_hidden), dout(n_out), dh(n_hidden), a, e
+    real(c_double) :: lr, local_sse, loss
+    real(c_double), parameter :: warm = 20, peak = 1e-2_c_double
+    integer :: iw1, ib1, iw2, ib2, no_decay, local, first, step, s, i, j, o
+    integer(c_int64_t) :: bytes, peak_bytes
+
+    train = 0
+    call shardopt_comm_rank(opt, rank, status)
+    call shardopt_comm_size(opt, world, status)
+    if (mod(global_batch, world) /= 0) then
+      if (rank == 0) write (error_unit, '(a)') 'the global batch does not divide over the ranks'
+      train = 2
+      return
+    end if
+    call shardopt_add_group(opt, 1.0_c_double, .false., no_decay, status, msg)
+    call check(status, msg)
+    call shardopt_add_param(opt, 'fc1.weight', n_hidden * n_in, iw1, status, errmsg=msg)
+    call check(status, msg)
+    call shardopt_add_param(opt, 'fc1.bias', n_hidden, ib1, status, group=no_decay, errmsg=msg)
+    call check(status, msg)
+    call shardopt_add_param(opt, 'fc2.weight', n_out * n_hidden, iw2, status, errmsg=msg)
+    call check(status, msg)
+    call shardopt_add_param(opt, 'fc2.bias', n_out, ib2, status, group=no_decay, errmsg=msg)
+    call check(status, msg)
+    call shardopt_finalize(opt, status, msg)
+    call check(status, msg)
+
+    call init_param(iw1, n_hidden * n_in, 1.0_c_float / sqrt(real(n_in, c_float)), 11)
+    call init_param(ib1, n_hidden, 0.0_c_float, 12)
+    call init_param(iw2, n_out * n_hidden, 1.0_c_float / sqrt(real(n_hidden, c_float)), 13)
+    call init_param(ib2, n_out, 0.0_c_float, 14)
+
+    local = global_batch / world
+    first = rank * local
+    do step = 0, steps - 1
+      ! Linear warm-up then cosine decay; set on every rank alike.
+      if (step < warm) then
+        lr = (peak * real(step + 1, c_double)) / warm
+      else
+        lr = (peak * 0.5_c_double) * (1.0_c_double + cos((pi * (real(step, c_double) - warm)) &
+                                                          / (real(steps, c_double) - warm)))
+      end if
+      call shardopt_set_lr(opt, lr, status, msg)
+      call check(status, msg)
+      call read_matrix(iw1, w1)
+      call read_vector(ib1, b1)
+      call read_matrix(iw2, w2)
+      call read_vector(ib2, b2)
+      gw1 = 0
+      gb1 = 0
+      gw2 = 0
+      gb2 = 0
+      local_sse = 0
+      do s = first, first + local - 1
+        call make_sample(step, s, x, y)
+        do j = 1, n_hidden
+          a = b1(j)
+          do i = 1, n_in
+            a = a + w1(i, j) * x(i)
+          end do
+          h(j) = 0
+          if (a > 0) h(j) = a
+        end do
+        do o = 1, n_out
+          a = b2(o)
+          do j = 1, n_hidden
+            a = a + w2(j, o) * h(j)
+          end do
+          e = a - y(o)
+          local_sse = local_sse + real(e, c_double) * real(e, c_double)
+          dout(o) = (2.0_c_float * e) / real(local, c_float)  ! d(mean over local batch)/d out
+        end do
+        ! Backward, layer 2 then layer 1.
+        dh = 0
+        do o = 1, n_out
+          gb2(o) = gb2(o) + dout(o)
+          do j = 1, n_hidden
+            gw2(j, o) = gw2(j, o) + dout(o) * h(j)
+            dh(j) = dh(j) + dout(o) * w2(j, o)
+          end do
+        end do
+        do j = 1, n_hidden
+          if (h(j) <= 0) cycle
+          gb1(j) = gb1(j) + dh(j)
+          do i = 1, n_in
+            gw1(i, j) = gw1(i, j) + dh(j) * x(i)
+          end do
+        end do
+      end do
+      ! Hand the gradients over in backward order (stage 2 reduces bucket by bucket).
+      call shardopt_accumulate_grad(opt, ib2, gb2, status, msg)
+      call check(status, msg)
+      call shardopt_grad_ready(opt, ib2, status, msg)
+      call check(status, msg)
+      call shardopt_accumulate_grad(opt, iw2, gw2, status, msg)
+      call check(status, msg)
+      call shardopt_grad_ready(opt, iw2, status, msg)
+      call check(status, msg)
+      call shardopt_accumulate_grad(opt, ib1, gb1, status, msg)
+      call check(status, msg)
+      call shardopt_grad_ready(opt, ib1, status, msg)
+      call check(status, msg)
+      call shardopt_accumulate_grad(opt, iw1, gw1, status, msg)
+      call check(status, msg)
+      call shardopt_grad_ready(opt, iw1, status, msg)
+      call check(status, msg)
+      call shardopt_step(opt, status, result=r, errmsg=msg)
+      call check(status, msg)
+
+      call mpi_allreduce(local_sse, loss, 1, MPI_DOUBLE_PRECISION, MPI_SUM, MPI_COMM_WORLD, ierr)
+      loss = loss / global_batch
+      if (rank == 0 .and. (mod(step, 20) == 0 .or. step == steps - 1)) then
+        write (*, '(a,i4,a,f9.6,a,f7.4,a,es9.2)') 'step ', step, '  loss ', loss, &
+          '  grad_norm ', r%grad_norm, '  lr ', lr
+      end if
+    end do
+
+    call shardopt_memory_usage(opt, SHARDOPT_MEM_TOTAL, bytes, status, peak=peak_bytes)
+    call check(status, 'shardopt_memory_usage')
+    if (rank == 0) write (*, '(a,i0,a,i0,a)') 'rank 0 optimizer memory: ', bytes, ' bytes (peak ', &
+                                            peak_bytes, ')'
+    if (len(params_out) > 0) call write_params(params_out)
+  end function train
+
+end program train_mlp_f

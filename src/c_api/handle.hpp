@@ -1,0 +1,83 @@
+// handle.hpp: what a C handle is, and the one wrapper every C entry point runs its body in
+// (argument checks, exception -> status, last-error bookkeeping). Internal to src/c_api/.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <string>
+
+#include "shardopt/error.hpp"
+#include "shardopt/optimizer.hpp"
+#include "shardopt/shardopt.h"
+
+// The object behind shardopt_optimizer_t. `magic` is kLiveMagic while the handle is live;
+// destroy zeroes it (and unregisters the handle) before freeing, so a stale handle is
+// rejected instead of being dereferenced.
+struct shardopt_optimizer_s {
+  static constexpr std::uint64_t kLiveMagic = 0x5348415244305054ull;  // "SHARD0PT"
+  std::uint64_t magic = kLiveMagic;
+  std::unique_ptr<shardopt::ShardedOptimizer> opt;
+  std::string last_error;
+};
+
+namespace shardopt::capi {
+
+using Handle = shardopt_optimizer_s;
+
+/// The live handle `h`, or nullptr when it is null, destroyed or not one of ours. Never
+/// reads memory of a handle that is not registered.
+Handle* find_live(shardopt_optimizer_t h) noexcept;
+/// find_live, throwing Error(InvalidArgument) naming what is wrong.
+Handle& require_live(shardopt_optimizer_t h);
+/// Registers a new handle owning `opt`.
+shardopt_optimizer_t register_handle(std::unique_ptr<ShardedOptimizer> opt);
+/// Unregisters, zeroes the magic and frees.
+void destroy_handle(Handle& h) noexcept;
+
+/// The message behind shardopt_last_error(h).
+const char* last_error_of(shardopt_optimizer_t h) noexcept;
+
+/// Records a failure of C function `fn` (per handle when `h` is live, and per thread) and
+/// returns its code. Never throws.
+shardopt_status_t record_failure(Handle* h, const char* fn, Status s, const char* what) noexcept;
+
+/// Runs body() and turns every exception into a status with a recorded message: the only
+/// way exceptions are handled at the ABI.
+template <class Body>
+shardopt_status_t guarded(const char* fn, Handle* h, Body&& body) noexcept {
+  try {
+    body();
+    return SHARDOPT_SUCCESS;
+  } catch (const Error& e) {
+    return record_failure(h, fn, e.status(), e.what());
+  } catch (const std::bad_alloc&) {
+    return record_failure(h, fn, Status::OutOfMemory, "out of host memory");
+  } catch (const std::exception& e) {
+    return record_failure(h, fn, Status::Internal, e.what());
+  } catch (...) {
+    return record_failure(h, fn, Status::Internal, "unknown exception");
+  }
+}
+
+/// The common entry point on an existing handle: validates it, then runs body(optimizer).
+template <class Body>
+shardopt_status_t on_handle(const char* fn, shardopt_optimizer_t h, Body&& body) noexcept {
+  Handle* live = find_live(h);
+  return guarded(fn, live, [&] { body(*(live != nullptr ? live : &require_live(h))->opt); });
+}
+
+/// Throws Error(InvalidArgument) when a required pointer argument is null.
+template <class T>
+T* non_null(T* p, const char* what) {
+  require(p != nullptr, Status::InvalidArgument, std::string(what) + " is NULL");
+  return p;
+}
+
+/// Collective creation shared by shardopt_create and shardopt_create_mpi*: checks `out` and
+/// `config` on this rank, agrees with the other ranks (so a bad argument on one rank fails
+/// everywhere instead of leaving the others waiting), then builds the optimizer.
+void create_on(std::shared_ptr<Communicator> comm, shardopt_optimizer_t* out,
+               const shardopt_config_t* config);
+
+}  // namespace shardopt::capi

@@ -1,0 +1,906 @@
+! shardopt.f90: the Fortran module over the C ABI (shardopt.h).
+!
+! Every procedure is a subroutine with a mandatory integer `status` (SHARDOPT_SUCCESS == 0 or
+! one of the SHARDOPT_ERROR_* codes of shardopt.h) and an optional `errmsg` that receives the
+! failing call and the reason ('' on success). Indices of parameters and groups are 1-based
+! here (the C ABI's are 0-based): add_param returns 1, 2, ...; the default group is 1.
+! Arrays cross without copies where the C side keeps them: shardopt_param and shardopt_grad
+! return Fortran pointers (rank 1, or rank 2 with a `shape`) into the optimizer's buffers.
+module shardopt
+  use, intrinsic :: iso_c_binding, only: c_ptr, c_null_ptr, c_associated, c_f_pointer, &
+                                         c_int, c_int16_t, c_int64_t, c_size_t, c_float, &
+                                         c_double, c_char, c_null_char
+  implicit none
+  private
+
+  ! ---- status codes (shardopt_status_t) ----------------------------------------------------
+  integer, parameter, public :: SHARDOPT_SUCCESS = 0
+  integer, parameter, public :: SHARDOPT_ERROR_INVALID_ARGUMENT = 1
+  integer, parameter, public :: SHARDOPT_ERROR_INVALID_STATE = 2
+  integer, parameter, public :: SHARDOPT_ERROR_LAYOUT_MISMATCH = 3
+  integer, parameter, public :: SHARDOPT_ERROR_REMOTE = 4
+  integer, parameter, public :: SHARDOPT_ERROR_COMMUNICATION = 5
+  integer, parameter, public :: SHARDOPT_ERROR_OUT_OF_MEMORY = 6
+  integer, parameter, public :: SHARDOPT_ERROR_IO = 7
+  integer, parameter, public :: SHARDOPT_ERROR_CORRUPT_DATA = 8
+  integer, parameter, public :: SHARDOPT_ERROR_UNSUPPORTED = 9
+  integer, parameter, public :: SHARDOPT_ERROR_CUDA = 10
+  integer, parameter, public :: SHARDOPT_ERROR_INTERNAL = 11
+
+  ! ---- option values -------------------------------------------------------------------------
+  integer(c_int), parameter, public :: SHARDOPT_STAGE_DATA_PARALLEL = 0
+  integer(c_int), parameter, public :: SHARDOPT_STAGE_ZERO1 = 1
+  integer(c_int), parameter, public :: SHARDOPT_STAGE_ZERO2 = 2
+  integer(c_int), parameter, public :: SHARDOPT_DTYPE_F32 = 0
+  integer(c_int), parameter, public :: SHARDOPT_DTYPE_BF16 = 1
+  integer(c_int), parameter, public :: SHARDOPT_DEVICE_CPU = 0
+  integer(c_int), parameter, public :: SHARDOPT_DEVICE_CUDA = 1
+  integer(c_int), parameter, public :: SHARDOPT_ADAMW = 0
+  integer(c_int), parameter, public :: SHARDOPT_ADAM_L2 = 1
+  integer(c_int), parameter, public :: SHARDOPT_HYPER_LR = 0
+  integer(c_int), parameter, public :: SHARDOPT_HYPER_BETA1 = 1
+  integer(c_int), parameter, public :: SHARDOPT_HYPER_BETA2 = 2
+  integer(c_int), parameter, public :: SHARDOPT_HYPER_EPS = 3
+  integer(c_int), parameter, public :: SHARDOPT_HYPER_WEIGHT_DECAY = 4
+  integer(c_int), parameter, public :: SHARDOPT_HYPER_MAX_GRAD_NORM = 5
+  integer(c_int), parameter, public :: SHARDOPT_HYPER_ADAM_MODE = 6
+  integer(c_int), parameter, public :: SHARDOPT_MEM_PARAMS = 0
+  integer(c_int), parameter, public :: SHARDOPT_MEM_GRADS = 1
+  integer(c_int), parameter, public :: SHARDOPT_MEM_MASTER = 2
+  integer(c_int), parameter, public :: SHARDOPT_MEM_MOMENTS = 3
+  integer(c_int), parameter, public :: SHARDOPT_MEM_SCRATCH = 4
+  integer(c_int), parameter, public :: SHARDOPT_MEM_TOTAL = 5
+  !> The default parameter group (group 0 of the C ABI).
+  integer, parameter, public :: SHARDOPT_DEFAULT_GROUP = 1
+
+  ! ---- types -----------------------------------------------------------------------------------
+  !> An optimizer; null until shardopt_create, null again after shardopt_destroy.
+  type, public :: shardopt_optimizer
+    private
+    type(c_ptr) :: ptr = c_null_ptr
+  end type shardopt_optimizer
+
+  !> Creation options (shardopt_config_t). Fill with shardopt_config_init, then change fields.
+  type, bind(c), public :: shardopt_config
+    integer(c_size_t) :: struct_size
+    integer(c_int) :: stage
+    integer(c_int) :: param_dtype
+    integer(c_int) :: device
+    integer(c_int) :: adam_mode
+    real(c_double) :: lr
+    real(c_double) :: beta1
+    real(c_double) :: beta2
+    real(c_double) :: eps
+    real(c_double) :: weight_decay
+    real(c_double) :: max_grad_norm
+    integer(c_size_t) :: bucket_elems
+  end type shardopt_config
+
+  !> What one step did (shardopt_step_result_t); clipped and skipped are 0 or 1.
+  type, bind(c), public :: shardopt_step_result
+    real(c_double) :: grad_norm
+    real(c_double) :: clip_coef
+    integer(c_int) :: clipped
+    integer(c_int) :: skipped
+    integer(c_int64_t) :: step
+  end type shardopt_step_result
+
+  ! ---- public procedures -----------------------------------------------------------------------
+  public :: shardopt_version, shardopt_version_string, shardopt_status_string, shardopt_last_error
+  public :: shardopt_bf16_to_real, shardopt_real_to_bf16
+  public :: shardopt_config_init, shardopt_create, shardopt_destroy, shardopt_is_null
+  public :: shardopt_add_group, shardopt_add_param, shardopt_finalize
+  public :: shardopt_comm_rank, shardopt_comm_size, shardopt_num_params, shardopt_param_numel
+  public :: shardopt_step_count
+  public :: shardopt_set_param, shardopt_get_master, shardopt_param, shardopt_param_bf16
+  public :: shardopt_grad, shardopt_accumulate_grad, shardopt_grad_ready
+  public :: shardopt_reduce_gradients, shardopt_zero_grad
+  public :: shardopt_step, shardopt_set_lr, shardopt_get_lr, shardopt_set_hyper, shardopt_get_hyper
+  public :: shardopt_set_group, shardopt_memory_usage
+
+  !> Registers a parameter; numel may be a default or a 64-bit integer.
+  interface shardopt_add_param
+    module procedure add_param_i32, add_param_i64
+  end interface shardopt_add_param
+  !> Sets a parameter from a rank-1 or rank-2 real(c_float) array (numel elements in all).
+  interface shardopt_set_param
+    module procedure set_param_r1, set_param_r2
+  end interface shardopt_set_param
+  !> Collective: the fp32 master weights into a rank-1 or rank-2 array.
+  interface shardopt_get_master
+    module procedure get_master_r1, get_master_r2
+  end interface shardopt_get_master
+  !> A pointer to the fp32 replica: rank 1 (numel), or rank 2 with `shape`.
+  interface shardopt_param
+    module procedure param_f32_r1, param_f32_r2
+  end interface shardopt_param
+  !> A pointer to the bf16 replica as integer(c_int16_t) bit patterns.
+  interface shardopt_param_bf16
+    module procedure param_bf16_r1, param_bf16_r2
+  end interface shardopt_param_bf16
+  !> A pointer to the fp32 gradient: rank 1 (numel), or rank 2 with `shape`.
+  interface shardopt_grad
+    module procedure grad_r1, grad_r2
+  end interface shardopt_grad
+  !> grad += src, from real(c_float) (rank 1 or 2) or bf16 bits (integer(c_int16_t)).
+  interface shardopt_accumulate_grad
+    module procedure accumulate_f32_r1, accumulate_f32_r2, accumulate_bf16_r1
+  end interface shardopt_accumulate_grad
+
+  ! ---- the C functions (private) ---------------------------------------------------------------
+  interface
+    function c_version() bind(c, name="shardopt_version")
+      import :: c_int
+      integer(c_int) :: c_version
+    end function
+    function c_version_string() bind(c, name="shardopt_version_string")
+      import :: c_ptr
+      type(c_ptr) :: c_version_string
+    end function
+    function c_status_string(s) bind(c, name="shardopt_status_string")
+      import :: c_int, c_ptr
+      integer(c_int), value :: s
+      type(c_ptr) :: c_status_string
+    end function
+    function c_last_error(opt) bind(c, name="shardopt_last_error")
+      import :: c_ptr
+      type(c_ptr), value :: opt
+      type(c_ptr) :: c_last_error
+    end function
+    pure function c_bf16_to_float(bits) bind(c, name="shardopt_bf16_to_float")
+      import :: c_int16_t, c_float
+      integer(c_int16_t), value :: bits
+      real(c_float) :: c_bf16_to_float
+    end function
+    pure function c_float_to_bf16(x) bind(c, name="shardopt_float_to_bf16")
+      import :: c_int16_t, c_float
+      real(c_float), value :: x
+      integer(c_int16_t) :: c_float_to_bf16
+    end function
+    function c_strlen(s) bind(c, name="strlen")
+      import :: c_ptr, c_size_t
+      type(c_ptr), value :: s
+      integer(c_size_t) :: c_strlen
+    end function
+    function c_config_init(cfg) bind(c, name="shardopt_config_init")
+      import :: c_int, shardopt_config
+      type(shardopt_config), intent(out) :: cfg
+      integer(c_int) :: c_config_init
+    end function
+    function c_create(opt, cfg) bind(c, name="shardopt_create")
+      import :: c_int, c_ptr, shardopt_config
+      type(c_ptr), intent(out) :: opt
+      type(shardopt_config), intent(in) :: cfg
+      integer(c_int) :: c_create
+    end function
+    function c_create_mpi_f(opt, comm, cfg) bind(c, name="shardopt_create_mpi_f")
+      import :: c_int, c_ptr, shardopt_config
+      type(c_ptr), intent(out) :: opt
+      integer(c_int), value :: comm
+      type(shardopt_config), intent(in) :: cfg
+      integer(c_int) :: c_create_mpi_f
+    end function
+    function c_destroy(opt) bind(c, name="shardopt_destroy")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int) :: c_destroy
+    end function
+    function c_add_group(opt, lr_scale, wd, group) bind(c, name="shardopt_add_group")
+      import :: c_int, c_ptr, c_double
+      type(c_ptr), value :: opt
+      real(c_double), value :: lr_scale
+      integer(c_int), value :: wd
+      integer(c_int), intent(out) :: group
+      integer(c_int) :: c_add_group
+    end function
+    function c_add_param(opt, name, numel, group, idx) bind(c, name="shardopt_add_param")
+      import :: c_int, c_ptr, c_char, c_size_t
+      type(c_ptr), value :: opt
+      character(kind=c_char), intent(in) :: name(*)
+      integer(c_size_t), value :: numel
+      integer(c_int), value :: group
+      integer(c_size_t), intent(out) :: idx
+      integer(c_int) :: c_add_param
+    end function
+    function c_finalize(opt) bind(c, name="shardopt_finalize")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int) :: c_finalize
+    end function
+    function c_comm_rank(opt, r) bind(c, name="shardopt_comm_rank")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int), intent(out) :: r
+      integer(c_int) :: c_comm_rank
+    end function
+    function c_comm_size(opt, n) bind(c, name="shardopt_comm_size")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int), intent(out) :: n
+      integer(c_int) :: c_comm_size
+    end function
+    function c_num_params(opt, n) bind(c, name="shardopt_num_params")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), intent(out) :: n
+      integer(c_int) :: c_num_params
+    end function
+    function c_param_numel(opt, idx, n) bind(c, name="shardopt_param_numel")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      integer(c_size_t), intent(out) :: n
+      integer(c_int) :: c_param_numel
+    end function
+    function c_step_count(opt, s) bind(c, name="shardopt_step_count")
+      import :: c_int, c_ptr, c_int64_t
+      type(c_ptr), value :: opt
+      integer(c_int64_t), intent(out) :: s
+      integer(c_int) :: c_step_count
+    end function
+    function c_set_param(opt, idx, v, n) bind(c, name="shardopt_set_param")
+      import :: c_int, c_ptr, c_size_t, c_float
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      real(c_float), intent(in) :: v(*)
+      integer(c_size_t), value :: n
+      integer(c_int) :: c_set_param
+    end function
+    function c_get_master(opt, idx, v, n) bind(c, name="shardopt_get_master")
+      import :: c_int, c_ptr, c_size_t, c_float
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      real(c_float), intent(inout) :: v(*)
+      integer(c_size_t), value :: n
+      integer(c_int) :: c_get_master
+    end function
+    function c_param_f32(opt, idx, p, n) bind(c, name="shardopt_param_f32")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      type(c_ptr), intent(out) :: p
+      integer(c_size_t), intent(out) :: n
+      integer(c_int) :: c_param_f32
+    end function
+    function c_param_bf16(opt, idx, p, n) bind(c, name="shardopt_param_bf16")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      type(c_ptr), intent(out) :: p
+      integer(c_size_t), intent(out) :: n
+      integer(c_int) :: c_param_bf16
+    end function
+    function c_grad(opt, idx, p, n) bind(c, name="shardopt_grad")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      type(c_ptr), intent(out) :: p
+      integer(c_size_t), intent(out) :: n
+      integer(c_int) :: c_grad
+    end function
+    function c_accumulate_f32(opt, idx, v, n) bind(c, name="shardopt_accumulate_grad_f32")
+      import :: c_int, c_ptr, c_size_t, c_float
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      real(c_float), intent(in) :: v(*)
+      integer(c_size_t), value :: n
+      integer(c_int) :: c_accumulate_f32
+    end function
+    function c_accumulate_bf16(opt, idx, v, n) bind(c, name="shardopt_accumulate_grad_bf16")
+      import :: c_int, c_ptr, c_size_t, c_int16_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      integer(c_int16_t), intent(in) :: v(*)
+      integer(c_size_t), value :: n
+      integer(c_int) :: c_accumulate_bf16
+    end function
+    function c_grad_ready(opt, idx) bind(c, name="shardopt_grad_ready")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      integer(c_int) :: c_grad_ready
+    end function
+    function c_reduce_gradients(opt) bind(c, name="shardopt_reduce_gradients")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int) :: c_reduce_gradients
+    end function
+    function c_zero_grad(opt) bind(c, name="shardopt_zero_grad")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int) :: c_zero_grad
+    end function
+    function c_step(opt, r) bind(c, name="shardopt_step")
+      import :: c_int, c_ptr, shardopt_step_result
+      type(c_ptr), value :: opt
+      type(shardopt_step_result), intent(out) :: r
+      integer(c_int) :: c_step
+    end function
+    function c_set_lr(opt, lr) bind(c, name="shardopt_set_lr")
+      import :: c_int, c_ptr, c_double
+      type(c_ptr), value :: opt
+      real(c_double), value :: lr
+      integer(c_int) :: c_set_lr
+    end function
+    function c_get_lr(opt, lr) bind(c, name="shardopt_get_lr")
+      import :: c_int, c_ptr, c_double
+      type(c_ptr), value :: opt
+      real(c_double), intent(out) :: lr
+      integer(c_int) :: c_get_lr
+    end function
+    function c_set_hyper(opt, key, v) bind(c, name="shardopt_set_hyper")
+      import :: c_int, c_ptr, c_double
+      type(c_ptr), value :: opt
+      integer(c_int), value :: key
+      real(c_double), value :: v
+      integer(c_int) :: c_set_hyper
+    end function
+    function c_get_hyper(opt, key, v) bind(c, name="shardopt_get_hyper")
+      import :: c_int, c_ptr, c_double
+      type(c_ptr), value :: opt
+      integer(c_int), value :: key
+      real(c_double), intent(out) :: v
+      integer(c_int) :: c_get_hyper
+    end function
+    function c_set_group(opt, group, lr_scale, wd) bind(c, name="shardopt_set_group")
+      import :: c_int, c_ptr, c_double
+      type(c_ptr), value :: opt
+      integer(c_int), value :: group
+      real(c_double), value :: lr_scale
+      integer(c_int), value :: wd
+      integer(c_int) :: c_set_group
+    end function
+    function c_memory_usage(opt, cat, bytes, peak) bind(c, name="shardopt_memory_usage")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_int), value :: cat
+      integer(c_size_t), intent(out) :: bytes, peak
+      integer(c_int) :: c_memory_usage
+    end function
+  end interface
+
+contains
+
+  ! ---- helpers -------------------------------------------------------------------------------
+
+  !> A copy of a NUL-terminated C string owned by the library.
+  function from_c(p) result(s)
+    type(c_ptr), intent(in) :: p
+    character(len=:), allocatable :: s
+    character(kind=c_char), pointer :: chars(:)
+    integer(c_size_t) :: n, k
+    if (.not. c_associated(p)) then
+      s = ''
+      return
+    end if
+    n = c_strlen(p)
+    call c_f_pointer(p, chars, [n])
+    allocate (character(len=n) :: s)
+    do k = 1, n
+      s(k:k) = chars(k)
+    end do
+  end function from_c
+
+  !> Sets status from a C code, and errmsg (when present) from the handle's last error.
+  subroutine finish(ptr, code, status, errmsg)
+    type(c_ptr), intent(in) :: ptr
+    integer(c_int), intent(in) :: code
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    status = int(code)
+    if (present(errmsg)) then
+      if (code == SHARDOPT_SUCCESS) then
+        errmsg = ''
+      else
+        errmsg = from_c(c_last_error(ptr))
+      end if
+    end if
+  end subroutine finish
+
+  !> The C (0-based) index of a 1-based Fortran index; a non-positive index maps to a huge
+  !> value that the library rejects with an error message.
+  pure function c_index(index) result(i)
+    integer, intent(in) :: index
+    integer(c_size_t) :: i
+    if (index >= 1) then
+      i = int(index - 1, c_size_t)
+    else
+      i = -1_c_size_t
+    end if
+  end function c_index
+
+  ! ---- version, errors, bf16 -----------------------------------------------------------------
+
+  !> The library's version code (major * 10000 + minor * 100 + patch).
+  integer function shardopt_version()
+    shardopt_version = int(c_version())
+  end function shardopt_version
+
+  function shardopt_version_string() result(s)
+    character(len=:), allocatable :: s
+    s = from_c(c_version_string())
+  end function shardopt_version_string
+
+  !> A description of a status code.
+  function shardopt_status_string(status) result(s)
+    integer, intent(in) :: status
+    character(len=:), allocatable :: s
+    s = from_c(c_status_string(int(status, c_int)))
+  end function shardopt_status_string
+
+  !> The last error of `opt`, or of this thread when opt is absent or null.
+  function shardopt_last_error(opt) result(s)
+    type(shardopt_optimizer), intent(in), optional :: opt
+    character(len=:), allocatable :: s
+    if (present(opt)) then
+      s = from_c(c_last_error(opt%ptr))
+    else
+      s = from_c(c_last_error(c_null_ptr))
+    end if
+  end function shardopt_last_error
+
+  !> bfloat16 bits -> real (exact).
+  elemental function shardopt_bf16_to_real(bits) result(x)
+    integer(c_int16_t), intent(in) :: bits
+    real(c_float) :: x
+    x = c_bf16_to_float(bits)
+  end function shardopt_bf16_to_real
+
+  !> real -> bfloat16 bits, round to nearest even.
+  elemental function shardopt_real_to_bf16(x) result(bits)
+    real(c_float), intent(in) :: x
+    integer(c_int16_t) :: bits
+    bits = c_float_to_bf16(x)
+  end function shardopt_real_to_bf16
+
+  ! ---- lifecycle -------------------------------------------------------------------------------
+
+  !> Fills cfg with the defaults (ZeRO-1, bf16 replica, AdamW, lr 1e-3, ...).
+  subroutine shardopt_config_init(cfg, status, errmsg)
+    type(shardopt_config), intent(out) :: cfg
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(c_null_ptr, c_config_init(cfg), status, errmsg)
+  end subroutine shardopt_config_init
+
+  !> Creates an optimizer: over the MPI communicator `comm` (an integer, as `use mpi` gives;
+  !> collective) or, without comm, for a single process. config defaults as shardopt_config_init.
+  subroutine shardopt_create(opt, status, config, comm, errmsg)
+    type(shardopt_optimizer), intent(inout) :: opt
+    integer, intent(out) :: status
+    type(shardopt_config), intent(in), optional :: config
+    integer, intent(in), optional :: comm
+    character(len=*), intent(out), optional :: errmsg
+    type(shardopt_config) :: cfg
+    integer(c_int) :: code
+    if (c_associated(opt%ptr)) then
+      status = SHARDOPT_ERROR_INVALID_STATE
+      if (present(errmsg)) errmsg = 'shardopt_create: the handle is in use; destroy it first'
+      return
+    end if
+    if (present(config)) then
+      cfg = config
+    else
+      code = c_config_init(cfg)
+    end if
+    if (present(comm)) then
+      code = c_create_mpi_f(opt%ptr, int(comm, c_int), cfg)
+    else
+      code = c_create(opt%ptr, cfg)
+    end if
+    call finish(c_null_ptr, code, status, errmsg)
+  end subroutine shardopt_create
+
+  !> Frees the optimizer and resets the handle to null (a null handle is accepted).
+  subroutine shardopt_destroy(opt, status, errmsg)
+    type(shardopt_optimizer), intent(inout) :: opt
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_int) :: code
+    code = c_destroy(opt%ptr)
+    if (code == SHARDOPT_SUCCESS) opt%ptr = c_null_ptr
+    call finish(c_null_ptr, code, status, errmsg)
+  end subroutine shardopt_destroy
+
+  !> True while the handle holds no optimizer.
+  logical function shardopt_is_null(opt)
+    type(shardopt_optimizer), intent(in) :: opt
+    shardopt_is_null = .not. c_associated(opt%ptr)
+  end function shardopt_is_null
+
+  !> Adds a parameter group (local, before finalize); group receives its 1-based index.
+  subroutine shardopt_add_group(opt, lr_scale, weight_decay, group, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    real(c_double), intent(in) :: lr_scale
+    logical, intent(in) :: weight_decay
+    integer, intent(out) :: group
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_int) :: g, code
+    g = -1
+    code = c_add_group(opt%ptr, lr_scale, merge(1_c_int, 0_c_int, weight_decay), g)
+    group = int(g) + 1
+    call finish(opt%ptr, code, status, errmsg)
+  end subroutine shardopt_add_group
+
+  subroutine add_param_i64(opt, name, numel, index, status, group, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    character(len=*), intent(in) :: name
+    integer(c_int64_t), intent(in) :: numel
+    integer, intent(out) :: index
+    integer, intent(out) :: status
+    integer, intent(in), optional :: group
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_size_t) :: idx
+    integer(c_int) :: g, code
+    g = 0
+    if (present(group)) g = int(group - 1, c_int)
+    idx = 0
+    if (numel < 0) then
+      code = c_add_param(opt%ptr, trim(name)//c_null_char, 0_c_size_t, g, idx)  ! size error
+    else
+      code = c_add_param(opt%ptr, trim(name)//c_null_char, int(numel, c_size_t), g, idx)
+    end if
+    index = int(idx) + 1
+    call finish(opt%ptr, code, status, errmsg)
+  end subroutine add_param_i64
+
+  subroutine add_param_i32(opt, name, numel, index, status, group, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    character(len=*), intent(in) :: name
+    integer(c_int), intent(in) :: numel
+    integer, intent(out) :: index
+    integer, intent(out) :: status
+    integer, intent(in), optional :: group
+    character(len=*), intent(out), optional :: errmsg
+    call add_param_i64(opt, name, int(numel, c_int64_t), index, status, group, errmsg)
+  end subroutine add_param_i32
+
+  !> Collective: lays out and allocates the buffers.
+  subroutine shardopt_finalize(opt, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_finalize(opt%ptr), status, errmsg)
+  end subroutine shardopt_finalize
+
+  ! ---- queries ---------------------------------------------------------------------------------
+
+  subroutine shardopt_comm_rank(opt, rank, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: rank
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_int) :: r
+    r = -1
+    call finish(opt%ptr, c_comm_rank(opt%ptr, r), status, errmsg)
+    rank = int(r)
+  end subroutine shardopt_comm_rank
+
+  subroutine shardopt_comm_size(opt, size, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: size
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_int) :: n
+    n = 0
+    call finish(opt%ptr, c_comm_size(opt%ptr, n), status, errmsg)
+    size = int(n)
+  end subroutine shardopt_comm_size
+
+  subroutine shardopt_num_params(opt, count, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: count
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_size_t) :: n
+    n = 0
+    call finish(opt%ptr, c_num_params(opt%ptr, n), status, errmsg)
+    count = int(n)
+  end subroutine shardopt_num_params
+
+  subroutine shardopt_param_numel(opt, index, numel, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    integer(c_int64_t), intent(out) :: numel
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_size_t) :: n
+    n = 0
+    call finish(opt%ptr, c_param_numel(opt%ptr, c_index(index), n), status, errmsg)
+    numel = int(n, c_int64_t)
+  end subroutine shardopt_param_numel
+
+  subroutine shardopt_step_count(opt, step, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer(c_int64_t), intent(out) :: step
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    step = 0
+    call finish(opt%ptr, c_step_count(opt%ptr, step), status, errmsg)
+  end subroutine shardopt_step_count
+
+  ! ---- parameters --------------------------------------------------------------------------------
+
+  subroutine set_param_r1(opt, index, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(in) :: values(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_set_param(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine set_param_r1
+
+  subroutine set_param_r2(opt, index, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(in) :: values(:, :)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_set_param(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine set_param_r2
+
+  subroutine get_master_r1(opt, index, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(inout) :: values(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_get_master(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine get_master_r1
+
+  subroutine get_master_r2(opt, index, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(inout) :: values(:, :)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_get_master(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine get_master_r2
+
+  !> Checks that a requested rank-2 shape holds exactly numel elements.
+  subroutine check_shape(what, shape, numel, status, errmsg)
+    character(len=*), intent(in) :: what
+    integer, intent(in) :: shape(2)
+    integer(c_size_t), intent(in) :: numel
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    character(len=96) :: detail
+    status = SHARDOPT_SUCCESS
+    if (present(errmsg)) errmsg = ''
+    if (all(shape >= 0)) then
+      if (int(shape(1), c_int64_t) * int(shape(2), c_int64_t) == int(numel, c_int64_t)) return
+    end if
+    status = SHARDOPT_ERROR_INVALID_ARGUMENT
+    if (present(errmsg)) then
+      write (detail, '(a,i0,a,i0,a,i0,a)') ' shape (', shape(1), ', ', shape(2), &
+        ') does not hold the parameter''s ', numel, ' elements'
+      errmsg = what//':'//trim(detail)
+    end if
+  end subroutine check_shape
+
+  subroutine param_f32_r1(opt, index, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), pointer, intent(out) :: values(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    type(c_ptr) :: p
+    integer(c_size_t) :: n
+    nullify (values)
+    call finish(opt%ptr, c_param_f32(opt%ptr, c_index(index), p, n), status, errmsg)
+    if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, values, [n])
+  end subroutine param_f32_r1
+
+  subroutine param_f32_r2(opt, index, values, shape, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), pointer, intent(out) :: values(:, :)
+    integer, intent(in) :: shape(2)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    type(c_ptr) :: p
+    integer(c_size_t) :: n
+    nullify (values)
+    call finish(opt%ptr, c_param_f32(opt%ptr, c_index(index), p, n), status, errmsg)
+    if (status /= SHARDOPT_SUCCESS) return
+    call check_shape('shardopt_param', shape, n, status, errmsg)
+    if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, values, shape)
+  end subroutine param_f32_r2
+
+  subroutine param_bf16_r1(opt, index, bits, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    integer(c_int16_t), pointer, intent(out) :: bits(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    type(c_ptr) :: p
+    integer(c_size_t) :: n
+    nullify (bits)
+    call finish(opt%ptr, c_param_bf16(opt%ptr, c_index(index), p, n), status, errmsg)
+    if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, bits, [n])
+  end subroutine param_bf16_r1
+
+  subroutine param_bf16_r2(opt, index, bits, shape, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    integer(c_int16_t), pointer, intent(out) :: bits(:, :)
+    integer, intent(in) :: shape(2)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    type(c_ptr) :: p
+    integer(c_size_t) :: n
+    nullify (bits)
+    call finish(opt%ptr, c_param_bf16(opt%ptr, c_index(index), p, n), status, errmsg)
+    if (status /= SHARDOPT_SUCCESS) return
+    call check_shape('shardopt_param_bf16', shape, n, status, errmsg)
+    if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, bits, shape)
+  end subroutine param_bf16_r2
+
+  ! ---- gradients ---------------------------------------------------------------------------------
+
+  subroutine grad_r1(opt, index, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), pointer, intent(out) :: values(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    type(c_ptr) :: p
+    integer(c_size_t) :: n
+    nullify (values)
+    call finish(opt%ptr, c_grad(opt%ptr, c_index(index), p, n), status, errmsg)
+    if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, values, [n])
+  end subroutine grad_r1
+
+  subroutine grad_r2(opt, index, values, shape, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), pointer, intent(out) :: values(:, :)
+    integer, intent(in) :: shape(2)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    type(c_ptr) :: p
+    integer(c_size_t) :: n
+    nullify (values)
+    call finish(opt%ptr, c_grad(opt%ptr, c_index(index), p, n), status, errmsg)
+    if (status /= SHARDOPT_SUCCESS) return
+    call check_shape('shardopt_grad', shape, n, status, errmsg)
+    if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, values, shape)
+  end subroutine grad_r2
+
+  subroutine accumulate_f32_r1(opt, index, src, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(in) :: src(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_accumulate_f32(opt%ptr, c_index(index), src, size(src, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine accumulate_f32_r1
+
+  subroutine accumulate_f32_r2(opt, index, src, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(in) :: src(:, :)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_accumulate_f32(opt%ptr, c_index(index), src, size(src, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine accumulate_f32_r2
+
+  subroutine accumulate_bf16_r1(opt, index, src, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    integer(c_int16_t), intent(in) :: src(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_accumulate_bf16(opt%ptr, c_index(index), src, size(src, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine accumulate_bf16_r1
+
+  !> Stage 2: parameter `index`'s gradient is complete (no-op at stages 0/1).
+  subroutine shardopt_grad_ready(opt, index, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_grad_ready(opt%ptr, c_index(index)), status, errmsg)
+  end subroutine shardopt_grad_ready
+
+  !> Collective (stage 2): reduces the buckets not yet reduced.
+  subroutine shardopt_reduce_gradients(opt, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_reduce_gradients(opt%ptr), status, errmsg)
+  end subroutine shardopt_reduce_gradients
+
+  subroutine shardopt_zero_grad(opt, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_zero_grad(opt%ptr), status, errmsg)
+  end subroutine shardopt_zero_grad
+
+  ! ---- the step and hyperparameters --------------------------------------------------------------
+
+  !> Collective: one optimizer step; result (optional) says what it did.
+  subroutine shardopt_step(opt, status, result, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: status
+    type(shardopt_step_result), intent(out), optional :: result
+    character(len=*), intent(out), optional :: errmsg
+    type(shardopt_step_result) :: r
+    call finish(opt%ptr, c_step(opt%ptr, r), status, errmsg)
+    if (present(result)) result = r
+  end subroutine shardopt_step
+
+  subroutine shardopt_set_lr(opt, lr, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    real(c_double), intent(in) :: lr
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_set_lr(opt%ptr, lr), status, errmsg)
+  end subroutine shardopt_set_lr
+
+  subroutine shardopt_get_lr(opt, lr, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    real(c_double), intent(out) :: lr
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    lr = 0
+    call finish(opt%ptr, c_get_lr(opt%ptr, lr), status, errmsg)
+  end subroutine shardopt_get_lr
+
+  subroutine shardopt_set_hyper(opt, key, value, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer(c_int), intent(in) :: key
+    real(c_double), intent(in) :: value
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_set_hyper(opt%ptr, key, value), status, errmsg)
+  end subroutine shardopt_set_hyper
+
+  subroutine shardopt_get_hyper(opt, key, value, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer(c_int), intent(in) :: key
+    real(c_double), intent(out) :: value
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    value = 0
+    call finish(opt%ptr, c_get_hyper(opt%ptr, key, value), status, errmsg)
+  end subroutine shardopt_get_hyper
+
+  !> Changes group `group` (1-based) options.
+  subroutine shardopt_set_group(opt, group, lr_scale, weight_decay, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: group
+    real(c_double), intent(in) :: lr_scale
+    logical, intent(in) :: weight_decay
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_set_group(opt%ptr, int(group - 1, c_int), lr_scale, &
+                                     merge(1_c_int, 0_c_int, weight_decay)), status, errmsg)
+  end subroutine shardopt_set_group
+
+  !> Bytes held now (and, optionally, at most) in one SHARDOPT_MEM_* category.
+  subroutine shardopt_memory_usage(opt, category, bytes, status, peak, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer(c_int), intent(in) :: category
+    integer(c_int64_t), intent(out) :: bytes
+    integer, intent(out) :: status
+    integer(c_int64_t), intent(out), optional :: peak
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_size_t) :: b, p
+    b = 0
+    p = 0
+    call finish(opt%ptr, c_memory_usage(opt%ptr, category, b, p), status, errmsg)
+    bytes = int(b, c_int64_t)
+    if (present(peak)) peak = int(p, c_int64_t)
+  end subroutine shardopt_memory_usage
+
+end module shardopt

@@ -1,0 +1,439 @@
+// test_c_api.cpp: the C ABI (shardopt.h) called from C++: every misuse returns a status with a
+// message naming the call and never crashes; training through it equals the C++ API's.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shardopt/optimizer.hpp"
+#include "shardopt/shardopt.h"
+#include "support/reference.hpp"
+
+namespace {
+
+using shardopt::test::synth;
+
+std::string last(shardopt_optimizer_t opt) { return shardopt_last_error(opt); }
+
+shardopt_config_t config(int stage, int dtype) {
+  shardopt_config_t c;
+  EXPECT_EQ(shardopt_config_init(&c), SHARDOPT_SUCCESS);
+  c.stage = stage;
+  c.param_dtype = dtype;
+  c.lr = 1e-2;
+  c.max_grad_norm = 1.0;
+  c.bucket_elems = 128;
+  return c;
+}
+
+// An optimizer with params "a" (100 elements) and "b" (7, in a no-decay group), finalized or not.
+struct Fixture {
+  shardopt_optimizer_t opt = nullptr;
+  explicit Fixture(bool finalize = true, int stage = SHARDOPT_STAGE_ZERO1,
+                   int dtype = SHARDOPT_DTYPE_F32) {
+    const shardopt_config_t c = config(stage, dtype);
+    EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+    int g = -1;
+    EXPECT_EQ(shardopt_add_group(opt, 1.0, 0, &g), SHARDOPT_SUCCESS);
+    EXPECT_EQ(g, 1);
+    EXPECT_EQ(shardopt_add_param(opt, "a", 100, 0, nullptr), SHARDOPT_SUCCESS);
+    EXPECT_EQ(shardopt_add_param(opt, "b", 7, g, nullptr), SHARDOPT_SUCCESS);
+    if (finalize) EXPECT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS);
+  }
+  ~Fixture() { EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS); }
+};
+
+// Expects `status` and a last-error message that names `fn` and contains `reason`.
+#define EXPECT_FAILS(call, status, fn, reason)                                    \
+  do {                                                                            \
+    EXPECT_EQ((call), (status));                                                  \
+    const std::string msg_ = shardopt_last_error(nullptr);                        \
+    EXPECT_NE(msg_.find(fn), std::string::npos) << msg_;                          \
+    EXPECT_NE(msg_.find(reason), std::string::npos) << msg_;                      \
+  } while (0)
+
+TEST(CApi, VersionMatchesHeader) {
+  EXPECT_EQ(shardopt_version(), SHARDOPT_VERSION_CODE);
+  EXPECT_STREQ(shardopt_version_string(), SHARDOPT_VERSION_STRING);
+  EXPECT_EQ(SHARDOPT_VERSION_CODE,
+            SHARDOPT_VERSION_MAJOR * 10000 + SHARDOPT_VERSION_MINOR * 100 + SHARDOPT_VERSION_PATCH);
+}
+
+TEST(CApi, StatusStringsAndCategoryNames) {
+  EXPECT_STREQ(shardopt_status_string(SHARDOPT_SUCCESS), "ok");
+  EXPECT_STREQ(shardopt_status_string(SHARDOPT_ERROR_INVALID_STATE), "invalid state");
+  for (int s = 0; s <= SHARDOPT_ERROR_INTERNAL; ++s)
+    EXPECT_STRNE(shardopt_status_string(static_cast<shardopt_status_t>(s)), "unknown status");
+  EXPECT_STREQ(shardopt_status_string(static_cast<shardopt_status_t>(12)), "unknown status");
+  EXPECT_STREQ(shardopt_status_string(static_cast<shardopt_status_t>(-1)), "unknown status");
+  EXPECT_STREQ(shardopt_mem_category_name(SHARDOPT_MEM_MOMENTS), "moments");
+  EXPECT_STREQ(shardopt_mem_category_name(SHARDOPT_MEM_TOTAL), "total");
+  EXPECT_STREQ(shardopt_mem_category_name(static_cast<shardopt_mem_category_t>(42)), "?");
+}
+
+TEST(CApi, Bf16Helpers) {
+  EXPECT_EQ(shardopt_float_to_bf16(1.0f), 0x3F80);
+  EXPECT_EQ(shardopt_bf16_to_float(0xC040), -3.0f);
+  // 1 + 2^-8 lies half-way between two bf16 values: ties go to the even one (1.0).
+  EXPECT_EQ(shardopt_float_to_bf16(1.00390625f), 0x3F80);
+  EXPECT_TRUE(std::isnan(shardopt_bf16_to_float(shardopt_float_to_bf16(NAN))));
+}
+
+TEST(CApi, NullHandleIsAnErrorEverywhere) {
+  float f = 0;
+  float* fp = nullptr;
+  const float* cfp = nullptr;
+  const std::uint16_t* hp = nullptr;
+  std::size_t n = 0;
+  int i = 0;
+  double d = 0;
+  std::int64_t s = 0;
+  shardopt_step_result_t r;
+  const auto bad = SHARDOPT_ERROR_INVALID_ARGUMENT;
+  EXPECT_FAILS(shardopt_add_group(nullptr, 1, 1, &i), bad, "shardopt_add_group", "handle is NULL");
+  EXPECT_FAILS(shardopt_add_param(nullptr, "x", 1, 0, &n), bad, "shardopt_add_param", "NULL");
+  EXPECT_FAILS(shardopt_finalize(nullptr), bad, "shardopt_finalize", "NULL");
+  EXPECT_FAILS(shardopt_comm_rank(nullptr, &i), bad, "shardopt_comm_rank", "NULL");
+  EXPECT_FAILS(shardopt_comm_size(nullptr, &i), bad, "shardopt_comm_size", "NULL");
+  EXPECT_FAILS(shardopt_num_params(nullptr, &n), bad, "shardopt_num_params", "NULL");
+  EXPECT_FAILS(shardopt_param_numel(nullptr, 0, &n), bad, "shardopt_param_numel", "NULL");
+  EXPECT_FAILS(shardopt_param_index(nullptr, "x", &n), bad, "shardopt_param_index", "NULL");
+  EXPECT_FAILS(shardopt_step_count(nullptr, &s), bad, "shardopt_step_count", "NULL");
+  EXPECT_FAILS(shardopt_set_param(nullptr, 0, &f, 1), bad, "shardopt_set_param", "NULL");
+  EXPECT_FAILS(shardopt_get_master(nullptr, 0, &f, 1), bad, "shardopt_get_master", "NULL");
+  EXPECT_FAILS(shardopt_param_f32(nullptr, 0, &cfp, &n), bad, "shardopt_param_f32", "NULL");
+  EXPECT_FAILS(shardopt_param_bf16(nullptr, 0, &hp, &n), bad, "shardopt_param_bf16", "NULL");
+  EXPECT_FAILS(shardopt_grad(nullptr, 0, &fp, &n), bad, "shardopt_grad", "NULL");
+  EXPECT_FAILS(shardopt_accumulate_grad_f32(nullptr, 0, &f, 1), bad, "accumulate_grad_f32", "NULL");
+  EXPECT_FAILS(shardopt_accumulate_grad_bf16(nullptr, 0, nullptr, 0), bad, "accumulate_grad_bf16", "NULL");
+  EXPECT_FAILS(shardopt_grad_ready(nullptr, 0), bad, "shardopt_grad_ready", "NULL");
+  EXPECT_FAILS(shardopt_reduce_gradients(nullptr), bad, "shardopt_reduce_gradients", "NULL");
+  EXPECT_FAILS(shardopt_zero_grad(nullptr), bad, "shardopt_zero_grad", "NULL");
+  EXPECT_FAILS(shardopt_step(nullptr, &r), bad, "shardopt_step", "NULL");
+  EXPECT_FAILS(shardopt_set_lr(nullptr, 1), bad, "shardopt_set_lr", "NULL");
+  EXPECT_FAILS(shardopt_get_lr(nullptr, &d), bad, "shardopt_get_lr", "NULL");
+  EXPECT_FAILS(shardopt_set_hyper(nullptr, SHARDOPT_HYPER_EPS, 1), bad, "shardopt_set_hyper", "NULL");
+  EXPECT_FAILS(shardopt_get_hyper(nullptr, SHARDOPT_HYPER_EPS, &d), bad, "shardopt_get_hyper", "NULL");
+  EXPECT_FAILS(shardopt_set_group(nullptr, 0, 1, 1), bad, "shardopt_set_group", "NULL");
+  EXPECT_FAILS(shardopt_memory_usage(nullptr, SHARDOPT_MEM_TOTAL, &n, &n), bad, "shardopt_memory_usage", "NULL");
+  EXPECT_EQ(shardopt_destroy(nullptr), SHARDOPT_SUCCESS);  // like free(NULL)
+  EXPECT_EQ(shardopt_config_init(nullptr), bad);
+}
+
+TEST(CApi, DestroyedOrForeignHandleIsRejected) {
+  shardopt_optimizer_t opt = nullptr;
+  ASSERT_EQ(shardopt_create(&opt, nullptr), SHARDOPT_SUCCESS);
+  ASSERT_NE(opt, nullptr);
+  ASSERT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  EXPECT_FAILS(shardopt_finalize(opt), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_finalize",
+               "not a live handle");
+  EXPECT_FAILS(shardopt_destroy(opt), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_destroy",
+               "not a live handle");
+  // Any pointer that did not come from shardopt_create is refused without being read.
+  int not_a_handle = 7;
+  EXPECT_EQ(shardopt_step(reinterpret_cast<shardopt_optimizer_t>(&not_a_handle), nullptr),
+            SHARDOPT_ERROR_INVALID_ARGUMENT);
+}
+
+TEST(CApi, CreateRejectsBadConfigAndNullOutput) {
+  shardopt_optimizer_t opt = reinterpret_cast<shardopt_optimizer_t>(0x1);
+  shardopt_config_t c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_BF16);
+  c.struct_size = 3;  // not initialised by shardopt_config_init
+  EXPECT_FAILS(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_create",
+               "shardopt_config_init");
+  EXPECT_EQ(opt, nullptr);  // set to NULL on failure
+  for (auto [field, value] : {std::pair{&shardopt_config_t::stage, 3},
+                              std::pair{&shardopt_config_t::param_dtype, 2},
+                              std::pair{&shardopt_config_t::device, -1},
+                              std::pair{&shardopt_config_t::adam_mode, 5}}) {
+    c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_BF16);
+    c.*field = value;
+    EXPECT_FAILS(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_create", "config->");
+  }
+  c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_BF16);
+  c.beta1 = 1.0;  // validated by the C++ layer
+  EXPECT_FAILS(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_create", "beta1");
+  c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_BF16);
+  EXPECT_FAILS(shardopt_create(nullptr, &c), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_create",
+               "output handle pointer is NULL");
+}
+
+TEST(CApi, CallsInTheWrongOrder) {
+  Fixture f(/*finalize=*/false);
+  float v[100] = {};
+  float* g = nullptr;
+  const float* p = nullptr;
+  const auto state = SHARDOPT_ERROR_INVALID_STATE;
+  EXPECT_FAILS(shardopt_step(f.opt, nullptr), state, "shardopt_step", "finalize");
+  EXPECT_FAILS(shardopt_set_param(f.opt, 0, v, 100), state, "shardopt_set_param", "finalize");
+  EXPECT_FAILS(shardopt_get_master(f.opt, 0, v, 100), state, "shardopt_get_master", "finalize");
+  EXPECT_FAILS(shardopt_param_f32(f.opt, 0, &p, nullptr), state, "shardopt_param_f32", "finalize");
+  EXPECT_FAILS(shardopt_grad(f.opt, 0, &g, nullptr), state, "shardopt_grad", "finalize");
+  EXPECT_FAILS(shardopt_zero_grad(f.opt), state, "shardopt_zero_grad", "finalize");
+  EXPECT_FAILS(shardopt_grad_ready(f.opt, 0), state, "shardopt_grad_ready", "finalize");
+  ASSERT_EQ(shardopt_finalize(f.opt), SHARDOPT_SUCCESS);
+  EXPECT_FAILS(shardopt_finalize(f.opt), state, "shardopt_finalize", "already finalized");
+  EXPECT_FAILS(shardopt_add_param(f.opt, "c", 3, 0, nullptr), state, "shardopt_add_param", "already");
+  EXPECT_FAILS(shardopt_add_group(f.opt, 1, 1, nullptr), state, "shardopt_add_group", "already");
+  // The handle's own message is the same; it survives later successful calls.
+  EXPECT_NE(last(f.opt).find("shardopt_add_group"), std::string::npos);
+  EXPECT_EQ(shardopt_zero_grad(f.opt), SHARDOPT_SUCCESS);
+  EXPECT_NE(last(f.opt).find("shardopt_add_group"), std::string::npos);
+}
+
+TEST(CApi, BadIndicesNamesAndGroups) {
+  Fixture f;
+  float v[100] = {};
+  float* g = nullptr;
+  const float* p = nullptr;
+  std::size_t n = 0;
+  const auto bad = SHARDOPT_ERROR_INVALID_ARGUMENT;
+  EXPECT_FAILS(shardopt_set_param(f.opt, 2, v, 7), bad, "shardopt_set_param", "index");
+  EXPECT_FAILS(shardopt_get_master(f.opt, 99, v, 7), bad, "shardopt_get_master", "index");
+  EXPECT_FAILS(shardopt_param_f32(f.opt, SIZE_MAX, &p, &n), bad, "shardopt_param_f32", "index");
+  EXPECT_FAILS(shardopt_grad(f.opt, 2, &g, &n), bad, "shardopt_grad", "index");
+  EXPECT_FAILS(shardopt_accumulate_grad_f32(f.opt, 5, v, 7), bad, "accumulate_grad_f32", "index");
+  EXPECT_FAILS(shardopt_grad_ready(f.opt, 2), bad, "shardopt_grad_ready", "index");
+  EXPECT_FAILS(shardopt_param_numel(f.opt, 2, &n), bad, "shardopt_param_numel", "index");
+  EXPECT_FAILS(shardopt_param_index(f.opt, "zz", &n), bad, "shardopt_param_index", "'zz'");
+  EXPECT_FAILS(shardopt_param_index(f.opt, nullptr, &n), bad, "shardopt_param_index", "name is NULL");
+  EXPECT_FAILS(shardopt_set_group(f.opt, 2, 1.0, 1), bad, "shardopt_set_group", "no group 2");
+  EXPECT_FAILS(shardopt_set_group(f.opt, -1, 1.0, 1), bad, "shardopt_set_group", "no group");
+  EXPECT_FAILS(shardopt_set_group(f.opt, 1, -1.0, 1), bad, "shardopt_set_group", "lr_scale");
+  EXPECT_FAILS(shardopt_set_group(f.opt, 1, 1.0, 2), bad, "shardopt_set_group", "weight_decay");
+  EXPECT_FAILS(shardopt_memory_usage(f.opt, static_cast<shardopt_mem_category_t>(6), &n, nullptr),
+               bad, "shardopt_memory_usage", "category");
+  EXPECT_EQ(shardopt_param_index(f.opt, "b", &n), SHARDOPT_SUCCESS);
+  EXPECT_EQ(n, 1u);
+}
+
+TEST(CApi, RegistrationErrors) {
+  Fixture f(/*finalize=*/false);
+  const auto bad = SHARDOPT_ERROR_INVALID_ARGUMENT;
+  EXPECT_FAILS(shardopt_add_param(f.opt, nullptr, 3, 0, nullptr), bad, "shardopt_add_param", "name is NULL");
+  EXPECT_FAILS(shardopt_add_param(f.opt, "", 3, 0, nullptr), bad, "shardopt_add_param", "empty");
+  EXPECT_FAILS(shardopt_add_param(f.opt, "a", 3, 0, nullptr), bad, "shardopt_add_param", "a");
+  EXPECT_FAILS(shardopt_add_param(f.opt, "z", 0, 0, nullptr), bad, "shardopt_add_param", "z");
+  EXPECT_FAILS(shardopt_add_param(f.opt, "z", 3, 7, nullptr), bad, "shardopt_add_param", "group 7");
+  EXPECT_FAILS(shardopt_add_group(f.opt, -2.0, 1, nullptr), bad, "shardopt_add_group", "lr_scale");
+  EXPECT_FAILS(shardopt_add_group(f.opt, 1.0, 3, nullptr), bad, "shardopt_add_group", "weight_decay");
+  std::size_t n = 0;
+  EXPECT_EQ(shardopt_num_params(f.opt, &n), SHARDOPT_SUCCESS);
+  EXPECT_EQ(n, 2u);  // failed registrations left nothing behind
+}
+
+TEST(CApi, WrongSizesAndNullBuffers) {
+  Fixture f;
+  std::vector<float> v(101);
+  std::vector<std::uint16_t> h(101);
+  const auto bad = SHARDOPT_ERROR_INVALID_ARGUMENT;
+  EXPECT_FAILS(shardopt_set_param(f.opt, 0, v.data(), 99), bad, "shardopt_set_param", "100 elements");
+  EXPECT_FAILS(shardopt_set_param(f.opt, 0, nullptr, 100), bad, "shardopt_set_param", "values is NULL");
+  EXPECT_FAILS(shardopt_get_master(f.opt, 1, v.data(), 101), bad, "shardopt_get_master", "7 elements");
+  EXPECT_FAILS(shardopt_get_master(f.opt, 1, nullptr, 7), bad, "shardopt_get_master", "out is NULL");
+  EXPECT_FAILS(shardopt_accumulate_grad_f32(f.opt, 0, v.data(), 101), bad, "accumulate_grad_f32", "100");
+  EXPECT_FAILS(shardopt_accumulate_grad_bf16(f.opt, 0, h.data(), 1), bad, "accumulate_grad_bf16", "100");
+  EXPECT_FAILS(shardopt_accumulate_grad_f32(f.opt, 0, nullptr, 100), bad, "accumulate_grad_f32", "src is NULL");
+  EXPECT_FAILS(shardopt_grad(f.opt, 0, nullptr, nullptr), bad, "shardopt_grad", "data is NULL");
+  EXPECT_FAILS(shardopt_comm_rank(f.opt, nullptr), bad, "shardopt_comm_rank", "rank is NULL");
+  EXPECT_FAILS(shardopt_get_lr(f.opt, nullptr), bad, "shardopt_get_lr", "lr is NULL");
+  // The replica's dtype is fp32 here: the bf16 view is refused.
+  const std::uint16_t* hp = nullptr;
+  EXPECT_FAILS(shardopt_param_bf16(f.opt, 0, &hp, nullptr), bad, "shardopt_param_bf16", "fp32");
+  EXPECT_EQ(hp, nullptr);  // outputs untouched on failure
+}
+
+TEST(CApi, HyperparametersAndLearningRate) {
+  Fixture f;
+  double v = 0;
+  EXPECT_EQ(shardopt_set_lr(f.opt, 0.25), SHARDOPT_SUCCESS);
+  EXPECT_EQ(shardopt_get_lr(f.opt, &v), SHARDOPT_SUCCESS);
+  EXPECT_EQ(v, 0.25);
+  EXPECT_FAILS(shardopt_set_lr(f.opt, -1.0), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_set_lr", "learning rate");
+  EXPECT_FAILS(shardopt_set_lr(f.opt, NAN), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_set_lr", "learning rate");
+  EXPECT_EQ(shardopt_get_lr(f.opt, &v), SHARDOPT_SUCCESS);
+  EXPECT_EQ(v, 0.25);  // unchanged by the refused values
+  const std::pair<shardopt_hyper_t, double> ok[] = {
+      {SHARDOPT_HYPER_BETA1, 0.8}, {SHARDOPT_HYPER_BETA2, 0.95}, {SHARDOPT_HYPER_EPS, 1e-6},
+      {SHARDOPT_HYPER_WEIGHT_DECAY, 0.1}, {SHARDOPT_HYPER_MAX_GRAD_NORM, 2.0},
+      {SHARDOPT_HYPER_ADAM_MODE, 1.0}, {SHARDOPT_HYPER_LR, 0.5}};
+  for (auto [key, value] : ok) {
+    EXPECT_EQ(shardopt_set_hyper(f.opt, key, value), SHARDOPT_SUCCESS) << key;
+    EXPECT_EQ(shardopt_get_hyper(f.opt, key, &v), SHARDOPT_SUCCESS);
+    EXPECT_EQ(v, value) << key;
+  }
+  const std::pair<shardopt_hyper_t, double> refused[] = {
+      {SHARDOPT_HYPER_BETA1, 1.0}, {SHARDOPT_HYPER_BETA2, -0.1}, {SHARDOPT_HYPER_EPS, 0.0},
+      {SHARDOPT_HYPER_WEIGHT_DECAY, -1.0}, {SHARDOPT_HYPER_MAX_GRAD_NORM, INFINITY},
+      {SHARDOPT_HYPER_ADAM_MODE, 0.5}, {static_cast<shardopt_hyper_t>(17), 1.0}};
+  for (auto [key, value] : refused)
+    EXPECT_FAILS(shardopt_set_hyper(f.opt, key, value), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_set_hyper", "");
+  EXPECT_FAILS(shardopt_get_hyper(f.opt, static_cast<shardopt_hyper_t>(-3), &v),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_hyper", "unknown hyperparameter");
+  EXPECT_EQ(shardopt_get_hyper(f.opt, SHARDOPT_HYPER_BETA1, &v), SHARDOPT_SUCCESS);
+  EXPECT_EQ(v, 0.8);
+}
+
+TEST(CApi, MemoryReportMatchesCategories) {
+  Fixture f(true, SHARDOPT_STAGE_ZERO2, SHARDOPT_DTYPE_BF16);
+  std::size_t total = 0, peak = 0, sum = 0;
+  for (int c = SHARDOPT_MEM_PARAMS; c < SHARDOPT_MEM_TOTAL; ++c) {
+    std::size_t b = 0;
+    ASSERT_EQ(shardopt_memory_usage(f.opt, static_cast<shardopt_mem_category_t>(c), &b, nullptr), SHARDOPT_SUCCESS);
+    EXPECT_GT(b, 0u) << shardopt_mem_category_name(static_cast<shardopt_mem_category_t>(c));
+    sum += b;
+  }
+  ASSERT_EQ(shardopt_memory_usage(f.opt, SHARDOPT_MEM_TOTAL, &total, &peak), SHARDOPT_SUCCESS);
+  EXPECT_EQ(total, sum);
+  EXPECT_GE(peak, total);
+  std::size_t params = 0;
+  ASSERT_EQ(shardopt_memory_usage(f.opt, SHARDOPT_MEM_PARAMS, &params, nullptr), SHARDOPT_SUCCESS);
+  EXPECT_EQ(params, 192u * 2);  // a: 100 -> 128 aligned, b: 7 -> padded to 192 bf16 elements
+}
+
+TEST(CApi, LastErrorIsPerHandleAndPerThread) {
+  Fixture a, b;
+  EXPECT_EQ(shardopt_set_lr(a.opt, -1), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(shardopt_grad_ready(b.opt, 9), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last(a.opt).find("shardopt_set_lr"), std::string::npos);
+  EXPECT_NE(last(b.opt).find("shardopt_grad_ready"), std::string::npos);
+  EXPECT_NE(last(nullptr).find("shardopt_grad_ready"), std::string::npos);
+  std::string other_thread;
+  std::thread([&] {
+    other_thread = shardopt_last_error(nullptr);
+    EXPECT_EQ(shardopt_finalize(nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  }).join();
+  EXPECT_EQ(other_thread, "");  // a fresh thread has no error yet
+  EXPECT_NE(last(nullptr).find("shardopt_grad_ready"), std::string::npos);  // not overwritten
+}
+
+TEST(CApi, MpiCreationWithoutMpiFailsCleanly) {
+  shardopt_optimizer_t opt = nullptr;
+  const shardopt_status_t s = shardopt_create_mpi_f(&opt, 0, nullptr);
+  // This binary never initialises MPI: an error (or "not built in"), never a crash.
+  EXPECT_TRUE(s == SHARDOPT_ERROR_INVALID_STATE || s == SHARDOPT_ERROR_UNSUPPORTED) << s;
+  EXPECT_EQ(opt, nullptr);
+  EXPECT_NE(last(nullptr).find("shardopt_create_mpi_f"), std::string::npos);
+}
+
+TEST(CApi, StepReportsClippingAndSkipping) {
+  Fixture f;
+  shardopt_step_result_t r{};
+  float* g = nullptr;
+  std::size_t n = 0;
+  ASSERT_EQ(shardopt_grad(f.opt, 0, &g, &n), SHARDOPT_SUCCESS);
+  for (std::size_t k = 0; k < n; ++k) g[k] = 1.0f;  // norm 10 > max_grad_norm 1
+  ASSERT_EQ(shardopt_step(f.opt, &r), SHARDOPT_SUCCESS);
+  EXPECT_EQ(r.clipped, 1);
+  EXPECT_EQ(r.skipped, 0);
+  EXPECT_NEAR(r.grad_norm, 10.0, 1e-9);
+  EXPECT_NEAR(r.clip_coef, 1.0 / (10.0 + 1e-6), 1e-12);
+  EXPECT_EQ(r.step, 1);
+  ASSERT_EQ(shardopt_grad(f.opt, 1, &g, &n), SHARDOPT_SUCCESS);
+  g[3] = NAN;
+  ASSERT_EQ(shardopt_step(f.opt, &r), SHARDOPT_SUCCESS);
+  EXPECT_EQ(r.skipped, 1);
+  std::int64_t steps = -1;
+  EXPECT_EQ(shardopt_step_count(f.opt, &steps), SHARDOPT_SUCCESS);
+  EXPECT_EQ(steps, 1);
+}
+
+// Training through the C ABI (replica pointers, gradient pointers and accumulate, groups, lr
+// changes) gives exactly the C++ API's weights: the ABI adds no arithmetic of its own.
+void train_both(int stage, int dtype) {
+  SCOPED_TRACE(testing::Message() << "stage " << stage << " dtype " << dtype);
+  const std::size_t sizes[3] = {300, 65, 9};
+  const shardopt_config_t c = config(stage, dtype);
+  shardopt_optimizer_t opt = nullptr;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  int half = 0;
+  ASSERT_EQ(shardopt_add_group(opt, 0.5, 0, &half), SHARDOPT_SUCCESS);
+
+  shardopt::OptimizerOptions o;
+  o.stage = static_cast<shardopt::Stage>(stage);
+  o.param_dtype = static_cast<shardopt::DType>(dtype);
+  o.adam.lr = c.lr;
+  o.adam.max_grad_norm = c.max_grad_norm;
+  o.bucket_elems = c.bucket_elems;
+  shardopt::ShardedOptimizer ref(shardopt::make_single_process_communicator(), o);
+  ref.add_group(shardopt::GroupOptions{0.5, false});
+  for (std::size_t p = 0; p < 3; ++p) {
+    const std::string name = "p" + std::to_string(p);
+    ASSERT_EQ(shardopt_add_param(opt, name.c_str(), sizes[p], p == 1 ? half : 0, nullptr), SHARDOPT_SUCCESS);
+    ref.add_param(name, sizes[p], p == 1 ? 1 : 0);
+  }
+  ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS);
+  ref.finalize();
+  for (std::size_t p = 0; p < 3; ++p) {
+    std::vector<float> v(sizes[p]);
+    for (std::size_t k = 0; k < v.size(); ++k) v[k] = synth(0, 0, p, k);
+    ASSERT_EQ(shardopt_set_param(opt, p, v.data(), v.size()), SHARDOPT_SUCCESS);
+    ref.set_param(p, v);
+  }
+  for (int step = 0; step < 4; ++step) {
+    const double lr = 1e-2 * (step + 1);
+    ASSERT_EQ(shardopt_set_lr(opt, lr), SHARDOPT_SUCCESS);
+    ref.set_lr(lr);
+    for (std::size_t q = 3; q-- > 0;) {  // backward order
+      std::vector<float> g(sizes[q]);
+      for (std::size_t k = 0; k < g.size(); ++k) g[k] = synth(1, step, q, k);
+      if (q == 1) {  // through the gradient pointer, written in place
+        float* dst = nullptr;
+        std::size_t n = 0;
+        ASSERT_EQ(shardopt_grad(opt, q, &dst, &n), SHARDOPT_SUCCESS);
+        ASSERT_EQ(n, g.size());
+        for (std::size_t k = 0; k < n; ++k) dst[k] += g[k];
+      } else if (q == 2) {  // as bf16
+        std::vector<std::uint16_t> h(g.size());
+        std::vector<shardopt::bf16> hb(g.size());
+        for (std::size_t k = 0; k < g.size(); ++k) {
+          h[k] = shardopt_float_to_bf16(g[k]);
+          hb[k] = shardopt::to_bf16(g[k]);
+        }
+        ASSERT_EQ(shardopt_accumulate_grad_bf16(opt, q, h.data(), h.size()), SHARDOPT_SUCCESS);
+        ref.accumulate_grad(q, std::span<const shardopt::bf16>(hb));
+        g.assign(g.size(), 0.0f);  // already given to ref
+      } else {
+        ASSERT_EQ(shardopt_accumulate_grad_f32(opt, q, g.data(), g.size()), SHARDOPT_SUCCESS);
+      }
+      if (q != 2) ref.accumulate_grad(q, std::span<const float>(g));
+      ASSERT_EQ(shardopt_grad_ready(opt, q), SHARDOPT_SUCCESS);
+      ref.grad_ready(q);
+    }
+    shardopt_step_result_t r{};
+    ASSERT_EQ(shardopt_step(opt, &r), SHARDOPT_SUCCESS);
+    const shardopt::StepResult rr = ref.step();
+    EXPECT_EQ(r.grad_norm, rr.grad_norm);
+    EXPECT_EQ(r.clipped, rr.clipped ? 1 : 0);
+  }
+  for (std::size_t p = 0; p < 3; ++p) {
+    std::vector<float> a(sizes[p]), b(sizes[p]);
+    ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+    ref.get_master(p, b);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+    // The replica view holds the same values as the C++ one.
+    std::size_t n = 0;
+    if (dtype == SHARDOPT_DTYPE_BF16) {
+      const std::uint16_t* h = nullptr;
+      ASSERT_EQ(shardopt_param_bf16(opt, p, &h, &n), SHARDOPT_SUCCESS);
+      const auto hb = ref.param<shardopt::bf16>(p);
+      ASSERT_EQ(n, hb.size());
+      for (std::size_t k = 0; k < n; ++k) ASSERT_EQ(h[k], hb[k].bits);
+    } else {
+      const float* v = nullptr;
+      ASSERT_EQ(shardopt_param_f32(opt, p, &v, &n), SHARDOPT_SUCCESS);
+      EXPECT_EQ(std::memcmp(v, ref.param<float>(p).data(), n * sizeof(float)), 0);
+    }
+  }
+  ASSERT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+}
+
+TEST(CApi, TrainingEqualsCppApi) {
+  for (int stage = 0; stage <= 2; ++stage)
+    for (int dtype : {SHARDOPT_DTYPE_F32, SHARDOPT_DTYPE_BF16}) train_both(stage, dtype);
+}
+
+}  // namespace
