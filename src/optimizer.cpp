@@ -313,6 +313,11 @@ void ShardedOptimizer::grad_ready(std::size_t i) {
   reducer_->grad_ready(i);
 }
 
+void ShardedOptimizer::reduce_gradients() {
+  require_finalized("reduce_gradients");
+  reducer_->finish();
+}
+
 void ShardedOptimizer::zero_grad() {
   require_finalized("zero_grad");
   reducer_->zero();

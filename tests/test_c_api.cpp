@@ -111,6 +111,7 @@ TEST(CApi, NullHandleIsAnErrorEverywhere) {
   EXPECT_FAILS(shardopt_accumulate_grad_bf16(nullptr, 0, nullptr, 0), bad, "accumulate_grad_bf16", "NULL");
   EXPECT_FAILS(shardopt_grad_ready(nullptr, 0), bad, "shardopt_grad_ready", "NULL");
   EXPECT_FAILS(shardopt_reduce_gradients(nullptr), bad, "shardopt_reduce_gradients", "NULL");
+  EXPECT_FAILS(shardopt_begin_backward(nullptr, 1), bad, "shardopt_begin_backward", "NULL");
   EXPECT_FAILS(shardopt_zero_grad(nullptr), bad, "shardopt_zero_grad", "NULL");
   EXPECT_FAILS(shardopt_step(nullptr, &r), bad, "shardopt_step", "NULL");
   EXPECT_FAILS(shardopt_set_lr(nullptr, 1), bad, "shardopt_set_lr", "NULL");

@@ -90,6 +90,9 @@ class ShardedOptimizer {
   /// parameters are all ready starts its reduction at once (buckets start in bucket order on
   /// every rank). Optional for stages 0/1 (step() reduces what was not started).
   void grad_ready(std::size_t i);
+  /// Collective. Reduces every bucket not reduced yet and waits: the gradients of this step
+  /// are then final (step() only adds the norm all-reduce). Optional; step() does it too.
+  void reduce_gradients();
   /// Zeroes every gradient (local).
   void zero_grad();
 

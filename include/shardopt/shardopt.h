@@ -287,8 +287,15 @@ SHARDOPT_API shardopt_status_t shardopt_accumulate_grad_bf16(shardopt_optimizer_
  * every rank must mark parameters in the same order. A no-op at stages 0/1. */
 SHARDOPT_API shardopt_status_t shardopt_grad_ready(shardopt_optimizer_t opt, size_t index);
 
-/* Collective. Stage 2: reduces the buckets not yet reduced (the end of one micro-batch's
- * backward, before gradient accumulation continues). A no-op at stages 0/1. */
+/* Local. Starts the backward pass of one micro-batch. sync = 0 for every micro-batch but the
+ * last of a step: gradients then accumulate locally with no communication; sync != 0 for
+ * the last (buckets are reduced as they complete). shardopt_step averages over the
+ * micro-batches begun since the previous step (one when this is never called). Fails with
+ * SHARDOPT_ERROR_INVALID_STATE once this step's gradients were reduced. */
+SHARDOPT_API shardopt_status_t shardopt_begin_backward(shardopt_optimizer_t opt, int sync);
+
+/* Collective. Reduces every bucket not reduced yet and waits: the gradients of this step are
+ * then final. Optional: shardopt_step does it too. */
 SHARDOPT_API shardopt_status_t shardopt_reduce_gradients(shardopt_optimizer_t opt);
 
 /* Zeroes every gradient. Local. */

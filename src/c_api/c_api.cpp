@@ -240,6 +240,11 @@ shardopt_status_t shardopt_grad_ready(shardopt_optimizer_t opt, size_t index) {
   return on_handle("shardopt_grad_ready", opt, [&](ShardedOptimizer& o) { o.grad_ready(index); });
 }
 
+shardopt_status_t shardopt_begin_backward(shardopt_optimizer_t opt, int sync) {
+  return on_handle("shardopt_begin_backward", opt,
+                   [&](ShardedOptimizer& o) { o.begin_backward(sync != 0); });
+}
+
 shardopt_status_t shardopt_reduce_gradients(shardopt_optimizer_t opt) {
   return on_handle("shardopt_reduce_gradients", opt,
                    [&](ShardedOptimizer& o) { o.reduce_gradients(); });

@@ -94,7 +94,7 @@ module shardopt
   public :: shardopt_step_count
   public :: shardopt_set_param, shardopt_get_master, shardopt_param, shardopt_param_bf16
   public :: shardopt_grad, shardopt_accumulate_grad, shardopt_grad_ready
-  public :: shardopt_reduce_gradients, shardopt_zero_grad
+  public :: shardopt_begin_backward, shardopt_reduce_gradients, shardopt_zero_grad
   public :: shardopt_step, shardopt_set_lr, shardopt_get_lr, shardopt_set_hyper, shardopt_get_hyper
   public :: shardopt_set_group, shardopt_memory_usage
 
@@ -299,6 +299,12 @@ module shardopt
       type(c_ptr), value :: opt
       integer(c_size_t), value :: idx
       integer(c_int) :: c_grad_ready
+    end function
+    function c_begin_backward(opt, sync) bind(c, name="shardopt_begin_backward")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int), value :: sync
+      integer(c_int) :: c_begin_backward
     end function
     function c_reduce_gradients(opt) bind(c, name="shardopt_reduce_gradients")
       import :: c_int, c_ptr
@@ -802,7 +808,8 @@ contains
                 status, errmsg)
   end subroutine accumulate_bf16_r1
 
-  !> Stage 2: parameter `index`'s gradient is complete (no-op at stages 0/1).
+  !> Parameter `index`'s gradient of this micro-batch is complete; with overlap, a complete
+  !> bucket starts its reduction at once.
   subroutine shardopt_grad_ready(opt, index, status, errmsg)
     type(shardopt_optimizer), intent(in) :: opt
     integer, intent(in) :: index
@@ -811,7 +818,20 @@ contains
     call finish(opt%ptr, c_grad_ready(opt%ptr, c_index(index)), status, errmsg)
   end subroutine shardopt_grad_ready
 
-  !> Collective (stage 2): reduces the buckets not yet reduced.
+  !> Starts one micro-batch's backward; sync = .false. for all but the last micro-batch of a
+  !> step (gradients accumulate locally, no communication).
+  subroutine shardopt_begin_backward(opt, sync, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    logical, intent(in) :: sync
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_int) :: flag
+    flag = 0
+    if (sync) flag = 1
+    call finish(opt%ptr, c_begin_backward(opt%ptr, flag), status, errmsg)
+  end subroutine shardopt_begin_backward
+
+  !> Collective: reduces every bucket not reduced yet and waits (optional; step does it too).
   subroutine shardopt_reduce_gradients(opt, status, errmsg)
     type(shardopt_optimizer), intent(in) :: opt
     integer, intent(out) :: status
