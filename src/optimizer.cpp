@@ -2,9 +2,11 @@
 // Communicator: reduce(-scatter), global norm and clipping, fused update, all-gather.
 #include "shardopt/optimizer.hpp"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <utility>
 
 #include "backend.hpp"
 
@@ -22,6 +24,26 @@ struct ShardedOptimizer::Buffers {
 };
 
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// Seconds since the previous lap (or since construction), for StepTimings.
+class LapTimer {
+ public:
+  double lap() {
+    const Clock::time_point now = Clock::now();
+    const double s = seconds(now - last_);
+    last_ = now;
+    return s;
+  }
+  double since_start() const { return seconds(Clock::now() - start_); }
+
+ private:
+  Clock::time_point start_ = Clock::now();
+  Clock::time_point last_ = start_;
+};
 
 std::unique_ptr<Backend> make_backend(Device d) {
   return d == Device::Cuda ? make_cuda_backend() : make_cpu_backend();
@@ -322,6 +344,7 @@ void ShardedOptimizer::grad_ready(std::size_t i) {
 }
 
 void ShardedOptimizer::reduce_bucket(std::size_t b) {
+  const Clock::time_point start = Clock::now();
   const Bucket& bk = buckets_[b];
   const int n = comm_->size();
   std::vector<std::size_t> counts(static_cast<std::size_t>(n));
@@ -336,6 +359,7 @@ void ShardedOptimizer::reduce_bucket(std::size_t b) {
   backend_->fill_zero(staging, bk.flat.size() * sizeof(float));
   next_bucket_ = b + 1;
   open_bucket_ = buckets_.size();
+  backward_reduce_s_ += seconds(Clock::now() - start);
 }
 
 void ShardedOptimizer::reduce_gradients() {
@@ -417,6 +441,9 @@ StepResult ShardedOptimizer::step() {
   require_finalized("step");
   Buffers& b = *buf_;
   const int world = comm_->size();
+  StepResult r;
+  LapTimer timer;
+  const double reduced_in_backward = std::exchange(backward_reduce_s_, 0.0);
 
   // 1. Reduce the gradients: sum over ranks, the owned part lands in grad_shard_ptr().
   switch (options_.stage) {
@@ -433,6 +460,8 @@ StepResult ShardedOptimizer::step() {
       reduce_gradients();
       break;
   }
+  r.timings.reduce = reduced_in_backward + timer.lap();
+  backward_reduce_s_ = 0.0;  // buckets reduced just now are in the lap already
   float* grads = grad_shard_ptr();
 
   // 2. Global norm: one all-reduce of the shard's sum of squares (fp64). Data-parallel
@@ -440,8 +469,8 @@ StepResult ShardedOptimizer::step() {
   double sumsq = backend_->sum_squares(grads, owned_.size());
   if (options_.stage == Stage::DataParallel && comm_->rank() != 0) sumsq = 0.0;
   comm_->all_reduce_sum_host(&sumsq, 1);
+  r.timings.norm = timer.lap();
 
-  StepResult r;
   const double average = 1.0 / world;
   r.grad_norm = std::sqrt(sumsq) * average;
   // 3. A NaN or Inf anywhere makes the global sum non-finite on every rank alike.
@@ -449,6 +478,7 @@ StepResult ShardedOptimizer::step() {
     r.skipped = true;
     r.step = step_count_;
     zero_grad();
+    r.timings.total = reduced_in_backward + timer.since_start();
     return r;
   }
   if (options_.adam.max_grad_norm > 0) {
@@ -468,11 +498,14 @@ StepResult ShardedOptimizer::step() {
   void* replica_out = options_.param_dtype == DType::F32 ? nullptr : replica_ptr(owned_.begin);
   backend_->adam_update(scalars, segments, b.master_ptr, grads, b.exp_avg.as<float>(),
                         b.exp_avg_sq.as<float>(), replica_out, options_.param_dtype);
+  r.timings.update = timer.lap();
 
   // 5. All-gather the updated shards into the replica, then clear the gradients.
   all_gather_replica();
+  r.timings.gather = timer.lap();
   zero_grad();
   r.step = step_count_;
+  r.timings.total = reduced_in_backward + timer.since_start();
   return r;
 }
 

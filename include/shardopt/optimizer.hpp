@@ -26,12 +26,27 @@
 
 namespace shardopt {
 
+/// Wall-clock seconds of the phases of one step on this rank (a few steady-clock reads per
+/// step). reduce: the all-reduce (data-parallel) or reduce-scatter (stages 1 and 2) of the
+/// gradients; in stage 2 it includes the buckets reduced during backward since the previous
+/// step. norm: global norm (local sum of squares + one scalar all-reduce). update: the fused
+/// AdamW pass. gather: the all-gather of the updated shards. total: step() from entry to
+/// return (it also zeroes the gradients), plus the stage-2 reductions made during backward.
+struct StepTimings {
+  double reduce = 0.0;
+  double norm = 0.0;
+  double update = 0.0;
+  double gather = 0.0;
+  double total = 0.0;
+};
+
 struct StepResult {
   double grad_norm = 0.0;   ///< global L2 norm of the averaged gradient, before clipping
   double clip_coef = 1.0;   ///< factor applied to the gradient (1 when not clipped)
   bool clipped = false;
   bool skipped = false;     ///< a gradient was NaN/Inf on some rank: no update anywhere
   std::int64_t step = 0;    ///< number of updates applied so far (skipped steps excluded)
+  StepTimings timings;      ///< where this step's time went, on this rank
 };
 
 class Backend;  // buffers and kernels of one device kind (internal)
@@ -143,6 +158,7 @@ class ShardedOptimizer {
   std::vector<unsigned char> param_ready_;
   std::size_t open_bucket_ = 0;     ///< bucket currently staged (== buckets_.size(): none)
   std::size_t next_bucket_ = 0;     ///< first bucket not yet reduced in this pass
+  double backward_reduce_s_ = 0.0;  ///< stage 2: seconds in reduce_bucket since the last step
 };
 
 }  // namespace shardopt
