@@ -1,6 +1,7 @@
 // mpi_comm.cpp: Communicator over MPI collectives on host memory.
 #include "shardopt/mpi_comm.hpp"
 
+#include <algorithm>
 #include <climits>
 #include <numeric>
 #include <string>
@@ -81,8 +82,14 @@ class MpiCommunicator final : public Communicator {
       SHARDOPT_MPI(MPI_Reduce_scatter_block(MPI_IN_PLACE, buf, icounts[0], MPI_FLOAT, MPI_SUM,
                                             comm_));
     } else {
-      SHARDOPT_MPI(MPI_Reduce_scatter(MPI_IN_PLACE, buf, icounts.data(), MPI_FLOAT, MPI_SUM,
+      // Not in place: MPICH 4.0.2's in-place MPI_Reduce_scatter aborts ("memcpy argument
+      // memory ranges overlap") for large unequal counts, e.g. a stage-2 bucket that lies
+      // in one rank's shard. The result goes through a reused buffer of counts[rank] floats.
+      const std::size_t mine = counts[static_cast<std::size_t>(rank_)];
+      if (recv_.size() < mine) recv_.resize(mine);
+      SHARDOPT_MPI(MPI_Reduce_scatter(buf, recv_.data(), icounts.data(), MPI_FLOAT, MPI_SUM,
                                       comm_));
+      std::copy(recv_.begin(), recv_.begin() + static_cast<std::ptrdiff_t>(mine), buf);
     }
   }
 
@@ -105,6 +112,7 @@ class MpiCommunicator final : public Communicator {
 
  private:
   MPI_Comm comm_ = MPI_COMM_NULL;
+  std::vector<float> recv_;  ///< receive buffer of reduce_scatter_sum_inplace, unequal counts
   int rank_ = 0;
   int size_ = 1;
 };
