@@ -2,9 +2,26 @@
 #include "grad_reducer.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 
 namespace shardopt {
+namespace {
+
+// Adds the wall time of its scope to a counter.
+class ScopedSeconds {
+ public:
+  explicit ScopedSeconds(double& sink) : sink_(sink) {}
+  ~ScopedSeconds() {
+    sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  double& sink_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+}  // namespace
 
 GradReducer::GradReducer(Communicator& comm, Backend& backend, MemoryTracker& tracker,
                          const FlatLayout& layout, Range owned, Config config)
@@ -106,21 +123,22 @@ void GradReducer::start_through(std::size_t end) {
 
 void GradReducer::start_bucket(std::size_t b) {
   const Bucket& bk = buckets_[b];
-  std::unique_ptr<CommRequest> req;
-  switch (cfg_.stage) {
-    case Stage::DataParallel:
-      req = comm_.start_all_reduce_sum(full_.as<float>() + bk.flat.begin, bk.flat.size(),
-                                       cfg_.wire);
-      break;
-    case Stage::Zero1:
-      req = comm_.start_reduce_scatter_sum(full_.as<float>() + bk.flat.begin, counts_[b],
-                                           cfg_.wire);
-      break;
-    case Stage::Zero2:
-      req = comm_.start_reduce_scatter_sum(slot_for(b), counts_[b], cfg_.wire);
-      break;
-  }
-  in_flight_.push_back(InFlight{b, std::move(req)});
+  float* slot = cfg_.stage == Stage::Zero2 ? slot_for(b) : nullptr;
+  auto start = [&]() -> std::unique_ptr<CommRequest> {
+    const ScopedSeconds timed(blocked_seconds_);
+    switch (cfg_.stage) {
+      case Stage::DataParallel:
+        return comm_.start_all_reduce_sum(full_.as<float>() + bk.flat.begin, bk.flat.size(),
+                                          cfg_.wire);
+      case Stage::Zero1:
+        return comm_.start_reduce_scatter_sum(full_.as<float>() + bk.flat.begin, counts_[b],
+                                              cfg_.wire);
+      case Stage::Zero2:
+        break;
+    }
+    return comm_.start_reduce_scatter_sum(slot, counts_[b], cfg_.wire);
+  };
+  in_flight_.push_back(InFlight{b, start()});
   next_start_ = b + 1;
   if (!cfg_.overlap) {
     while (!in_flight_.empty()) complete_oldest();
@@ -128,6 +146,7 @@ void GradReducer::start_bucket(std::size_t b) {
 }
 
 void GradReducer::complete_oldest() {
+  const ScopedSeconds timed(blocked_seconds_);
   InFlight f = std::move(in_flight_.front());
   in_flight_.pop_front();
   f.request->wait();
@@ -192,6 +211,7 @@ void GradReducer::zero() {
   next_start_ = 0;
   micro_batches_ = 0;
   sync_ = true;
+  blocked_seconds_ = 0.0;
   std::fill(ready_in_bucket_.begin(), ready_in_bucket_.end(), 0);
   std::fill(param_ready_.begin(), param_ready_.end(), 0);
 }

@@ -58,6 +58,9 @@ class GradReducer {
   void zero();
   /// Tests in-flight collectives so that MPI makes progress while backward computes.
   void progress();
+  /// Seconds spent blocked in communication (starting or waiting for collectives) since the
+  /// last zero(), on this rank.
+  double blocked_seconds() const { return blocked_seconds_; }
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   std::size_t bucket_of(std::size_t param) const { return bucket_of_param_[param]; }
@@ -100,6 +103,7 @@ class GradReducer {
   std::size_t next_start_ = 0;  ///< buckets before it were started in this step
   int micro_batches_ = 0;
   bool sync_ = true;
+  double blocked_seconds_ = 0.0;
 };
 
 }  // namespace shardopt

@@ -2,9 +2,11 @@
 // Communicator: reduce(-scatter), global norm and clipping, fused update, all-gather.
 #include "shardopt/optimizer.hpp"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <utility>
 
 #include "backend.hpp"
 #include "grad_reducer.hpp"
@@ -20,6 +22,26 @@ struct ShardedOptimizer::Buffers {
 };
 
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// Seconds since the previous lap (or since construction), for StepTimings.
+class LapTimer {
+ public:
+  double lap() {
+    const Clock::time_point now = Clock::now();
+    const double s = seconds(now - last_);
+    last_ = now;
+    return s;
+  }
+  double since_start() const { return seconds(Clock::now() - start_); }
+
+ private:
+  Clock::time_point start_ = Clock::now();
+  Clock::time_point last_ = start_;
+};
 
 std::unique_ptr<Backend> make_backend(Device d) {
   return d == Device::Cuda ? make_cuda_backend() : make_cpu_backend();
@@ -369,54 +391,64 @@ void ShardedOptimizer::all_gather_replica() {
                             options_.param_dtype == DType::F32 ? CommType::F32 : CommType::U16);
 }
 
-// Updates the owned range and gathers the replica. With overlap (stages 1/2) this goes
-// bucket by bucket in forward order: each bucket's all-gather starts right after its part of
-// the update, and the next forward waits only for the buckets it reads (param()).
-void ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper& h,
-                                         const float* grads) {
+// Updates the owned range and gathers the replica; returns the seconds spent updating. With
+// overlap (stages 1/2) this goes bucket by bucket in forward order: each bucket's all-gather
+// starts right after its part of the update, and the next forward waits only for the
+// buckets it reads (param()).
+double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper& h,
+                                           const float* grads) {
   Buffers& b = *buf_;
   const bool low_precision_copy = options_.param_dtype != DType::F32;
+  double update_seconds = 0.0;
   auto update = [&](Range window) {
+    const Clock::time_point start = Clock::now();
     const std::size_t off = window.begin - owned_.begin;
     backend_->adam_update(s, make_segments(h, window), b.master_ptr + off, grads + off,
                           b.exp_avg.as<float>() + off, b.exp_avg_sq.as<float>() + off,
                           low_precision_copy ? replica_ptr(window.begin) : nullptr,
                           options_.param_dtype);
+    backend_->synchronize();
+    update_seconds += seconds(Clock::now() - start);
   };
   const bool bucketed = options_.overlap && options_.stage != Stage::DataParallel;
   if (!bucketed) {
     update(owned_);
     all_gather_replica();
-    return;
+    return update_seconds;
   }
   const CommType type = options_.param_dtype == DType::F32 ? CommType::F32 : CommType::U16;
   const std::vector<Bucket>& buckets = reducer_->buckets();
   for (std::size_t k = buckets.size(); k-- > 0;) {
     const Range window = buckets[k].flat.intersect(owned_);
     if (!window.empty()) update(window);
-    backend_->synchronize();
     gathers_[k] = comm_->start_all_gatherv(replica_ptr(buckets[k].flat.begin),
                                           reducer_->block_counts(k), type);
   }
+  return update_seconds;
 }
 
 StepResult ShardedOptimizer::step() {
   require_finalized("step");
   wait_gathers();
   const int world = comm_->size();
+  StepResult r;
+  LapTimer timer;
+  // Time blocked in reductions during backward (stage 2 slots, overlap off) counts too.
+  const double reduced_in_backward = reducer_->blocked_seconds();
 
   // 1. Reduce the gradients: buckets not started during backward start now; the sum over
   // ranks and micro-batches of the owned range is then at reducer_->owned_grad().
   reducer_->finish();
   const float* grads = reducer_->owned_grad();
+  r.timings.reduce = reduced_in_backward + timer.lap();
 
   // 2. Global norm: one all-reduce of the shard's sum of squares (fp64). Data-parallel
   // ranks all hold the whole reduced gradient, so only rank 0 contributes.
   double sumsq = backend_->sum_squares(grads, owned_.size());
   if (options_.stage == Stage::DataParallel && comm_->rank() != 0) sumsq = 0.0;
   comm_->all_reduce_sum_host(&sumsq, 1);
+  r.timings.norm = timer.lap();
 
-  StepResult r;
   const double average = 1.0 / (static_cast<double>(world) * reducer_->micro_batches());
   r.grad_norm = std::sqrt(sumsq) * average;
   // 3. A NaN or Inf anywhere makes the global sum non-finite on every rank alike.
@@ -424,6 +456,7 @@ StepResult ShardedOptimizer::step() {
     r.skipped = true;
     r.step = step_count_;
     reducer_->zero();
+    r.timings.total = reduced_in_backward + timer.since_start();
     return r;
   }
   if (options_.adam.max_grad_norm > 0) {
@@ -439,11 +472,13 @@ StepResult ShardedOptimizer::step() {
   ++step_count_;
   const AdamConfig& a = options_.adam;
   const StepHyper h{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.mode, step_count_};
-  update_and_gather(make_step_scalars(h, average * r.clip_coef), h, grads);
+  r.timings.update = update_and_gather(make_step_scalars(h, average * r.clip_coef), h, grads);
+  r.timings.gather = timer.lap() - r.timings.update;
 
   // 6. Clear the gradients for the next step.
   reducer_->zero();
   r.step = step_count_;
+  r.timings.total = reduced_in_backward + timer.since_start();
   return r;
 }
 

@@ -26,12 +26,28 @@
 
 namespace shardopt {
 
+/// Wall-clock seconds of the phases of one step on this rank (a few steady-clock reads per
+/// step). reduce: time blocked in gradient reductions, both inside step() and during backward
+/// since the previous step (overlapped reductions that finished in the background cost
+/// nothing here). norm: local sum of squares + one scalar all-reduce. update: the fused AdamW
+/// pass. gather: the all-gather of the updated shards (with overlap only the time to start
+/// it; waiting happens in param()). total: step() from entry to return plus the time blocked
+/// in reductions during backward.
+struct StepTimings {
+  double reduce = 0.0;
+  double norm = 0.0;
+  double update = 0.0;
+  double gather = 0.0;
+  double total = 0.0;
+};
+
 struct StepResult {
   double grad_norm = 0.0;   ///< global L2 norm of the averaged gradient, before clipping
   double clip_coef = 1.0;   ///< factor applied to the gradient (1 when not clipped)
   bool clipped = false;
   bool skipped = false;     ///< a gradient was NaN/Inf on some rank: no update anywhere
   std::int64_t step = 0;    ///< number of updates applied so far (skipped steps excluded)
+  StepTimings timings;      ///< where this step's time went, on this rank
 };
 
 class Backend;      // buffers and kernels of one device kind (internal)
@@ -127,7 +143,7 @@ class ShardedOptimizer {
   void require_finalized(const char* what) const;
   void require_registering(const char* what) const;
   void all_gather_replica();
-  void update_and_gather(const StepScalars& s, const StepHyper& h, const float* grads);
+  double update_and_gather(const StepScalars& s, const StepHyper& h, const float* grads);
   std::vector<UpdateSegment> make_segments(const StepHyper& h, Range window) const;
   void wait_gathers();
   void* replica_ptr(std::size_t elem_offset) const;

@@ -1,6 +1,7 @@
 // mpi_comm.cpp: Communicator over MPI collectives on host memory.
 #include "shardopt/mpi_comm.hpp"
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <functional>
@@ -65,7 +66,8 @@ class MpiRequest final : public CommRequest {
  public:
   std::vector<MPI_Request> requests;
   std::vector<int> counts, displs;
-  std::vector<bf16> wire;
+  std::vector<bf16> wire, wire_received;
+  std::vector<float> received;
   std::function<void()> on_complete;
 
   ~MpiRequest() override {
@@ -129,26 +131,31 @@ class MpiCommunicator final : public Communicator {
     const std::size_t mine = counts[static_cast<std::size_t>(rank_)];
     const std::size_t offset = static_cast<std::size_t>(req->displs[static_cast<std::size_t>(rank_)]);
     req->requests.resize(1);
+    // Out of place, into a block-sized buffer: MPICH 4.0's in-place MPI_Reduce_scatter with
+    // unequal counts (e.g. {0, n} for a bucket inside one shard) corrupts memory
+    // ("memcpy argument memory ranges overlap"). The copy back costs one block.
     if (wire == CommType::BF16) {
       // Send bf16: convert, reduce the bf16 values, convert this rank's block back in place.
       const std::size_t total = offset_end(counts);
       req->wire.resize(total);
       cpu::cast_f32_to_bf16(buf, req->wire.data(), total);
-      SHARDOPT_MPI(MPI_Ireduce_scatter(MPI_IN_PLACE, req->wire.data(), req->counts.data(),
-                                       MPI_UINT16_T, bf16_sum_op_, comm_, &req->requests[0]));
+      req->wire_received.resize(mine);
+      SHARDOPT_MPI(MPI_Ireduce_scatter(req->wire.data(), req->wire_received.data(),
+                                       req->counts.data(), MPI_UINT16_T, bf16_sum_op_, comm_,
+                                       &req->requests[0]));
       MpiRequest* r = req.get();
       req->on_complete = [r, buf, mine, offset] {
-        cpu::cast_bf16_to_f32(r->wire.data(), buf + offset, mine);
+        cpu::cast_bf16_to_f32(r->wire_received.data(), buf + offset, mine);
       };
     } else {
       require(wire == CommType::F32, Status::InvalidArgument, "reduce_scatter: wire F32 or BF16");
-      SHARDOPT_MPI(MPI_Ireduce_scatter(MPI_IN_PLACE, buf, req->counts.data(), MPI_FLOAT, MPI_SUM,
-                                       comm_, &req->requests[0]));
-      // MPI leaves the result at the front; move it to this rank's own block.
-      if (offset != 0 && mine != 0)
-        req->on_complete = [buf, mine, offset] {
-          std::memmove(buf + offset, buf, mine * sizeof(float));
-        };
+      req->received.resize(mine);
+      SHARDOPT_MPI(MPI_Ireduce_scatter(buf, req->received.data(), req->counts.data(), MPI_FLOAT,
+                                       MPI_SUM, comm_, &req->requests[0]));
+      MpiRequest* r = req.get();
+      req->on_complete = [r, buf, mine, offset] {
+        if (mine) std::memcpy(buf + offset, r->received.data(), mine * sizeof(float));
+      };
     }
     return req;
   }

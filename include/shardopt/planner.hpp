@@ -1,0 +1,92 @@
+// planner.hpp: per-rank memory of a configuration, predicted without allocating it.
+//
+// plan_memory() sizes the same buffers that ShardedOptimizer::finalize() allocates, from the
+// same FlatLayout (padding and stage-2 buckets are computed by the layout, not re-derived),
+// so its bytes per category equal memory_report() of a finalized optimizer exactly. Every
+// rank holds the same amount: shards are equal and the stage-2 staging buffer is sized by
+// the largest bucket, the same on every rank.
+//
+// Per rank, with P = padded elements, S = P / N (N ranks), B = largest stage-2 bucket:
+//   stage          params            grads   master        moments   scratch
+//   data-parallel  P * sizeof(param) 4P      4P  (0: fp32) 8P        0
+//   zero-1         P * sizeof(param) 4P      4S  (0: fp32) 8S        0
+//   zero-2         P * sizeof(param) 4S      4S  (0: fp32) 8S        4B
+// An fp32 replica is the master itself, so no separate master is allocated.
+//
+// Gradient dtype: the library's gradient buffers are fp32 by design (backward writes or
+// accumulates fp32 or bf16 into them; a bf16 gradient the caller produces lives in the
+// caller's memory). PlanConfig::grad_dtype therefore accepts only F32; other values throw
+// Error(Unsupported) instead of predicting a buffer the library never allocates.
+#pragma once
+
+#include <array>
+#include <cstddef>
+
+#include "shardopt/dtype.hpp"
+#include "shardopt/layout.hpp"
+#include "shardopt/memory.hpp"
+#include "shardopt/options.hpp"
+
+namespace shardopt {
+
+struct PlanConfig {
+  Stage stage = Stage::Zero1;
+  int world_size = 1;
+  DType param_dtype = DType::BF16;
+  DType grad_dtype = DType::F32;  ///< only F32 (see above)
+  std::size_t bucket_elems = OptimizerOptions{}.bucket_elems;
+  int buckets_in_flight = OptimizerOptions{}.buckets_in_flight;  ///< stage-2 staging slots
+  /// Stage 2 with micro-batches that accumulate without synchronising (begin_backward(false))
+  /// keeps a full-size local fp32 accumulation buffer.
+  bool accumulate_without_sync = false;
+};
+
+/// The planner's view of an optimizer's options on a group of `world_size` ranks.
+PlanConfig plan_config(const OptimizerOptions& options, int world_size);
+
+struct MemoryPlan {
+  std::array<std::size_t, kNumMemCategories> bytes{};  ///< per rank, per category
+  std::size_t unpadded_elems = 0;  ///< Psi: sum of parameter sizes
+  std::size_t padded_elems = 0;    ///< length of the flat buffer
+  std::size_t owned_elems = 0;     ///< elements whose master and moments one rank holds
+  std::size_t bucket_elems = 0;    ///< largest stage-2 bucket (0 for other stages)
+  std::size_t num_buckets = 0;     ///< stage-2 buckets (0 for other stages)
+
+  std::size_t operator[](MemCategory c) const { return bytes[static_cast<int>(c)]; }
+  std::size_t total() const;
+};
+
+/// Per-rank bytes of `layout` under `config`. The layout may be unbuilt (a copy is built for
+/// config.world_size) or built for exactly that world size. Throws Error(InvalidArgument)
+/// for an invalid configuration or a layout built for another world size, and
+/// Error(Unsupported) for a gradient dtype other than F32.
+MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config);
+
+/// The ZeRO paper's per-rank model-state bytes (Rajbhandari et al. 2020, section 5) with
+/// shardopt's byte counts: replica p = dtype_size(param_dtype), gradient 4 (fp32; the paper
+/// has an fp16 gradient, 2), optimizer state K = 12 (fp32 master, m, v) or 8 when the fp32
+/// replica is the master:
+///   data-parallel (p + 4 + K) Psi;  zero-1 (p + 4) Psi + K Psi / N;  zero-2 p Psi + (4 + K) Psi / N.
+/// A continuous curve without padding or stage-2 staging; plan_memory() is the exact figure.
+double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype);
+
+/// Most tensors uniform_layout() builds (layout construction is quadratic in tensors).
+inline constexpr std::size_t kMaxUniformTensors = 4096;
+
+/// A model of `psi` elements made of tensors of `tensor_elems` elements (the last one
+/// holding the remainder), all in group 0. Throws Error(InvalidArgument) for psi == 0,
+/// tensor_elems == 0 or more than kMaxUniformTensors tensors.
+FlatLayout uniform_layout(std::size_t psi, std::size_t tensor_elems);
+
+/// The tensor size the planner assumes for a model of `psi` elements given only its size:
+/// `tensor_elems`, grown to ceil(psi / kMaxUniformTensors) when psi is that large.
+std::size_t uniform_tensor_elems(std::size_t psi, std::size_t tensor_elems);
+
+/// The largest psi whose uniform layout (tensors of uniform_tensor_elems(psi, tensor_elems))
+/// needs at most `budget_bytes` per rank under `config`; 0 when not even one element fits.
+/// Found by bisection with plan_memory(); bytes grow with psi except for stage-2 bucket
+/// packing, so the answer always fits and is the largest up to that packing.
+std::size_t largest_fitting_psi(std::size_t budget_bytes, const PlanConfig& config,
+                                std::size_t tensor_elems);
+
+}  // namespace shardopt

@@ -1,0 +1,142 @@
+// planner.cpp: per-rank bytes of a configuration, mirroring ShardedOptimizer::finalize().
+#include "shardopt/planner.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "shardopt/error.hpp"
+
+namespace shardopt {
+
+PlanConfig plan_config(const OptimizerOptions& options, int world_size) {
+  return PlanConfig{options.stage, world_size, options.param_dtype, DType::F32,
+                    options.bucket_elems, options.buckets_in_flight, false};
+}
+
+std::size_t MemoryPlan::total() const {
+  std::size_t t = 0;
+  for (std::size_t b : bytes) t += b;
+  return t;
+}
+
+namespace {
+
+void check(const PlanConfig& c) {
+  require(c.stage == Stage::DataParallel || c.stage == Stage::Zero1 || c.stage == Stage::Zero2,
+          Status::InvalidArgument,
+          "plan_memory: invalid stage " + std::to_string(static_cast<int>(c.stage)));
+  require(c.world_size > 0, Status::InvalidArgument,
+          "plan_memory: world size must be positive, got " + std::to_string(c.world_size));
+  require(c.param_dtype == DType::F32 || c.param_dtype == DType::BF16, Status::InvalidArgument,
+          "plan_memory: invalid parameter dtype");
+  require(c.grad_dtype == DType::F32, Status::Unsupported,
+          std::string("plan_memory: gradient dtype ") + dtype_name(c.grad_dtype) +
+              " is not supported: shardopt keeps gradients in fp32 (a bf16 gradient from "
+              "backward is accumulated into them with accumulate_grad)");
+  require(c.bucket_elems > 0, Status::InvalidArgument,
+          "plan_memory: bucket_elems must be positive");
+  require(c.buckets_in_flight >= 1, Status::InvalidArgument,
+          "plan_memory: buckets_in_flight must be at least 1");
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
+  check(config);
+  FlatLayout built = layout;
+  if (built.built()) {
+    require(built.world_size() == config.world_size, Status::InvalidArgument,
+            "plan_memory: the layout is built for " + std::to_string(built.world_size()) +
+                " ranks, the plan asks for " + std::to_string(config.world_size));
+  } else {
+    built.build(config.world_size);
+  }
+
+  MemoryPlan plan;
+  plan.unpadded_elems = built.unpadded_size();
+  plan.padded_elems = built.padded_size();
+  plan.owned_elems =
+      config.stage == Stage::DataParallel ? built.padded_size() : built.shard_size();
+  auto add = [&plan](MemCategory c, std::size_t bytes) {
+    plan.bytes[static_cast<int>(c)] += bytes;
+  };
+  constexpr std::size_t f32 = sizeof(float);
+
+  // The same buffers, in the same categories, as ShardedOptimizer::finalize().
+  add(MemCategory::Params, plan.padded_elems * dtype_size(config.param_dtype));
+  if (config.stage == Stage::Zero2) {
+    const std::vector<Bucket> buckets = built.make_buckets(config.bucket_elems);
+    for (const Bucket& b : buckets) plan.bucket_elems = std::max(plan.bucket_elems, b.flat.size());
+    plan.num_buckets = buckets.size();
+    add(MemCategory::Grads, plan.owned_elems * f32);         // owned gradient shard
+    add(MemCategory::Scratch, static_cast<std::size_t>(config.buckets_in_flight) *
+                                  plan.bucket_elems * f32);  // staging slots
+    if (config.accumulate_without_sync)
+      add(MemCategory::Grads, plan.padded_elems * f32);      // local accumulation buffer
+  } else {
+    add(MemCategory::Grads, plan.padded_elems * f32);        // full gradient
+  }
+  if (config.param_dtype != DType::F32)  // an fp32 replica doubles as the master
+    add(MemCategory::Master, plan.owned_elems * f32);
+  add(MemCategory::Moments, 2 * plan.owned_elems * f32);   // exp_avg and exp_avg_sq
+  return plan;
+}
+
+double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype) {
+  const double p = static_cast<double>(dtype_size(param_dtype));
+  const double g = 4.0;
+  const double k = param_dtype == DType::F32 ? 8.0 : 12.0;
+  switch (stage) {
+    case Stage::DataParallel: return (p + g + k) * psi;
+    case Stage::Zero1: return (p + g) * psi + k * psi / ranks;
+    case Stage::Zero2: return p * psi + (g + k) * psi / ranks;
+  }
+  throw Error(Status::InvalidArgument, "zero_formula_bytes: invalid stage");
+}
+
+FlatLayout uniform_layout(std::size_t psi, std::size_t tensor_elems) {
+  require(psi > 0, Status::InvalidArgument, "uniform_layout: the model has no parameters");
+  require(tensor_elems > 0, Status::InvalidArgument, "uniform_layout: tensor size is zero");
+  const std::size_t tensors = psi / tensor_elems + (psi % tensor_elems != 0);
+  require(tensors <= kMaxUniformTensors, Status::InvalidArgument,
+          "uniform_layout: " + std::to_string(psi) + " elements in tensors of " +
+              std::to_string(tensor_elems) + " make " + std::to_string(tensors) +
+              " tensors, more than " + std::to_string(kMaxUniformTensors) +
+              "; use larger tensors");
+  FlatLayout layout;
+  std::size_t left = psi;
+  for (std::size_t t = 0; left > 0; ++t) {
+    const std::size_t n = std::min(left, tensor_elems);
+    std::string name = "t";  // appended, not "t" + ...: avoids a GCC 12 -Wrestrict false positive
+    name += std::to_string(t);
+    layout.add(name, n, 0);
+    left -= n;
+  }
+  return layout;
+}
+
+std::size_t uniform_tensor_elems(std::size_t psi, std::size_t tensor_elems) {
+  const std::size_t spread = psi / kMaxUniformTensors + (psi % kMaxUniformTensors != 0);
+  return std::max(tensor_elems, spread);
+}
+
+std::size_t largest_fitting_psi(std::size_t budget_bytes, const PlanConfig& config,
+                                std::size_t tensor_elems) {
+  check(config);
+  require(tensor_elems > 0, Status::InvalidArgument, "largest_fitting_psi: tensor size is zero");
+  auto fits = [&](std::size_t psi) {
+    const FlatLayout l = uniform_layout(psi, uniform_tensor_elems(psi, tensor_elems));
+    return plan_memory(l, config).total() <= budget_bytes;
+  };
+  // Every rank holds the whole replica (>= 2 bytes per element), so budget/2 + 1 elements
+  // never fit: bisect in [lo, hi) with fits(lo) (or lo == 0) and !fits(hi).
+  std::size_t lo = 0;
+  std::size_t hi = budget_bytes / 2 + 1;
+  while (hi - lo > 1) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+}  // namespace shardopt

@@ -1,0 +1,269 @@
+// test_planner.cpp: the memory planner against the accounting of real finalized optimizers,
+// in one process: at world 1 with the single-process communicator (and a few steps), and at
+// 1-8 ranks for every rank through a communicator that stands for N identical ranks.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "shardopt/error.hpp"
+#include "shardopt/optimizer.hpp"
+#include "shardopt/planner.hpp"
+
+using namespace shardopt;
+
+namespace {
+
+// N ranks that all hold exactly this process's data, seen from rank `rank`: the metadata
+// collectives finalize() makes behave as they would on N identical ranks. Enough to finalize
+// (which allocates by size and rank); data collectives are not meant to be used.
+class ReplicatedWorld final : public Communicator {
+ public:
+  ReplicatedWorld(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return "replicated"; }
+  void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
+    if (type == CommType::F64)
+      for (std::size_t i = 0; i < count; ++i) static_cast<double*>(buf)[i] *= size_;
+    else
+      for (std::size_t i = 0; i < count; ++i) static_cast<float*>(buf)[i] *= static_cast<float>(size_);
+  }
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float*, std::span<const std::size_t>,
+                                                        CommType) override { unused(); }
+  std::unique_ptr<CommRequest> start_all_reduce_sum(float*, std::size_t, CommType) override {
+    unused();
+  }
+  std::unique_ptr<CommRequest> start_all_gatherv(void*, std::span<const std::size_t>,
+                                                 CommType) override { unused(); }
+  void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
+    for (int r = 0; r < size_; ++r) std::memcpy(static_cast<char*>(recv) + r * bytes, send, bytes);
+  }
+  void broadcast_bytes(void*, std::size_t, int) override {}
+  void barrier() override {}
+
+ private:
+  [[noreturn]] static void unused() { throw Error(Status::Internal, "not for data"); }
+  int rank_;
+  int size_;
+};
+
+struct Config {
+  std::vector<std::size_t> sizes;
+  Stage stage;
+  DType dtype;
+  std::size_t bucket;
+};
+
+std::string describe(const Config& c, int world, int rank) {
+  std::string s = std::string(stage_name(c.stage)) + " " + dtype_name(c.dtype) + " bucket " +
+                  std::to_string(c.bucket) + " world " + std::to_string(world) + " rank " +
+                  std::to_string(rank) + " sizes";
+  for (std::size_t n : c.sizes) s += " " + std::to_string(n);
+  return s;
+}
+
+std::unique_ptr<ShardedOptimizer> finalized(std::shared_ptr<Communicator> comm, const Config& c) {
+  OptimizerOptions o;
+  o.stage = c.stage;
+  o.param_dtype = c.dtype;
+  o.bucket_elems = c.bucket;
+  auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
+  for (std::size_t i = 0; i < c.sizes.size(); ++i) opt->add_param("p" + std::to_string(i), c.sizes[i]);
+  opt->finalize();
+  return opt;
+}
+
+FlatLayout layout_of(const Config& c) {
+  FlatLayout l;
+  for (std::size_t i = 0; i < c.sizes.size(); ++i) l.add("p" + std::to_string(i), c.sizes[i], 0);
+  return l;
+}
+
+void expect_plan_matches(const ShardedOptimizer& opt, const Config& c, int world,
+                         const std::string& what) {
+  const MemoryPlan plan = plan_memory(layout_of(c), plan_config(opt.options(), world));
+  const MemoryReport rep = opt.memory_report();
+  for (int k = 0; k < kNumMemCategories; ++k)
+    EXPECT_EQ(plan.bytes[k], rep.bytes[k])
+        << mem_category_name(static_cast<MemCategory>(k)) << " of " << what;
+  EXPECT_EQ(plan.total(), rep.total()) << what;
+  EXPECT_EQ(plan.owned_elems, opt.owned_range().size()) << what;
+  EXPECT_EQ(plan.padded_elems, opt.layout().padded_size()) << what;
+}
+
+// Layouts with odd sizes: single elements, sizes around the 64-element alignment, tensors
+// larger than buckets and shards, and random mixes.
+std::vector<std::vector<std::size_t>> layouts() {
+  std::vector<std::vector<std::size_t>> out = {
+      {1}, {63}, {64}, {65}, {1, 1, 1}, {4097, 3, 129}, {1, 7, 300, 5000, 65, 129, 3, 1000},
+      {100000}, {128, 128, 128, 128}};
+  std::mt19937 rng(12345);
+  for (int k = 0; k < 6; ++k) {
+    std::vector<std::size_t> sizes(1 + rng() % 12);
+    for (std::size_t& n : sizes) n = 1 + rng() % (rng() % 2 ? 200 : 9000);
+    out.push_back(sizes);
+  }
+  return out;
+}
+
+std::vector<Config> configs() {
+  std::vector<Config> out;
+  for (const auto& sizes : layouts())
+    for (DType dtype : {DType::BF16, DType::F32}) {
+      out.push_back({sizes, Stage::DataParallel, dtype, 1});
+      out.push_back({sizes, Stage::Zero1, dtype, 1});
+      for (std::size_t bucket : {std::size_t{1}, std::size_t{64}, std::size_t{700},
+                                 std::size_t{4096}, std::size_t{1} << 20})
+        out.push_back({sizes, Stage::Zero2, dtype, bucket});
+    }
+  return out;
+}
+
+}  // namespace
+
+TEST(Planner, MatchesAccountingAtWorldOne) {
+  for (const Config& c : configs()) {
+    auto opt = finalized(make_single_process_communicator(), c);
+    expect_plan_matches(*opt, c, 1, describe(c, 1, 0));
+  }
+}
+
+TEST(Planner, MatchesAccountingOnEveryRankOfOneToEightRanks) {
+  for (const Config& c : configs())
+    for (int world = 1; world <= 8; ++world)
+      for (int rank = 0; rank < world; ++rank) {
+        auto opt = finalized(std::make_shared<ReplicatedWorld>(rank, world), c);
+        expect_plan_matches(*opt, c, world, describe(c, world, rank));
+      }
+}
+
+TEST(Planner, StepsAllocateNothingBeyondThePlan) {
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+    const Config c{{1, 7, 300, 5000, 65}, stage, DType::BF16, 700};
+    auto opt = finalized(make_single_process_communicator(), c);
+    for (int s = 0; s < 3; ++s) {
+      for (std::size_t i = c.sizes.size(); i-- > 0;) {
+        for (float& g : opt->grad(i)) g = 0.25f;
+        opt->grad_ready(i);
+      }
+      opt->step();
+    }
+    const MemoryPlan plan = plan_memory(layout_of(c), plan_config(opt->options(), 1));
+    const MemoryReport rep = opt->memory_report();
+    for (int k = 0; k < kNumMemCategories; ++k) EXPECT_EQ(rep.peak[k], plan.bytes[k]) << k;
+  }
+}
+
+TEST(Planner, ByteCountsPerStage) {
+  // 6400 elements in one tensor, 4 ranks: no padding, 1600 owned.
+  const FlatLayout l = uniform_layout(6400, 6400);
+  const MemoryPlan dp = plan_memory(l, {Stage::DataParallel, 4, DType::BF16, DType::F32, 1000});
+  EXPECT_EQ(dp[MemCategory::Params], 12800u);
+  EXPECT_EQ(dp[MemCategory::Grads], 25600u);
+  EXPECT_EQ(dp[MemCategory::Master], 25600u);
+  EXPECT_EQ(dp[MemCategory::Moments], 51200u);
+  EXPECT_EQ(dp[MemCategory::Scratch], 0u);
+  const MemoryPlan z1 = plan_memory(l, {Stage::Zero1, 4, DType::BF16, DType::F32, 1000});
+  EXPECT_EQ(z1[MemCategory::Grads], 25600u);
+  EXPECT_EQ(z1[MemCategory::Master], 6400u);
+  EXPECT_EQ(z1[MemCategory::Moments], 12800u);
+  const MemoryPlan z2 = plan_memory(l, {Stage::Zero2, 4, DType::F32, DType::F32, 1000, 1});
+  EXPECT_EQ(z2[MemCategory::Params], 25600u);
+  EXPECT_EQ(z2[MemCategory::Grads], 6400u);
+  EXPECT_EQ(z2[MemCategory::Master], 0u);  // the fp32 replica is the master
+  EXPECT_EQ(z2[MemCategory::Scratch], 25600u);  // one slot; the tensor is larger than a bucket
+  EXPECT_EQ(z2.num_buckets, 1u);
+}
+
+TEST(Planner, EqualsTheZeroFormulaWithoutPaddingOrScratch) {
+  for (int world : {1, 2, 3, 4, 8, 64})
+    for (DType dtype : {DType::BF16, DType::F32})
+      for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+        const std::size_t psi = 64 * 7 * static_cast<std::size_t>(world);  // no padding
+        const MemoryPlan p = plan_memory(uniform_layout(psi, psi),
+                                         {stage, world, dtype, DType::F32, 1 << 20});
+        const double formula = zero_formula_bytes(stage, static_cast<double>(psi), world, dtype);
+        EXPECT_EQ(static_cast<double>(p.total() - p[MemCategory::Scratch]), formula)
+            << stage_name(stage) << " " << dtype_name(dtype) << " world " << world;
+      }
+}
+
+TEST(Planner, BuiltLayoutMustMatchTheWorld) {
+  FlatLayout l = uniform_layout(1000, 100);
+  l.build(2);
+  // Ten tensors of 100 at 128-element starts end at 1252; two ranks pad to 1280.
+  EXPECT_EQ(plan_memory(l, {Stage::Zero1, 2, DType::BF16, DType::F32, 64}).padded_elems, 1280u);
+  EXPECT_THROW(plan_memory(l, {Stage::Zero1, 3, DType::BF16, DType::F32, 64}), Error);
+}
+
+TEST(Planner, RejectsInvalidConfigurations) {
+  const FlatLayout l = uniform_layout(1000, 100);
+  try {
+    plan_memory(l, {Stage::Zero1, 2, DType::BF16, DType::BF16, 64});
+    FAIL() << "a bf16 gradient buffer was planned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Unsupported);
+  }
+  EXPECT_THROW(plan_memory(l, {Stage::Zero1, 0, DType::BF16, DType::F32, 64}), Error);
+  EXPECT_THROW(plan_memory(l, {Stage::Zero2, 2, DType::BF16, DType::F32, 0}), Error);
+  EXPECT_THROW(plan_memory(l, {static_cast<Stage>(7), 2, DType::BF16, DType::F32, 64}), Error);
+  EXPECT_THROW(plan_memory(FlatLayout{}, {Stage::Zero1, 2, DType::BF16, DType::F32, 64}), Error);
+}
+
+TEST(Planner, UniformLayout) {
+  const FlatLayout l = uniform_layout(1001, 100);
+  ASSERT_EQ(l.num_params(), 11u);
+  EXPECT_EQ(l.param(9).numel, 100u);
+  EXPECT_EQ(l.param(10).numel, 1u);
+  EXPECT_EQ(l.unpadded_size(), 1001u);
+  EXPECT_EQ(uniform_layout(1000, 100).num_params(), 10u);
+  EXPECT_THROW(uniform_layout(0, 100), Error);
+  EXPECT_THROW(uniform_layout(100, 0), Error);
+  EXPECT_THROW(uniform_layout(kMaxUniformTensors + 1, 1), Error);
+  EXPECT_EQ(uniform_tensor_elems(1000, 100), 100u);
+  EXPECT_EQ(uniform_tensor_elems(kMaxUniformTensors * 1000 + 1, 100), 1001u);
+}
+
+TEST(Planner, LargestFittingModel) {
+  const std::size_t tensor = 5000;
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+    for (int world : {1, 3, 8})
+      for (std::size_t budget : {std::size_t{100000}, std::size_t{3000000}}) {
+        const PlanConfig c{stage, world, DType::BF16, DType::F32, 4096};
+        const std::size_t best = largest_fitting_psi(budget, c, tensor);
+        auto bytes = [&](std::size_t psi) {
+          return plan_memory(uniform_layout(psi, uniform_tensor_elems(psi, tensor)), c).total();
+        };
+        const std::string what = std::string(stage_name(stage)) + " world " +
+                                  std::to_string(world) + " budget " + std::to_string(budget);
+        ASSERT_GT(best, 0u) << what;
+        EXPECT_LE(bytes(best), budget) << what;
+        EXPECT_GT(bytes(best + 1), budget) << what;
+      }
+  // Not even one element (padded to 64) fits in 100 bytes.
+  EXPECT_EQ(largest_fitting_psi(100, {Stage::Zero1, 1, DType::BF16, DType::F32, 64}, 64), 0u);
+}
+
+TEST(Planner, Stage2AccumulationWithoutSyncAndSlots) {
+  for (int slots : {1, 3}) {
+    const Config c{{1, 7, 300, 5000, 65, 129, 3, 1000}, Stage::Zero2, DType::BF16, 700};
+    OptimizerOptions o;
+    o.stage = c.stage;
+    o.bucket_elems = c.bucket;
+    o.buckets_in_flight = slots;
+    ShardedOptimizer opt(make_single_process_communicator(), o);
+    for (std::size_t i = 0; i < c.sizes.size(); ++i) opt.add_param("p" + std::to_string(i), c.sizes[i]);
+    opt.finalize();
+    PlanConfig pc = plan_config(opt.options(), 1);
+    EXPECT_EQ(plan_memory(layout_of(c), pc).total(), opt.memory_report().total());
+    opt.begin_backward(false);  // allocates the local accumulation buffer
+    pc.accumulate_without_sync = true;
+    const MemoryPlan plan = plan_memory(layout_of(c), pc);
+    for (int k = 0; k < kNumMemCategories; ++k)
+      EXPECT_EQ(plan.bytes[k], opt.memory_report().bytes[k])
+          << mem_category_name(static_cast<MemCategory>(k)) << " with " << slots << " slots";
+  }
+}
