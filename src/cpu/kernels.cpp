@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "shardopt/bf16.hpp"
+#include "shardopt/element_ops.hpp"
 
 namespace shardopt::cpu {
 namespace {
@@ -47,25 +48,25 @@ void adam_update(const StepScalars& s, std::span<const UpdateSegment> segments, 
 
 void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n) {
   parallel_chunks(n, [&](std::size_t b, std::size_t e) {
-    for (std::size_t i = b; i < e; ++i) dst[i] = to_bf16(src[i]);
+    for (std::size_t i = b; i < e; ++i) dst[i] = ops::ToBf16{}(src[i]);
   });
 }
 
 void cast_bf16_to_f32(const bf16* src, float* dst, std::size_t n) {
   parallel_chunks(n, [&](std::size_t b, std::size_t e) {
-    for (std::size_t i = b; i < e; ++i) dst[i] = to_float(src[i]);
+    for (std::size_t i = b; i < e; ++i) dst[i] = ops::Bf16ToF32{}(src[i]);
   });
 }
 
 void accumulate(float* dst, const float* src, std::size_t n) {
   parallel_chunks(n, [&](std::size_t b, std::size_t e) {
-    for (std::size_t i = b; i < e; ++i) dst[i] += src[i];
+    for (std::size_t i = b; i < e; ++i) dst[i] = ops::Accumulate{}(dst[i], src[i]);
   });
 }
 
 void accumulate(float* dst, const bf16* src, std::size_t n) {
   parallel_chunks(n, [&](std::size_t b, std::size_t e) {
-    for (std::size_t i = b; i < e; ++i) dst[i] += to_float(src[i]);
+    for (std::size_t i = b; i < e; ++i) dst[i] = ops::Accumulate{}(dst[i], src[i]);
   });
 }
 
@@ -77,7 +78,7 @@ double sum_squares(const float* x, std::size_t n) {
     const std::size_t b = static_cast<std::size_t>(blk) * kSumBlock;
     const std::size_t e = b + kSumBlock < n ? b + kSumBlock : n;
     double acc = 0.0;
-    for (std::size_t i = b; i < e; ++i) acc += static_cast<double>(x[i]) * x[i];
+    for (std::size_t i = b; i < e; ++i) acc += ops::SquareF64{}(x[i]);
     partial[static_cast<std::size_t>(blk)] = acc;
   }
   double total = 0.0;
@@ -89,7 +90,7 @@ bool all_finite(const float* x, std::size_t n) {
   int bad = 0;
 #pragma omp parallel for reduction(| : bad) schedule(static) if (n > kGrain)
   for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(n); ++i)
-    bad |= !std::isfinite(x[i]);
+    bad |= ops::NonFinite{}(x[i]);
   return bad == 0;
 }
 
