@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstddef>
 
+#include "shardopt/host_device.hpp"
+
 namespace shardopt::dev {
 
 struct LaunchConfig {
@@ -23,7 +25,7 @@ inline LaunchConfig grid_stride_config(std::size_t work_items, int sm_count,
 }
 
 /// The work items a thread visits in a grid-stride loop: first, first + stride, ...
-constexpr std::size_t grid_stride_first(unsigned block, unsigned threads, unsigned thread) {
+SHARDOPT_HD constexpr std::size_t grid_stride_first(unsigned block, unsigned threads, unsigned thread) {
   return static_cast<std::size_t>(block) * threads + thread;
 }
 constexpr std::size_t grid_stride_stride(const LaunchConfig& c) {

@@ -6,6 +6,7 @@
 #include <thrust/execution_policy.h>
 
 #include <cmath>
+#include <ostream>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -14,6 +15,7 @@
 #include "cpu/kernels.hpp"
 #include "device_algorithms.hpp"
 #include "launch_config.hpp"
+#include "shift_down.hpp"
 #include "support/reference.hpp"
 
 using namespace shardopt;
@@ -79,6 +81,10 @@ struct AdamCase {
   bool replica;   // write the replica copy at all
   std::size_t offset;  // elements by which every buffer is shifted (1: misaligned)
 };
+
+void PrintTo(const AdamCase& c, std::ostream* os) {
+  *os << (c.mode == AdamMode::AdamW ? "AdamW" : "Adam-L2") << " " << dtype_name(c.out) << (c.replica ? "" : " (no replica)") << " offset " << c.offset;
+}
 
 class AdamUpdate : public ::testing::TestWithParam<AdamCase> {};
 
@@ -149,7 +155,12 @@ INSTANTIATE_TEST_SUITE_P(
                       AdamCase{AdamMode::AdamW, DType::BF16, false, 0},
                       AdamCase{AdamMode::AdamL2, DType::BF16, true, 0},
                       AdamCase{AdamMode::AdamW, DType::BF16, true, 1},
-                      AdamCase{AdamMode::AdamL2, DType::F32, true, 3}));
+                      AdamCase{AdamMode::AdamL2, DType::F32, true, 3}),
+    [](const ::testing::TestParamInfo<AdamCase>& i) {
+      return std::string(i.param.mode == AdamMode::AdamW ? "adamw" : "adam_l2") + "_" +
+             (i.param.replica ? dtype_name(i.param.out) : "no_replica") + "_offset" +
+             std::to_string(i.param.offset);
+    });
 
 // The formulas themselves, against the double-precision oracle (the bitwise test above only
 // shows that the device code equals the CPU kernel).
@@ -301,6 +312,27 @@ TEST(AllFinite, FlagsNanAndInfAnywhere) {
       EXPECT_EQ(cpu::all_finite(y.data(), y.size()), false);
     }
   }
+}
+
+}  // namespace
+
+// ---- the NCCL communicator's in-place block move ------------------------------------------------
+
+namespace {
+
+TEST(ShiftDown, MovesWithoutSelfOverlapAndInOrder) {
+  for (std::size_t from : {0, 1, 3, 7, 64})
+    for (std::size_t len : {0, 1, 2, 7, 8, 100}) {
+      std::vector<int> buf(from + len);
+      std::iota(buf.begin(), buf.end(), 0);
+      for (const dev::Move& mv : dev::shift_down_moves(from, len)) {
+        const bool disjoint = mv.dst + mv.count <= mv.src || mv.src + mv.count <= mv.dst;
+        ASSERT_TRUE(disjoint) << from << " " << len;
+        std::copy(buf.begin() + mv.src, buf.begin() + mv.src + mv.count, buf.begin() + mv.dst);
+      }
+      for (std::size_t i = 0; i < len; ++i)
+        ASSERT_EQ(buf[i], static_cast<int>(from + i)) << from << " " << len << " " << i;
+    }
 }
 
 }  // namespace
