@@ -65,7 +65,14 @@ std::string options_problem(const OptimizerOptions& o) {
 std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm,
                                       const OptimizerOptions& o) {
   require(comm != nullptr, Status::InvalidArgument, "communicator is null");
-  const std::string problem = options_problem(o);
+  std::string problem = options_problem(o);
+  // The communicator must accept the buffers where the device puts them. A host
+  // communicator of one rank moves no data, so it also serves Device::Cuda.
+  const bool cuda = o.device == Device::Cuda;
+  if (problem.empty() && comm->device_buffers() && !cuda)
+    problem = "Device::Cpu needs a communicator of host buffers, not " + comm->name();
+  if (problem.empty() && !comm->device_buffers() && cuda && comm->size() > 1)
+    problem = "Device::Cuda needs a communicator of device buffers (NCCL), not " + comm->name();
   agree_or_throw(*comm, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
   return comm;
 }
@@ -333,6 +340,13 @@ void ShardedOptimizer::accumulate_grad(std::size_t i, std::span<const bf16> src)
 void ShardedOptimizer::grad_ready(std::size_t i) {
   require_finalized("grad_ready");
   reducer_->grad_ready(i);
+}
+
+void ShardedOptimizer::progress() {
+  require_finalized("progress");
+  reducer_->progress();
+  for (std::unique_ptr<CommRequest>& g : gathers_)
+    if (g && g->test()) g.reset();
 }
 
 void ShardedOptimizer::reduce_gradients() {

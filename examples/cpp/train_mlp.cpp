@@ -7,7 +7,14 @@
 // optimizer reduce-scatters, clips, updates its shard and all-gathers.
 //
 //   mpiexec -n 2 ./train_mlp [--steps N] [--stage 0|1|2] [--dtype bf16|fp32]
+//                            [--micro-batches K] [--no-overlap]
 //                            [--loss-out FILE] [--check-against FILE] [--params-out FILE]
+//
+// Each rank's slice of the batch is split into K micro-batches (default 2): all but the last
+// accumulate gradients locally with no communication; during the last one each bucket's
+// reduction starts as soon as its gradients are ready (overlapped with the rest of
+// backward). --micro-batches 1 --no-overlap is the plain step, for comparison: with the same
+// K, overlap on and off give bit-identical weights.
 //
 // --params-out writes the final fp32 master weights of every parameter, in order, as raw
 // floats; the C and Fortran trainers (examples/c, examples/fortran) write the same file.
@@ -58,6 +65,8 @@ struct Options {
   int steps = 200;
   Stage stage = Stage::Zero1;
   DType dtype = DType::BF16;
+  int micro_batches = 2;
+  bool overlap = true;
   std::string loss_out, check_against, params_out;
 };
 
@@ -75,6 +84,8 @@ Options parse(int argc, char** argv) {
     else if (a == "--loss-out") o.loss_out = next();
     else if (a == "--check-against") o.check_against = next();
     else if (a == "--params-out") o.params_out = next();
+    else if (a == "--micro-batches") o.micro_batches = std::stoi(next());
+    else if (a == "--no-overlap") o.overlap = false;
     else throw Error(Status::InvalidArgument, "unknown option " + a);
   }
   return o;
@@ -110,7 +121,8 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   o.adam.lr = 1e-2;
   o.adam.weight_decay = 0.01;
   o.adam.max_grad_norm = 1.0;
-  o.bucket_elems = 1024;  // several stage-2 buckets even for this small model
+  o.bucket_elems = 1024;  // several buckets even for this small model
+  o.overlap = cli.overlap;
   ShardedOptimizer opt(comm, o);
   const int no_decay = opt.add_group(GroupOptions{1.0, false});
   const std::size_t W1 = opt.add_param("fc1.weight", kHidden * kIn);
@@ -131,6 +143,13 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   init(B2, 0.0f, 14);
 
   const int local = kGlobalBatch / world, first = rank * local;
+  if (cli.micro_batches < 1 || local % cli.micro_batches != 0) {
+    if (rank == 0)
+      std::fprintf(stderr, "%d samples per rank do not split into %d micro-batches\n", local,
+                   cli.micro_batches);
+    return 2;
+  }
+  const int micro = local / cli.micro_batches;
   std::vector<double> losses;
   std::vector<float> x(kIn), y(kOut), h(kHidden), out(kOut), dout(kOut), dh(kHidden);
   for (int step = 0; step < cli.steps; ++step) {
@@ -141,47 +160,50 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
     opt.set_lr(lr);
     const std::vector<float> w1 = read_param(opt, W1), b1 = read_param(opt, B1),
                              w2 = read_param(opt, W2), b2 = read_param(opt, B2);
-    std::vector<float> gw1(w1.size(), 0), gb1(b1.size(), 0), gw2(w2.size(), 0), gb2(b2.size(), 0);
     double local_sse = 0;
-    for (int s = first; s < first + local; ++s) {
-      make_sample(step, s, x.data(), y.data());
-      for (int j = 0; j < kHidden; ++j) {
-        float a = b1[j];
-        for (int i = 0; i < kIn; ++i) a += w1[j * kIn + i] * x[i];
-        h[j] = a > 0 ? a : 0;
-      }
-      for (int o2 = 0; o2 < kOut; ++o2) {
-        float a = b2[o2];
-        for (int j = 0; j < kHidden; ++j) a += w2[o2 * kHidden + j] * h[j];
-        out[o2] = a;
-        const float e = a - y[o2];
-        local_sse += static_cast<double>(e) * e;
-        dout[o2] = 2.0f * e / static_cast<float>(local);  // d(mean over local batch)/d out
-      }
-      // Backward, layer 2 then layer 1.
-      for (int j = 0; j < kHidden; ++j) dh[j] = 0;
-      for (int o2 = 0; o2 < kOut; ++o2) {
-        gb2[o2] += dout[o2];
+    for (int mb = 0; mb < cli.micro_batches; ++mb) {
+      opt.begin_backward(/*sync=*/mb + 1 == cli.micro_batches);
+      std::vector<float> gw1(w1.size(), 0), gb1(b1.size(), 0), gw2(w2.size(), 0), gb2(b2.size(), 0);
+      for (int s = first + mb * micro; s < first + (mb + 1) * micro; ++s) {
+        make_sample(step, s, x.data(), y.data());
         for (int j = 0; j < kHidden; ++j) {
-          gw2[o2 * kHidden + j] += dout[o2] * h[j];
-          dh[j] += dout[o2] * w2[o2 * kHidden + j];
+          float a = b1[j];
+          for (int i = 0; i < kIn; ++i) a += w1[j * kIn + i] * x[i];
+          h[j] = a > 0 ? a : 0;
+        }
+        for (int o2 = 0; o2 < kOut; ++o2) {
+          float a = b2[o2];
+          for (int j = 0; j < kHidden; ++j) a += w2[o2 * kHidden + j] * h[j];
+          out[o2] = a;
+          const float e = a - y[o2];
+          local_sse += static_cast<double>(e) * e;
+          dout[o2] = 2.0f * e / static_cast<float>(micro);  // d(mean over micro-batch)/d out
+        }
+        // Backward, layer 2 then layer 1.
+        for (int j = 0; j < kHidden; ++j) dh[j] = 0;
+        for (int o2 = 0; o2 < kOut; ++o2) {
+          gb2[o2] += dout[o2];
+          for (int j = 0; j < kHidden; ++j) {
+            gw2[o2 * kHidden + j] += dout[o2] * h[j];
+            dh[j] += dout[o2] * w2[o2 * kHidden + j];
+          }
+        }
+        for (int j = 0; j < kHidden; ++j) {
+          if (h[j] <= 0) continue;
+          gb1[j] += dh[j];
+          for (int i = 0; i < kIn; ++i) gw1[j * kIn + i] += dh[j] * x[i];
         }
       }
-      for (int j = 0; j < kHidden; ++j) {
-        if (h[j] <= 0) continue;
-        gb1[j] += dh[j];
-        for (int i = 0; i < kIn; ++i) gw1[j * kIn + i] += dh[j] * x[i];
-      }
-    }
-    // Hand the gradients over in backward order (stage 2 reduces bucket by bucket).
-    opt.accumulate_grad(B2, std::span<const float>(gb2));
-    opt.grad_ready(B2);
-    opt.accumulate_grad(W2, std::span<const float>(gw2));
-    opt.grad_ready(W2);
-    opt.accumulate_grad(B1, std::span<const float>(gb1));
-    opt.grad_ready(B1);
-    opt.accumulate_grad(W1, std::span<const float>(gw1));
-    opt.grad_ready(W1);
+      // Hand the gradients over in backward order (stage 2 reduces bucket by bucket).
+      opt.accumulate_grad(B2, std::span<const float>(gb2));
+      opt.grad_ready(B2);
+      opt.accumulate_grad(W2, std::span<const float>(gw2));
+      opt.grad_ready(W2);
+      opt.accumulate_grad(B1, std::span<const float>(gb1));
+      opt.grad_ready(B1);
+      opt.accumulate_grad(W1, std::span<const float>(gw1));
+      opt.grad_ready(W1);
+    }  // micro-batches: step() averages over them and over ranks
     const StepResult r = opt.step();
 
     const double loss = sum_over_ranks(*comm, local_sse) / kGlobalBatch;

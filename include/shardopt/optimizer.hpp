@@ -106,6 +106,10 @@ class ShardedOptimizer {
   /// parameters are all ready starts its reduction at once (buckets start in bucket order on
   /// every rank). Optional for stages 0/1 (step() reduces what was not started).
   void grad_ready(std::size_t i);
+  /// Drives collectives in flight (MPI progresses non-blocking collectives only inside MPI
+  /// calls unless it has a progress thread). A trainer whose backward computes for long
+  /// between grad_ready() calls may call it, e.g. once per layer. Local; cheap.
+  void progress();
   /// Collective. Reduces every bucket not reduced yet and waits: the gradients of this step
   /// are then final (step() only adds the norm all-reduce). Optional; step() does it too.
   void reduce_gradients();

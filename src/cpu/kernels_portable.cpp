@@ -1,6 +1,9 @@
 // kernels_portable.cpp: the range kernels in plain C++, for any CPU. They define the
-// arithmetic: adam_element() and float_to_bf16_bits() per element; the SIMD files mirror them.
+// arithmetic with the functions the GPU runs too (adam_element() and the element_ops
+// functors); the SIMD files mirror them.
 #include <cstring>
+
+#include "shardopt/element_ops.hpp"
 
 #include "kernel_table.hpp"
 #include "kernels.hpp"
@@ -21,25 +24,24 @@ void adam(const StepScalars& s, const SegmentScalars& g, float* p, const float* 
 }
 
 void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n, bool /*stream*/) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = ops::ToBf16{}(src[i]);
 }
 
 void cast_bf16_to_f32(const bf16* src, float* dst, std::size_t n, bool /*stream*/) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = ops::Bf16ToF32{}(src[i]);
 }
 
 void accumulate_f32(float* dst, const float* src, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] += src[i];
+  for (std::size_t i = 0; i < n; ++i) dst[i] = ops::Accumulate{}(dst[i], src[i]);
 }
 
 void accumulate_bf16(float* dst, const bf16* src, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] += to_float(src[i]);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = ops::Accumulate{}(dst[i], src[i]);
 }
 
 bool any_nonfinite(const float* x, std::size_t n) {
-  // On the bits, so it holds under -ffast-math too: exponent all ones is Inf or NaN.
-  std::uint32_t bad = 0;
-  for (std::size_t i = 0; i < n; ++i) bad |= (float_bits(x[i]) & 0x7F800000u) == 0x7F800000u;
+  int bad = 0;
+  for (std::size_t i = 0; i < n; ++i) bad |= ops::NonFinite{}(x[i]);
   return bad != 0;
 }
 
@@ -48,10 +50,7 @@ void scale(float* x, std::size_t n, float factor) {
 }
 
 double finish_sum_lanes(double* lanes, const float* tail, std::size_t tail_n) {
-  for (std::size_t k = 0; k < tail_n; ++k) {
-    const double d = tail[k];
-    lanes[k] += d * d;
-  }
+  for (std::size_t k = 0; k < tail_n; ++k) lanes[k] += ops::SquareF64{}(tail[k]);
   for (std::size_t w = kSumLanes / 2; w >= 1; w /= 2)
     for (std::size_t j = 0; j < w; ++j) lanes[j] += lanes[j + w];
   return lanes[0];
@@ -63,10 +62,8 @@ double sum_squares_block(const float* x, std::size_t n) {
   double lanes[kSumLanes] = {};
   std::size_t i = 0;
   for (; i + kSumLanes <= n; i += kSumLanes) {
-    for (std::size_t j = 0; j < kSumLanes; ++j) {
-      const double d = x[i + j];
-      lanes[j] += d * d;  // exact square: fused or not, one rounding
-    }
+    // The square is exact in double: fused or not, one rounding per addition.
+    for (std::size_t j = 0; j < kSumLanes; ++j) lanes[j] += ops::SquareF64{}(x[i + j]);
   }
   return finish_sum_lanes(lanes, x + i, n - i);
 }

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# run_overlap.sh [build-dir]: the overlap benchmark at 2 ranks, stages 1 and 2, both compute
+# models (see bench_overlap.cpp). Prints one table per configuration.
+set -euo pipefail
+build=${1:-build}
+launcher=$(sed -n 's/^MPIEXEC_EXECUTABLE:FILEPATH=//p' "$build/CMakeCache.txt")
+flags=$(sed -n 's/^SHARDOPT_MPIEXEC_FLAGS_CACHED:INTERNAL=//p' "$build/CMakeCache.txt")
+export OMP_NUM_THREADS=1
+for compute in device cpu; do
+  for stage in 1 2; do
+    "${launcher:-mpiexec}" -n 2 $flags "$build/benchmarks/bench_overlap" --stage "$stage" \
+      --compute "$compute" --params 32 --tensor-elems 524288 --bucket-elems 1048576
+    echo
+  done
+done

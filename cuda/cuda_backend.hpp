@@ -1,0 +1,14 @@
+// cuda_backend.hpp: the CUDA Backend with a chosen fused-update kernel (tests, benchmarks).
+#pragma once
+
+#include <memory>
+
+#include "../src/backend.hpp"
+#include "cuda_ops.hpp"
+
+namespace shardopt {
+
+/// make_cuda_backend() uses AdamKernel::Thrust. Throws Error(Cuda) when no device is usable.
+std::unique_ptr<Backend> make_cuda_backend_with(dev::AdamKernel kernel);
+
+}  // namespace shardopt

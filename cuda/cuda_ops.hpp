@@ -1,0 +1,38 @@
+// cuda_ops.hpp: the device algorithms instantiated for CUDA (device_algorithms.cu), callable
+// from plain C++. Every function enqueues on `stream` and returns without waiting, except
+// all_finite (which returns a host value). Pointers are device memory.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "adam_chunk.hpp"
+#include "shardopt/bf16.hpp"
+
+namespace shardopt::dev {
+
+/// Which kernel runs the fused update: thrust::for_each (cub::DeviceFor) or the hand-written
+/// grid-stride kernel; both run AdamChunkOp, so their results are bitwise equal.
+enum class AdamKernel { Thrust, GridStride };
+
+void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op);
+void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::size_t n);
+void cast_bf16_to_f32(cudaStream_t stream, const bf16* src, float* dst, std::size_t n);
+void accumulate(cudaStream_t stream, float* dst, const float* src, std::size_t n);
+void accumulate(cudaStream_t stream, float* dst, const bf16* src, std::size_t n);
+
+/// Levels 1 and 2+ of the fixed sum-of-squares tree (sum_squares.hpp) into `scratch`
+/// (norm_scratch_count(n) doubles); returns the device address and count (<= kNormFanIn)
+/// of the last level.
+struct DevicePartials {
+  const double* data;
+  std::size_t count;
+};
+DevicePartials sum_squares_partials(cudaStream_t stream, const float* x, std::size_t n,
+                                    double* scratch);
+
+/// Waits for the stream; true when no element is NaN or Inf.
+bool all_finite(cudaStream_t stream, const float* x, std::size_t n);
+
+}  // namespace shardopt::dev

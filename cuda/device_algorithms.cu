@@ -1,0 +1,93 @@
+// device_algorithms.cu: the CUDA instantiations of device_algorithms.hpp, on a caller's
+// stream, without a host synchronisation after each algorithm (par_nosync).
+#include <thrust/system/cuda/execution_policy.h>
+#include <thrust/system_error.h>
+
+#include <new>
+#include <string>
+
+#include "cuda_check.hpp"
+#include "cuda_ops.hpp"
+#include "device_algorithms.hpp"
+#include "launch_config.hpp"
+
+namespace shardopt::dev {
+namespace {
+
+auto on(cudaStream_t stream) { return thrust::cuda::par_nosync.on(stream); }
+
+/// Runs a Thrust call; its exceptions (launch failures, temporary-storage allocation) become
+/// shardopt::Error naming the algorithm.
+template <class F>
+auto guarded(const char* what, F&& f) {
+  try {
+    return f();
+  } catch (const thrust::system_error& e) {
+    (void)cudaGetLastError();
+    throw Error(Status::Cuda, std::string(what) + " failed: " + e.what());
+  } catch (const std::bad_alloc&) {
+    throw Error(Status::OutOfMemory, std::string(what) + ": out of device memory");
+  }
+}
+
+/// The hand-written twin of thrust::for_each: a grid-stride loop over the chunks, sized by
+/// grid_stride_config() so every SM stays busy without oversubscribing the grid.
+__global__ void adam_grid_stride_kernel(AdamChunkOp op, std::size_t chunks) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t c = grid_stride_first(blockIdx.x, blockDim.x, threadIdx.x); c < chunks;
+       c += stride)
+    op(c);
+}
+
+int sm_count_of_current_device() {
+  int device = 0, sms = 0;
+  SHARDOPT_CUDA_CHECK(cudaGetDevice(&device));
+  SHARDOPT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+}  // namespace
+
+void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op) {
+  if (kernel == AdamKernel::Thrust) {
+    guarded("thrust::for_each_n (fused Adam update)", [&] { adam_update(on(stream), op); });
+  } else {
+    const std::size_t chunks = adam_chunk_count(op.n);
+    if (chunks == 0) return;
+    const LaunchConfig c = grid_stride_config(chunks, sm_count_of_current_device());
+    adam_grid_stride_kernel<<<c.blocks, c.threads, 0, stream>>>(op, chunks);
+  }
+  SHARDOPT_CUDA_CHECK(cudaGetLastError());
+}
+
+void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::size_t n) {
+  guarded("thrust::transform (fp32 -> bf16)",
+          [&] { cast_f32_to_bf16(on(stream), src, dst, n); });
+}
+
+void cast_bf16_to_f32(cudaStream_t stream, const bf16* src, float* dst, std::size_t n) {
+  guarded("thrust::transform (bf16 -> fp32)",
+          [&] { cast_bf16_to_f32(on(stream), src, dst, n); });
+}
+
+void accumulate(cudaStream_t stream, float* dst, const float* src, std::size_t n) {
+  guarded("thrust::transform (accumulate fp32)", [&] { accumulate(on(stream), dst, src, n); });
+}
+
+void accumulate(cudaStream_t stream, float* dst, const bf16* src, std::size_t n) {
+  guarded("thrust::transform (accumulate bf16)", [&] { accumulate(on(stream), dst, src, n); });
+}
+
+DevicePartials sum_squares_partials(cudaStream_t stream, const float* x, std::size_t n,
+                                    double* scratch) {
+  const Partials p = guarded("thrust::transform (sum of squares)",
+                             [&] { return sum_squares_partials(on(stream), x, n, scratch); });
+  return {p.data, p.count};
+}
+
+bool all_finite(cudaStream_t stream, const float* x, std::size_t n) {
+  return guarded("thrust::transform_reduce (non-finite flag)",
+                 [&] { return all_finite(thrust::cuda::par.on(stream), x, n); });
+}
+
+}  // namespace shardopt::dev

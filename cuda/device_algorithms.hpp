@@ -1,0 +1,81 @@
+// device_algorithms.hpp: the device side of the CUDA backend as Thrust algorithms over the
+// shared functors, templated on the Thrust execution policy.
+//
+// nvcc instantiates them with thrust::cuda::par_nosync.on(stream) (thrust::for_each and
+// transform dispatch to cub::DeviceFor / cub::DeviceTransform); the test build compiles the
+// very same templates with g++ and THRUST_DEVICE_SYSTEM_OMP, so the CPU checks the indexing
+// and arithmetic the GPU runs. Pointers are device memory for the policy's system. No
+// function allocates: scratch is the caller's.
+#pragma once
+
+#include <thrust/execution_policy.h>
+#include <thrust/functional.h>
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/transform.h>
+#include <thrust/transform_reduce.h>
+
+#include <cstddef>
+
+#include "adam_chunk.hpp"
+#include "shardopt/element_ops.hpp"
+#include "sum_squares.hpp"
+
+namespace shardopt::dev {
+
+using Index = thrust::counting_iterator<std::size_t>;
+
+/// The fused update: one launch over every chunk of the shard.
+template <class Policy>
+void adam_update(Policy&& exec, const AdamChunkOp& op) {
+  const std::size_t chunks = adam_chunk_count(op.n);
+  if (chunks) thrust::for_each_n(exec, Index(0), chunks, op);
+}
+
+template <class Policy>
+void cast_f32_to_bf16(Policy&& exec, const float* src, bf16* dst, std::size_t n) {
+  if (n) thrust::transform(exec, src, src + n, dst, ops::ToBf16{});
+}
+
+template <class Policy>
+void cast_bf16_to_f32(Policy&& exec, const bf16* src, float* dst, std::size_t n) {
+  if (n) thrust::transform(exec, src, src + n, dst, ops::Bf16ToF32{});
+}
+
+/// dst[i] += src[i]; Src is float or bf16.
+template <class Policy, class Src>
+void accumulate(Policy&& exec, float* dst, const Src* src, std::size_t n) {
+  if (n) thrust::transform(exec, dst, dst + n, src, dst, ops::Accumulate{});
+}
+
+/// Where the last level of a sum-of-squares tree lies (device memory): at most kNormFanIn
+/// doubles for the caller to add with combine_in_order().
+struct Partials {
+  const double* data;
+  std::size_t count;
+};
+
+/// Levels 1 and 2+ of the fixed tree of sum_squares.hpp; scratch holds
+/// norm_scratch_count(n) doubles.
+template <class Policy>
+Partials sum_squares_partials(Policy&& exec, const float* x, std::size_t n, double* scratch) {
+  std::size_t count = norm_lane_count(n);
+  if (count) thrust::transform(exec, Index(0), Index(count), scratch, LaneSquares{x, n});
+  double* in = scratch;
+  while (count > kNormFanIn) {
+    const std::size_t groups = ceil_div(count, kNormFanIn);
+    thrust::transform(exec, Index(0), Index(groups), in + count, GroupSum{in, count});
+    in += count;
+    count = groups;
+  }
+  return {in, count};
+}
+
+/// True when no element is NaN or Inf (an integer max, so exact in any order).
+template <class Policy>
+bool all_finite(Policy&& exec, const float* x, std::size_t n) {
+  if (n == 0) return true;
+  return thrust::transform_reduce(exec, x, x + n, ops::NonFinite{}, 0, thrust::maximum<int>{}) == 0;
+}
+
+}  // namespace shardopt::dev

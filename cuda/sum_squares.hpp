@@ -1,0 +1,92 @@
+// sum_squares.hpp: a sum of squares in fp64 whose summation order is fixed by n alone.
+//
+// The order is a fixed tree, evaluated level by level with one work item per node:
+//   1. lanes: element block b (kNormBlock elements) is split into kNormLanes strided lanes;
+//      lane j sums x[b*B + j], x[b*B + j + L], ... in order (adjacent work items read
+//      adjacent elements, so GPU loads coalesce);
+//   2. groups: consecutive partials are summed kNormFanIn at a time, in order, level after
+//      level, until at most kNormFanIn remain;
+//   3. the caller adds those few partials on the host, in order (combine_in_order).
+// No atomics and no scheduling-dependent combine, so the result is identical run to run, on
+// any GPU and in the Thrust OpenMP build; sum_squares_serial() evaluates the same tree on
+// one thread and is the bitwise oracle of the tests.
+#pragma once
+
+#include <cstddef>
+
+#include "shardopt/element_ops.hpp"
+#include "shardopt/host_device.hpp"
+
+namespace shardopt::dev {
+
+inline constexpr std::size_t kNormBlock = 65536;
+inline constexpr std::size_t kNormLanes = 256;
+inline constexpr std::size_t kNormFanIn = 256;
+
+SHARDOPT_HD constexpr std::size_t ceil_div(std::size_t a, std::size_t b) {
+  return (a + b - 1) / b;
+}
+
+/// Level-1 partials for n elements.
+constexpr std::size_t norm_lane_count(std::size_t n) {
+  return ceil_div(n, kNormBlock) * kNormLanes;
+}
+
+/// Doubles of scratch the whole tree needs (every level is kept).
+constexpr std::size_t norm_scratch_count(std::size_t n) {
+  std::size_t count = norm_lane_count(n), total = count;
+  while (count > kNormFanIn) {
+    count = ceil_div(count, kNormFanIn);
+    total += count;
+  }
+  return total;
+}
+
+/// Level 1: work item t is lane t % kNormLanes of block t / kNormLanes.
+struct LaneSquares {
+  const float* x;
+  std::size_t n;
+  SHARDOPT_HD double operator()(std::size_t t) const {
+    const std::size_t first = (t / kNormLanes) * kNormBlock + t % kNormLanes;
+    double acc = 0.0;
+    for (std::size_t i = first; i < first + kNormBlock && i < n; i += kNormLanes)
+      acc += ops::SquareF64{}(x[i]);
+    return acc;
+  }
+};
+
+/// Level 2+: work item g sums in[g*F, min((g+1)*F, count)) in order.
+struct GroupSum {
+  const double* in;
+  std::size_t count;
+  SHARDOPT_HD double operator()(std::size_t g) const {
+    const std::size_t b = g * kNormFanIn;
+    const std::size_t e = b + kNormFanIn < count ? b + kNormFanIn : count;
+    double acc = 0.0;
+    for (std::size_t i = b; i < e; ++i) acc += in[i];
+    return acc;
+  }
+};
+
+/// Step 3: the last partials (host memory), in order.
+inline double combine_in_order(const double* partials, std::size_t count) {
+  double acc = 0.0;
+  for (std::size_t i = 0; i < count; ++i) acc += partials[i];
+  return acc;
+}
+
+/// The same tree on one host thread; `scratch` holds norm_scratch_count(n) doubles.
+inline double sum_squares_serial(const float* x, std::size_t n, double* scratch) {
+  std::size_t count = norm_lane_count(n);
+  for (std::size_t t = 0; t < count; ++t) scratch[t] = LaneSquares{x, n}(t);
+  double* in = scratch;
+  while (count > kNormFanIn) {
+    const std::size_t groups = ceil_div(count, kNormFanIn);
+    for (std::size_t g = 0; g < groups; ++g) in[count + g] = GroupSum{in, count}(g);
+    in += count;
+    count = groups;
+  }
+  return combine_in_order(in, count);
+}
+
+}  // namespace shardopt::dev

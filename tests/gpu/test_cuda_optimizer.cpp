@@ -1,0 +1,209 @@
+// test_cuda_optimizer.cpp: the sharded step with Device::Cuda against the double-precision
+// oracle (one process, or NCCL under mpiexec), and against the CPU optimizer bitwise. The
+// step tests skip without enough GPUs; the device/communicator check runs everywhere.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "gpu_test.hpp"
+#include "gpu_world.hpp"
+#include "shardopt/optimizer.hpp"
+#include "support/reference.hpp"
+
+#if SHARDOPT_GPU_TEST_MPI
+#include <mpi.h>
+
+#include "shardopt/mpi_comm.hpp"
+#endif
+
+using namespace shardopt;
+using shardopt::test::synth;
+
+namespace {
+
+const std::vector<std::size_t> kSizes = {1, 7, 300, 5000, 65, 129, 3};
+int group_of(std::size_t i) { return i % 3 == 1 ? 1 : 0; }
+const std::vector<GroupOptions> kGroups = {GroupOptions{}, GroupOptions{0.5, false}};
+
+// Multiples of 2^-10: sums over ranks are exact in any order (see test_optimizer.cpp).
+float grad_value(int rank, int step, std::size_t param, std::size_t k) {
+  const float u = synth(static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(step), param, k);
+  return std::round(u * 1024.0f) / 1024.0f;
+}
+
+void to_device(std::span<float> dst, const std::vector<float>& src) {
+  ASSERT_EQ(cudaMemcpy(dst.data(), src.data(), src.size() * sizeof(float), cudaMemcpyHostToDevice),
+            cudaSuccess);
+}
+
+std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Device device,
+                                       Stage stage, DType dtype, const AdamConfig& cfg) {
+  OptimizerOptions o;
+  o.device = device;
+  o.stage = stage;
+  o.param_dtype = dtype;
+  o.adam = cfg;
+  o.bucket_elems = 700;
+  auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
+  opt->add_group(kGroups[1]);
+  for (std::size_t i = 0; i < kSizes.size(); ++i)
+    opt->add_param("p" + std::to_string(i), kSizes[i], group_of(i));
+  opt->finalize();
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    std::vector<float> init(kSizes[i]);
+    for (std::size_t k = 0; k < init.size(); ++k) init[k] = synth(99, 0, i, k);
+    opt->set_param(i, init);
+  }
+  return opt;
+}
+
+// Writes this rank's gradients for `step` (backward order, with grad_ready for stage 2).
+void produce_grads(ShardedOptimizer& opt, int rank, int step, bool device) {
+  for (std::size_t j = kSizes.size(); j-- > 0;) {
+    std::vector<float> g(kSizes[j]);
+    for (std::size_t k = 0; k < g.size(); ++k) g[k] = grad_value(rank, step, j, k);
+    const std::span<float> dst = opt.grad(j);
+    if (device) {
+      to_device(dst, g);
+    } else {
+      std::copy(g.begin(), g.end(), dst.begin());
+    }
+    opt.grad_ready(j);
+  }
+}
+
+struct StepCase {
+  Stage stage;
+  DType dtype;
+  double max_grad_norm;
+};
+
+void PrintTo(const StepCase& c, std::ostream* os) {
+  *os << stage_name(c.stage) << " " << dtype_name(c.dtype) << " max_grad_norm=" << c.max_grad_norm;
+}
+
+class CudaStep : public ::testing::TestWithParam<StepCase> {};
+
+TEST_P(CudaStep, MatchesDoubleOracle) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  const StepCase c = GetParam();
+  AdamConfig cfg;
+  cfg.lr = 1e-2;
+  cfg.weight_decay = 0.1;
+  cfg.max_grad_norm = c.max_grad_norm;
+  auto comm = test::gpu_world();
+  const int world = comm->size(), rank = comm->rank();
+  auto opt = make(comm, Device::Cuda, c.stage, c.dtype, cfg);
+
+  std::vector<test::RefParam> ref(kSizes.size());
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    ref[i].group = group_of(i);
+    for (std::size_t k = 0; k < kSizes[i]; ++k) {
+      ref[i].p.push_back(synth(99, 0, i, k));  // set_param's fp32 values are the master
+    }
+    ref[i].m.assign(kSizes[i], 0.0);
+    ref[i].v.assign(kSizes[i], 0.0);
+  }
+  for (int step = 1; step <= 3; ++step) {
+    produce_grads(*opt, rank, step, true);
+    std::vector<std::vector<double>> avg(kSizes.size());
+    for (std::size_t i = 0; i < kSizes.size(); ++i)
+      for (std::size_t k = 0; k < kSizes[i]; ++k) {
+        double s = 0;
+        for (int r = 0; r < world; ++r) s += grad_value(r, step, i, k);
+        avg[i].push_back(s / world);
+      }
+    const StepResult got = opt->step();
+    const test::RefResult want = test::reference_step(ref, avg, cfg, kGroups, step);
+    EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-9 * want.grad_norm);
+    EXPECT_EQ(got.clipped, want.clipped);
+    EXPECT_FALSE(got.skipped);
+  }
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    std::vector<float> master(kSizes[i]);
+    opt->get_master(i, master);
+    std::vector<float> replica(kSizes[i]);
+    if (c.dtype == DType::BF16) {
+      const std::span<bf16> dev = opt->param<bf16>(i);
+      std::vector<bf16> low(dev.size());
+      ASSERT_EQ(cudaMemcpy(low.data(), dev.data(), dev.size_bytes(), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      for (std::size_t k = 0; k < low.size(); ++k) replica[k] = to_float(low[k]);
+    } else {
+      const std::span<float> dev = opt->param<float>(i);
+      ASSERT_EQ(cudaMemcpy(replica.data(), dev.data(), dev.size_bytes(), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+    }
+    for (std::size_t k = 0; k < kSizes[i]; ++k) {
+      ASSERT_NEAR(master[k], ref[i].p[k], 1e-5) << "param " << i << " element " << k;
+      // The all-gathered replica is the master rounded to the replica dtype, on every rank.
+      const float want = c.dtype == DType::BF16 ? to_float(to_bf16(master[k])) : master[k];
+      ASSERT_EQ(float_bits(replica[k]), float_bits(want)) << "param " << i << " element " << k;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, CudaStep,
+                         ::testing::Values(StepCase{Stage::DataParallel, DType::BF16, 0.0},
+                                           StepCase{Stage::Zero1, DType::BF16, 0.0},
+                                           StepCase{Stage::Zero1, DType::F32, 1.0},
+                                           StepCase{Stage::Zero2, DType::BF16, 1.0},
+                                           StepCase{Stage::Zero2, DType::F32, 0.0}),
+                         [](const ::testing::TestParamInfo<StepCase>& i) {
+                           return std::string("stage") +
+                                  std::to_string(static_cast<int>(i.param.stage)) + "_" +
+                                  dtype_name(i.param.dtype) +
+                                  (i.param.max_grad_norm > 0 ? "_clip" : "");
+                         });
+
+// One process: the CUDA step equals the CPU step bit for bit (same element math; no
+// clipping, so the different norm summation order cannot matter).
+TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
+  if (test::gpu_world_size() != 1) GTEST_SKIP() << "single-process comparison";
+  SHARDOPT_REQUIRE_GPUS(1);
+  AdamConfig cfg;
+  cfg.lr = 1e-2;
+  for (Stage stage : {Stage::Zero1, Stage::Zero2}) {
+    auto gpu = make(make_single_process_communicator(), Device::Cuda, stage, DType::BF16, cfg);
+    auto cpu = make(make_single_process_communicator(), Device::Cpu, stage, DType::BF16, cfg);
+    for (int step = 1; step <= 3; ++step) {
+      produce_grads(*gpu, 0, step, true);
+      produce_grads(*cpu, 0, step, false);
+      const StepResult a = gpu->step(), b = cpu->step();
+      EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-12 * b.grad_norm);
+    }
+    for (std::size_t i = 0; i < kSizes.size(); ++i) {
+      std::vector<float> a(kSizes[i]), b(kSizes[i]);
+      gpu->get_master(i, a);
+      cpu->get_master(i, b);
+      for (std::size_t k = 0; k < a.size(); ++k)
+        ASSERT_EQ(float_bits(a[k]), float_bits(b[k])) << stage_name(stage) << " " << i << " " << k;
+    }
+  }
+}
+
+#if SHARDOPT_GPU_TEST_MPI
+// Device buffers cannot go through a host MPI communicator: every rank gets the same
+// InvalidArgument before anything is allocated (needs no GPU).
+TEST(CudaDevice, RejectsHostCommunicatorAcrossRanks) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  if (comm->size() == 1) GTEST_SKIP() << "a one-rank host group is accepted for Device::Cuda";
+  OptimizerOptions o;
+  o.device = Device::Cuda;
+  try {
+    ShardedOptimizer opt(comm, o);
+    FAIL() << "expected Error(InvalidArgument)";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Device::Cuda needs a communicator of device buffers"),
+              std::string::npos)
+        << e.what();
+  }
+}
+#endif
+
+}  // namespace
