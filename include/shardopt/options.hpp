@@ -39,12 +39,29 @@ struct GroupOptions {
 };
 std::string validate(const GroupOptions& g);
 
+/// Dynamic loss scaling for fp16 training (the GradScaler scheme). The trainer multiplies its
+/// loss by loss_scale() before backward; the step divides the gradients by the same scale
+/// (folded into the update's gradient factor, no extra pass) and reports the unscaled norm.
+/// A step with a NaN/Inf gradient is skipped on every rank and backs the scale off; after
+/// growth_interval finite steps in a row the scale grows.
+struct LossScaling {
+  bool enabled = false;
+  double initial_scale = 65536.0;
+  int growth_interval = 2000;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  double min_scale = 1.0;          ///< backoff never goes below this
+  double max_scale = 16777216.0;   ///< growth never goes above this (2^24)
+};
+std::string validate(const LossScaling& s);
+
 struct OptimizerOptions {
   Stage stage = Stage::Zero1;
   DType param_dtype = DType::BF16;  ///< dtype of the full replica the forward pass reads
   Device device = Device::Cpu;
   AdamConfig adam;
   std::size_t bucket_elems = std::size_t{1} << 20;  ///< stage 2 bucket size (4 MiB of fp32)
+  LossScaling loss_scaling;
 };
 
 }  // namespace shardopt
