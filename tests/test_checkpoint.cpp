@@ -89,6 +89,10 @@ struct StageDtype {
   DType dtype;
 };
 
+void PrintTo(const StageDtype& c, std::ostream* os) {
+  *os << stage_name(c.stage) << "/" << dtype_name(c.dtype);
+}
+
 class SameWorld : public testing::TestWithParam<StageDtype> {};
 
 }  // namespace
@@ -268,4 +272,27 @@ TEST(Checkpoint, FailedWriteOnOneRankFailsTheSaveOnEveryRank) {
   comm->barrier();
   EXPECT_FALSE(fs::exists(dir.path() / ".tmp-ckpt-00000002"));
   EXPECT_TRUE(fs::exists(dir.path() / "ckpt-00000002"));
+}
+
+TEST(Checkpoint, LossScaleStateIsRestored) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  test::CkptSetup s;
+  s.loss_scaling.enabled = true;
+  s.loss_scaling.initial_scale = 4096.0;
+  s.loss_scaling.growth_interval = 2;
+  auto a = test::make_ckpt_optimizer(comm, s);
+  for (int step = 1; step <= 3; ++step) test::ckpt_train_step(*a, step);
+  a->set_loss_scale_state(LossScaleState{8192.0, 1, 4});
+  save_checkpoint(*a, dir.path());
+  auto b = test::make_ckpt_optimizer(comm, s);
+  load_checkpoint(*b, dir.path());
+  EXPECT_EQ(b->loss_scale(), 8192.0);
+  EXPECT_EQ(b->loss_scale_state().good_steps, 1);
+  EXPECT_EQ(b->loss_scale_state().skipped_steps, 4);
+  // Loaded without loss scaling: the scale is 1, the skip count is kept.
+  auto c = test::make_ckpt_optimizer(comm, {});
+  load_checkpoint(*c, dir.path());
+  EXPECT_EQ(c->loss_scale(), 1.0);
+  EXPECT_EQ(c->loss_scale_state().skipped_steps, 4);
 }

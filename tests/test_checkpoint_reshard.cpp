@@ -100,6 +100,10 @@ struct Case {
   bool all_pairs;  // every N -> W and W -> M; otherwise 4 -> 2, 2 -> 3, 3 -> 1 (where they fit)
 };
 
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << stage_name(c.stage) << "/" << dtype_name(c.dtype);
+}
+
 class Reshard : public testing::TestWithParam<Case> {};
 
 }  // namespace
