@@ -110,6 +110,9 @@ TEST_P(KillDuringSave, PreviousCheckpointLoadsAndTemporariesAreCleaned) {
                                std::to_string(c.stop_rank), marker.string(),
                                std::string(c.ranks > 1 ? "mpi" : "single")})
     args.push_back(a);
+  // Open MPI refuses to run as root (containers) unless told; MPICH ignores these.
+  setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 0);
+  setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 0);
   const fs::path log = work / "child.log";
   const pid_t child = spawn(args, log);
   ASSERT_GT(child, 0);
