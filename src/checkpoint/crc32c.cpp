@@ -1,5 +1,6 @@
-// crc32c.cpp: CRC-32C with the SSE4.2 instruction where the CPU has it (about 20 GB/s),
-// otherwise slicing-by-8 tables (about 2 GB/s). Both give the same value.
+// crc32c.cpp: CRC-32C with the SSE4.2 instruction where the CPU has it, otherwise
+// slicing-by-8 tables; both give the same value. Measured on the 2-core EPYC dev VM (256 MiB,
+// loaded machine): SSE4.2 ~0.7x memcpy bandwidth, about 5x the table version.
 #include "crc32c.hpp"
 
 #include <array>
