@@ -3,6 +3,7 @@
 #include "shardopt/optimizer.hpp"
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -57,7 +58,7 @@ std::string options_problem(const OptimizerOptions& o) {
   if (o.bucket_elems == 0) return "bucket_elems must be positive";
   if (o.buckets_in_flight < 1) return "buckets_in_flight must be at least 1";
   if (o.reduce_dtype != DType::F32 && o.reduce_dtype != DType::BF16) return "invalid reduce dtype";
-  return {};
+  return validate(o.loss_scaling);
 }
 
 // Collective constructor check: throws the same error on every rank if any rank's options
@@ -84,7 +85,9 @@ ShardedOptimizer::ShardedOptimizer(std::shared_ptr<Communicator> comm, Optimizer
       options_(options),
       backend_(make_backend(options.device)),
       groups_{GroupOptions{}},
-      buf_(std::make_unique<Buffers>()) {}
+      buf_(std::make_unique<Buffers>()) {
+  if (options_.loss_scaling.enabled) loss_scale_.scale = options_.loss_scaling.initial_scale;
+}
 
 ShardedOptimizer::~ShardedOptimizer() {
   try {
@@ -464,11 +467,15 @@ StepResult ShardedOptimizer::step() {
   r.timings.norm = timer.lap();
 
   const double average = 1.0 / (static_cast<double>(world) * reducer_->micro_batches());
-  r.grad_norm = std::sqrt(sumsq) * average;
+  const double unscale = 1.0 / loss_scale_.scale;  // 1 without loss scaling
+  r.grad_norm = std::sqrt(sumsq) * average * unscale;
   // 3. A NaN or Inf anywhere makes the global sum non-finite on every rank alike.
   if (!std::isfinite(sumsq)) {
     r.skipped = true;
+    update_loss_scale(false);
     r.step = step_count_;
+    r.skipped_steps = loss_scale_.skipped_steps;
+    r.loss_scale = loss_scale_.scale;
     reducer_->zero();
     r.timings.total = reduced_in_backward + timer.since_start();
     return r;
@@ -486,14 +493,47 @@ StepResult ShardedOptimizer::step() {
   ++step_count_;
   const AdamConfig& a = options_.adam;
   const StepHyper h{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.mode, step_count_};
-  r.timings.update = update_and_gather(make_step_scalars(h, average * r.clip_coef), h, grads);
+  r.timings.update =
+      update_and_gather(make_step_scalars(h, average * r.clip_coef * unscale), h, grads);
   r.timings.gather = timer.lap() - r.timings.update;
 
   // 6. Clear the gradients for the next step.
   reducer_->zero();
+  update_loss_scale(true);
   r.step = step_count_;
+  r.skipped_steps = loss_scale_.skipped_steps;
+  r.loss_scale = loss_scale_.scale;
   r.timings.total = reduced_in_backward + timer.since_start();
   return r;
+}
+
+// Every rank sees the same global norm, so the scale evolves identically everywhere.
+void ShardedOptimizer::update_loss_scale(bool finite) {
+  LossScaleState& st = loss_scale_;
+  const LossScaling& o = options_.loss_scaling;
+  if (!finite) {
+    ++st.skipped_steps;
+    if (!o.enabled) return;
+    st.scale = std::max(o.min_scale, st.scale * o.backoff_factor);
+    st.good_steps = 0;
+    return;
+  }
+  if (!o.enabled) return;
+  if (++st.good_steps >= o.growth_interval) {
+    st.scale = std::min(o.max_scale, st.scale * o.growth_factor);
+    st.good_steps = 0;
+  }
+}
+
+void ShardedOptimizer::set_loss_scale_state(const LossScaleState& s) {
+  const LossScaling& o = options_.loss_scaling;
+  const bool scale_ok = o.enabled ? (s.scale >= o.min_scale && s.scale <= o.max_scale)
+                                  : s.scale == 1.0;
+  require(std::isfinite(s.scale) && scale_ok && s.good_steps >= 0 && s.skipped_steps >= 0,
+          Status::InvalidArgument,
+          "set_loss_scale_state: scale " + std::to_string(s.scale) +
+              " outside the configured bounds, or negative counters");
+  loss_scale_ = s;
 }
 
 // ---- state access -------------------------------------------------------------------------
@@ -513,6 +553,28 @@ std::span<float> ShardedOptimizer::exp_avg_sq_shard() {
 void ShardedOptimizer::set_step_count(std::int64_t s) {
   require(s >= 0, Status::InvalidArgument, "set_step_count: negative step");
   step_count_ = s;
+}
+
+void ShardedOptimizer::copy_state_to_host(StateArray a, std::size_t offset,
+                                          std::span<float> out) {
+  require_finalized("copy_state_to_host");
+  require(offset <= owned_.size() && out.size() <= owned_.size() - offset,
+          Status::InvalidArgument, "copy_state_to_host: range outside the owned shard");
+  const float* base = a == StateArray::Master   ? buf_->master_ptr
+                      : a == StateArray::ExpAvg ? buf_->exp_avg.as<float>()
+                                                : buf_->exp_avg_sq.as<float>();
+  backend_->copy_to_host(out.data(), base + offset, out.size() * sizeof(float));
+}
+
+void ShardedOptimizer::copy_state_from_host(StateArray a, std::size_t offset,
+                                            std::span<const float> in) {
+  require_finalized("copy_state_from_host");
+  require(offset <= owned_.size() && in.size() <= owned_.size() - offset,
+          Status::InvalidArgument, "copy_state_from_host: range outside the owned shard");
+  float* base = a == StateArray::Master   ? buf_->master_ptr
+                : a == StateArray::ExpAvg ? buf_->exp_avg.as<float>()
+                                          : buf_->exp_avg_sq.as<float>();
+  backend_->copy_from_host(base + offset, in.data(), in.size() * sizeof(float));
 }
 
 void ShardedOptimizer::refresh_replica() {

@@ -58,4 +58,20 @@ std::string validate(const GroupOptions& g) {
   return {};
 }
 
+std::string validate(const LossScaling& s) {
+  if (!s.enabled) return {};
+  auto positive = [](double x) { return std::isfinite(x) && x > 0; };
+  if (!positive(s.min_scale) || !positive(s.max_scale) || s.min_scale > s.max_scale)
+    return "invalid loss scaling bounds (need 0 < min_scale <= max_scale, finite)";
+  if (!positive(s.initial_scale) || s.initial_scale < s.min_scale || s.initial_scale > s.max_scale)
+    return "invalid loss scaling initial_scale " + std::to_string(s.initial_scale) +
+           " (need min_scale <= initial_scale <= max_scale)";
+  if (s.growth_interval < 1) return "loss scaling growth_interval must be >= 1";
+  if (!std::isfinite(s.growth_factor) || s.growth_factor < 1)
+    return "loss scaling growth_factor must be >= 1";
+  if (!std::isfinite(s.backoff_factor) || s.backoff_factor <= 0 || s.backoff_factor >= 1)
+    return "loss scaling backoff_factor must be in (0, 1)";
+  return {};
+}
+
 }  // namespace shardopt

@@ -48,7 +48,19 @@ struct StepResult {
   bool skipped = false;     ///< a gradient was NaN/Inf on some rank: no update anywhere
   std::int64_t step = 0;    ///< number of updates applied so far (skipped steps excluded)
   StepTimings timings;      ///< where this step's time went, on this rank
+  std::int64_t skipped_steps = 0;  ///< steps skipped so far for non-finite gradients
+  double loss_scale = 1.0;  ///< the scale for the next backward (1 without loss scaling)
 };
+
+/// Dynamic loss scaling state (identical on every rank; saved in checkpoints).
+struct LossScaleState {
+  double scale = 1.0;              ///< current loss scale (1 when loss scaling is off)
+  std::int64_t good_steps = 0;     ///< finite steps since the last growth or backoff
+  std::int64_t skipped_steps = 0;  ///< all skipped steps, with or without loss scaling
+};
+
+/// The optimizer state arrays over owned_range(), for host copies (checkpoints).
+enum class StateArray : int { Master = 0, ExpAvg = 1, ExpAvgSq = 2 };
 
 class Backend;      // buffers and kernels of one device kind (internal)
 class GradReducer;  // bucketed gradient reduction (internal)
@@ -140,6 +152,14 @@ class ShardedOptimizer {
   std::span<float> exp_avg_shard();
   std::span<float> exp_avg_sq_shard();
   void set_step_count(std::int64_t s);
+  /// Host copies of `out.size()` elements of a state array starting `offset` elements into
+  /// owned_range() (local; works for device memory too).
+  void copy_state_to_host(StateArray a, std::size_t offset, std::span<float> out);
+  void copy_state_from_host(StateArray a, std::size_t offset, std::span<const float> in);
+  /// Loss scaling: the scale the trainer multiplies its loss by, and the full state.
+  double loss_scale() const { return loss_scale_.scale; }
+  const LossScaleState& loss_scale_state() const { return loss_scale_; }
+  void set_loss_scale_state(const LossScaleState& s);  ///< validated; local
   /// Rewrites the replica's owned part from the master and all-gathers it (collective).
   void refresh_replica();
 
@@ -160,6 +180,8 @@ class ShardedOptimizer {
   bool finalized_ = false;
   Range owned_;
   std::int64_t step_count_ = 0;
+  LossScaleState loss_scale_;
+  void update_loss_scale(bool finite);
 
   MemoryTracker tracker_;
   struct Buffers;

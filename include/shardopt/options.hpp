@@ -39,6 +39,22 @@ struct GroupOptions {
 };
 std::string validate(const GroupOptions& g);
 
+/// Dynamic loss scaling for fp16 training (the GradScaler scheme). The trainer multiplies its
+/// loss by loss_scale() before backward; the step divides the gradients by the same scale
+/// (folded into the update's gradient factor, no extra pass) and reports the unscaled norm.
+/// A step with a NaN/Inf gradient is skipped on every rank and backs the scale off; after
+/// growth_interval finite steps in a row the scale grows.
+struct LossScaling {
+  bool enabled = false;
+  double initial_scale = 65536.0;
+  int growth_interval = 2000;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  double min_scale = 1.0;          ///< backoff never goes below this
+  double max_scale = 16777216.0;   ///< growth never goes above this (2^24)
+};
+std::string validate(const LossScaling& s);
+
 struct OptimizerOptions {
   Stage stage = Stage::Zero1;
   DType param_dtype = DType::BF16;  ///< dtype of the full replica the forward pass reads
@@ -55,6 +71,7 @@ struct OptimizerOptions {
   /// Wire type of the gradient reduction: F32, or BF16 for half the bytes (each partial sum
   /// rounded to bf16: about 3 significant digits; see docs/architecture.md).
   DType reduce_dtype = DType::F32;
+  LossScaling loss_scaling;
 };
 
 }  // namespace shardopt

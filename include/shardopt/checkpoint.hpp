@@ -1,0 +1,38 @@
+// checkpoint.hpp: crash-safe, reshardable checkpoints of the optimizer state.
+//
+// A save directory holds published checkpoints (ckpt-00000001, ckpt-00000002, ...) and a
+// LATEST file naming the newest. Each checkpoint is one metadata file plus one shard file per
+// rank of the saving run; every file is CRC-32C checksummed. A save writes into a temporary
+// directory and publishes it by rename, so a process killed at any moment leaves the
+// previous checkpoint complete. A checkpoint saved at N ranks loads at any M ranks, in any
+// stage, bit for bit. Format and protocol: docs/checkpoint-format.md. All ranks must see the
+// same file system path.
+#pragma once
+
+#include <filesystem>
+
+#include "shardopt/optimizer.hpp"
+
+namespace shardopt {
+
+struct SaveOptions {
+  int keep = 2;  ///< published checkpoints kept in the directory (older ones removed); >= 1
+};
+
+/// Collective. Saves the full optimizer state (fp32 master, moments, step count, loss scale,
+/// hyperparameters, groups, layout) under `dir` (created if missing) and returns the
+/// published checkpoint's directory. On any rank's failure every rank throws the same
+/// Error (Io, ...) and the previous checkpoint stays the latest.
+std::filesystem::path save_checkpoint(ShardedOptimizer& opt, const std::filesystem::path& dir,
+                                      const SaveOptions& options = {});
+
+/// Collective. Loads the checkpoint that `path` names: a save directory (its LATEST
+/// checkpoint) or one checkpoint directory. The optimizer must be finalized with the same
+/// parameters (names, sizes, order, groups) and parameter dtype; the world size and stage
+/// may differ. Restores master weights, moments, step count, hyperparameters, group options
+/// and the loss-scaling state, then rebuilds the replica. Everything is validated first: on a
+/// missing, truncated, corrupted, mismatched or newer-version checkpoint every rank throws
+/// (Io, CorruptData, LayoutMismatch, Unsupported) and the optimizer is left unchanged.
+void load_checkpoint(ShardedOptimizer& opt, const std::filesystem::path& path);
+
+}  // namespace shardopt

@@ -1,0 +1,125 @@
+// files.cpp: POSIX file I/O for checkpoints (see files.hpp).
+#include "files.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "crc32c.hpp"
+#include "shardopt/error.hpp"
+
+namespace shardopt::ckpt {
+namespace {
+
+[[noreturn]] void io_error(const std::string& what, const fs::path& p, int err) {
+  throw Error(Status::Io, "checkpoint: " + what + " '" + p.string() + "': " + std::strerror(err));
+}
+
+std::atomic<TestHook> g_hook{nullptr};
+
+}  // namespace
+
+void set_test_hook(TestHook hook) { g_hook.store(hook); }
+void test_point(const char* point) {
+  if (TestHook h = g_hook.load()) h(point);
+}
+
+// ---- OutFile ------------------------------------------------------------------------------
+
+OutFile::OutFile(const fs::path& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd_ < 0) io_error("cannot create", path, errno);
+}
+
+OutFile::~OutFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void OutFile::write(const void* data, std::size_t bytes) {
+  crc_ = crc32c_update(crc_, data, bytes);
+  bytes_ += bytes;
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::write(fd_, p, bytes);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) io_error("cannot write", path_, n < 0 ? errno : EIO);
+    p += n;
+    bytes -= static_cast<std::size_t>(n);
+  }
+}
+
+void OutFile::close() {
+  if (::fsync(fd_) != 0) io_error("cannot flush", path_, errno);
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) io_error("cannot close", path_, errno);
+}
+
+// ---- InFile -------------------------------------------------------------------------------
+
+InFile::InFile(const fs::path& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) io_error("cannot open", path, errno);
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) io_error("cannot stat", path, errno);
+  if (!S_ISREG(st.st_mode)) io_error("not a regular file:", path, EINVAL);
+  size_ = static_cast<std::uint64_t>(st.st_size);
+}
+
+InFile::~InFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void InFile::read(void* data, std::size_t bytes) {
+  char* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::read(fd_, p, bytes);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) io_error("cannot read", path_, errno);
+    if (n == 0)
+      throw Error(Status::CorruptData, "checkpoint: '" + path_.string() + "' is truncated");
+    p += n;
+    bytes -= static_cast<std::size_t>(n);
+  }
+}
+
+std::vector<unsigned char> read_whole_file(const fs::path& path, std::size_t max_bytes) {
+  InFile f(path);
+  if (f.size() > max_bytes)
+    throw Error(Status::CorruptData, "checkpoint: '" + path.string() + "' is implausibly large (" +
+                                         std::to_string(f.size()) + " bytes)");
+  std::vector<unsigned char> out(static_cast<std::size_t>(f.size()));
+  f.read(out.data(), out.size());
+  return out;
+}
+
+// ---- directories and publishing -------------------------------------------------------------
+
+void sync_directory(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) io_error("cannot open directory", dir, errno);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) io_error("cannot flush directory", dir, err);
+}
+
+void rename_path(const fs::path& from, const fs::path& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) io_error("cannot rename to " + to.string() + ":", from, errno);
+}
+
+void write_file_atomically(const fs::path& dir, const std::string& name, const std::string& bytes) {
+  const fs::path tmp = dir / ("." + name + ".tmp");
+  ::unlink(tmp.c_str());  // a leftover of a killed save
+  OutFile f(tmp);
+  f.write(bytes.data(), bytes.size());
+  f.close();
+  rename_path(tmp, dir / name);
+  sync_directory(dir);
+}
+
+}  // namespace shardopt::ckpt

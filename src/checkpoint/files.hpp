@@ -1,0 +1,68 @@
+// files.hpp: the POSIX file operations a crash-safe checkpoint needs: exclusive creation,
+// full writes, fsync of files and directories, atomic publish by rename. Errors are
+// Error(Status::Io) naming the file and the system's reason.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace shardopt::ckpt {
+
+namespace fs = std::filesystem;
+
+/// A file being written: created exclusively (never overwrites), CRC-32C of everything
+/// written kept on the way. close() flushes to stable storage (fsync) before closing.
+class OutFile {
+ public:
+  explicit OutFile(const fs::path& path);
+  ~OutFile();  ///< closes without syncing when close() was not reached (error paths)
+  OutFile(const OutFile&) = delete;
+  OutFile& operator=(const OutFile&) = delete;
+  void write(const void* data, std::size_t bytes);
+  void close();
+  std::uint32_t crc() const { return crc_; }
+  std::uint64_t bytes() const { return bytes_; }
+
+ private:
+  fs::path path_;
+  int fd_ = -1;
+  std::uint32_t crc_ = 0;
+  std::uint64_t bytes_ = 0;
+};
+
+/// A file being read sequentially.
+class InFile {
+ public:
+  explicit InFile(const fs::path& path);
+  ~InFile();
+  InFile(const InFile&) = delete;
+  InFile& operator=(const InFile&) = delete;
+  std::uint64_t size() const { return size_; }
+  /// Reads exactly `bytes` (Error(CorruptData) if the file ends first).
+  void read(void* data, std::size_t bytes);
+
+ private:
+  fs::path path_;
+  int fd_ = -1;
+  std::uint64_t size_ = 0;
+};
+
+/// Reads a whole file of at most max_bytes (larger: Error(CorruptData)).
+std::vector<unsigned char> read_whole_file(const fs::path& path, std::size_t max_bytes);
+/// Writes `bytes` to dir/name atomically: a temporary, fsync, rename, fsync of dir.
+void write_file_atomically(const fs::path& dir, const std::string& name, const std::string& bytes);
+/// fsync of a directory, so that entries created or renamed in it are durable.
+void sync_directory(const fs::path& dir);
+/// rename(2): atomic replacement within one file system.
+void rename_path(const fs::path& from, const fs::path& to);
+
+/// Test-only: called at named points of a save (see checkpoint.cpp), so tests can kill a
+/// process at a known moment. Null (the default) costs one branch.
+using TestHook = void (*)(const char* point);
+void set_test_hook(TestHook hook);
+void test_point(const char* point);
+
+}  // namespace shardopt::ckpt

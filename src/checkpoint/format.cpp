@@ -1,0 +1,348 @@
+// format.cpp: byte-level encoding of checkpoint metadata and shard headers, with a decoder
+// that bounds-checks every field before it is used (it is fuzzed: tests/fuzz/).
+#include "format.hpp"
+
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <string_view>
+
+#include "crc32c.hpp"
+#include "shardopt/error.hpp"
+#include "shardopt/layout.hpp"
+
+namespace shardopt::ckpt {
+
+static_assert(std::endian::native == std::endian::little,
+              "the checkpoint format is little-endian; add byte swapping for this host");
+
+namespace {
+
+constexpr char kMetaMagic[8] = {'S', 'H', 'R', 'D', 'O', 'P', 'T', 'M'};
+constexpr char kShardMagic[8] = {'S', 'H', 'R', 'D', 'O', 'P', 'T', 'S'};
+
+[[noreturn]] void corrupt(const std::string& what) {
+  throw Error(Status::CorruptData, "checkpoint: " + what);
+}
+
+void check_version(std::uint32_t v, const char* file) {
+  if (v == 0) corrupt(std::string(file) + ": format version 0 is invalid");
+  if (v > kFormatVersion)
+    throw Error(Status::Unsupported,
+                std::string("checkpoint: ") + file + " has format version " + std::to_string(v) +
+                    "; this shardopt reads versions up to " + std::to_string(kFormatVersion) +
+                    " (written by a newer shardopt?)");
+}
+
+class Writer {
+ public:
+  template <class T>
+  void put(T v) {
+    unsigned char b[sizeof(T)];
+    std::memcpy(b, &v, sizeof(T));
+    out_.insert(out_.end(), b, b + sizeof(T));
+  }
+  void bytes(const void* p, std::size_t n) {
+    const auto* c = static_cast<const unsigned char*>(p);
+    out_.insert(out_.end(), c, c + n);
+  }
+  std::vector<unsigned char>& out() { return out_; }
+
+ private:
+  std::vector<unsigned char> out_;
+};
+
+// Reads fields from a span; running past the end is corruption, never a read past it.
+class Reader {
+ public:
+  explicit Reader(std::span<const unsigned char> in) : in_(in) {}
+  template <class T>
+  T get(const char* what) {
+    need(sizeof(T), what);
+    T v;
+    std::memcpy(&v, in_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
+  std::string_view str(std::size_t n, const char* what) {
+    need(n, what);
+    std::string_view s(reinterpret_cast<const char*>(in_.data() + pos_), n);
+    pos_ += n;
+    return s;
+  }
+  /// A record count, refused unless `count` records of at least `min_record` bytes fit.
+  std::uint64_t count(std::uint64_t count, std::size_t min_record, const char* what) {
+    if (count > remaining() / min_record)
+      corrupt(std::string(what) + " count " + std::to_string(count) +
+              " does not fit in the remaining " + std::to_string(remaining()) + " bytes");
+    return count;
+  }
+  std::size_t remaining() const { return in_.size() - pos_; }
+
+ private:
+  void need(std::size_t n, const char* what) {
+    if (n > remaining()) corrupt(std::string("truncated metadata while reading ") + what);
+  }
+  std::span<const unsigned char> in_;
+  std::size_t pos_ = 0;
+};
+
+bool finite(double x) { return std::isfinite(x); }
+
+}  // namespace
+
+std::string shard_file_name(std::size_t rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "shard-%05zu.bin", rank);
+  return buf;
+}
+
+std::uint64_t layout_hash(const Metadata& m) {
+  std::uint64_t h = fnv1a64(&m.padded_size, sizeof m.padded_size);
+  for (const MetaParam& p : m.params) {
+    h = fnv1a64(p.name.data(), p.name.size(), h);
+    const std::uint64_t rec[4] = {p.name.size(), p.numel, p.group, p.offset};
+    h = fnv1a64(rec, sizeof rec, h);
+  }
+  return h;
+}
+
+// ---- metadata -------------------------------------------------------------------------------
+
+std::vector<unsigned char> encode_metadata(const Metadata& m) {
+  Writer w;
+  w.put<std::int64_t>(m.step_count);
+  w.put<std::uint32_t>(m.world_size);
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(m.stage));
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(m.param_dtype));
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(m.adam.mode));
+  for (double x : {m.adam.lr, m.adam.beta1, m.adam.beta2, m.adam.eps, m.adam.weight_decay,
+                   m.adam.max_grad_norm})
+    w.put<double>(x);
+  const LossScaling& ls = m.loss_scaling;
+  w.put<std::uint32_t>(ls.enabled ? 1 : 0);
+  w.put<std::int32_t>(ls.growth_interval);
+  for (double x : {ls.initial_scale, ls.growth_factor, ls.backoff_factor, ls.min_scale,
+                   ls.max_scale})
+    w.put<double>(x);
+  w.put<double>(m.loss_state.scale);
+  w.put<std::int64_t>(m.loss_state.good_steps);
+  w.put<std::int64_t>(m.loss_state.skipped_steps);
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(m.groups.size()));
+  for (const GroupOptions& g : m.groups) {
+    w.put<double>(g.lr_scale);
+    w.put<std::uint32_t>(g.weight_decay ? 1 : 0);
+  }
+  w.put<std::uint64_t>(m.params.size());
+  for (const MetaParam& p : m.params) {
+    w.put<std::uint32_t>(static_cast<std::uint32_t>(p.name.size()));
+    w.bytes(p.name.data(), p.name.size());
+    w.put<std::uint64_t>(p.numel);
+    w.put<std::uint32_t>(p.group);
+    w.put<std::uint64_t>(p.offset);
+  }
+  w.put<std::uint64_t>(m.padded_size);
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(m.shards.size()));
+  for (const MetaShard& s : m.shards) {
+    w.put<std::uint64_t>(s.flat_begin);
+    w.put<std::uint64_t>(s.flat_end);
+    w.put<std::uint64_t>(s.file_bytes);
+    w.put<std::uint32_t>(s.crc);
+  }
+  const std::vector<unsigned char>& body = w.out();
+
+  Writer file;
+  file.bytes(kMetaMagic, 8);
+  file.put<std::uint32_t>(kFormatVersion);
+  file.put<std::uint32_t>(static_cast<std::uint32_t>(kMetaHeaderBytes));
+  file.put<std::uint64_t>(body.size());
+  file.put<std::uint32_t>(crc32c(body.data(), body.size()));
+  file.put<std::uint32_t>(crc32c(file.out().data(), 28));
+  file.bytes(body.data(), body.size());
+  return std::move(file.out());
+}
+
+Metadata decode_metadata(std::span<const unsigned char> in) {
+  if (in.size() < kMetaHeaderBytes)
+    corrupt("metadata file is truncated (" + std::to_string(in.size()) + " bytes)");
+  if (std::memcmp(in.data(), kMetaMagic, 8) != 0)
+    corrupt("metadata file does not start with the shardopt magic");
+  Reader hdr(in.first(kMetaHeaderBytes));
+  hdr.str(8, "magic");
+  Metadata m;
+  m.version = hdr.get<std::uint32_t>("version");
+  const auto header_bytes = hdr.get<std::uint32_t>("header size");
+  const auto body_bytes = hdr.get<std::uint64_t>("body size");
+  const auto body_crc = hdr.get<std::uint32_t>("body checksum");
+  const auto header_crc = hdr.get<std::uint32_t>("header checksum");
+  if (crc32c(in.data(), 28) != header_crc) corrupt("metadata header checksum mismatch");
+  check_version(m.version, "metadata");
+  if (header_bytes != kMetaHeaderBytes) corrupt("metadata header size is wrong");
+  if (body_bytes != in.size() - kMetaHeaderBytes)
+    corrupt("metadata is truncated or has trailing bytes (body " + std::to_string(body_bytes) +
+            " bytes declared, " + std::to_string(in.size() - kMetaHeaderBytes) + " present)");
+  const std::span<const unsigned char> body = in.subspan(kMetaHeaderBytes);
+  if (crc32c(body.data(), body.size()) != body_crc)
+    corrupt("metadata body checksum mismatch (the file is corrupted)");
+
+  Reader r(body);
+  m.step_count = r.get<std::int64_t>("step count");
+  m.world_size = r.get<std::uint32_t>("world size");
+  const auto stage = r.get<std::uint32_t>("stage");
+  const auto dtype = r.get<std::uint32_t>("dtype");
+  const auto mode = r.get<std::uint32_t>("adam mode");
+  if (m.step_count < 0) corrupt("negative step count");
+  if (stage > 2) corrupt("unknown stage " + std::to_string(stage));
+  if (dtype > 1) corrupt("unknown parameter dtype " + std::to_string(dtype));
+  if (mode > 1) corrupt("unknown Adam mode " + std::to_string(mode));
+  m.stage = static_cast<Stage>(stage);
+  m.param_dtype = static_cast<DType>(dtype);
+  m.adam.mode = static_cast<AdamMode>(mode);
+  m.adam.lr = r.get<double>("lr");
+  m.adam.beta1 = r.get<double>("beta1");
+  m.adam.beta2 = r.get<double>("beta2");
+  m.adam.eps = r.get<double>("eps");
+  m.adam.weight_decay = r.get<double>("weight decay");
+  m.adam.max_grad_norm = r.get<double>("max grad norm");
+  if (const std::string p = validate(m.adam); !p.empty()) corrupt("hyperparameters: " + p);
+
+  LossScaling& ls = m.loss_scaling;
+  const auto enabled = r.get<std::uint32_t>("loss scaling flag");
+  if (enabled > 1) corrupt("bad loss scaling flag");
+  ls.enabled = enabled == 1;
+  ls.growth_interval = r.get<std::int32_t>("growth interval");
+  ls.initial_scale = r.get<double>("initial scale");
+  ls.growth_factor = r.get<double>("growth factor");
+  ls.backoff_factor = r.get<double>("backoff factor");
+  ls.min_scale = r.get<double>("min scale");
+  ls.max_scale = r.get<double>("max scale");
+  if (const std::string p = validate(ls); !p.empty()) corrupt("loss scaling: " + p);
+  m.loss_state.scale = r.get<double>("loss scale");
+  m.loss_state.good_steps = r.get<std::int64_t>("good steps");
+  m.loss_state.skipped_steps = r.get<std::int64_t>("skipped steps");
+  if (!finite(m.loss_state.scale) || m.loss_state.scale <= 0 || m.loss_state.good_steps < 0 ||
+      m.loss_state.skipped_steps < 0)
+    corrupt("invalid loss scale state");
+
+  const std::uint64_t ngroups = r.count(r.get<std::uint32_t>("group count"), 12, "group");
+  if (ngroups == 0) corrupt("no parameter groups");
+  m.groups.reserve(ngroups);
+  for (std::uint64_t g = 0; g < ngroups; ++g) {
+    GroupOptions go;
+    go.lr_scale = r.get<double>("group lr scale");
+    const auto wd = r.get<std::uint32_t>("group decay flag");
+    if (wd > 1) corrupt("bad group decay flag");
+    go.weight_decay = wd == 1;
+    if (const std::string p = validate(go); !p.empty()) corrupt("group: " + p);
+    m.groups.push_back(go);
+  }
+
+  constexpr std::size_t kMinParamRecord = 4 + 1 + 8 + 4 + 8;
+  const std::uint64_t nparams = r.count(r.get<std::uint64_t>("parameter count"),
+                                        kMinParamRecord, "parameter");
+  if (nparams == 0) corrupt("no parameters");
+  m.params.reserve(nparams);
+  std::set<std::string_view> names;
+  std::uint64_t end = 0;  // end of the previous parameter
+  for (std::uint64_t i = 0; i < nparams; ++i) {
+    MetaParam p;
+    const auto len = r.get<std::uint32_t>("name length");
+    if (len == 0 || len > kMaxNameBytes) corrupt("parameter name length " + std::to_string(len));
+    const std::string_view name = r.str(len, "parameter name");
+    if (!names.insert(name).second) corrupt("duplicate parameter name '" + std::string(name) + "'");
+    p.name = std::string(name);
+    p.numel = r.get<std::uint64_t>("numel");
+    p.group = r.get<std::uint32_t>("group");
+    p.offset = r.get<std::uint64_t>("offset");
+    if (p.numel == 0 || p.numel > (std::uint64_t{1} << 50))
+      corrupt("parameter '" + p.name + "' has an impossible size");
+    if (p.group >= ngroups) corrupt("parameter '" + p.name + "' names an unknown group");
+    if (p.offset % FlatLayout::kAlignElems != 0 || p.offset < end ||
+        p.offset > (std::uint64_t{1} << 52))
+      corrupt("parameter '" + p.name + "' has a misplaced offset");
+    end = p.offset + p.numel;
+    m.params.push_back(std::move(p));
+  }
+  m.padded_size = r.get<std::uint64_t>("padded size");
+  if (m.world_size == 0 || m.world_size > (1u << 20)) corrupt("impossible world size");
+  const std::uint64_t quantum = FlatLayout::kAlignElems * std::uint64_t{m.world_size};
+  if (m.padded_size < end || m.padded_size % quantum != 0 || m.padded_size - end >= quantum)
+    corrupt("padded size " + std::to_string(m.padded_size) +
+            " does not match the parameters and world size");
+
+  const std::uint64_t nshards = r.count(r.get<std::uint32_t>("shard count"), 28, "shard");
+  if (nshards != m.world_size) corrupt("shard count differs from the world size");
+  m.shards.reserve(nshards);
+  const std::uint64_t per = m.padded_size / m.world_size;
+  for (std::uint64_t s = 0; s < nshards; ++s) {
+    MetaShard sh;
+    sh.flat_begin = r.get<std::uint64_t>("shard begin");
+    sh.flat_end = r.get<std::uint64_t>("shard end");
+    sh.file_bytes = r.get<std::uint64_t>("shard file size");
+    sh.crc = r.get<std::uint32_t>("shard checksum");
+    if (sh.flat_begin != s * per || sh.flat_end != (s + 1) * per ||
+        sh.file_bytes != kShardHeaderBytes + kNumArrays * per * sizeof(float))
+      corrupt("shard " + std::to_string(s) + " does not tile the flat buffer");
+    m.shards.push_back(sh);
+  }
+  if (r.remaining() != 0) corrupt("trailing bytes after the shard table");
+  return m;
+}
+
+// ---- shard headers ------------------------------------------------------------------------
+
+std::array<unsigned char, kShardHeaderBytes> encode_shard_header(const ShardHeader& h) {
+  Writer w;
+  w.bytes(kShardMagic, 8);
+  w.put<std::uint32_t>(kFormatVersion);
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(kShardHeaderBytes));
+  w.put<std::uint32_t>(h.rank);
+  w.put<std::uint32_t>(h.world_size);
+  w.put<std::uint64_t>(h.flat_begin);
+  w.put<std::uint64_t>(h.flat_end);
+  w.put<std::uint32_t>(kNumArrays);
+  w.put<std::uint32_t>(sizeof(float));
+  w.put<std::uint64_t>(h.layout_hash);
+  w.put<std::uint32_t>(0);
+  w.put<std::uint32_t>(crc32c(w.out().data(), kShardHeaderBytes - 4));
+  std::array<unsigned char, kShardHeaderBytes> out{};
+  std::memcpy(out.data(), w.out().data(), kShardHeaderBytes);
+  return out;
+}
+
+ShardHeader decode_shard_header(std::span<const unsigned char> in) {
+  if (in.size() < kShardHeaderBytes) corrupt("shard file is truncated (no header)");
+  if (std::memcmp(in.data(), kShardMagic, 8) != 0)
+    corrupt("shard file does not start with the shardopt magic");
+  Reader r(in.first(kShardHeaderBytes));
+  r.str(8, "magic");
+  ShardHeader h;
+  h.version = r.get<std::uint32_t>("version");
+  const auto header_bytes = r.get<std::uint32_t>("header size");
+  h.rank = r.get<std::uint32_t>("rank");
+  h.world_size = r.get<std::uint32_t>("world size");
+  h.flat_begin = r.get<std::uint64_t>("begin");
+  h.flat_end = r.get<std::uint64_t>("end");
+  const auto arrays = r.get<std::uint32_t>("array count");
+  const auto elem = r.get<std::uint32_t>("element size");
+  h.layout_hash = r.get<std::uint64_t>("layout hash");
+  r.get<std::uint32_t>("reserved");
+  const auto crc = r.get<std::uint32_t>("header checksum");
+  if (crc32c(in.data(), kShardHeaderBytes - 4) != crc) corrupt("shard header checksum mismatch");
+  check_version(h.version, "shard file");
+  if (header_bytes != kShardHeaderBytes || arrays != kNumArrays || elem != sizeof(float))
+    corrupt("shard header describes an unknown record layout");
+  if (h.flat_end < h.flat_begin || h.rank >= h.world_size) corrupt("shard header is inconsistent");
+  return h;
+}
+
+void check_shard_matches(const ShardHeader& h, const Metadata& m, std::size_t index) {
+  const MetaShard& s = m.shards.at(index);
+  if (h.rank != index || h.world_size != m.world_size || h.flat_begin != s.flat_begin ||
+      h.flat_end != s.flat_end || h.layout_hash != layout_hash(m))
+    corrupt(shard_file_name(index) + " belongs to another checkpoint or rank");
+}
+
+}  // namespace shardopt::ckpt

@@ -1,0 +1,156 @@
+// shardopt_export.cpp: writes the consolidated fp32 master weights of a sharded checkpoint
+// as one safetensors file (names, shapes, fp32 data), reading files only: no MPI, any
+// number of saving ranks. Usage in docs/checkpoint-format.md.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "checkpoint/reader.hpp"
+#include "shardopt/error.hpp"
+
+namespace {
+
+using namespace shardopt;
+using namespace shardopt::ckpt;
+
+void usage() {
+  std::fprintf(stderr,
+               "usage: shardopt-export CHECKPOINT OUTPUT.safetensors\n"
+               "       shardopt-export --list CHECKPOINT\n"
+               "CHECKPOINT is a save directory (its LATEST checkpoint is used) or one\n"
+               "checkpoint directory. Writes the fp32 master weights, one tensor per\n"
+               "parameter (shape [numel]); --list prints the parameters instead.\n");
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+// The safetensors header: a JSON object, padded with spaces to a multiple of 8 bytes.
+std::string safetensors_header(const Metadata& m, const std::vector<std::uint64_t>& out_offset) {
+  std::string h = "{\"__metadata__\":{\"producer\":\"shardopt-export\",\"step\":\"" +
+                  std::to_string(m.step_count) + "\",\"saved_world_size\":\"" +
+                  std::to_string(m.world_size) + "\"}";
+  for (std::size_t i = 0; i < m.params.size(); ++i) {
+    const std::uint64_t b = out_offset[i] * 4, e = b + m.params[i].numel * 4;
+    h += ',';
+    h += json_string(m.params[i].name);
+    h += ":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(m.params[i].numel);
+    h += "],\"data_offsets\":[" + std::to_string(b) + "," + std::to_string(e) + "]}";
+  }
+  h += "}";
+  while (h.size() % 8 != 0) h += ' ';
+  return h;
+}
+
+[[noreturn]] void io_fail(const std::string& what, const std::string& path) {
+  throw Error(Status::Io, what + " '" + path + "': " + std::strerror(errno));
+}
+
+void pwrite_all(int fd, const void* data, std::size_t bytes, std::uint64_t at, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd, p, bytes, static_cast<off_t>(at));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) io_fail("cannot write", path);
+    p += n;
+    bytes -= static_cast<std::size_t>(n);
+    at += static_cast<std::uint64_t>(n);
+  }
+}
+
+void export_master(const fs::path& dir, const Metadata& m, const std::string& out_path) {
+  // Tensors are stored back to back in parameter order (no padding).
+  std::vector<std::uint64_t> out_offset(m.params.size());
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < m.params.size(); ++i) {
+    out_offset[i] = total;
+    total += m.params[i].numel;
+  }
+  const std::string header = safetensors_header(m, out_offset);
+  const std::uint64_t data_start = 8 + header.size();
+
+  // Written to a temporary and renamed, so a failed export leaves no partial output.
+  const std::string tmp = out_path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) io_fail("cannot create", tmp);
+  try {
+    const std::uint64_t header_len = header.size();  // little-endian u64, then the JSON
+    pwrite_all(fd, &header_len, 8, 0, tmp);
+    pwrite_all(fd, header.data(), header.size(), 8, tmp);
+    const ChunkSink sink = [&](std::uint32_t array, std::uint64_t begin, std::span<const float> v) {
+      if (array != 0) return;  // master weights only; moments are read for the checksum
+      const std::uint64_t end = begin + v.size();
+      auto it = std::upper_bound(m.params.begin(), m.params.end(), begin,
+                                 [](std::uint64_t x, const MetaParam& p) { return x < p.offset + p.numel; });
+      for (; it != m.params.end() && it->offset < end; ++it) {
+        const std::uint64_t b = std::max(begin, it->offset), e = std::min(end, it->offset + it->numel);
+        if (b >= e) continue;
+        const std::size_t i = static_cast<std::size_t>(it - m.params.begin());
+        pwrite_all(fd, v.data() + (b - begin), (e - b) * 4,
+                   data_start + (out_offset[i] + (b - it->offset)) * 4, tmp);
+      }
+    };
+    for (std::size_t s = 0; s < m.shards.size(); ++s) stream_shard(dir, m, s, sink);
+    if (::fsync(fd) != 0) io_fail("cannot flush", tmp);
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::close(fd) != 0) io_fail("cannot close", tmp);
+  if (::rename(tmp.c_str(), out_path.c_str()) != 0) io_fail("cannot rename", tmp);
+  std::printf("wrote %s: %zu tensors, %llu fp32 values, step %lld (saved at %u ranks)\n",
+              out_path.c_str(), m.params.size(), static_cast<unsigned long long>(total),
+              static_cast<long long>(m.step_count), m.world_size);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool list = argc == 3 && std::strcmp(argv[1], "--list") == 0;
+  if (!list && (argc != 3 || argv[1][0] == '-')) {
+    usage();
+    return 2;
+  }
+  try {
+    const fs::path dir = resolve_checkpoint_dir(argv[list ? 2 : 1]);
+    const Metadata m = read_metadata(dir);
+    if (list) {
+      std::printf("checkpoint %s: format %u, step %lld, %u shards, stage %s, replica %s\n",
+                  dir.c_str(), m.version, static_cast<long long>(m.step_count), m.world_size,
+                  stage_name(m.stage), dtype_name(m.param_dtype));
+      for (const MetaParam& p : m.params)
+        std::printf("%s\t%llu\tgroup %u\n", p.name.c_str(), static_cast<unsigned long long>(p.numel),
+                    p.group);
+      return 0;
+    }
+    export_master(dir, m, argv[2]);
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "shardopt-export: %s (%s)\n", e.what(), status_name(e.status()));
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardopt-export: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,106 @@
+// ckpt_model.hpp: a small deterministic training setup for checkpoint tests: an optimizer
+// over odd-sized parameters, gradients that do not depend on the rank (so the averaged
+// gradient is exact at world sizes 1, 2 and 4), and the full state gathered for bitwise
+// comparisons.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardopt/optimizer.hpp"
+#include "support/reference.hpp"
+
+namespace shardopt::test {
+
+inline const std::vector<std::size_t>& ckpt_sizes() {
+  static const std::vector<std::size_t> s = {5, 300, 4097, 64, 129, 1, 777};
+  return s;
+}
+
+struct CkptSetup {
+  Stage stage = Stage::Zero1;
+  DType dtype = DType::BF16;
+  LossScaling loss_scaling{};
+};
+
+inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Communicator> comm,
+                                                             const CkptSetup& s) {
+  OptimizerOptions o;
+  o.stage = s.stage;
+  o.param_dtype = s.dtype;
+  o.adam.lr = 1e-2;
+  o.adam.weight_decay = 0.05;
+  o.bucket_elems = 1000;
+  o.loss_scaling = s.loss_scaling;
+  auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
+  opt->add_group(GroupOptions{0.5, false});
+  const auto& sizes = ckpt_sizes();
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    opt->add_param("layer" + std::to_string(i) + ".weight", sizes[i], static_cast<int>(i % 2));
+  opt->finalize();
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    std::vector<float> init(sizes[i]);
+    for (std::size_t k = 0; k < init.size(); ++k) init[k] = synth(7, 0, i, k);
+    opt->set_param(i, init);
+  }
+  return opt;
+}
+
+/// One training step with rank-independent gradients (multiples of 2^-10), given in
+/// backward order so that stage 2 works too.
+inline StepResult ckpt_train_step(ShardedOptimizer& opt, int step) {
+  const auto& sizes = ckpt_sizes();
+  for (std::size_t i = sizes.size(); i-- > 0;) {
+    std::span<float> g = opt.grad(i);
+    for (std::size_t k = 0; k < g.size(); ++k)
+      g[k] = std::round(synth(11, static_cast<std::uint64_t>(step), i, k) * 1024.0f) / 1024.0f;
+    opt.grad_ready(i);
+  }
+  return opt.step();
+}
+
+/// The full state (master, exp_avg, exp_avg_sq, each per parameter, concatenated in
+/// parameter order) on every rank. Collective.
+struct FullState {
+  std::vector<float> arrays[3];
+  std::int64_t step = 0;
+  bool operator==(const FullState& o) const {
+    for (int a = 0; a < 3; ++a)
+      if (arrays[a].size() != o.arrays[a].size() ||
+          std::memcmp(arrays[a].data(), o.arrays[a].data(), arrays[a].size() * 4) != 0)
+        return false;
+    return step == o.step;
+  }
+};
+
+inline FullState gather_state(ShardedOptimizer& opt) {
+  const FlatLayout& l = opt.layout();
+  const Range owned = opt.owned_range();
+  std::vector<std::size_t> out_offset;
+  std::size_t total = 0;
+  for (const ParamInfo& p : l.params()) {
+    out_offset.push_back(total);
+    total += p.numel;
+  }
+  FullState st;
+  st.step = opt.step_count();
+  const bool everyone_owns_all = opt.options().stage == Stage::DataParallel;
+  for (int a = 0; a < 3; ++a) {
+    std::vector<float> mine(owned.size());
+    opt.copy_state_to_host(static_cast<StateArray>(a), 0, mine);
+    std::vector<double> full(total, 0.0);
+    for (const ShardPiece& p : l.pieces_in(owned))
+      for (std::size_t k = 0; k < p.in_param.size(); ++k)
+        full[out_offset[p.param] + p.in_param.begin + k] = mine[p.local.begin + k];
+    // One owner per element: the sum is exact (data-parallel ranks all hold everything).
+    if (!everyone_owns_all) opt.comm().all_reduce_sum_host(full.data(), full.size());
+    st.arrays[a].assign(full.begin(), full.end());
+  }
+  return st;
+}
+
+}  // namespace shardopt::test

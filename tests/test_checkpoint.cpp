@@ -1,0 +1,298 @@
+// test_checkpoint.cpp: save and load at the same world size (1 without MPI, 1-4 under
+// mpiexec): bit-identical state, training continues identically, and every kind of bad
+// checkpoint is refused on every rank with the optimizer left unchanged.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "checkpoint/crc32c.hpp"
+#include "checkpoint/files.hpp"
+#include "checkpoint/format.hpp"
+#include "shardopt/checkpoint.hpp"
+#include "support/ckpt_model.hpp"
+#include "support/world.hpp"
+
+using namespace shardopt;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A directory shared by all ranks, removed at the end of the test.
+class SharedDir {
+ public:
+  explicit SharedDir(Communicator& comm) : comm_(comm) {
+    char name[256] = {};
+    if (comm.rank() == 0) {
+      std::string tmpl = (fs::temp_directory_path() / "shardopt-ckpt-XXXXXX").string();
+      if (!mkdtemp(tmpl.data())) std::abort();
+      std::snprintf(name, sizeof name, "%s", tmpl.c_str());
+    }
+    comm.broadcast_bytes(name, sizeof name, 0);
+    path_ = name;
+  }
+  ~SharedDir() {
+    comm_.barrier();
+    if (comm_.rank() == 0) fs::remove_all(path_);
+  }
+  const fs::path& path() const { return path_; }
+
+ private:
+  Communicator& comm_;
+  fs::path path_;
+};
+
+std::vector<unsigned char> replica_bytes(ShardedOptimizer& opt) {
+  std::vector<unsigned char> out;
+  for (std::size_t i = 0; i < opt.layout().num_params(); ++i) {
+    const auto* p = opt.options().param_dtype == DType::BF16
+                        ? reinterpret_cast<const unsigned char*>(opt.param<bf16>(i).data())
+                        : reinterpret_cast<const unsigned char*>(opt.param<float>(i).data());
+    out.insert(out.end(), p, p + opt.layout().param(i).numel * dtype_size(opt.options().param_dtype));
+  }
+  return out;
+}
+
+void expect_status(Status want, const std::function<void()>& f, const std::string& what) {
+  try {
+    f();
+    ADD_FAILURE() << what << ": no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), want) << what << ": " << e.what();
+  }
+}
+
+// Runs `mutate` on rank 0 (the others wait), so that a file edit is seen by everyone.
+void on_rank0(Communicator& comm, const std::function<void()>& mutate) {
+  comm.barrier();
+  if (comm.rank() == 0) mutate();
+  comm.barrier();
+}
+
+void overwrite_byte(const fs::path& p, std::uint64_t at, unsigned char flip) {
+  std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(at));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(static_cast<unsigned char>(c) ^ flip);
+  f.seekp(static_cast<std::streamoff>(at));
+  f.write(&c, 1);
+}
+
+struct StageDtype {
+  Stage stage;
+  DType dtype;
+};
+
+void PrintTo(const StageDtype& c, std::ostream* os) {
+  *os << stage_name(c.stage) << "/" << dtype_name(c.dtype);
+}
+
+class SameWorld : public testing::TestWithParam<StageDtype> {};
+
+}  // namespace
+
+TEST_P(SameWorld, RoundTripIsBitIdenticalAndTrainingContinuesIdentically) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  test::CkptSetup s{GetParam().stage, GetParam().dtype, {}};
+  auto a = test::make_ckpt_optimizer(comm, s);
+  for (int step = 1; step <= 3; ++step) test::ckpt_train_step(*a, step);
+  const fs::path saved = save_checkpoint(*a, dir.path());
+  EXPECT_EQ(saved.filename(), "ckpt-00000001");
+  const test::FullState before = test::gather_state(*a);
+
+  // A fresh optimizer (other hyperparameters, which the checkpoint restores) loads it.
+  auto b = test::make_ckpt_optimizer(comm, s);
+  b->set_lr(0.5);
+  load_checkpoint(*b, dir.path());
+  EXPECT_TRUE(test::gather_state(*b) == before);
+  EXPECT_EQ(replica_bytes(*b), replica_bytes(*a));
+  EXPECT_EQ(b->lr(), a->lr());
+  EXPECT_EQ(b->step_count(), 3);
+
+  for (int step = 4; step <= 5; ++step) {
+    const StepResult ra = test::ckpt_train_step(*a, step);
+    const StepResult rb = test::ckpt_train_step(*b, step);
+    EXPECT_EQ(ra.grad_norm, rb.grad_norm);
+    EXPECT_EQ(ra.step, rb.step);
+  }
+  EXPECT_TRUE(test::gather_state(*a) == test::gather_state(*b));
+  EXPECT_EQ(replica_bytes(*a), replica_bytes(*b));
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, SameWorld,
+                         testing::Values(StageDtype{Stage::DataParallel, DType::BF16},
+                                         StageDtype{Stage::Zero1, DType::BF16},
+                                         StageDtype{Stage::Zero2, DType::BF16},
+                                         StageDtype{Stage::Zero1, DType::F32}),
+                         [](const testing::TestParamInfo<StageDtype>& i) {
+                           return std::string(i.param.stage == Stage::DataParallel ? "dp"
+                                              : i.param.stage == Stage::Zero1      ? "zero1"
+                                                                                   : "zero2") +
+                                  "_" + dtype_name(i.param.dtype);
+                         });
+
+TEST(Checkpoint, LatestPointsToTheNewestAndOldOnesArePruned) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  auto opt = test::make_ckpt_optimizer(comm, {});
+  SaveOptions keep2;
+  keep2.keep = 2;
+  std::vector<test::FullState> states;
+  for (int k = 1; k <= 3; ++k) {
+    test::ckpt_train_step(*opt, k);
+    save_checkpoint(*opt, dir.path(), keep2);
+    states.push_back(test::gather_state(*opt));
+  }
+  comm->barrier();
+  EXPECT_FALSE(fs::exists(dir.path() / "ckpt-00000001"));
+  EXPECT_TRUE(fs::exists(dir.path() / "ckpt-00000002"));
+  auto b = test::make_ckpt_optimizer(comm, {});
+  load_checkpoint(*b, dir.path());
+  EXPECT_TRUE(test::gather_state(*b) == states[2]);
+  load_checkpoint(*b, dir.path() / "ckpt-00000002");  // a specific checkpoint
+  EXPECT_TRUE(test::gather_state(*b) == states[1]);
+}
+
+TEST(Checkpoint, BadCheckpointsAreRefusedEverywhereAndChangeNothing) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  auto opt = test::make_ckpt_optimizer(comm, {});
+  test::ckpt_train_step(*opt, 1);
+  const fs::path ck = save_checkpoint(*opt, dir.path());
+  const fs::path shard0 = ck / ckpt::shard_file_name(0);
+  const fs::path meta = ck / ckpt::kMetadataFile;
+
+  auto victim = test::make_ckpt_optimizer(comm, {});
+  test::ckpt_train_step(*victim, 7);
+  const test::FullState untouched = test::gather_state(*victim);
+  const auto replica = replica_bytes(*victim);
+  const double lr = victim->lr();
+  auto refused = [&](Status want, const fs::path& path, const std::string& what) {
+    expect_status(want, [&] { load_checkpoint(*victim, path); }, what);
+    EXPECT_TRUE(test::gather_state(*victim) == untouched) << what;
+    EXPECT_EQ(replica_bytes(*victim), replica) << what;
+    EXPECT_EQ(victim->lr(), lr) << what;
+  };
+
+  refused(Status::Io, dir.path() / "nothing-here", "missing directory");
+
+  const fs::path backup = dir.path() / "shard0.bak";
+  on_rank0(*comm, [&] { fs::copy_file(shard0, backup); fs::resize_file(shard0, fs::file_size(shard0) - 4); });
+  refused(Status::CorruptData, dir.path(), "truncated shard");
+  on_rank0(*comm, [&] { fs::copy_file(backup, shard0, fs::copy_options::overwrite_existing); overwrite_byte(shard0, 100, 0x10); });
+  refused(Status::CorruptData, dir.path(), "corrupted shard payload");
+  on_rank0(*comm, [&] { overwrite_byte(shard0, 100, 0x10); overwrite_byte(shard0, 20, 0x01); });
+  refused(Status::CorruptData, dir.path(), "corrupted shard header");
+  on_rank0(*comm, [&] { overwrite_byte(shard0, 20, 0x01); });
+
+  const fs::path meta_backup = dir.path() / "meta.bak";
+  on_rank0(*comm, [&] { fs::copy_file(meta, meta_backup); fs::resize_file(meta, fs::file_size(meta) - 1); });
+  refused(Status::CorruptData, dir.path(), "truncated metadata");
+  on_rank0(*comm, [&] { fs::copy_file(meta_backup, meta, fs::copy_options::overwrite_existing); overwrite_byte(meta, 60, 0x80); });
+  refused(Status::CorruptData, dir.path(), "corrupted metadata");
+
+  // A future format version, with consistent checksums: refused as unsupported.
+  on_rank0(*comm, [&] {
+    std::vector<unsigned char> bytes = ckpt::read_whole_file(meta_backup, 1 << 20);
+    bytes[8] = 2;  // version field
+    const std::uint32_t crc = ckpt::crc32c(bytes.data(), 28);
+    std::memcpy(bytes.data() + 28, &crc, 4);
+    std::ofstream(meta, std::ios::binary | std::ios::trunc)
+        .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  });
+  refused(Status::Unsupported, dir.path(), "future version");
+  on_rank0(*comm, [&] { fs::copy_file(meta_backup, meta, fs::copy_options::overwrite_existing); });
+  load_checkpoint(*victim, dir.path());  // repaired: loads
+
+  // Another layout and another dtype.
+  {
+    OptimizerOptions o;
+    auto other = std::make_unique<ShardedOptimizer>(comm, o);
+    other->add_group(GroupOptions{0.5, false});
+    const auto& sizes = test::ckpt_sizes();
+    for (std::size_t i = 0; i < sizes.size(); ++i)
+      other->add_param("layer" + std::to_string(i) + ".weight", sizes[i] + (i == 3 ? 1 : 0),
+                       static_cast<int>(i % 2));
+    other->finalize();
+    expect_status(Status::LayoutMismatch, [&] { load_checkpoint(*other, dir.path()); }, "layout");
+  }
+  {
+    test::CkptSetup f32;
+    f32.dtype = DType::F32;
+    auto other = test::make_ckpt_optimizer(comm, f32);
+    expect_status(Status::LayoutMismatch, [&] { load_checkpoint(*other, dir.path()); }, "dtype");
+  }
+}
+
+// ---- a failed write on one rank is an error on every rank ---------------------------------
+
+namespace {
+fs::path g_block_path;  // the shard path the hook blocks, on the rank that sets it
+void block_shard(const char* point) {
+  if (std::string(point) == "prepared" && !g_block_path.empty())
+    std::ofstream(g_block_path) << "in the way";  // makes the exclusive create fail
+}
+}  // namespace
+
+TEST(Checkpoint, FailedWriteOnOneRankFailsTheSaveOnEveryRank) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  auto opt = test::make_ckpt_optimizer(comm, {});
+  test::ckpt_train_step(*opt, 1);
+  save_checkpoint(*opt, dir.path());
+  const test::FullState first = test::gather_state(*opt);
+  test::ckpt_train_step(*opt, 2);
+
+  const int last = comm->size() - 1;
+  if (comm->rank() == last)
+    g_block_path = dir.path() / ".tmp-ckpt-00000002" / ckpt::shard_file_name(static_cast<std::size_t>(last));
+  ckpt::set_test_hook(&block_shard);
+  try {
+    save_checkpoint(*opt, dir.path());
+    ADD_FAILURE() << "the save succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Io) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(last)), std::string::npos) << e.what();
+  }
+  ckpt::set_test_hook(nullptr);
+  g_block_path.clear();
+
+  // The previous checkpoint is still the latest; the next save cleans the temporary.
+  auto b = test::make_ckpt_optimizer(comm, {});
+  load_checkpoint(*b, dir.path());
+  EXPECT_TRUE(test::gather_state(*b) == first);
+  save_checkpoint(*opt, dir.path());
+  comm->barrier();
+  EXPECT_FALSE(fs::exists(dir.path() / ".tmp-ckpt-00000002"));
+  EXPECT_TRUE(fs::exists(dir.path() / "ckpt-00000002"));
+}
+
+TEST(Checkpoint, LossScaleStateIsRestored) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  test::CkptSetup s;
+  s.loss_scaling.enabled = true;
+  s.loss_scaling.initial_scale = 4096.0;
+  s.loss_scaling.growth_interval = 2;
+  auto a = test::make_ckpt_optimizer(comm, s);
+  for (int step = 1; step <= 3; ++step) test::ckpt_train_step(*a, step);
+  a->set_loss_scale_state(LossScaleState{8192.0, 1, 4});
+  save_checkpoint(*a, dir.path());
+  auto b = test::make_ckpt_optimizer(comm, s);
+  load_checkpoint(*b, dir.path());
+  EXPECT_EQ(b->loss_scale(), 8192.0);
+  EXPECT_EQ(b->loss_scale_state().good_steps, 1);
+  EXPECT_EQ(b->loss_scale_state().skipped_steps, 4);
+  // Loaded without loss scaling: the scale is 1, the skip count is kept.
+  auto c = test::make_ckpt_optimizer(comm, {});
+  load_checkpoint(*c, dir.path());
+  EXPECT_EQ(c->loss_scale(), 1.0);
+  EXPECT_EQ(c->loss_scale_state().skipped_steps, 4);
+}
