@@ -38,6 +38,18 @@ std::string options_problem(const OptimizerOptions& o) {
   return {};
 }
 
+// The buffers that go through collectives (replica, full gradient, stage-2 staging) come from
+// the communicator when it has faster memory for them (a shared-memory window), else from
+// the backend. Collective: every rank calls it for the same buffers in the same order.
+Allocation collective_buffer(Communicator& comm, Backend& be, Device device,
+                             MemoryTracker* tracker, MemCategory category, std::size_t bytes) {
+  if (device == Device::Cpu) {
+    Allocation a = comm.allocate_collective_buffer(tracker, category, bytes);
+    if (a.data() != nullptr) return a;
+  }
+  return be.allocate(tracker, category, bytes);
+}
+
 // Collective constructor check: throws the same error on every rank if any rank's options
 // are invalid, before anything else is communicated.
 std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm,
@@ -169,8 +181,8 @@ void ShardedOptimizer::finalize() {
     const std::size_t owned = owned_.size();
     Backend& be = *backend_;
     Buffers& b = *buf_;
-    b.replica = be.allocate(&tracker_, MemCategory::Params,
-                            padded * dtype_size(options_.param_dtype));
+    b.replica = collective_buffer(*comm_, be, options_.device, &tracker_, MemCategory::Params,
+                                  padded * dtype_size(options_.param_dtype));
     if (options_.stage == Stage::Zero2) {
       buckets_ = layout_.make_buckets(options_.bucket_elems);
       std::size_t capacity = 0;
@@ -184,9 +196,11 @@ void ShardedOptimizer::finalize() {
       param_ready_.assign(layout_.num_params(), 0);
       open_bucket_ = buckets_.size();
       b.grad_shard = be.allocate(&tracker_, MemCategory::Grads, owned * sizeof(float));
-      b.staging = be.allocate(&tracker_, MemCategory::Scratch, capacity * sizeof(float));
+      b.staging = collective_buffer(*comm_, be, options_.device, &tracker_, MemCategory::Scratch,
+                                    capacity * sizeof(float));
     } else {
-      b.grad_full = be.allocate(&tracker_, MemCategory::Grads, padded * sizeof(float));
+      b.grad_full = collective_buffer(*comm_, be, options_.device, &tracker_, MemCategory::Grads,
+                                      padded * sizeof(float));
     }
     if (options_.param_dtype == DType::F32) {
       b.master_ptr = b.replica.as<float>() + owned_.begin;  // fp32 replica is the master

@@ -1,41 +1,14 @@
 // mpi_comm.cpp: Communicator over MPI collectives on host memory.
 #include "shardopt/mpi_comm.hpp"
 
-#include <climits>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "mpi_util.hpp"
+
 namespace shardopt {
 namespace {
-
-void check_mpi(int rc, const char* call) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  throw Error(Status::Communication, std::string(call) + " failed: " + std::string(text, len));
-}
-#define SHARDOPT_MPI(call) check_mpi((call), #call)
-
-MPI_Datatype mpi_type(CommType t) {
-  switch (t) {
-    case CommType::F32: return MPI_FLOAT;
-    case CommType::F64: return MPI_DOUBLE;
-    case CommType::U16: return MPI_UINT16_T;
-    case CommType::U8: return MPI_BYTE;
-  }
-  return MPI_DATATYPE_NULL;
-}
-
-// MPI-3 counts are int. Larger messages go through a contiguous datatype of `unit` elements
-// where the operation allows it (data movement); reductions are split into chunks.
-int checked_int(std::size_t n, const char* what) {
-  if (n > static_cast<std::size_t>(INT_MAX))
-    throw Error(Status::Unsupported, std::string(what) + ": count " + std::to_string(n) +
-                                         " exceeds the MPI int limit");
-  return static_cast<int>(n);
-}
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -64,7 +37,7 @@ class MpiCommunicator final : public Communicator {
     for (std::size_t off = 0; off < count; off += kChunk) {
       const std::size_t n = std::min(kChunk, count - off);
       SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(buf) + off * elem,
-                                 static_cast<int>(n), mpi_type(type), MPI_SUM, comm_));
+                                 static_cast<int>(n), mpi::datatype(type), MPI_SUM, comm_));
     }
   }
 
@@ -74,7 +47,7 @@ class MpiCommunicator final : public Communicator {
     bool equal = true;
     std::vector<int> icounts(counts.size());
     for (std::size_t r = 0; r < counts.size(); ++r) {
-      icounts[r] = checked_int(counts[r], "MPI_Reduce_scatter");
+      icounts[r] = mpi::checked_int(counts[r], "MPI_Reduce_scatter");
       equal = equal && counts[r] == counts[0];
     }
     if (equal) {
@@ -88,17 +61,17 @@ class MpiCommunicator final : public Communicator {
 
   void all_gather_inplace(void* buf, std::size_t count_per_rank, CommType type) override {
     SHARDOPT_MPI(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf,
-                               checked_int(count_per_rank, "MPI_Allgather"), mpi_type(type),
-                               comm_));
+                               mpi::checked_int(count_per_rank, "MPI_Allgather"),
+                               mpi::datatype(type), comm_));
   }
 
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
-    const int n = checked_int(bytes, "MPI_Allgather");
+    const int n = mpi::checked_int(bytes, "MPI_Allgather");
     SHARDOPT_MPI(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_));
   }
 
   void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
-    SHARDOPT_MPI(MPI_Bcast(buf, checked_int(bytes, "MPI_Bcast"), MPI_BYTE, root, comm_));
+    SHARDOPT_MPI(MPI_Bcast(buf, mpi::checked_int(bytes, "MPI_Bcast"), MPI_BYTE, root, comm_));
   }
 
   void barrier() override { SHARDOPT_MPI(MPI_Barrier(comm_)); }
@@ -111,7 +84,7 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm) {
+std::shared_ptr<Communicator> mpi::make_plain_communicator(MPI_Comm comm) {
   return std::make_shared<MpiCommunicator>(comm);
 }
 
