@@ -29,7 +29,10 @@ std::shared_ptr<Communicator> shm_comm(int simulated_nodes) {
 
 // A multiple of 2^-10 in (-1, 1): sums over up to 4 ranks are exact in any order.
 float exact_value(int rank, std::size_t k, int salt) {
-  return std::round(synth(static_cast<std::uint64_t>(rank), 7, static_cast<std::uint64_t>(salt), k) * 1024.0f) / 1024.0f;
+  return std::round(
+             synth(static_cast<std::uint64_t>(rank), 7, static_cast<std::uint64_t>(salt), k) *
+             1024.0f) /
+         1024.0f;
 }
 float any_value(int rank, std::size_t k, int salt) {
   return synth(static_cast<std::uint64_t>(rank), 8, static_cast<std::uint64_t>(salt), k) * 3.7f;
@@ -147,11 +150,13 @@ TEST_P(ShmCollectives, AllGatherMatchesPlainMpiForEveryType) {
     std::vector<unsigned char> local(block * world, 0xEE);
     for (int rep = 0; rep < 2; ++rep, ++salt) {
       auto byte = [&](std::size_t r, std::size_t k) {
-        return static_cast<unsigned char>(synth(r, 9, static_cast<std::uint64_t>(salt), k) * 127 + 128);
+        return static_cast<unsigned char>(synth(r, 9, static_cast<std::uint64_t>(salt), k) * 127 +
+                                          128);
       };
       auto* w = win.as<unsigned char>();
       std::memset(w, 0xEE, block * world);  // stale data elsewhere must be overwritten
-      for (std::size_t k = 0; k < block; ++k) w[me * block + k] = local[me * block + k] = byte(me, k);
+      for (std::size_t k = 0; k < block; ++k)
+        w[me * block + k] = local[me * block + k] = byte(me, k);
       shm->all_gather_inplace(w, count, type);
       plain->all_gather_inplace(local.data(), count, type);
       for (std::size_t r = 0; r < world; ++r)
@@ -178,7 +183,8 @@ TEST_P(ShmCollectives, ForeignBuffersTakeThePlainPath) {
 
 INSTANTIATE_TEST_SUITE_P(Nodes, ShmCollectives, testing::Values(0, 2),
                          [](const testing::TestParamInfo<int>& i) {
-                           return i.param == 0 ? std::string("OneNode") : std::string("TwoSimulatedNodes");
+                           return i.param == 0 ? std::string("OneNode")
+                                               : std::string("TwoSimulatedNodes");
                          });
 
 // ---- the optimizer on the shared-memory communicator -------------------------------------
@@ -197,10 +203,16 @@ class CountingComm final : public Communicator {
   void reduce_scatter_sum_inplace(float* b, std::span<const std::size_t> c) override {
     in_->reduce_scatter_sum_inplace(b, c);
   }
-  void all_gather_inplace(void* b, std::size_t n, CommType t) override { in_->all_gather_inplace(b, n, t); }
+  void all_gather_inplace(void* b, std::size_t n, CommType t) override {
+    in_->all_gather_inplace(b, n, t);
+  }
   void all_reduce_sum_host(double* b, std::size_t n) override { in_->all_reduce_sum_host(b, n); }
-  void all_gather_bytes(const void* s, void* r, std::size_t n) override { in_->all_gather_bytes(s, r, n); }
-  void broadcast_bytes(void* b, std::size_t n, int root) override { in_->broadcast_bytes(b, n, root); }
+  void all_gather_bytes(const void* s, void* r, std::size_t n) override {
+    in_->all_gather_bytes(s, r, n);
+  }
+  void broadcast_bytes(void* b, std::size_t n, int root) override {
+    in_->broadcast_bytes(b, n, root);
+  }
   void barrier() override { in_->barrier(); }
   Allocation allocate_collective_buffer(MemoryTracker* t, MemCategory c, std::size_t n) override {
     Allocation a = in_->allocate_collective_buffer(t, c, n);
@@ -230,7 +242,8 @@ struct Training {
     o.adam = cfg;
     o.bucket_elems = 700;  // buckets straddle shards unevenly
     opt = std::make_unique<ShardedOptimizer>(comm, o);
-    for (std::size_t i = 0; i < kSizes.size(); ++i) opt->add_param("p" + std::to_string(i), kSizes[i]);
+    for (std::size_t i = 0; i < kSizes.size(); ++i)
+      opt->add_param("p" + std::to_string(i), kSizes[i]);
     opt->finalize();
     for (std::size_t i = 0; i < kSizes.size(); ++i) {
       std::vector<float> init(kSizes[i]);
@@ -254,7 +267,8 @@ struct Training {
       avg[i].assign(kSizes[i], 0.0);
       for (std::size_t k = 0; k < g.size(); ++k) {
         g[k] = exact_value(comm->rank(), k, 100 * s + static_cast<int>(i));
-        for (int r = 0; r < world; ++r) avg[i][k] += exact_value(r, k, 100 * s + static_cast<int>(i));
+        for (int r = 0; r < world; ++r)
+          avg[i][k] += exact_value(r, k, 100 * s + static_cast<int>(i));
         avg[i][k] /= world;
       }
       opt->grad_ready(i);
@@ -286,7 +300,8 @@ TEST_P(ShmOptimizer, StepMatchesPlainMpiAndTheReference) {
     for (std::size_t k = 0; k < kSizes[i]; ++k) {
       ASSERT_EQ(a[k], b[k]) << "p" << i << "[" << k << "]";  // exact sums: identical bits
       const double want = shm.ref[i].p[k];
-      ASSERT_LT(std::fabs(a[k] - want) / (1e-3 + std::fabs(want)), 2e-5) << "p" << i << "[" << k << "]";
+      ASSERT_LT(std::fabs(a[k] - want) / (1e-3 + std::fabs(want)), 2e-5)
+          << "p" << i << "[" << k << "]";
       if (dtype == DType::BF16) {
         ASSERT_EQ(shm.opt->param<bf16>(i)[k].bits, to_bf16(a[k]).bits);
       } else {

@@ -16,8 +16,10 @@ std::string resolve(MpiCommOptions& o) {
   if (o.kind == MpiCommKind::Auto) {
     if (const char* env = std::getenv("SHARDOPT_COMM")) {
       const std::string v = env;
-      if (v == "mpi") o.kind = MpiCommKind::Plain;
-      else if (v == "shm") o.kind = MpiCommKind::SharedMemory;
+      if (v == "mpi")
+        o.kind = MpiCommKind::Plain;
+      else if (v == "shm")
+        o.kind = MpiCommKind::SharedMemory;
       else if (!v.empty() && v != "auto")
         return "SHARDOPT_COMM='" + v + "': expected mpi, shm or auto";
     }

@@ -43,8 +43,8 @@ inline std::size_t type_size(CommType t) {
 // MPI-3 counts are int.
 inline int checked_int(std::size_t n, const char* what) {
   if (n > static_cast<std::size_t>(INT_MAX))
-    throw Error(Status::Unsupported, std::string(what) + ": count " + std::to_string(n) +
-                                         " exceeds the MPI int limit");
+    throw Error(Status::Unsupported,
+                std::string(what) + ": count " + std::to_string(n) + " exceeds the MPI int limit");
   return static_cast<int>(n);
 }
 

@@ -131,7 +131,7 @@ class ShmCommunicator final : public Communicator {
     const int n = topo_->node_size;
     std::vector<std::size_t> start(counts.size() + 1, 0);
     for (std::size_t k = 0; k < counts.size(); ++k) start[k + 1] = start[k] + counts[k];
-    v.win->sync();  // every rank's input is complete
+    v.win->sync();   // every rank's input is complete
     int synced = 0;  // blocks [0, synced) are summed and seen by every rank
     bool move_mine = false;
     for (int k = 0; k < n; ++k) {
@@ -180,19 +180,22 @@ class ShmCommunicator final : public Communicator {
     sum_part(v, 0, total, v.f32(0));
     v.win->sync();
     std::vector<std::size_t> node_count(static_cast<std::size_t>(t.num_nodes), 0);
-    for (int w = 0; w < t.world_size; ++w) node_count[node_of(w)] += counts[static_cast<std::size_t>(w)];
+    for (int w = 0; w < t.world_size; ++w)
+      node_count[node_of(w)] += counts[static_cast<std::size_t>(w)];
     if (t.node_rank == 0) {
       std::vector<int> icounts(node_count.size());
       for (std::size_t n = 0; n < node_count.size(); ++n)
         icounts[n] = mpi::checked_int(node_count[n], "MPI_Reduce_scatter");
-      SHARDOPT_MPI(MPI_Reduce_scatter(MPI_IN_PLACE, v.f32(0), icounts.data(), MPI_FLOAT,
-                                      MPI_SUM, t.leaders));
+      SHARDOPT_MPI(MPI_Reduce_scatter(MPI_IN_PLACE, v.f32(0), icounts.data(), MPI_FLOAT, MPI_SUM,
+                                      t.leaders));
     }
     v.win->sync();
     if (t.node_rank != 0) {
-      const std::size_t first = static_cast<std::size_t>(t.node_first[static_cast<std::size_t>(t.node_index)]);
+      const std::size_t first =
+          static_cast<std::size_t>(t.node_first[static_cast<std::size_t>(t.node_index)]);
       std::size_t offset = 0;  // my block within the node's range
-      for (std::size_t w = first; w < static_cast<std::size_t>(t.world_rank); ++w) offset += counts[w];
+      for (std::size_t w = first; w < static_cast<std::size_t>(t.world_rank); ++w)
+        offset += counts[w];
       std::memcpy(v.f32(t.node_rank), v.f32(0) + offset,
                   counts[static_cast<std::size_t>(t.world_rank)] * sizeof(float));
     }
@@ -230,7 +233,8 @@ class ShmCommunicator final : public Communicator {
 
   std::size_t node_of(int world_rank) const {
     const auto& f = topo_->node_first;
-    return static_cast<std::size_t>(std::upper_bound(f.begin(), f.end(), world_rank) - f.begin() - 1);
+    return static_cast<std::size_t>(std::upper_bound(f.begin(), f.end(), world_rank) - f.begin() -
+                                    1);
   }
 
   std::shared_ptr<Communicator> plain_;

@@ -22,11 +22,11 @@ std::shared_ptr<NodeTopology> NodeTopology::create(MPI_Comm world, int simulate_
   SHARDOPT_MPI(MPI_Comm_size(world, &t->world_size));
 
   MPI_Comm shared = MPI_COMM_NULL;
-  SHARDOPT_MPI(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, t->world_rank, MPI_INFO_NULL,
-                                   &shared));
+  SHARDOPT_MPI(
+      MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, t->world_rank, MPI_INFO_NULL, &shared));
   if (simulate_nodes > 0) {
-    const int color = static_cast<int>(static_cast<long long>(t->world_rank) * simulate_nodes /
-                                       t->world_size);
+    const int color =
+        static_cast<int>(static_cast<long long>(t->world_rank) * simulate_nodes / t->world_size);
     const int rc = MPI_Comm_split(shared, color, t->world_rank, &t->node);
     MPI_Comm_free(&shared);
     SHARDOPT_MPI(rc);
@@ -58,12 +58,12 @@ std::shared_ptr<NodeTopology> NodeTopology::create(MPI_Comm world, int simulate_
       const int w = firsts[n] + k;
       if (w >= t->world_size || leader_of[w] != firsts[n]) t->contiguous = false;
     }
-  t->node_index = static_cast<int>(std::lower_bound(firsts.begin(), firsts.end(), leader) -
-                                   firsts.begin());
+  t->node_index =
+      static_cast<int>(std::lower_bound(firsts.begin(), firsts.end(), leader) - firsts.begin());
   t->max_node_size = *std::max_element(t->node_ranks.begin(), t->node_ranks.end());
 
-  SHARDOPT_MPI(MPI_Comm_split(world, t->node_rank == 0 ? 0 : MPI_UNDEFINED, t->world_rank,
-                              &t->leaders));
+  SHARDOPT_MPI(
+      MPI_Comm_split(world, t->node_rank == 0 ? 0 : MPI_UNDEFINED, t->world_rank, &t->leaders));
   if (t->leaders != MPI_COMM_NULL)
     SHARDOPT_MPI(MPI_Comm_set_errhandler(t->leaders, MPI_ERRORS_RETURN));
   return t;

@@ -16,7 +16,7 @@ struct NodeTopology {
   int world_size = 1;
   int node_rank = 0;
   int node_size = 1;
-  int node_index = 0;     ///< nodes are numbered by their lowest world rank
+  int node_index = 0;  ///< nodes are numbered by their lowest world rank
   int num_nodes = 1;
   int max_node_size = 1;
   /// Per node (by node_index): first world rank and number of ranks.

@@ -27,8 +27,8 @@ ShmWindow::ShmWindow(std::shared_ptr<const NodeTopology> topo, std::size_t bytes
   SHARDOPT_MPI(MPI_Info_create(&info));
   MPI_Info_set(info, "alloc_shared_noncontig", "true");
   char* base = nullptr;
-  const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(rounded), 1, info, topo_->node,
-                                         &base, &win_);
+  const int rc =
+      MPI_Win_allocate_shared(static_cast<MPI_Aint>(rounded), 1, info, topo_->node, &base, &win_);
   MPI_Info_free(&info);
   if (rc != MPI_SUCCESS) {
     // An allocation failure is an out-of-memory condition, whatever MPI calls it.
@@ -43,8 +43,7 @@ ShmWindow::ShmWindow(std::shared_ptr<const NodeTopology> topo, std::size_t bytes
   for (int r = 0; r < topo_->node_size; ++r) {
     MPI_Aint size = 0;
     int disp = 0;
-    SHARDOPT_MPI(MPI_Win_shared_query(win_, r, &size, &disp,
-                                      &bases_[static_cast<std::size_t>(r)]));
+    SHARDOPT_MPI(MPI_Win_shared_query(win_, r, &size, &disp, &bases_[static_cast<std::size_t>(r)]));
   }
   if (rounded != 0) std::memset(mine(), 0, rounded);
   SHARDOPT_MPI(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_));
