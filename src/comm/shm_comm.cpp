@@ -12,6 +12,8 @@
 // leaders (MPI's own order).
 #include "shm_comm.hpp"
 
+#include <sys/statvfs.h>
+
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -32,6 +34,14 @@ struct WindowView {
   char* at(int node_rank) const { return win->segment(node_rank) + offset; }
   float* f32(int node_rank) const { return reinterpret_cast<float*>(at(node_rank)); }
 };
+
+// Whether the shared-memory file system has `bytes` free (true when it cannot be inspected).
+bool shm_has_room(std::size_t bytes) {
+  struct statvfs fs {};
+  if (statvfs("/dev/shm", &fs) != 0) return true;
+  return static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize) >=
+         static_cast<double>(bytes);
+}
 
 class ShmCommunicator final : public Communicator {
  public:
@@ -62,6 +72,12 @@ class ShmCommunicator final : public Communicator {
   Allocation allocate_collective_buffer(MemoryTracker* tracker, MemCategory category,
                                         std::size_t bytes) override {
     if (bytes == 0) return {};
+    // Shared segments live in tmpfs, which overcommits: a full /dev/shm (containers default
+    // to 64 MiB) would fault on first touch instead of failing here. Every rank falls back to
+    // its backend's memory (and plain MPI) if any node lacks the room.
+    double short_of_room = shm_has_room(bytes * static_cast<std::size_t>(topo_->node_size)) ? 0 : 1;
+    plain_->all_reduce_sum_host(&short_of_room, 1);
+    if (short_of_room != 0) return {};
     auto win = std::make_shared<ShmWindow>(topo_, bytes);
     std::erase_if(windows_, [](const std::weak_ptr<ShmWindow>& w) { return w.expired(); });
     windows_.push_back(win);
