@@ -195,9 +195,9 @@ void ShardedOptimizer::finalize() {
       ready_in_bucket_.assign(buckets_.size(), 0);
       param_ready_.assign(layout_.num_params(), 0);
       open_bucket_ = buckets_.size();
-      b.grad_shard = be.allocate(&tracker_, MemCategory::Grads, owned * sizeof(float));
       b.staging = collective_buffer(*comm_, be, options_.device, &tracker_, MemCategory::Scratch,
                                     capacity * sizeof(float));
+      b.grad_shard = be.allocate(&tracker_, MemCategory::Grads, owned * sizeof(float));
     } else {
       b.grad_full = collective_buffer(*comm_, be, options_.device, &tracker_, MemCategory::Grads,
                                       padded * sizeof(float));
