@@ -233,8 +233,15 @@ class ShmCommunicator final : public Communicator {
         displ[n] = mpi::checked_int(static_cast<std::size_t>(t.node_first[n]) * count_per_rank,
                                     "MPI_Allgatherv");
       }
-      SHARDOPT_MPI(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, v.at(0), recv.data(),
-                                  displ.data(), mpi::datatype(type), t.leaders));
+      // Equal nodes (the usual case) take MPI_Allgather: MPICH runs it markedly faster than
+      // the v-variant with the same counts (2x at 16M floats on two ranks here).
+      if (std::all_of(recv.begin(), recv.end(), [&](int r) { return r == recv[0]; })) {
+        SHARDOPT_MPI(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, v.at(0), recv[0],
+                                   mpi::datatype(type), t.leaders));
+      } else {
+        SHARDOPT_MPI(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, v.at(0), recv.data(),
+                                    displ.data(), mpi::datatype(type), t.leaders));
+      }
     }
     v.win->sync();
     if (t.node_rank != 0) {
