@@ -75,7 +75,8 @@ class ShmCommunicator final : public Communicator {
     // Shared segments live in tmpfs, which overcommits: a full /dev/shm (containers default
     // to 64 MiB) would fault on first touch instead of failing here. Every rank falls back to
     // its backend's memory (and plain MPI) if any node lacks the room.
-    double short_of_room = shm_has_room(bytes * static_cast<std::size_t>(topo_->node_size)) ? 0 : 1;
+    const std::size_t node_bytes = bytes * static_cast<std::size_t>(topo_->node_size);
+    double short_of_room = shm_has_room(node_bytes) ? 0 : 1;
     plain_->all_reduce_sum_host(&short_of_room, 1);
     if (short_of_room != 0) return {};
     auto win = std::make_shared<ShmWindow>(topo_, bytes);
@@ -130,7 +131,7 @@ class ShmCommunicator final : public Communicator {
     return {};
   }
 
-  // Sums [begin, begin + n) of every node rank's buffer into dst + begin.. (this rank's part).
+  // dst[0, n) = sum over node ranks of their [begin, begin + n); this rank does its part.
   void sum_part(const WindowView& v, std::size_t begin, std::size_t n, float* dst) const {
     const Range part = split_part(n, topo_->node_size, topo_->node_rank);
     if (part.empty()) return;
