@@ -24,7 +24,8 @@ class ScopedSeconds {
 }  // namespace
 
 GradReducer::GradReducer(Communicator& comm, Backend& backend, MemoryTracker& tracker,
-                         const FlatLayout& layout, Range owned, Config config)
+                         const FlatLayout& layout, Range owned, Config config,
+                         const CollectiveAllocator& allocate_collective)
     : comm_(comm), backend_(backend), tracker_(tracker), layout_(layout), owned_(owned),
       cfg_(config) {
   buckets_ = layout_.make_buckets(cfg_.bucket_elems);
@@ -41,15 +42,14 @@ GradReducer::GradReducer(Communicator& comm, Backend& backend, MemoryTracker& tr
   ready_in_bucket_.assign(buckets_.size(), 0);
   param_ready_.assign(layout_.num_params(), 0);
   if (cfg_.stage == Stage::Zero2) {
-    shard_ = backend_.allocate(&tracker_, MemCategory::Grads, owned_.size() * sizeof(float));
     const int slots = std::max(1, cfg_.slots);
-    slots_ = backend_.allocate(&tracker_, MemCategory::Scratch,
-                               static_cast<std::size_t>(slots) * slot_capacity_ * sizeof(float));
+    slots_ = allocate_collective(MemCategory::Scratch,
+                                 static_cast<std::size_t>(slots) * slot_capacity_ * sizeof(float));
+    shard_ = backend_.allocate(&tracker_, MemCategory::Grads, owned_.size() * sizeof(float));
     slot_of_bucket_.assign(buckets_.size(), -1);
     for (int s = slots - 1; s >= 0; --s) free_slots_.push_back(s);
   } else {
-    full_ = backend_.allocate(&tracker_, MemCategory::Grads,
-                              layout_.padded_size() * sizeof(float));
+    full_ = allocate_collective(MemCategory::Grads, layout_.padded_size() * sizeof(float));
   }
 }
 

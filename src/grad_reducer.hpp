@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -36,8 +37,13 @@ class GradReducer {
     bool overlap;
   };
 
+  /// Allocates a buffer that goes through collectives (collective: same calls on every
+  /// rank); the communicator may place it where it moves fastest (shared-memory windows).
+  using CollectiveAllocator = std::function<Allocation(MemCategory, std::size_t bytes)>;
+
   GradReducer(Communicator& comm, Backend& backend, MemoryTracker& tracker,
-              const FlatLayout& layout, Range owned, Config config);
+              const FlatLayout& layout, Range owned, Config config,
+              const CollectiveAllocator& allocate_collective);
   ~GradReducer();  // completes collectives still in flight (they are collective)
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;

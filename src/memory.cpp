@@ -44,9 +44,17 @@ Allocation::Allocation(void* data, std::size_t bytes, ReleaseFn release, MemoryT
   if (tracker_ && data_) tracker_->on_alloc(category_, bytes_);
 }
 
+Allocation::Allocation(void* data, std::size_t bytes, std::shared_ptr<void> owner,
+                       MemoryTracker* tracker, MemCategory category)
+    : data_(data), bytes_(bytes), owner_(std::move(owner)), tracker_(tracker),
+      category_(category) {
+  if (tracker_ && data_) tracker_->on_alloc(category_, bytes_);
+}
+
 Allocation::~Allocation() {
   if (data_ == nullptr) return;
   if (release_) release_(data_);
+  owner_.reset();
   if (tracker_) tracker_->on_free(category_, bytes_);
 }
 
@@ -54,6 +62,7 @@ void Allocation::swap(Allocation& o) noexcept {
   std::swap(data_, o.data_);
   std::swap(bytes_, o.bytes_);
   std::swap(release_, o.release_);
+  std::swap(owner_, o.owner_);
   std::swap(tracker_, o.tracker_);
   std::swap(category_, o.category_);
 }

@@ -61,6 +61,18 @@ std::string options_problem(const OptimizerOptions& o) {
   return validate(o.loss_scaling);
 }
 
+// The buffers that go through collectives (replica, full gradient, stage-2 staging) come from
+// the communicator when it has faster memory for them (a shared-memory window), else from
+// the backend. Collective: every rank calls it for the same buffers in the same order.
+Allocation collective_buffer(Communicator& comm, Backend& be, Device device,
+                             MemoryTracker* tracker, MemCategory category, std::size_t bytes) {
+  if (device == Device::Cpu) {
+    Allocation a = comm.allocate_collective_buffer(tracker, category, bytes);
+    if (a.data() != nullptr) return a;
+  }
+  return be.allocate(tracker, category, bytes);
+}
+
 // Collective constructor check: throws the same error on every rank if any rank's options
 // are invalid, before anything else is communicated.
 std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm,
@@ -207,13 +219,19 @@ void ShardedOptimizer::finalize() {
     const std::size_t owned = owned_.size();
     Backend& be = *backend_;
     Buffers& b = *buf_;
-    b.replica = be.allocate(&tracker_, MemCategory::Params,
-                            padded * dtype_size(options_.param_dtype));
+    b.replica = collective_buffer(*comm_, be, options_.device, &tracker_, MemCategory::Params,
+                                  padded * dtype_size(options_.param_dtype));
+    const Device device = options_.device;
+    Communicator& comm = *comm_;
+    MemoryTracker* tracker = &tracker_;
     reducer_ = std::make_unique<GradReducer>(
-        *comm_, be, tracker_, layout_, owned_,
+        comm, be, tracker_, layout_, owned_,
         GradReducer::Config{options_.stage, options_.bucket_elems, options_.buckets_in_flight,
                             options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
-                            options_.overlap});
+                            options_.overlap},
+        [&comm, &be, device, tracker](MemCategory c, std::size_t bytes) {
+          return collective_buffer(comm, be, device, tracker, c, bytes);
+        });
     gathers_.resize(reducer_->buckets().size());
     if (options_.param_dtype == DType::F32) {
       b.master_ptr = b.replica.as<float>() + owned_.begin;  // fp32 replica is the master

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "shardopt/error.hpp"
+#include "shardopt/memory.hpp"
 
 namespace shardopt {
 
@@ -78,6 +79,17 @@ class Communicator {
   virtual void all_gather_bytes(const void* send, void* recv, std::size_t bytes) = 0;
   virtual void broadcast_bytes(void* buf, std::size_t bytes, int root) = 0;
   virtual void barrier() = 0;
+
+  /// Collective (same bytes, same order on every rank): zeroed host memory for a large buffer
+  /// that will go through the data collectives, from wherever this communicator moves it
+  /// fastest (the shared-memory communicator: an MPI-3 shared window, accounted under
+  /// `category`; its release is collective too). Empty (data() == nullptr) means "allocate
+  /// it yourself"; the collectives accept any buffer either way.
+  virtual Allocation allocate_collective_buffer(MemoryTracker* /*tracker*/,
+                                                MemCategory /*category*/,
+                                                std::size_t /*bytes*/) {
+    return {};
+  }
 };
 
 /// A request that completed when it was made (blocking implementations return it).

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstddef>
+#include <memory>
 #include <span>
 
 namespace shardopt {
@@ -36,6 +37,9 @@ class Allocation {
   Allocation() = default;
   Allocation(void* data, std::size_t bytes, ReleaseFn release, MemoryTracker* tracker,
              MemCategory category);
+  /// Memory owned by `owner` (a window, a pool...): freed when the last reference drops.
+  Allocation(void* data, std::size_t bytes, std::shared_ptr<void> owner, MemoryTracker* tracker,
+             MemCategory category);
   Allocation(Allocation&& o) noexcept { swap(o); }
   Allocation& operator=(Allocation&& o) noexcept {
     Allocation tmp(static_cast<Allocation&&>(o));
@@ -56,6 +60,7 @@ class Allocation {
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
   ReleaseFn release_ = nullptr;
+  std::shared_ptr<void> owner_;
   MemoryTracker* tracker_ = nullptr;
   MemCategory category_ = MemCategory::Scratch;
 };

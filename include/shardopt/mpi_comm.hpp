@@ -1,4 +1,4 @@
-// mpi_comm.hpp: the MPI communicator (host buffers). Only available when shardopt was built
+// mpi_comm.hpp: the MPI communicators (host buffers). Only available when shardopt was built
 // with MPI (SHARDOPT_WITH_MPI); includes <mpi.h>.
 #pragma once
 
@@ -10,9 +10,35 @@
 
 namespace shardopt {
 
-/// Duplicates `comm` (so the library's traffic never matches the caller's) and sets it to
-/// return errors, which become Error(Status::Communication) naming the MPI call.
-/// MPI must be initialised, and stay so until the returned object is destroyed.
-std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm);
+/// Which MPI communicator make_mpi_communicator() builds.
+enum class MpiCommKind : int {
+  Auto = 0,          ///< SHARDOPT_COMM (mpi|shm) if set, else SharedMemory when some node
+                     ///< holds two or more ranks, else Plain
+  Plain = 1,         ///< MPI collectives only
+  SharedMemory = 2,  ///< node-local shared-memory windows, hierarchical across nodes
+};
+
+struct MpiCommOptions {
+  MpiCommKind kind = MpiCommKind::Auto;
+  /// > 0: split the ranks into this many groups of consecutive ranks and treat each group
+  /// as a node (tests of the hierarchical path on one machine). 0: SHARDOPT_SIMULATE_NODES
+  /// if set, else the real nodes (MPI_COMM_TYPE_SHARED).
+  int simulate_nodes = 0;
+};
+
+/// Collective. Duplicates `comm` (so the library's traffic never matches the caller's) and
+/// sets it to return errors, which become Error(Status::Communication) naming the MPI call.
+/// Every rank must resolve the same kind and node simulation (otherwise every rank throws
+/// InvalidArgument). MPI must be initialised, and stay so until the returned object and every
+/// buffer it allocated are destroyed.
+///
+/// The shared-memory communicator keeps the buffers it hands out through
+/// allocate_collective_buffer() in MPI-3 shared windows (one per node) and runs
+/// reduce_scatter_sum_inplace() and all_gather_inplace() on them by direct loads and stores
+/// inside each node, with MPI collectives between one leader per node; other buffers and
+/// other collectives use plain MPI. Summation order inside a node: node-local ranks 0, 1, ...
+/// (ascending world rank), left to right in fp32, so on one node results are deterministic
+/// and, at two ranks, bitwise equal to plain MPI (a + b). See docs/performance.md.
+std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOptions options = {});
 
 }  // namespace shardopt

@@ -2,56 +2,17 @@
 #include "shardopt/mpi_comm.hpp"
 
 #include <algorithm>
-#include <climits>
 #include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "../cpu/kernels.hpp"
+#include "mpi_util.hpp"
 #include "shardopt/bf16.hpp"
 
 namespace shardopt {
 namespace {
-
-void check_mpi(int rc, const char* call) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  throw Error(Status::Communication, std::string(call) + " failed: " + std::string(text, len));
-}
-#define SHARDOPT_MPI(call) check_mpi((call), #call)
-
-MPI_Datatype mpi_type(CommType t) {
-  switch (t) {
-    case CommType::F32: return MPI_FLOAT;
-    case CommType::F64: return MPI_DOUBLE;
-    case CommType::U16: return MPI_UINT16_T;
-    case CommType::BF16: return MPI_UINT16_T;
-    case CommType::U8: return MPI_BYTE;
-  }
-  return MPI_DATATYPE_NULL;
-}
-
-std::size_t type_size(CommType t) {
-  switch (t) {
-    case CommType::F64: return 8;
-    case CommType::F32: return 4;
-    case CommType::U16:
-    case CommType::BF16: return 2;
-    case CommType::U8: return 1;
-  }
-  return 1;
-}
-
-// MPI-3 counts are int: larger messages must be split or use a larger datatype.
-int checked_int(std::size_t n, const char* what) {
-  if (n > static_cast<std::size_t>(INT_MAX))
-    throw Error(Status::Unsupported, std::string(what) + ": count " + std::to_string(n) +
-                                         " exceeds the MPI int limit; use smaller buckets");
-  return static_cast<int>(n);
-}
 
 // The reduction of the bf16 wire: each partial sum is computed in fp32 and rounded to bf16.
 void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -164,7 +125,7 @@ class MpiCommunicator final : public Communicator {
                                                     CommType wire) override {
     auto req = std::make_unique<MpiRequest>();
     req->requests.resize(1);
-    const int n = checked_int(count, "MPI_Iallreduce");
+    const int n = mpi::checked_int(count, "MPI_Iallreduce");
     if (wire == CommType::BF16) {
       req->wire.resize(count);
       cpu::cast_f32_to_bf16(buf, req->wire.data(), count);
@@ -189,7 +150,7 @@ class MpiCommunicator final : public Communicator {
     std::vector<std::size_t> units(counts.begin(), counts.end());
     for (std::size_t& u : units) u /= unit;
     auto req = blocks(units, "MPI_Iallgatherv");
-    MPI_Datatype elem = mpi_type(type);
+    MPI_Datatype elem = mpi::datatype(type);
     if (unit > 1) {
       SHARDOPT_MPI(MPI_Type_contiguous(static_cast<int>(unit), elem, &elem));
       SHARDOPT_MPI(MPI_Type_commit(&elem));
@@ -198,29 +159,29 @@ class MpiCommunicator final : public Communicator {
     const int rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, req->counts.data(),
                                    req->displs.data(), elem, comm_, &req->requests[0]);
     if (unit > 1) MPI_Type_free(&elem);  // MPI keeps it alive until the operation completes
-    check_mpi(rc, "MPI_Iallgatherv");
+    mpi::check(rc, "MPI_Iallgatherv");
     return req;
   }
 
   void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
     require(type == CommType::F32 || type == CommType::F64, Status::InvalidArgument,
             "all_reduce_sum: type F32 or F64");
-    const std::size_t elem = type_size(type);
+    const std::size_t elem = mpi::type_size(type);
     constexpr std::size_t kChunk = std::size_t{1} << 30;
     for (std::size_t off = 0; off < count; off += kChunk) {
       const std::size_t n = std::min(kChunk, count - off);
       SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(buf) + off * elem,
-                                 static_cast<int>(n), mpi_type(type), MPI_SUM, comm_));
+                                 static_cast<int>(n), mpi::datatype(type), MPI_SUM, comm_));
     }
   }
 
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
-    const int n = checked_int(bytes, "MPI_Allgather");
+    const int n = mpi::checked_int(bytes, "MPI_Allgather");
     SHARDOPT_MPI(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_));
   }
 
   void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
-    SHARDOPT_MPI(MPI_Bcast(buf, checked_int(bytes, "MPI_Bcast"), MPI_BYTE, root, comm_));
+    SHARDOPT_MPI(MPI_Bcast(buf, mpi::checked_int(bytes, "MPI_Bcast"), MPI_BYTE, root, comm_));
   }
 
   void barrier() override { SHARDOPT_MPI(MPI_Barrier(comm_)); }
@@ -233,11 +194,11 @@ class MpiCommunicator final : public Communicator {
     auto req = std::make_unique<MpiRequest>();
     std::size_t offset = 0;
     for (std::size_t c : counts) {
-      req->counts.push_back(checked_int(c, what));
-      req->displs.push_back(checked_int(offset, what));
+      req->counts.push_back(mpi::checked_int(c, what));
+      req->displs.push_back(mpi::checked_int(offset, what));
       offset += c;
     }
-    checked_int(offset, what);
+    mpi::checked_int(offset, what);
     return req;
   }
   static std::size_t offset_end(std::span<const std::size_t> counts) {
@@ -254,7 +215,7 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm) {
+std::shared_ptr<Communicator> mpi::make_plain_communicator(MPI_Comm comm) {
   return std::make_shared<MpiCommunicator>(comm);
 }
 

@@ -1,0 +1,62 @@
+// mpi_select.cpp: make_mpi_communicator(): the shared-memory communicator where ranks share
+// a node, plain MPI otherwise, either one forced by option or SHARDOPT_COMM.
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "mpi_util.hpp"
+#include "shardopt/mpi_comm.hpp"
+#include "shm_comm.hpp"
+
+namespace shardopt {
+namespace {
+
+// Resolves the environment overrides; returns what is wrong with them, or "".
+std::string resolve(MpiCommOptions& o) {
+  if (o.kind == MpiCommKind::Auto) {
+    if (const char* env = std::getenv("SHARDOPT_COMM")) {
+      const std::string v = env;
+      if (v == "mpi")
+        o.kind = MpiCommKind::Plain;
+      else if (v == "shm")
+        o.kind = MpiCommKind::SharedMemory;
+      else if (!v.empty() && v != "auto")
+        return "SHARDOPT_COMM='" + v + "': expected mpi, shm or auto";
+    }
+  }
+  if (o.simulate_nodes == 0) {
+    if (const char* env = std::getenv("SHARDOPT_SIMULATE_NODES")) {
+      char* end = nullptr;
+      const long n = std::strtol(env, &end, 10);
+      if (*env == '\0' || *end != '\0' || n < 0 || n > 1 << 20)
+        return std::string("SHARDOPT_SIMULATE_NODES='") + env + "': expected a count >= 0";
+      o.simulate_nodes = static_cast<int>(n);
+    }
+  }
+  if (o.simulate_nodes < 0) return "simulate_nodes must be >= 0";
+  return {};
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOptions options) {
+  std::shared_ptr<Communicator> plain = mpi::make_plain_communicator(comm);
+  const std::string problem = resolve(options);
+  agree_or_throw(*plain, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
+
+  // A rank that chose differently would wait in other collectives than its peers.
+  const int mine[2] = {static_cast<int>(options.kind), options.simulate_nodes};
+  std::vector<int> all(2 * static_cast<std::size_t>(plain->size()));
+  plain->all_gather_bytes(mine, all.data(), sizeof mine);
+  for (std::size_t r = 0; r < all.size(); r += 2)
+    require(all[r] == mine[0] && all[r + 1] == mine[1], Status::InvalidArgument,
+            "make_mpi_communicator: ranks chose different communicators (kind or "
+            "simulated nodes; check SHARDOPT_COMM and SHARDOPT_SIMULATE_NODES)");
+
+  if (options.kind == MpiCommKind::Plain) return plain;
+  auto topo = shm::NodeTopology::create(comm, options.simulate_nodes);
+  if (options.kind == MpiCommKind::Auto && topo->max_node_size < 2) return plain;
+  return shm::make_shm_communicator(std::move(plain), std::move(topo));
+}
+
+}  // namespace shardopt

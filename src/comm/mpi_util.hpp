@@ -1,0 +1,58 @@
+// mpi_util.hpp: what every MPI-based communicator needs: MPI errors as shardopt::Error,
+// CommType -> MPI_Datatype, and the int-count check. Internal.
+#pragma once
+
+#include <mpi.h>
+
+#include <climits>
+#include <cstddef>
+#include <string>
+
+#include "shardopt/comm.hpp"
+
+namespace shardopt::mpi {
+
+inline void check(int rc, const char* call) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw Error(Status::Communication, std::string(call) + " failed: " + std::string(text, len));
+}
+
+inline MPI_Datatype datatype(CommType t) {
+  switch (t) {
+    case CommType::F32: return MPI_FLOAT;
+    case CommType::F64: return MPI_DOUBLE;
+    case CommType::U16:
+    case CommType::BF16: return MPI_UINT16_T;
+    case CommType::U8: return MPI_BYTE;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+inline std::size_t type_size(CommType t) {
+  switch (t) {
+    case CommType::F64: return 8;
+    case CommType::F32: return 4;
+    case CommType::U16:
+    case CommType::BF16: return 2;
+    case CommType::U8: return 1;
+  }
+  return 1;
+}
+
+// MPI-3 counts are int.
+inline int checked_int(std::size_t n, const char* what) {
+  if (n > static_cast<std::size_t>(INT_MAX))
+    throw Error(Status::Unsupported,
+                std::string(what) + ": count " + std::to_string(n) + " exceeds the MPI int limit");
+  return static_cast<int>(n);
+}
+
+/// The plain communicator: MPI collectives on a duplicate of `comm` (mpi_comm.cpp).
+std::shared_ptr<Communicator> make_plain_communicator(MPI_Comm comm);
+
+}  // namespace shardopt::mpi
+
+#define SHARDOPT_MPI(call) ::shardopt::mpi::check((call), #call)

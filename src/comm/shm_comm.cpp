@@ -1,0 +1,273 @@
+// shm_comm.cpp: reduce-scatter and all-gather over MPI-3 shared-memory windows inside a
+// node, MPI collectives between node leaders.
+//
+// Inside a node every rank addresses every peer's segment of a window directly. A
+// reduce-scatter sums each output block across the peers' buffers into the block's own place
+// in its owner's buffer, the work of every block split between all node ranks (so uneven
+// blocks, as in stage-2 buckets, still use every core); an all-gather copies the peers'
+// blocks. ShmWindow::sync() (MPI_Win_sync + node
+// barrier) separates the phases in which a buffer is read from those in which it is written.
+//
+// Summation order: within a node, node ranks 0, 1, 2, ... left to right in fp32 (node ranks
+// follow world ranks). Across nodes, the node sums are combined by MPI_Reduce_scatter on the
+// leaders (MPI's own order).
+#include "shm_comm.hpp"
+
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "mpi_util.hpp"
+#include "shm_kernels.hpp"
+#include "shm_window.hpp"
+
+namespace shardopt::shm {
+namespace {
+
+// A buffer of this rank inside a window, and the same offset in every peer's segment.
+struct WindowView {
+  const ShmWindow* win = nullptr;
+  std::size_t offset = 0;
+  char* at(int node_rank) const { return win->segment(node_rank) + offset; }
+  float* f32(int node_rank) const { return reinterpret_cast<float*>(at(node_rank)); }
+};
+
+// Whether the shared-memory file system has `bytes` free (true when it cannot be inspected).
+bool shm_has_room(std::size_t bytes) {
+  struct statvfs fs {};
+  if (statvfs("/dev/shm", &fs) != 0) return true;
+  return static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize) >=
+         static_cast<double>(bytes);
+}
+
+class ShmCommunicator final : public Communicator {
+ public:
+  ShmCommunicator(std::shared_ptr<Communicator> plain, std::shared_ptr<NodeTopology> topo)
+      : plain_(std::move(plain)), topo_(std::move(topo)) {}
+
+  int rank() const override { return topo_->world_rank; }
+  int size() const override { return topo_->world_size; }
+  std::string name() const override {
+    if (topo_->num_nodes == 1) return "mpi-shm";
+    return "mpi-shm-hierarchical(" + std::to_string(topo_->num_nodes) + " nodes)";
+  }
+
+  void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
+    plain_->all_reduce_sum(buf, count, type);
+  }
+  void all_reduce_sum_host(double* buf, std::size_t count) override {
+    plain_->all_reduce_sum_host(buf, count);
+  }
+  void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
+    plain_->all_gather_bytes(send, recv, bytes);
+  }
+  void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
+    plain_->broadcast_bytes(buf, bytes, root);
+  }
+  void barrier() override { plain_->barrier(); }
+
+  Allocation allocate_collective_buffer(MemoryTracker* tracker, MemCategory category,
+                                        std::size_t bytes) override {
+    if (bytes == 0) return {};
+    // Shared segments live in tmpfs, which overcommits: a full /dev/shm (containers default
+    // to 64 MiB) would fault on first touch instead of failing here. Every rank falls back to
+    // its backend's memory (and plain MPI) if any node lacks the room.
+    const std::size_t node_bytes = bytes * static_cast<std::size_t>(topo_->node_size);
+    double short_of_room = shm_has_room(node_bytes) ? 0 : 1;
+    plain_->all_reduce_sum_host(&short_of_room, 1);
+    if (short_of_room != 0) return {};
+    auto win = std::make_shared<ShmWindow>(topo_, bytes);
+    std::erase_if(windows_, [](const std::weak_ptr<ShmWindow>& w) { return w.expired(); });
+    windows_.push_back(win);
+    char* data = win->mine();
+    return Allocation(data, bytes, std::move(win), tracker, category);
+  }
+
+  // The shared-memory collectives complete before they return (node barriers inside), so
+  // their requests are complete; everything else is the plain MPI communicator's.
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf,
+                                                        std::span<const std::size_t> counts,
+                                                        CommType wire) override {
+    require(counts.size() == static_cast<std::size_t>(size()), Status::InvalidArgument,
+            "reduce_scatter: need one count per rank");
+    const std::vector<std::size_t> start = offsets(counts, 1);
+    const WindowView v = find(buf, start.back() * sizeof(float));
+    if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32)
+      return plain_->start_reduce_scatter_sum(buf, counts, wire);
+    if (topo_->num_nodes == 1) {
+      node_reduce_scatter(v, counts, start);
+    } else {
+      hierarchical_reduce_scatter(v, counts, start);
+    }
+    return completed_request();
+  }
+
+  std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
+                                                    CommType wire) override {
+    return plain_->start_all_reduce_sum(buf, count, wire);
+  }
+
+  std::unique_ptr<CommRequest> start_all_gatherv(void* buf, std::span<const std::size_t> counts,
+                                                 CommType type) override {
+    require(counts.size() == static_cast<std::size_t>(size()), Status::InvalidArgument,
+            "all_gather: need one count per rank");
+    const std::vector<std::size_t> start = offsets(counts, mpi::type_size(type));  // bytes
+    const WindowView v = find(buf, start.back());
+    if (v.win == nullptr || !hierarchy_usable())
+      return plain_->start_all_gatherv(buf, counts, type);
+    if (topo_->num_nodes == 1) {
+      node_all_gather(v, start);
+    } else {
+      hierarchical_all_gather(v, start);
+    }
+    return completed_request();
+  }
+
+ private:
+  // Non-consecutive placements would need a permutation between the node and leader
+  // levels; they take the plain path instead.
+  bool hierarchy_usable() const { return topo_->num_nodes == 1 || topo_->contiguous; }
+
+  // The window holding [p, p + bytes) of this rank's segment, if any. Every rank passes
+  // buffers obtained the same way, so all of them take the same path.
+  WindowView find(const void* p, std::size_t bytes) const {
+    const char* c = static_cast<const char*>(p);
+    for (const std::weak_ptr<ShmWindow>& w : windows_) {
+      const std::shared_ptr<ShmWindow> win = w.lock();
+      if (!win) continue;
+      const char* mine = win->mine();
+      if (c >= mine && c + bytes <= mine + win->bytes())
+        return WindowView{win.get(), static_cast<std::size_t>(c - mine)};
+    }
+    return {};
+  }
+
+  // dst[0, n) = sum over node ranks of their [begin, begin + n); this rank does its part.
+  void sum_part(const WindowView& v, std::size_t begin, std::size_t n, float* dst) const {
+    const Range part = split_part(n, topo_->node_size, topo_->node_rank);
+    if (part.empty()) return;
+    std::vector<const float*> src(static_cast<std::size_t>(topo_->node_size));
+    for (int p = 0; p < topo_->node_size; ++p)
+      src[static_cast<std::size_t>(p)] = v.f32(p) + begin + part.begin;
+    sum_rows(dst + part.begin, src.data(), topo_->node_size, part.size());
+  }
+
+  // Offsets of back-to-back blocks of counts[r] * unit bytes (or elements, unit 1); the last
+  // entry is the total.
+  static std::vector<std::size_t> offsets(std::span<const std::size_t> counts, std::size_t unit) {
+    std::vector<std::size_t> off(counts.size() + 1, 0);
+    for (std::size_t r = 0; r < counts.size(); ++r) off[r + 1] = off[r] + counts[r] * unit;
+    return off;
+  }
+
+  // One node: every block k is summed by all node ranks together, each rank one part of it,
+  // written in place into block k of its owner's buffer. The part a rank writes is read by
+  // that rank alone (from every peer), so reads and writes never race: one sync before
+  // (inputs complete) and one after (results visible, buffers free again).
+  void node_reduce_scatter(const WindowView& v, std::span<const std::size_t> counts,
+                           const std::vector<std::size_t>& start) {
+    v.win->sync();
+    for (int k = 0; k < topo_->node_size; ++k) {
+      const std::size_t c = counts[static_cast<std::size_t>(k)];
+      const std::size_t s = start[static_cast<std::size_t>(k)];
+      if (c != 0) sum_part(v, s, c, v.f32(k) + s);
+    }
+    v.win->sync();
+  }
+
+  void node_all_gather(const WindowView& v, const std::vector<std::size_t>& start) {
+    const int n = topo_->node_size;
+    const int me = topo_->node_rank;
+    v.win->sync();  // every rank's block is complete
+    char* mine = v.at(me);
+    for (int j = 1; j < n; ++j) {  // start at the next rank: ranks read different peers
+      const std::size_t p = static_cast<std::size_t>((me + j) % n);
+      std::memcpy(mine + start[p], v.at(static_cast<int>(p)) + start[p], start[p + 1] - start[p]);
+    }
+    v.win->sync();  // nobody reads this rank's buffer any more
+  }
+
+  // Several nodes, each holding consecutive world ranks: node sum of the whole buffer into
+  // the leader's segment; between leaders a reduce-scatter of the node ranges (out of place:
+  // MPICH 4.0's in-place form corrupts memory for unequal counts), the leader's node range
+  // written back at its own offset; then every rank copies its block from the leader.
+  void hierarchical_reduce_scatter(const WindowView& v, std::span<const std::size_t> counts,
+                                   const std::vector<std::size_t>& start) {
+    const NodeTopology& t = *topo_;
+    v.win->sync();
+    sum_part(v, 0, start.back(), v.f32(0));
+    v.win->sync();
+    std::vector<std::size_t> node_count(static_cast<std::size_t>(t.num_nodes), 0);
+    for (int w = 0; w < t.world_size; ++w)
+      node_count[node_of(w)] += counts[static_cast<std::size_t>(w)];
+    const std::size_t node_begin =
+        start[static_cast<std::size_t>(t.node_first[static_cast<std::size_t>(t.node_index)])];
+    if (t.node_rank == 0) {
+      std::vector<int> icounts(node_count.size());
+      for (std::size_t n = 0; n < node_count.size(); ++n)
+        icounts[n] = mpi::checked_int(node_count[n], "MPI_Reduce_scatter");
+      std::vector<float> mine(node_count[static_cast<std::size_t>(t.node_index)]);
+      SHARDOPT_MPI(MPI_Reduce_scatter(v.f32(0), mine.data(), icounts.data(), MPI_FLOAT, MPI_SUM,
+                                      t.leaders));
+      std::memcpy(v.f32(0) + node_begin, mine.data(), mine.size() * sizeof(float));
+    }
+    v.win->sync();
+    if (t.node_rank != 0) {
+      const std::size_t me = static_cast<std::size_t>(t.world_rank);
+      std::memcpy(v.f32(t.node_rank) + start[me], v.f32(0) + start[me], counts[me] * sizeof(float));
+    }
+    v.win->sync();  // the leader's buffer is its own again
+  }
+
+  // Several nodes: each rank's block into the leader's segment, leaders all-gather node
+  // ranges (bytes), every other rank copies the whole result from its leader.
+  void hierarchical_all_gather(const WindowView& v, const std::vector<std::size_t>& start) {
+    const NodeTopology& t = *topo_;
+    const std::size_t me = static_cast<std::size_t>(t.world_rank);
+    v.win->sync();
+    if (t.node_rank != 0) std::memcpy(v.at(0) + start[me], v.at(t.node_rank) + start[me], start[me + 1] - start[me]);
+    v.win->sync();
+    if (t.node_rank == 0) {
+      std::vector<int> recv(static_cast<std::size_t>(t.num_nodes)), displ(recv.size());
+      for (std::size_t n = 0; n < recv.size(); ++n) {
+        const std::size_t first = static_cast<std::size_t>(t.node_first[n]);
+        const std::size_t last = first + static_cast<std::size_t>(t.node_ranks[n]);
+        recv[n] = mpi::checked_int(start[last] - start[first], "MPI_Allgatherv");
+        displ[n] = mpi::checked_int(start[first], "MPI_Allgatherv");
+      }
+      SHARDOPT_MPI(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, v.at(0), recv.data(),
+                                  displ.data(), MPI_BYTE, t.leaders));
+    }
+    v.win->sync();
+    if (t.node_rank != 0) {
+      char* mine = v.at(t.node_rank);
+      const char* leader = v.at(0);
+      std::memcpy(mine, leader, start[me]);
+      std::memcpy(mine + start[me + 1], leader + start[me + 1], start.back() - start[me + 1]);
+    }
+    v.win->sync();
+  }
+
+  std::size_t node_of(int world_rank) const {
+    const auto& f = topo_->node_first;
+    return static_cast<std::size_t>(std::upper_bound(f.begin(), f.end(), world_rank) - f.begin() -
+                                    1);
+  }
+
+  std::shared_ptr<Communicator> plain_;
+  std::shared_ptr<NodeTopology> topo_;
+  std::vector<std::weak_ptr<ShmWindow>> windows_;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_shm_communicator(std::shared_ptr<Communicator> plain,
+                                                    std::shared_ptr<NodeTopology> topo) {
+  return std::make_shared<ShmCommunicator>(std::move(plain), std::move(topo));
+}
+
+}  // namespace shardopt::shm

@@ -1,0 +1,17 @@
+// shm_comm.hpp: the node-aware communicator (shm_comm.cpp). Internal; built through
+// make_mpi_communicator().
+#pragma once
+
+#include <memory>
+
+#include "shardopt/comm.hpp"
+#include "shm_node.hpp"
+
+namespace shardopt::shm {
+
+/// `plain` carries everything that is not a data collective on a window buffer (metadata,
+/// all-reduce, foreign buffers, non-consecutive multi-node placements).
+std::shared_ptr<Communicator> make_shm_communicator(std::shared_ptr<Communicator> plain,
+                                                    std::shared_ptr<NodeTopology> topo);
+
+}  // namespace shardopt::shm
