@@ -77,35 +77,40 @@ typedef enum shardopt_status {
   SHARDOPT_ERROR_UNSUPPORTED = 9,      /* feature not built in (MPI, CUDA) */
   SHARDOPT_ERROR_CUDA = 10,
   SHARDOPT_ERROR_INTERNAL = 11,        /* a bug in shardopt: please report it */
+  SHARDOPT_STATUS_MIN_ENUM = -0x7FFFFFFF - 1,
   SHARDOPT_STATUS_MAX_ENUM = 0x7FFFFFFF
 } shardopt_status_t;
 
 /* ---- enums of the options ------------------------------------------------------------- */
-/* Each input enum ends with a *_MAX_ENUM of INT_MAX so that it is int-sized and any int a
- * caller (C, Fortran) passes is a value of the type: unknown values are rejected with
- * SHARDOPT_ERROR_INVALID_ARGUMENT, never undefined behaviour. */
+/* Each enum ends with *_MIN_ENUM / *_MAX_ENUM (INT_MIN / INT_MAX) so that it is an int and
+ * any int a caller (C, Fortran) passes is a value of the type: unknown values are rejected
+ * with SHARDOPT_ERROR_INVALID_ARGUMENT, never undefined behaviour. */
 typedef enum shardopt_stage {
   SHARDOPT_STAGE_DATA_PARALLEL = 0, /* all-reduce; every rank holds and updates everything */
   SHARDOPT_STAGE_ZERO1 = 1,         /* optimizer state sharded */
   SHARDOPT_STAGE_ZERO2 = 2,         /* state and gradients sharded, reduced in buckets */
+  SHARDOPT_STAGE_MIN_ENUM = -0x7FFFFFFF - 1,
   SHARDOPT_STAGE_MAX_ENUM = 0x7FFFFFFF
 } shardopt_stage_t;
 
 typedef enum shardopt_dtype {
   SHARDOPT_DTYPE_F32 = 0,
   SHARDOPT_DTYPE_BF16 = 1, /* bfloat16, seen from C as uint16_t bit patterns */
+  SHARDOPT_DTYPE_MIN_ENUM = -0x7FFFFFFF - 1,
   SHARDOPT_DTYPE_MAX_ENUM = 0x7FFFFFFF
 } shardopt_dtype_t;
 
 typedef enum shardopt_device {
   SHARDOPT_DEVICE_CPU = 0,
   SHARDOPT_DEVICE_CUDA = 1,
+  SHARDOPT_DEVICE_MIN_ENUM = -0x7FFFFFFF - 1,
   SHARDOPT_DEVICE_MAX_ENUM = 0x7FFFFFFF
 } shardopt_device_t;
 
 typedef enum shardopt_adam_mode {
   SHARDOPT_ADAMW = 0,  /* decoupled weight decay (torch.optim.AdamW) */
   SHARDOPT_ADAM_L2 = 1, /* weight decay added to the gradient (torch.optim.Adam) */
+  SHARDOPT_ADAM_MODE_MIN_ENUM = -0x7FFFFFFF - 1,
   SHARDOPT_ADAM_MODE_MAX_ENUM = 0x7FFFFFFF
 } shardopt_adam_mode_t;
 
@@ -119,6 +124,7 @@ typedef enum shardopt_hyper {
   SHARDOPT_HYPER_WEIGHT_DECAY = 4,  /* >= 0 */
   SHARDOPT_HYPER_MAX_GRAD_NORM = 5, /* >= 0; 0 disables clipping */
   SHARDOPT_HYPER_ADAM_MODE = 6,
+  SHARDOPT_HYPER_MIN_ENUM = -0x7FFFFFFF - 1,
   SHARDOPT_HYPER_MAX_ENUM = 0x7FFFFFFF
 } shardopt_hyper_t;
 
@@ -130,6 +136,7 @@ typedef enum shardopt_mem_category {
   SHARDOPT_MEM_MOMENTS = 3, /* Adam m and v shards */
   SHARDOPT_MEM_SCRATCH = 4, /* stage 2 bucket staging */
   SHARDOPT_MEM_TOTAL = 5,   /* the sum of the above */
+  SHARDOPT_MEM_MIN_ENUM = -0x7FFFFFFF - 1,
   SHARDOPT_MEM_MAX_ENUM = 0x7FFFFFFF
 } shardopt_mem_category_t;
 

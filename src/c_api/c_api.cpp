@@ -56,6 +56,7 @@ double& hyper_field(AdamConfig& c, shardopt_hyper_t key) {
     case SHARDOPT_HYPER_WEIGHT_DECAY: return c.weight_decay;
     case SHARDOPT_HYPER_MAX_GRAD_NORM: return c.max_grad_norm;
     case SHARDOPT_HYPER_ADAM_MODE:
+    case SHARDOPT_HYPER_MIN_ENUM:
     case SHARDOPT_HYPER_MAX_ENUM: break;
   }
   throw Error(Status::InvalidArgument, "unknown hyperparameter key " + std::to_string(static_cast<int>(key)));
