@@ -213,7 +213,8 @@ class ShmCommunicator final : public Communicator {
       std::vector<float> mine(node_count[static_cast<std::size_t>(t.node_index)]);
       SHARDOPT_MPI(MPI_Reduce_scatter(v.f32(0), mine.data(), icounts.data(), MPI_FLOAT, MPI_SUM,
                                       t.leaders));
-      std::memcpy(v.f32(0) + node_begin, mine.data(), mine.size() * sizeof(float));
+      if (!mine.empty())
+        std::memcpy(v.f32(0) + node_begin, mine.data(), mine.size() * sizeof(float));
     }
     v.win->sync();
     if (t.node_rank != 0) {
