@@ -34,7 +34,7 @@ struct Args {
   std::size_t params = 32;
   std::size_t tensor_elems = std::size_t{1} << 19;
   std::size_t bucket_elems = std::size_t{1} << 20;
-  int iterations = 5;
+  int iterations = 9;
   std::string compute = "device";
 };
 
