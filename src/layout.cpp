@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <limits>
 #include <sstream>
-#include <unordered_set>
 
 #include "shardopt/error.hpp"
 
@@ -32,6 +31,7 @@ std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group)
   require(find(name) == params_.size(), Status::InvalidArgument,
           "add_param: duplicate parameter name '" + std::string(name) + "'");
   const std::size_t offset = round_up(end_, kAlignElems);
+  index_.emplace(std::string(name), params_.size());
   params_.push_back(ParamInfo{std::string(name), numel, group, Range{offset, offset + numel}});
   end_ = offset + numel;
   unpadded_ += numel;
@@ -54,9 +54,8 @@ const ParamInfo& FlatLayout::param(std::size_t i) const {
 }
 
 std::size_t FlatLayout::find(std::string_view name) const {
-  for (std::size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].name == name) return i;
-  return params_.size();
+  const auto it = index_.find(std::string(name));
+  return it == index_.end() ? params_.size() : it->second;
 }
 
 Range FlatLayout::shard_range(int rank) const {

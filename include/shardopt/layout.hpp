@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "shardopt/dtype.hpp"
@@ -83,6 +84,7 @@ class FlatLayout {
 
  private:
   std::vector<ParamInfo> params_;
+  std::unordered_map<std::string, std::size_t> index_;  ///< name -> parameter index
   std::size_t unpadded_ = 0;
   std::size_t end_ = 0;  ///< end of the last parameter, before the final padding
   std::size_t padded_ = 0;
