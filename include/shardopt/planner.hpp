@@ -70,7 +70,7 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config);
 /// A continuous curve without padding or stage-2 staging; plan_memory() is the exact figure.
 double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype);
 
-/// Most tensors uniform_layout() builds (layout construction is quadratic in tensors).
+/// Most tensors uniform_layout() builds, so that a bisection over Psi stays fast.
 inline constexpr std::size_t kMaxUniformTensors = 4096;
 
 /// A model of `psi` elements made of tensors of `tensor_elems` elements (the last one
