@@ -103,14 +103,12 @@ void run_size(std::size_t n, Communicator& plain, Communicator& shm) {
       shm.allocate_collective_buffer(&tracker, MemCategory::Scratch, n * sizeof(float));
   float* pl = local.as<float>();
   float* pw = window.data() ? window.as<float>() : pl;
-  const std::vector<std::size_t> counts(static_cast<std::size_t>(g_size),
-                                        n / static_cast<std::size_t>(g_size));
   const std::size_t per = n / static_cast<std::size_t>(g_size);
 
   // Reduce-scatter. Inputs refilled before each iteration (outside the timing).
   const std::vector<double> rs = time_ops(
-      {{[&] { fill(pl, n, 1e-3f); }, [&] { plain.reduce_scatter_sum_inplace(pl, counts); }},
-       {[&] { fill(pw, n, 1e-3f); }, [&] { shm.reduce_scatter_sum_inplace(pw, counts); }}});
+      {{[&] { fill(pl, n, 1e-3f); }, [&] { plain.reduce_scatter_sum_inplace(pl, per); }},
+       {[&] { fill(pw, n, 1e-3f); }, [&] { shm.reduce_scatter_sum_inplace(pw, per); }}});
   const double rs_plain = rs[0], rs_shm = rs[1];
   const Row rsp{"reduce-scatter", "plain MPI", rs_plain, bytes / rs_plain * frac};
   const Row rss{"reduce-scatter", shm.name(), rs_shm, bytes / rs_shm * frac};

@@ -48,13 +48,6 @@ std::size_t type_size(CommType t) {
   return 1;
 }
 
-// Offsets of per-rank blocks laid out back to back.
-std::vector<std::size_t> block_offsets(std::span<const std::size_t> counts) {
-  std::vector<std::size_t> off(counts.size() + 1, 0);
-  for (std::size_t r = 0; r < counts.size(); ++r) off[r + 1] = off[r] + counts[r];
-  return off;
-}
-
 /// Runs a local setup step; returns its Error status and message instead of throwing, so
 /// every rank can agree on the outcome before the next collective.
 template <class F>
@@ -120,24 +113,22 @@ class NcclCommunicator final : public Communicator {
   // NCCL collectives are stream-ordered: once enqueued, later work on the stream sees their
   // results, so the requests returned here are complete from the host's point of view.
 
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf,
-                                                        std::span<const std::size_t> counts,
+  // In place, NCCL's convention: the result lands at block rank() of buf.
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
                                                         CommType wire) override {
-    require(counts.size() == static_cast<std::size_t>(size()), Status::InvalidArgument,
-            "reduce_scatter: need one count per rank");
     require(wire == CommType::F32 || wire == CommType::BF16, Status::InvalidArgument,
             "reduce_scatter: wire F32 or BF16");
-    const std::vector<std::size_t> off = block_offsets(counts);
-    const std::size_t me = static_cast<std::size_t>(rank());
+    const std::size_t own = static_cast<std::size_t>(rank()) * count;
     enter();
     if (wire == CommType::BF16) {
       // Reduce bf16 copies in a scratch buffer, then widen this rank's block in place.
-      bf16* tmp = scratch_bf16(off.back());
-      dev::cast_f32_to_bf16(stream(), buf, tmp, off.back());
-      reduce_scatter_blocks(tmp, counts, off, ncclBfloat16);
-      dev::cast_bf16_to_f32(stream(), tmp + off[me], buf + off[me], counts[me]);
+      const std::size_t total = count * static_cast<std::size_t>(size());
+      bf16* tmp = scratch_bf16(total);
+      dev::cast_f32_to_bf16(stream(), buf, tmp, total);
+      SHARDOPT_NCCL(ncclReduceScatter(tmp, tmp + own, count, ncclBfloat16, ncclSum, comm_, stream_));
+      dev::cast_bf16_to_f32(stream(), tmp + own, buf + own, count);
     } else {
-      reduce_scatter_blocks(buf, counts, off, ncclFloat32);
+      SHARDOPT_NCCL(ncclReduceScatter(buf, buf + own, count, ncclFloat32, ncclSum, comm_, stream_));
     }
     leave();
     return completed_request();
@@ -160,31 +151,11 @@ class NcclCommunicator final : public Communicator {
     return completed_request();
   }
 
-  std::unique_ptr<CommRequest> start_all_gatherv(void* buf, std::span<const std::size_t> counts,
-                                                 CommType type) override {
-    require(counts.size() == static_cast<std::size_t>(size()), Status::InvalidArgument,
-            "all_gather: need one count per rank");
-    const std::vector<std::size_t> off = block_offsets(counts);
-    const std::size_t me = static_cast<std::size_t>(rank()), unit = type_size(type);
-    char* base = static_cast<char*>(buf);
+  std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count,
+                                                CommType type) override {
+    char* own = static_cast<char*>(buf) + static_cast<std::size_t>(rank()) * count * type_size(type);
     enter();
-    if (std::all_of(counts.begin(), counts.end(), [&](std::size_t c) { return c == counts[0]; })) {
-      SHARDOPT_NCCL(ncclAllGather(base + off[me] * unit, buf, counts[me], nccl_type(type), comm_,
-                                  stream_));
-    } else {
-      // Unequal blocks (buckets across shard boundaries): one broadcast per owner, grouped.
-      SHARDOPT_NCCL(ncclGroupStart());
-      for (std::size_t r = 0; r < counts.size(); ++r) {
-        const ncclResult_t rc = ncclBroadcast(base + off[r] * unit, base + off[r] * unit,
-                                              counts[r], nccl_type(type), static_cast<int>(r),
-                                              comm_, stream_);
-        if (rc != ncclSuccess) {
-          ncclGroupEnd();
-          check_nccl(rc, "ncclBroadcast", comm_);
-        }
-      }
-      SHARDOPT_NCCL(ncclGroupEnd());
-    }
+    SHARDOPT_NCCL(ncclAllGather(own, buf, count, nccl_type(type), comm_, stream_));
     leave();
     return completed_request();
   }
@@ -202,30 +173,6 @@ class NcclCommunicator final : public Communicator {
 
  private:
   cudaStream_t stream() const { return stream_ != nullptr ? stream_ : cudaStreamLegacy; }
-
-  // NCCL's in-place reduce-scatter leaves block rank() at its own offset: the equal-block
-  // form; unequal blocks (stage-2 buckets) become one in-place reduce per owner, grouped.
-  void reduce_scatter_blocks(void* buf, std::span<const std::size_t> counts,
-                             const std::vector<std::size_t>& off, ncclDataType_t type) {
-    const std::size_t me = static_cast<std::size_t>(rank());
-    const std::size_t unit = type == ncclBfloat16 ? 2 : 4;
-    char* base = static_cast<char*>(buf);
-    if (std::all_of(counts.begin(), counts.end(), [&](std::size_t c) { return c == counts[0]; })) {
-      SHARDOPT_NCCL(ncclReduceScatter(buf, base + off[me] * unit, counts[me], type, ncclSum,
-                                      comm_, stream_));
-      return;
-    }
-    SHARDOPT_NCCL(ncclGroupStart());
-    for (std::size_t r = 0; r < counts.size(); ++r) {
-      const ncclResult_t rc = ncclReduce(base + off[r] * unit, base + off[r] * unit, counts[r],
-                                         type, ncclSum, static_cast<int>(r), comm_, stream_);
-      if (rc != ncclSuccess) {
-        ncclGroupEnd();
-        check_nccl(rc, "ncclReduce", comm_);
-      }
-    }
-    SHARDOPT_NCCL(ncclGroupEnd());
-  }
 
   // A reused device buffer for the bf16 wire, grown on demand (stream-ordered allocation).
   bf16* scratch_bf16(std::size_t n) {

@@ -24,26 +24,75 @@ std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group)
   require(!name.empty(), Status::InvalidArgument, "add_param: the parameter name is empty");
   require(numel > 0, Status::InvalidArgument,
           "add_param: parameter '" + std::string(name) + "' has zero elements");
-  require(numel < (std::numeric_limits<std::size_t>::max() >> 4), Status::InvalidArgument,
+  require(numel < (std::numeric_limits<std::size_t>::max() >> 8), Status::InvalidArgument,
           "add_param: parameter '" + std::string(name) + "' is too large (negative size?)");
   require(group >= 0, Status::InvalidArgument,
           "add_param: parameter '" + std::string(name) + "' has a negative group");
   require(find(name) == params_.size(), Status::InvalidArgument,
           "add_param: duplicate parameter name '" + std::string(name) + "'");
-  const std::size_t offset = round_up(end_, kAlignElems);
   index_.emplace(std::string(name), params_.size());
-  params_.push_back(ParamInfo{std::string(name), numel, group, Range{offset, offset + numel}});
-  end_ = offset + numel;
+  params_.push_back(ParamInfo{std::string(name), numel, group, Range{}, Range{}});
   unpadded_ += numel;
   return params_.size() - 1;
 }
 
-void FlatLayout::build(int world_size) {
+void FlatLayout::build(int world_size, std::size_t bucket_elems) {
   require(!built(), Status::InvalidState, "the layout is already built");
   require(world_size > 0, Status::InvalidArgument, "world size must be positive");
+  require(bucket_elems > 0, Status::InvalidArgument, "bucket size must be positive");
   require(!params_.empty(), Status::InvalidState, "finalize: no parameters were registered");
+  const std::size_t quantum = bucket_quantum(world_size);
+  const std::size_t cap = bucket_capacity(bucket_elems, world_size);
+
+  // Forward pass: place parameters, close buckets (in flat order) as they fill.
+  std::vector<Range> cuts;
+  std::size_t open = 0;  // start of the bucket being filled
+  std::size_t end = 0;   // end of the last parameter placed
+  for (ParamInfo& p : params_) {
+    std::size_t start = param_start(end);
+    if (start + p.numel - open > cap && p.numel <= cap && start > open) {
+      // It fits a bucket of its own but not the rest of this one: close at its boundary.
+      const std::size_t close = round_up(end, quantum);
+      cuts.push_back(Range{open, close});
+      open = close;
+      start = open;
+    }
+    p.flat = Range{start, start + p.numel};
+    // A parameter larger than the room left spans buckets, cut at multiples of the quantum.
+    while (p.flat.end - open > cap) {
+      cuts.push_back(Range{open, open + cap});
+      open += cap;
+    }
+    end = p.flat.end;
+  }
+  if (end > open) cuts.push_back(Range{open, round_up(end, quantum)});
+
+  // Number the buckets in backward order and find the parameters touching each.
+  buckets_.clear();
+  for (std::size_t k = cuts.size(); k-- > 0;) {
+    Bucket b;
+    b.flat = cuts[k];
+    b.slice_elems = b.flat.size() / static_cast<std::size_t>(world_size);
+    b.local_begin = b.flat.begin / static_cast<std::size_t>(world_size);
+    buckets_.push_back(b);
+  }
   world_size_ = world_size;
-  padded_ = round_up(end_, kAlignElems * static_cast<std::size_t>(world_size));
+  padded_ = cuts.back().end;
+  bucket_elems_ = bucket_elems;
+  capacity_ = cap;
+  for (Bucket& b : buckets_) {
+    b.first_param = params_.size();
+    b.end_param = 0;
+  }
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    ParamInfo& p = params_[i];
+    const std::size_t lo = bucket_at(p.flat.end - 1), hi = bucket_at(p.flat.begin) + 1;
+    p.buckets = Range{lo, hi};
+    for (std::size_t b = lo; b < hi; ++b) {
+      buckets_[b].first_param = std::min(buckets_[b].first_param, i);
+      buckets_[b].end_param = std::max(buckets_[b].end_param, i + 1);
+    }
+  }
 }
 
 const ParamInfo& FlatLayout::param(std::size_t i) const {
@@ -58,11 +107,16 @@ std::size_t FlatLayout::find(std::string_view name) const {
   return it == index_.end() ? params_.size() : it->second;
 }
 
-Range FlatLayout::shard_range(int rank) const {
-  require(built(), Status::InvalidState, "the layout is not built");
-  require(rank >= 0 && rank < world_size_, Status::InvalidArgument, "rank out of range");
-  const std::size_t s = shard_size();
-  return Range{s * static_cast<std::size_t>(rank), s * (static_cast<std::size_t>(rank) + 1)};
+std::size_t FlatLayout::bucket_at(std::size_t flat) const {
+  // Buckets are in decreasing flat order: the first whose begin is <= flat.
+  const auto it = std::partition_point(buckets_.begin(), buckets_.end(),
+                                       [flat](const Bucket& b) { return b.flat.begin > flat; });
+  return static_cast<std::size_t>(it - buckets_.begin());
+}
+
+int FlatLayout::owner_of(std::size_t flat) const {
+  const Bucket& b = buckets_[bucket_at(flat)];
+  return static_cast<int>((flat - b.flat.begin) / b.slice_elems);
 }
 
 std::vector<ShardPiece> FlatLayout::pieces_in(Range window) const {
@@ -79,26 +133,24 @@ std::vector<ShardPiece> FlatLayout::pieces_in(Range window) const {
   return out;
 }
 
-std::vector<Bucket> FlatLayout::make_buckets(std::size_t bucket_elems) const {
+std::vector<ShardPiece> FlatLayout::owned_pieces(int rank) const {
   require(built(), Status::InvalidState, "the layout is not built");
-  require(bucket_elems > 0, Status::InvalidArgument, "bucket size must be positive");
-  std::vector<Bucket> buckets;
-  std::size_t end_param = params_.size();
-  std::size_t end_flat = padded_;
-  while (end_param > 0) {
-    std::size_t first = end_param - 1;
-    // Grow downwards while the bucket (from its first parameter's start) stays in budget.
-    while (first > 0 && end_flat - params_[first - 1].flat.begin <= bucket_elems) --first;
-    const std::size_t begin_flat = first == 0 ? 0 : params_[first].flat.begin;
-    buckets.push_back(Bucket{Range{begin_flat, end_flat}, first, end_param});
-    end_param = first;
-    end_flat = begin_flat;
+  require(rank >= 0 && rank < world_size_, Status::InvalidArgument, "rank out of range");
+  std::vector<ShardPiece> out;
+  for (std::size_t b = buckets_.size(); b-- > 0;) {
+    const Bucket& bk = buckets_[b];
+    for (ShardPiece pc : pieces_in(bk.slice(rank))) {
+      pc.local = Range{pc.local.begin + bk.local_begin, pc.local.end + bk.local_begin};
+      out.push_back(pc);
+    }
   }
-  return buckets;
+  return out;
 }
 
 std::uint64_t FlatLayout::fingerprint() const {
   std::uint64_t h = fnv1a64(&world_size_, sizeof world_size_);
+  const std::uint64_t be = bucket_elems_;
+  h = fnv1a64(&be, sizeof be, h);
   for (const ParamInfo& p : params_) {
     h = fnv1a64(p.name.data(), p.name.size() + 0, h);
     const std::uint64_t rec[3] = {p.name.size(), p.numel, static_cast<std::uint64_t>(p.group)};

@@ -10,16 +10,16 @@
 #include <utility>
 
 #include "backend.hpp"
-#include "grad_reducer.hpp"
+#include "buckets.hpp"
+#include "buffer_plan.hpp"
 
 namespace shardopt {
 
 struct ShardedOptimizer::Buffers {
   Allocation replica;     ///< full parameter replica (param dtype)
-  Allocation master;      ///< owned fp32 master (absent when the replica is fp32)
-  Allocation exp_avg;
+  Allocation master;      ///< local fp32 master (absent when the replica is fp32)
+  Allocation exp_avg;     ///< local arrays (see layout.hpp)
   Allocation exp_avg_sq;
-  float* master_ptr = nullptr;
 };
 
 namespace {
@@ -65,12 +65,12 @@ std::string options_problem(const OptimizerOptions& o) {
 // the communicator when it has faster memory for them (a shared-memory window), else from
 // the backend. Collective: every rank calls it for the same buffers in the same order.
 Allocation collective_buffer(Communicator& comm, Backend& be, Device device,
-                             MemoryTracker* tracker, MemCategory category, std::size_t bytes) {
+                             MemoryTracker* tracker, const BufferSpec& spec) {
   if (device == Device::Cpu) {
-    Allocation a = comm.allocate_collective_buffer(tracker, category, bytes);
+    Allocation a = comm.allocate_collective_buffer(tracker, spec.category, spec.bytes);
     if (a.data() != nullptr) return a;
   }
-  return be.allocate(tracker, category, bytes);
+  return be.allocate(tracker, spec.category, spec.bytes);
 }
 
 // Collective constructor check: throws the same error on every rank if any rank's options
@@ -101,12 +101,9 @@ ShardedOptimizer::ShardedOptimizer(std::shared_ptr<Communicator> comm, Optimizer
   if (options_.loss_scaling.enabled) loss_scale_.scale = options_.loss_scaling.initial_scale;
 }
 
-ShardedOptimizer::~ShardedOptimizer() {
-  try {
-    wait_gathers();  // collectives in flight must complete before their buffers go away
-  } catch (...) {  // a destructor cannot report
-  }
-}
+// Members are destroyed in reverse order: buckets_ (which completes collectives in flight)
+// goes before the buffers they use.
+ShardedOptimizer::~ShardedOptimizer() = default;
 
 void ShardedOptimizer::require_finalized(const char* what) const {
   require(finalized_, Status::InvalidState,
@@ -183,7 +180,7 @@ void ShardedOptimizer::finalize() {
   Status status = Status::Ok;
   std::string problem;
   try {
-    layout.build(comm_->size());
+    layout.build(comm_->size(), options_.bucket_elems);
   } catch (const Error& e) {
     status = e.status();
     problem = e.what();
@@ -213,34 +210,27 @@ void ShardedOptimizer::finalize() {
 
   try {
     layout_ = std::move(layout);
-    const bool sharded = options_.stage != Stage::DataParallel;
-    owned_ = sharded ? layout_.shard_range(comm_->rank()) : Range{0, layout_.padded_size()};
-    const std::size_t padded = layout_.padded_size();
-    const std::size_t owned = owned_.size();
+    const BufferPlan plan = plan_buffers(layout_, options_.stage, options_.param_dtype,
+                                         options_.buckets_in_flight);
     Backend& be = *backend_;
     Buffers& b = *buf_;
-    b.replica = collective_buffer(*comm_, be, options_.device, &tracker_, MemCategory::Params,
-                                  padded * dtype_size(options_.param_dtype));
-    const Device device = options_.device;
     Communicator& comm = *comm_;
+    const Device device = options_.device;
     MemoryTracker* tracker = &tracker_;
-    reducer_ = std::make_unique<GradReducer>(
-        comm, be, tracker_, layout_, owned_,
-        GradReducer::Config{options_.stage, options_.bucket_elems, options_.buckets_in_flight,
-                            options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
-                            options_.overlap},
-        [&comm, &be, device, tracker](MemCategory c, std::size_t bytes) {
-          return collective_buffer(comm, be, device, tracker, c, bytes);
-        });
-    gathers_.resize(reducer_->buckets().size());
-    if (options_.param_dtype == DType::F32) {
-      b.master_ptr = b.replica.as<float>() + owned_.begin;  // fp32 replica is the master
-    } else {
-      b.master = be.allocate(&tracker_, MemCategory::Master, owned * sizeof(float));
-      b.master_ptr = b.master.as<float>();
-    }
-    b.exp_avg = be.allocate(&tracker_, MemCategory::Moments, owned * sizeof(float));
-    b.exp_avg_sq = be.allocate(&tracker_, MemCategory::Moments, owned * sizeof(float));
+    const auto collective = [&comm, &be, device, tracker](const BufferSpec& spec) {
+      return collective_buffer(comm, be, device, tracker, spec);
+    };
+    b.replica = collective(plan.replica);
+    const bool f32 = options_.param_dtype == DType::F32;
+    buckets_ = std::make_unique<BucketSet>(
+        comm, be, tracker_, layout_, plan,
+        BucketSet::Config{options_.stage,
+                          options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
+                          f32 ? CommType::F32 : CommType::U16, options_.overlap},
+        collective, b.replica.data());
+    if (plan.master.bytes > 0) b.master = be.allocate(&tracker_, plan.master.category, plan.master.bytes);
+    b.exp_avg = be.allocate(&tracker_, plan.exp_avg.category, plan.exp_avg.bytes);
+    b.exp_avg_sq = be.allocate(&tracker_, plan.exp_avg_sq.category, plan.exp_avg_sq.bytes);
     status = Status::Ok;
   } catch (const Error& e) {
     status = e.status();
@@ -250,11 +240,56 @@ void ShardedOptimizer::finalize() {
   finalized_ = true;
 }
 
-// ---- parameters and gradients -----------------------------------------------------------
+// ---- local arrays -------------------------------------------------------------------------
 
 void* ShardedOptimizer::replica_ptr(std::size_t elem_offset) const {
   return buf_->replica.as<char>() + elem_offset * dtype_size(options_.param_dtype);
 }
+
+float* ShardedOptimizer::master_at(std::size_t b) const {
+  if (options_.param_dtype == DType::F32)  // the fp32 replica is the master
+    return static_cast<float*>(replica_ptr(buckets_->window(b).begin));
+  return buf_->master.as<float>() + buckets_->window_local(b);
+}
+
+float* ShardedOptimizer::state_base(StateArray a) const {
+  return a == StateArray::ExpAvg ? buf_->exp_avg.as<float>() : buf_->exp_avg_sq.as<float>();
+}
+
+template <class F>
+void ShardedOptimizer::for_each_local(std::size_t offset, std::size_t n, F&& f) const {
+  const Range want{offset, offset + n};
+  for (std::size_t b = layout_.num_buckets(); b-- > 0;) {  // local order = flat order
+    const std::size_t lb = buckets_->window_local(b);
+    const Range got = want.intersect(Range{lb, lb + buckets_->window(b).size()});
+    if (!got.empty()) f(b, got.begin - lb, got.begin, got.size());
+  }
+}
+
+std::size_t ShardedOptimizer::local_size() const {
+  require_finalized("local_size");
+  return options_.stage == Stage::DataParallel ? layout_.padded_size() : layout_.shard_size();
+}
+
+std::vector<ShardPiece> ShardedOptimizer::local_pieces() const {
+  require_finalized("local_pieces");
+  if (options_.stage != Stage::DataParallel) return layout_.owned_pieces(comm_->rank());
+  return layout_.pieces_in(Range{0, layout_.padded_size()});
+}
+
+std::vector<ShardPiece> ShardedOptimizer::saved_pieces() const {
+  require_finalized("saved_pieces");
+  if (options_.stage != Stage::DataParallel) return layout_.owned_pieces(comm_->rank());
+  std::vector<ShardPiece> out;  // local == flat in data-parallel mode
+  for (std::size_t b = layout_.num_buckets(); b-- > 0;)
+    for (ShardPiece pc : layout_.pieces_in(layout_.bucket(b).slice(comm_->rank()))) {
+      pc.local = pc.flat;
+      out.push_back(pc);
+    }
+  return out;
+}
+
+// ---- parameters and gradients -----------------------------------------------------------
 
 void ShardedOptimizer::set_param(std::size_t i, std::span<const float> values) {
   require_finalized("set_param");
@@ -262,7 +297,7 @@ void ShardedOptimizer::set_param(std::size_t i, std::span<const float> values) {
   require(values.size() == p.numel, Status::InvalidArgument,
           "set_param: parameter '" + p.name + "' has " + std::to_string(p.numel) +
               " elements, got " + std::to_string(values.size()));
-  wait_gathers();
+  buckets_->wait_params();
   // Host-side cast, then one copy: set_param is not on the hot path.
   if (options_.param_dtype == DType::BF16) {
     std::vector<bf16> low(p.numel);
@@ -270,34 +305,71 @@ void ShardedOptimizer::set_param(std::size_t i, std::span<const float> values) {
     backend_->copy_from_host(replica_ptr(p.flat.begin), low.data(), p.numel * sizeof(bf16));
   } else {
     backend_->copy_from_host(replica_ptr(p.flat.begin), values.data(), p.numel * sizeof(float));
+    return;  // the fp32 replica is the master
   }
-  const Range mine = p.flat.intersect(owned_);
-  if (!mine.empty() && options_.param_dtype == DType::BF16)
-    backend_->copy_from_host(buf_->master_ptr + (mine.begin - owned_.begin),
-                             values.data() + (mine.begin - p.flat.begin),
-                             mine.size() * sizeof(float));
+  for (std::size_t b = p.buckets.begin; b < p.buckets.end; ++b) {
+    const Range w = buckets_->window(b);
+    const Range mine = p.flat.intersect(w);
+    if (!mine.empty())
+      backend_->copy_from_host(master_at(b) + (mine.begin - w.begin),
+                               values.data() + (mine.begin - p.flat.begin),
+                               mine.size() * sizeof(float));
+  }
 }
 
 void ShardedOptimizer::get_master(std::size_t i, std::span<float> out) {
   require_finalized("get_master");
+  // Checked on every rank and agreed before any data moves, so that a bad call on one rank
+  // is the same error everywhere instead of a hang.
+  std::string problem;
+  if (i >= layout_.num_params())
+    problem = "get_master: parameter index " + std::to_string(i) + " out of range (have " +
+              std::to_string(layout_.num_params()) + ")";
+  else if (out.size() != layout_.param(i).numel)
+    problem = "get_master: parameter '" + layout_.param(i).name + "' has " +
+              std::to_string(layout_.param(i).numel) + " elements, got a buffer of " +
+              std::to_string(out.size());
+  else if (out.data() == nullptr)
+    problem = "get_master: the output buffer is null";
+  agree_or_throw(*comm_, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
   const ParamInfo& p = layout_.param(i);
-  require(out.size() == p.numel, Status::InvalidArgument,
-          "get_master: parameter '" + p.name + "' has " + std::to_string(p.numel) +
-              " elements, got a buffer of " + std::to_string(out.size()));
-  std::vector<float> mine_vals(p.numel, 0.0f);
-  const Range mine = p.flat.intersect(owned_);
-  if (!mine.empty())
-    backend_->copy_to_host(mine_vals.data() + (mine.begin - p.flat.begin),
-                           buf_->master_ptr + (mine.begin - owned_.begin),
-                           mine.size() * sizeof(float));
-  if (options_.stage == Stage::DataParallel || comm_->size() == 1) {
-    std::copy(mine_vals.begin(), mine_vals.end(), out.begin());
+  buckets_->wait_params();
+  // This rank's pieces of [lo, hi) of the parameter into dst (indexed from lo).
+  auto copy_mine = [&](std::size_t lo, std::size_t hi, float* dst) {
+    const Range want{p.flat.begin + lo, p.flat.begin + hi};
+    for (std::size_t b = p.buckets.begin; b < p.buckets.end; ++b) {
+      const Range w = buckets_->window(b);
+      const Range mine = want.intersect(w);
+      if (!mine.empty())
+        backend_->copy_to_host(dst + (mine.begin - want.begin), master_at(b) + (mine.begin - w.begin),
+                               mine.size() * sizeof(float));
+    }
+  };
+  const int world = comm_->size();
+  if (options_.stage == Stage::DataParallel || world == 1) {
+    copy_mine(0, p.numel, out.data());
     return;
   }
-  // Exactly one rank owns each element; the others add zeros, so the sum is exact.
-  std::vector<double> sum(mine_vals.begin(), mine_vals.end());
-  comm_->all_reduce_sum_host(sum.data(), sum.size());
-  for (std::size_t k = 0; k < p.numel; ++k) out[k] = static_cast<float>(sum[k]);
+  // Gathered, not summed: every rank sends its pieces of a chunk, and each element is taken
+  // from the rank that owns it, so every bit (-0.0, NaN payloads) survives.
+  constexpr std::size_t kChunk = std::size_t{1} << 18;
+  std::vector<float> mine(std::min(kChunk, p.numel));
+  std::vector<float> all(mine.size() * static_cast<std::size_t>(world));
+  for (std::size_t lo = 0; lo < p.numel; lo += kChunk) {
+    const std::size_t hi = std::min(p.numel, lo + kChunk), n = hi - lo;
+    std::fill(mine.begin(), mine.end(), 0.0f);
+    copy_mine(lo, hi, mine.data());
+    comm_->all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(float));
+    const Range want{p.flat.begin + lo, p.flat.begin + hi};
+    for (std::size_t b = p.buckets.begin; b < p.buckets.end; ++b)
+      for (int r = 0; r < world; ++r) {
+        const Range got = want.intersect(layout_.bucket(b).slice(r));
+        if (got.empty()) continue;
+        const float* src = all.data() + static_cast<std::size_t>(r) * mine.size() + (got.begin - want.begin);
+        std::copy(src, src + got.size(), out.data() + lo + (got.begin - want.begin));
+      }
+    (void)n;
+  }
 }
 
 template <class T>
@@ -315,69 +387,57 @@ std::span<T> ShardedOptimizer::param(std::size_t i) {
 void ShardedOptimizer::wait_param(std::size_t i) {
   require_finalized("wait_param");
   layout_.param(i);  // index check
-  std::unique_ptr<CommRequest>& g = gathers_[reducer_->bucket_of(i)];
-  if (g) {
-    g->wait();
-    g.reset();
-  }
-}
-
-void ShardedOptimizer::wait_gathers() {
-  for (std::unique_ptr<CommRequest>& g : gathers_) {
-    if (!g) continue;
-    g->wait();
-    g.reset();
-  }
+  buckets_->wait_param(i);
 }
 
 void ShardedOptimizer::begin_backward(bool sync) {
   require_finalized("begin_backward");
-  reducer_->begin_backward(sync);
+  buckets_->begin_backward(sync);
 }
 template std::span<float> ShardedOptimizer::param<float>(std::size_t);
 template std::span<bf16> ShardedOptimizer::param<bf16>(std::size_t);
 
 std::span<float> ShardedOptimizer::grad(std::size_t i) {
   require_finalized("grad");
-  return reducer_->grad(i);
+  return buckets_->grad(i);
 }
 
 void ShardedOptimizer::accumulate_grad(std::size_t i, std::span<const float> src) {
-  const std::span<float> g = grad(i);
-  require(src.size() == g.size(), Status::InvalidArgument,
-          "accumulate_grad: parameter '" + layout_.param(i).name + "' has " +
-              std::to_string(g.size()) + " elements, got " + std::to_string(src.size()));
-  backend_->accumulate(g.data(), src.data(), DType::F32, g.size());
+  require_finalized("accumulate_grad");
+  const ParamInfo& p = layout_.param(i);
+  require(src.size() == p.numel, Status::InvalidArgument,
+          "accumulate_grad: parameter '" + p.name + "' has " + std::to_string(p.numel) +
+              " elements, got " + std::to_string(src.size()));
+  buckets_->accumulate_grad(i, src.data(), DType::F32);
 }
 
 void ShardedOptimizer::accumulate_grad(std::size_t i, std::span<const bf16> src) {
-  const std::span<float> g = grad(i);
-  require(src.size() == g.size(), Status::InvalidArgument,
-          "accumulate_grad: parameter '" + layout_.param(i).name + "' has " +
-              std::to_string(g.size()) + " elements, got " + std::to_string(src.size()));
-  backend_->accumulate(g.data(), src.data(), DType::BF16, g.size());
+  require_finalized("accumulate_grad");
+  const ParamInfo& p = layout_.param(i);
+  require(src.size() == p.numel, Status::InvalidArgument,
+          "accumulate_grad: parameter '" + p.name + "' has " + std::to_string(p.numel) +
+              " elements, got " + std::to_string(src.size()));
+  buckets_->accumulate_grad(i, src.data(), DType::BF16);
 }
 
 void ShardedOptimizer::grad_ready(std::size_t i) {
   require_finalized("grad_ready");
-  reducer_->grad_ready(i);
+  buckets_->grad_ready(i);
 }
 
 void ShardedOptimizer::progress() {
   require_finalized("progress");
-  reducer_->progress();
-  for (std::unique_ptr<CommRequest>& g : gathers_)
-    if (g && g->test()) g.reset();
+  buckets_->progress();
 }
 
 void ShardedOptimizer::reduce_gradients() {
   require_finalized("reduce_gradients");
-  reducer_->finish();
+  buckets_->finish_grad_sync();
 }
 
 void ShardedOptimizer::zero_grad() {
   require_finalized("zero_grad");
-  reducer_->zero();
+  buckets_->zero_grads();
 }
 
 // ---- the step -------------------------------------------------------------------------------
@@ -420,71 +480,66 @@ std::vector<UpdateSegment> ShardedOptimizer::make_segments(const StepHyper& h,
   return segs;
 }
 
+// Gathers every bucket's updated slices into the replica and waits (blocking form).
 void ShardedOptimizer::all_gather_replica() {
   if (options_.stage == Stage::DataParallel || comm_->size() == 1) return;
-  comm_->all_gather_inplace(buf_->replica.data(), layout_.shard_size(),
-                            options_.param_dtype == DType::F32 ? CommType::F32 : CommType::U16);
+  for (std::size_t b = layout_.num_buckets(); b-- > 0;) buckets_->start_param_sync(b);
+  buckets_->wait_params();
 }
 
-// Updates the owned range and gathers the replica; returns the seconds spent updating. With
-// overlap (stages 1/2) this goes bucket by bucket in forward order: each bucket's all-gather
-// starts right after its part of the update, and the next forward waits only for the
-// buckets it reads (param()).
+// Updates this rank's window of every bucket, in forward (flat) order, and gathers the
+// replica; returns the seconds spent updating. With gather_per_bucket each bucket's
+// all-gather starts right after its update, and the next forward waits only for the buckets
+// it reads (param()).
 double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper& h,
-                                           const float* grads) {
+                                           bool gather_per_bucket) {
   Buffers& b = *buf_;
   const bool low_precision_copy = options_.param_dtype != DType::F32;
+  const bool gathers = options_.stage != Stage::DataParallel && comm_->size() > 1;
   double update_seconds = 0.0;
-  auto update = [&](Range window) {
+  for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
+    const Range window = buckets_->window(k);
+    const std::size_t local = buckets_->window_local(k);
     const Clock::time_point start = Clock::now();
-    const std::size_t off = window.begin - owned_.begin;
-    backend_->adam_update(s, make_segments(h, window), b.master_ptr + off, grads + off,
-                          b.exp_avg.as<float>() + off, b.exp_avg_sq.as<float>() + off,
+    backend_->adam_update(s, make_segments(h, window), master_at(k), buckets_->reduced_grad(k),
+                          b.exp_avg.as<float>() + local, b.exp_avg_sq.as<float>() + local,
                           low_precision_copy ? replica_ptr(window.begin) : nullptr,
                           options_.param_dtype);
-    backend_->synchronize();
     update_seconds += seconds(Clock::now() - start);
-  };
-  const bool bucketed = options_.overlap && options_.stage != Stage::DataParallel;
-  if (!bucketed) {
-    update(owned_);
-    all_gather_replica();
-    return update_seconds;
+    if (gathers && gather_per_bucket) buckets_->start_param_sync(k);
   }
-  const CommType type = options_.param_dtype == DType::F32 ? CommType::F32 : CommType::U16;
-  const std::vector<Bucket>& buckets = reducer_->buckets();
-  for (std::size_t k = buckets.size(); k-- > 0;) {
-    const Range window = buckets[k].flat.intersect(owned_);
-    if (!window.empty()) update(window);
-    gathers_[k] = comm_->start_all_gatherv(replica_ptr(buckets[k].flat.begin),
-                                          reducer_->block_counts(k), type);
-  }
+  if (!gather_per_bucket) all_gather_replica();
   return update_seconds;
 }
 
 StepResult ShardedOptimizer::step() {
   require_finalized("step");
-  wait_gathers();
+  buckets_->wait_params();
   const int world = comm_->size();
   StepResult r;
   LapTimer timer;
   // Time blocked in reductions during backward (stage 2 slots, overlap off) counts too.
-  const double reduced_in_backward = reducer_->blocked_seconds();
+  const double reduced_in_backward = buckets_->blocked_seconds();
 
-  // 1. Reduce the gradients: buckets not started during backward start now; the sum over
-  // ranks and micro-batches of the owned range is then at reducer_->owned_grad().
-  reducer_->finish();
-  const float* grads = reducer_->owned_grad();
+  // 1. Finish the gradient sync of every bucket: buckets not started during backward start
+  // now; this rank's window of each bucket then holds the sum over ranks and micro-batches.
+  buckets_->finish_grad_sync();
   r.timings.reduce = reduced_in_backward + timer.lap();
 
-  // 2. Global norm: one all-reduce of the shard's sum of squares (fp64). Data-parallel
-  // ranks all hold the whole reduced gradient, so only rank 0 contributes.
-  double sumsq = backend_->sum_squares(grads, owned_.size());
-  if (options_.stage == Stage::DataParallel && comm_->rank() != 0) sumsq = 0.0;
+  // 2. Global norm: one all-reduce of the sum of squares (fp64) of every rank's slices.
+  // Data-parallel ranks hold every bucket reduced, and each sums its own slices, so the
+  // partial sums (and the norm) are the same as in the sharded stages.
+  double sumsq = 0.0;
+  for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
+    const Bucket& bk = layout_.bucket(k);
+    const std::size_t skip =
+        options_.stage == Stage::DataParallel ? static_cast<std::size_t>(comm_->rank()) * bk.slice_elems : 0;
+    sumsq += backend_->sum_squares(buckets_->reduced_grad(k) + skip, bk.slice_elems);
+  }
   comm_->all_reduce_sum_host(&sumsq, 1);
   r.timings.norm = timer.lap();
 
-  const double average = 1.0 / (static_cast<double>(world) * reducer_->micro_batches());
+  const double average = 1.0 / (static_cast<double>(world) * buckets_->micro_batches());
   const double unscale = 1.0 / loss_scale_.scale;  // 1 without loss scaling
   r.grad_norm = std::sqrt(sumsq) * average * unscale;
   // 3. A NaN or Inf anywhere makes the global sum non-finite on every rank alike.
@@ -494,7 +549,7 @@ StepResult ShardedOptimizer::step() {
     r.step = step_count_;
     r.skipped_steps = loss_scale_.skipped_steps;
     r.loss_scale = loss_scale_.scale;
-    reducer_->zero();
+    buckets_->zero_grads();
     r.timings.total = reduced_in_backward + timer.since_start();
     return r;
   }
@@ -506,17 +561,17 @@ StepResult ShardedOptimizer::step() {
     }
   }
 
-  // 4-5. Fused update of the owned shard (master, m, v and the replica's owned part), then
-  // the all-gather of the updated shards into the replica.
+  // 4-5. Fused update of this rank's slice of every bucket (master, m, v and the replica's
+  // slice), each bucket's all-gather started after its update.
   ++step_count_;
   const AdamConfig& a = options_.adam;
   const StepHyper h{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.mode, step_count_};
-  r.timings.update =
-      update_and_gather(make_step_scalars(h, average * r.clip_coef * unscale), h, grads);
+  r.timings.update = update_and_gather(make_step_scalars(h, average * r.clip_coef * unscale), h,
+                                       options_.overlap);
   r.timings.gather = timer.lap() - r.timings.update;
 
   // 6. Clear the gradients for the next step.
-  reducer_->zero();
+  buckets_->zero_grads();
   update_loss_scale(true);
   r.step = step_count_;
   r.skipped_steps = loss_scale_.skipped_steps;
@@ -556,18 +611,6 @@ void ShardedOptimizer::set_loss_scale_state(const LossScaleState& s) {
 
 // ---- state access -------------------------------------------------------------------------
 
-std::span<float> ShardedOptimizer::master_shard() {
-  require_finalized("master_shard");
-  return {buf_->master_ptr, owned_.size()};
-}
-std::span<float> ShardedOptimizer::exp_avg_shard() {
-  require_finalized("exp_avg_shard");
-  return {buf_->exp_avg.as<float>(), owned_.size()};
-}
-std::span<float> ShardedOptimizer::exp_avg_sq_shard() {
-  require_finalized("exp_avg_sq_shard");
-  return {buf_->exp_avg_sq.as<float>(), owned_.size()};
-}
 void ShardedOptimizer::set_step_count(std::int64_t s) {
   require(s >= 0, Status::InvalidArgument, "set_step_count: negative step");
   step_count_ = s;
@@ -576,31 +619,33 @@ void ShardedOptimizer::set_step_count(std::int64_t s) {
 void ShardedOptimizer::copy_state_to_host(StateArray a, std::size_t offset,
                                           std::span<float> out) {
   require_finalized("copy_state_to_host");
-  require(offset <= owned_.size() && out.size() <= owned_.size() - offset,
-          Status::InvalidArgument, "copy_state_to_host: range outside the owned shard");
-  const float* base = a == StateArray::Master   ? buf_->master_ptr
-                      : a == StateArray::ExpAvg ? buf_->exp_avg.as<float>()
-                                                : buf_->exp_avg_sq.as<float>();
-  backend_->copy_to_host(out.data(), base + offset, out.size() * sizeof(float));
+  require(offset <= local_size() && out.size() <= local_size() - offset,
+          Status::InvalidArgument, "copy_state_to_host: range outside the local arrays");
+  for_each_local(offset, out.size(), [&](std::size_t b, std::size_t in_window, std::size_t local, std::size_t n) {
+    const float* src = a == StateArray::Master ? master_at(b) + in_window : state_base(a) + local;
+    backend_->copy_to_host(out.data() + (local - offset), src, n * sizeof(float));
+  });
 }
 
 void ShardedOptimizer::copy_state_from_host(StateArray a, std::size_t offset,
                                             std::span<const float> in) {
   require_finalized("copy_state_from_host");
-  require(offset <= owned_.size() && in.size() <= owned_.size() - offset,
-          Status::InvalidArgument, "copy_state_from_host: range outside the owned shard");
-  float* base = a == StateArray::Master   ? buf_->master_ptr
-                : a == StateArray::ExpAvg ? buf_->exp_avg.as<float>()
-                                          : buf_->exp_avg_sq.as<float>();
-  backend_->copy_from_host(base + offset, in.data(), in.size() * sizeof(float));
+  require(offset <= local_size() && in.size() <= local_size() - offset,
+          Status::InvalidArgument, "copy_state_from_host: range outside the local arrays");
+  for_each_local(offset, in.size(), [&](std::size_t b, std::size_t in_window, std::size_t local, std::size_t n) {
+    float* dst = a == StateArray::Master ? master_at(b) + in_window : state_base(a) + local;
+    backend_->copy_from_host(dst, in.data() + (local - offset), n * sizeof(float));
+  });
 }
 
 void ShardedOptimizer::refresh_replica() {
   require_finalized("refresh_replica");
-  wait_gathers();
+  buckets_->wait_params();
   if (options_.param_dtype == DType::BF16)
-    backend_->cast_from_f32(buf_->master_ptr, replica_ptr(owned_.begin), DType::BF16,
-                            owned_.size());
+    for (std::size_t k = 0; k < layout_.num_buckets(); ++k) {
+      const Range w = buckets_->window(k);
+      backend_->cast_from_f32(master_at(k), replica_ptr(w.begin), DType::BF16, w.size());
+    }
   all_gather_replica();
 }
 

@@ -4,13 +4,19 @@
 #include <algorithm>
 #include <string>
 
+#include "buffer_plan.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt {
 
 PlanConfig plan_config(const OptimizerOptions& options, int world_size) {
-  return PlanConfig{options.stage, world_size, options.param_dtype, DType::F32,
-                    options.bucket_elems, options.buckets_in_flight, false};
+  PlanConfig c;
+  c.stage = options.stage;
+  c.world_size = world_size;
+  c.param_dtype = options.param_dtype;
+  c.bucket_elems = options.bucket_elems;
+  c.buckets_in_flight = options.buckets_in_flight;
+  return c;
 }
 
 std::size_t MemoryPlan::total() const {
@@ -48,37 +54,31 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
     require(built.world_size() == config.world_size, Status::InvalidArgument,
             "plan_memory: the layout is built for " + std::to_string(built.world_size()) +
                 " ranks, the plan asks for " + std::to_string(config.world_size));
+    require(built.bucket_elems() == config.bucket_elems, Status::InvalidArgument,
+            "plan_memory: the layout is built for buckets of " +
+                std::to_string(built.bucket_elems()) + " elements, the plan asks for " +
+                std::to_string(config.bucket_elems));
   } else {
-    built.build(config.world_size);
+    built.build(config.world_size, config.bucket_elems);
   }
 
+  // The very plan ShardedOptimizer::finalize() allocates from.
+  const BufferPlan b =
+      plan_buffers(built, config.stage, config.param_dtype, config.buckets_in_flight);
   MemoryPlan plan;
   plan.unpadded_elems = built.unpadded_size();
   plan.padded_elems = built.padded_size();
-  plan.owned_elems =
-      config.stage == Stage::DataParallel ? built.padded_size() : built.shard_size();
-  auto add = [&plan](MemCategory c, std::size_t bytes) {
-    plan.bytes[static_cast<int>(c)] += bytes;
-  };
-  constexpr std::size_t f32 = sizeof(float);
-
-  // The same buffers, in the same categories, as ShardedOptimizer::finalize().
-  add(MemCategory::Params, plan.padded_elems * dtype_size(config.param_dtype));
-  if (config.stage == Stage::Zero2) {
-    const std::vector<Bucket> buckets = built.make_buckets(config.bucket_elems);
-    for (const Bucket& b : buckets) plan.bucket_elems = std::max(plan.bucket_elems, b.flat.size());
-    plan.num_buckets = buckets.size();
-    add(MemCategory::Grads, plan.owned_elems * f32);         // owned gradient shard
-    add(MemCategory::Scratch, static_cast<std::size_t>(config.buckets_in_flight) *
-                                  plan.bucket_elems * f32);  // staging slots
-    if (config.accumulate_without_sync)
-      add(MemCategory::Grads, plan.padded_elems * f32);      // local accumulation buffer
-  } else {
-    add(MemCategory::Grads, plan.padded_elems * f32);        // full gradient
-  }
-  if (config.param_dtype != DType::F32)  // an fp32 replica doubles as the master
-    add(MemCategory::Master, plan.owned_elems * f32);
-  add(MemCategory::Moments, 2 * plan.owned_elems * f32);   // exp_avg and exp_avg_sq
+  plan.owned_elems = b.local_elems;
+  plan.num_buckets = built.num_buckets();
+  for (const Bucket& bk : built.buckets())
+    plan.bucket_elems = std::max(plan.bucket_elems, bk.flat.size());
+  plan.staged = b.grads_scheme == GradScheme::Staged;
+  for (const BufferSpec& s : b.all())
+    if (!s.on_demand) plan.bytes[static_cast<int>(s.category)] += s.bytes;
+  if (config.accumulate_without_sync && plan.staged)
+    plan.bytes[static_cast<int>(b.accumulate.category)] += b.accumulate.bytes;
+  if (config.grad_views_across_buckets && plan.staged)
+    plan.bytes[static_cast<int>(b.spill.category)] += b.spill.bytes;
   return plan;
 }
 

@@ -1,4 +1,4 @@
-// test_layout.cpp: flat layout, padding, shard ranges, pieces and buckets.
+// test_layout.cpp: flat layout, padding, buckets, slices and local coordinates.
 #include <gtest/gtest.h>
 
 #include "shardopt/error.hpp"
@@ -13,70 +13,128 @@ TEST(Range, IntersectAndShift) {
   EXPECT_EQ((Range{3, 3}.size()), 0u);
 }
 
-TEST(Layout, AlignedStartsAndEqualShards) {
-  for (int world = 1; world <= 5; ++world) {
-    FlatLayout l;
-    l.add("a", 1, 0);
-    l.add("b", 1000, 0);
-    l.add("c", 65, 1);
-    l.add("d", 7, 0);
-    l.build(world);
-    for (const ParamInfo& p : l.params()) EXPECT_EQ(p.flat.begin % FlatLayout::kAlignElems, 0u);
-    EXPECT_EQ(l.unpadded_size(), 1073u);
-    EXPECT_EQ(l.padded_size() % (FlatLayout::kAlignElems * static_cast<std::size_t>(world)), 0u);
-    EXPECT_GE(l.padded_size(), l.params().back().flat.end);
-    EXPECT_LT(l.padded_size() - l.params().back().flat.end,
-              FlatLayout::kAlignElems * static_cast<std::size_t>(world));
-    // Shards tile the buffer, each aligned.
-    std::size_t covered = 0;
-    for (int r = 0; r < world; ++r) {
-      const Range s = l.shard_range(r);
-      EXPECT_EQ(s.begin, covered);
-      EXPECT_EQ(s.size(), l.shard_size());
-      EXPECT_EQ(s.begin % FlatLayout::kAlignElems, 0u);
-      covered = s.end;
+// Checks every invariant of a built layout (see layout.hpp).
+void check_layout(const FlatLayout& l) {
+  const std::size_t n = static_cast<std::size_t>(l.world_size());
+  const std::size_t q = FlatLayout::bucket_quantum(l.world_size());
+  std::size_t sum = 0;
+  for (std::size_t i = 0; i < l.num_params(); ++i) {
+    const ParamInfo& p = l.param(i);
+    EXPECT_EQ(p.flat.begin % FlatLayout::kAlignElems, 0u) << p.name;
+    EXPECT_EQ(p.flat.size(), p.numel);
+    if (i > 0) EXPECT_GE(p.flat.begin, l.param(i - 1).flat.end);
+    // Its buckets are exactly those it has elements in.
+    for (std::size_t b = 0; b < l.num_buckets(); ++b) {
+      const bool touches = !p.flat.intersect(l.bucket(b).flat).empty();
+      EXPECT_EQ(touches, p.buckets.contains(b)) << p.name << " bucket " << b;
     }
-    EXPECT_EQ(covered, l.padded_size());
+    sum += p.numel;
   }
-}
-
-TEST(Layout, PiecesCoverEveryParameterExactlyOnce) {
-  FlatLayout l;
-  const std::size_t sizes[] = {3, 500, 64, 1, 129, 2048, 17};
-  for (std::size_t i = 0; i < std::size(sizes); ++i) l.add("p" + std::to_string(i), sizes[i], 0);
-  l.build(3);
+  EXPECT_EQ(sum, l.unpadded_size());
+  // Buckets tile the buffer in backward order; each is a multiple of N x 64 and at most the
+  // capacity; slices are equal and aligned; local offsets are flat / N.
+  std::size_t end = l.padded_size();
+  for (std::size_t b = 0; b < l.num_buckets(); ++b) {
+    const Bucket& bk = l.bucket(b);
+    EXPECT_EQ(bk.flat.end, end);
+    end = bk.flat.begin;
+    EXPECT_EQ(bk.flat.begin % q, 0u);
+    EXPECT_EQ(bk.flat.size() % q, 0u);
+    EXPECT_GT(bk.flat.size(), 0u);
+    EXPECT_LE(bk.flat.size(), l.bucket_capacity());
+    EXPECT_EQ(bk.slice_elems * n, bk.flat.size());
+    EXPECT_EQ(bk.slice_elems % FlatLayout::kAlignElems, 0u);
+    EXPECT_EQ(bk.local_begin, bk.flat.begin / n);
+    for (int r = 0; r < l.world_size(); ++r) EXPECT_EQ(bk.slice(r).size(), bk.slice_elems);
+    for (std::size_t i = bk.first_param; i < bk.end_param; ++i)
+      EXPECT_TRUE(l.param(i).buckets.contains(b));
+  }
+  EXPECT_EQ(end, 0u);
+  EXPECT_EQ(l.padded_size(), l.shard_size() * n);
+  // Owned pieces: every element of every parameter owned exactly once, local ranges inside
+  // the rank's local arrays and in the slice's place.
   std::vector<std::size_t> seen(l.num_params(), 0);
-  bool straddles = false;
-  for (int r = 0; r < 3; ++r) {
-    const Range shard = l.shard_range(r);
-    for (const ShardPiece& pc : l.pieces_in(shard)) {
-      EXPECT_EQ(pc.local.begin + shard.begin, pc.flat.begin);
+  for (int r = 0; r < l.world_size(); ++r) {
+    std::size_t last_local = 0;
+    for (const ShardPiece& pc : l.owned_pieces(r)) {
+      const Bucket& bk = l.bucket(l.bucket_at(pc.flat.begin));
+      EXPECT_EQ(l.owner_of(pc.flat.begin), r);
+      EXPECT_EQ(l.owner_of(pc.flat.end - 1), r);
+      EXPECT_EQ(pc.local.begin, bk.local_begin + (pc.flat.begin - bk.slice(r).begin));
+      EXPECT_EQ(pc.local.size(), pc.flat.size());
+      EXPECT_GE(pc.local.begin, last_local);
+      EXPECT_LE(pc.local.end, l.shard_size());
+      last_local = pc.local.end;
       EXPECT_EQ(pc.in_param.begin + l.param(pc.param).flat.begin, pc.flat.begin);
       seen[pc.param] += pc.flat.size();
-      straddles = straddles || pc.flat.size() < l.param(pc.param).numel;
     }
   }
-  for (std::size_t i = 0; i < l.num_params(); ++i) EXPECT_EQ(seen[i], sizes[i]);
-  EXPECT_TRUE(straddles) << "the test layout should have a parameter across shards";
+  for (std::size_t i = 0; i < l.num_params(); ++i) EXPECT_EQ(seen[i], l.param(i).numel);
 }
 
-TEST(Layout, BucketsTileTheBufferInBackwardOrder) {
+TEST(Layout, InvariantsAtOneToFiveRanksAndManyBucketSizes) {
+  const std::size_t sizes[] = {1, 1000, 65, 7, 3, 500, 64, 1, 129, 2048, 17, 5000, 10};
+  for (int world = 1; world <= 5; ++world)
+    for (std::size_t bucket : {std::size_t{1}, std::size_t{100}, std::size_t{700},
+                               std::size_t{1000}, std::size_t{4096}, std::size_t{1} << 20}) {
+      FlatLayout l;
+      for (std::size_t i = 0; i < std::size(sizes); ++i)
+        l.add("p" + std::to_string(i), sizes[i], static_cast<int>(i % 2));
+      l.build(world, bucket);
+      SCOPED_TRACE("world " + std::to_string(world) + ", bucket " + std::to_string(bucket));
+      check_layout(l);
+    }
+}
+
+TEST(Layout, ExactGeometryOfASmallCase) {
+  // 3 ranks (quantum 192), buckets of 500 -> capacity 576.
   FlatLayout l;
-  for (int i = 0; i < 10; ++i) l.add("p" + std::to_string(i), 100 + 37 * i, 0);
-  l.add("huge", 5000, 0);
-  l.add("tail", 10, 0);
-  l.build(2);
-  const auto buckets = l.make_buckets(1000);
-  ASSERT_FALSE(buckets.empty());
-  EXPECT_EQ(buckets.front().flat.end, l.padded_size());
-  EXPECT_EQ(buckets.back().flat.begin, 0u);
-  EXPECT_EQ(buckets.front().end_param, l.num_params());
-  for (std::size_t k = 0; k + 1 < buckets.size(); ++k) {
-    EXPECT_EQ(buckets[k + 1].flat.end, buckets[k].flat.begin);
-    EXPECT_EQ(buckets[k + 1].end_param, buckets[k].first_param);
-  }
-  for (const Bucket& b : buckets)
-    if (b.end_param - b.first_param > 1) EXPECT_LE(b.flat.size(), 1000u);
+  l.add("a", 100, 0);   // [0, 100)
+  l.add("b", 300, 0);   // [128, 428): fits the first bucket
+  l.add("c", 200, 0);   // would end at 648 > 576: closes the bucket at 576, c = [576, 776)
+  l.add("d", 1300, 0);  // [832, 2132): larger than a bucket, cut at 576 + 576 = 1152, 1728
+  l.build(3, 500);
+  ASSERT_EQ(l.num_buckets(), 4u);
+  EXPECT_EQ(l.param(2).flat, (Range{576, 776}));
+  EXPECT_EQ(l.param(3).flat, (Range{832, 2132}));
+  EXPECT_EQ(l.bucket(3).flat, (Range{0, 576}));       // a, b
+  EXPECT_EQ(l.bucket(2).flat, (Range{576, 1152}));    // c, d's head
+  EXPECT_EQ(l.bucket(1).flat, (Range{1152, 1728}));   // d's middle
+  EXPECT_EQ(l.bucket(0).flat, (Range{1728, 2304}));   // d's tail, padded to 192
+  EXPECT_EQ(l.padded_size(), 2304u);
+  EXPECT_EQ(l.param(3).buckets, (Range{0, 3}));
+  EXPECT_EQ(l.bucket(2).first_param, 2u);
+  EXPECT_EQ(l.bucket(2).end_param, 4u);
+  EXPECT_EQ(l.bucket(0).slice(2), (Range{2112, 2304}));
+  EXPECT_EQ(l.owner_of(2131), 2);
+  EXPECT_EQ(l.owner_of(1727), 2);
+  EXPECT_EQ(l.owner_of(1152), 0);
+  check_layout(l);
+}
+
+TEST(Layout, RanksWhoseSlicesAreAllPadding) {
+  // One tiny parameter per bucket at 4 ranks: ranks 1-3 own only padding of each bucket.
+  FlatLayout l;
+  l.add("x", 10, 0);
+  l.add("y", 10, 0);
+  l.build(4, 200);  // capacity 256: x closes... both fit one bucket of 256
+  ASSERT_EQ(l.num_buckets(), 1u);
+  EXPECT_EQ(l.padded_size(), 256u);
+  EXPECT_EQ(l.owned_pieces(0).size(), 2u);  // x [0,10), y [64,74)
+  for (int r = 1; r < 4; ++r) EXPECT_TRUE(l.owned_pieces(r).empty()) << r;
+  check_layout(l);
+}
+
+TEST(Layout, FingerprintSeesWorldSizeAndBucketSize) {
+  auto make = [](int world, std::size_t bucket) {
+    FlatLayout l;
+    l.add("w", 1000, 0);
+    l.build(world, bucket);
+    return l.fingerprint();
+  };
+  EXPECT_EQ(make(2, 100), make(2, 100));
+  EXPECT_NE(make(2, 100), make(3, 100));
+  EXPECT_NE(make(2, 100), make(2, 200));
 }
 
 TEST(Layout, RejectsBadRegistrations) {
@@ -93,7 +151,11 @@ TEST(Layout, RejectsBadRegistrations) {
     EXPECT_NE(std::string(e.what()).find("duplicate"), std::string::npos);
   }
   FlatLayout empty;
-  EXPECT_THROW(empty.build(2), Error);
+  EXPECT_THROW(empty.build(2, 100), Error);
+  FlatLayout one;
+  one.add("w", 4, 0);
+  EXPECT_THROW(one.build(0, 100), Error);
+  EXPECT_THROW(one.build(2, 0), Error);
 }
 
 TEST(Layout, FingerprintSeesNamesSizesOrderAndGroups) {
@@ -101,7 +163,7 @@ TEST(Layout, FingerprintSeesNamesSizesOrderAndGroups) {
     FlatLayout l;
     l.add(a, na, 0);
     l.add(b, nb, gb);
-    l.build(2);
+    l.build(2, 1000);
     return l.fingerprint();
   };
   const auto base = make("w", 10, "b", 3, 0);

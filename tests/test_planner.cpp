@@ -31,13 +31,15 @@ class ReplicatedWorld final : public Communicator {
     else
       for (std::size_t i = 0; i < count; ++i) static_cast<float*>(buf)[i] *= static_cast<float>(size_);
   }
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float*, std::span<const std::size_t>,
-                                                        CommType) override { unused(); }
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float*, std::size_t, CommType) override {
+    unused();
+  }
   std::unique_ptr<CommRequest> start_all_reduce_sum(float*, std::size_t, CommType) override {
     unused();
   }
-  std::unique_ptr<CommRequest> start_all_gatherv(void*, std::span<const std::size_t>,
-                                                 CommType) override { unused(); }
+  std::unique_ptr<CommRequest> start_all_gather(void*, std::size_t, CommType) override {
+    unused();
+  }
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
     for (int r = 0; r < size_; ++r) std::memcpy(static_cast<char*>(recv) + r * bytes, send, bytes);
   }
@@ -90,7 +92,7 @@ void expect_plan_matches(const ShardedOptimizer& opt, const Config& c, int world
     EXPECT_EQ(plan.bytes[k], rep.bytes[k])
         << mem_category_name(static_cast<MemCategory>(k)) << " of " << what;
   EXPECT_EQ(plan.total(), rep.total()) << what;
-  EXPECT_EQ(plan.owned_elems, opt.owned_range().size()) << what;
+  EXPECT_EQ(plan.owned_elems, opt.local_size()) << what;
   EXPECT_EQ(plan.padded_elems, opt.layout().padded_size()) << what;
 }
 
@@ -140,6 +142,30 @@ TEST(Planner, MatchesAccountingOnEveryRankOfOneToEightRanks) {
       }
 }
 
+// ZeRO-2 never plans more than ZeRO-1 at the same configuration (it keeps stage 1's full
+// buffer where staging would not save memory), and stages until it pays off.
+TEST(Planner, Zero2NeverPlansMoreThanZero1) {
+  for (const auto& sizes : layouts())
+    for (int world = 1; world <= 8; ++world)
+      for (std::size_t bucket : {std::size_t{1}, std::size_t{64}, std::size_t{700},
+                                 std::size_t{4096}, std::size_t{1} << 20})
+        for (int slots : {1, 2, 4}) {
+          const FlatLayout l = layout_of(Config{sizes, Stage::Zero1, DType::BF16, bucket});
+          PlanConfig c{Stage::Zero1, world, DType::BF16, DType::F32, bucket, slots};
+          const MemoryPlan z1 = plan_memory(l, c);
+          c.stage = Stage::Zero2;
+          const MemoryPlan z2 = plan_memory(l, c);
+          EXPECT_LE(z2.total(), z1.total()) << describe({sizes, Stage::Zero2, DType::BF16, bucket},
+                                                        world, 0);
+          if (world == 1) EXPECT_FALSE(z2.staged);
+        }
+  // A model of many buckets at 4 ranks stages, and saves most of the gradient memory.
+  const MemoryPlan z2 = plan_memory(uniform_layout(1 << 20, 1 << 14),
+                                    {Stage::Zero2, 4, DType::BF16, DType::F32, 1 << 16, 2});
+  EXPECT_TRUE(z2.staged);
+  EXPECT_EQ(z2[MemCategory::Grads], (std::size_t{1} << 20));  // 4 bytes x 2^20 / 4
+}
+
 TEST(Planner, StepsAllocateNothingBeyondThePlan) {
   for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
     const Config c{{1, 7, 300, 5000, 65}, stage, DType::BF16, 700};
@@ -174,8 +200,11 @@ TEST(Planner, ByteCountsPerStage) {
   EXPECT_EQ(z2[MemCategory::Params], 25600u);
   EXPECT_EQ(z2[MemCategory::Grads], 6400u);
   EXPECT_EQ(z2[MemCategory::Master], 0u);  // the fp32 replica is the master
-  EXPECT_EQ(z2[MemCategory::Scratch], 25600u);  // one slot; the tensor is larger than a bucket
-  EXPECT_EQ(z2.num_buckets, 1u);
+  // The tensor spans 7 buckets of 1024 (1000 rounded up to 4 x 64; the last holds 256):
+  // one staging slot of the largest.
+  EXPECT_EQ(z2[MemCategory::Scratch], 4096u);
+  EXPECT_EQ(z2.num_buckets, 7u);
+  EXPECT_TRUE(z2.staged);
 }
 
 TEST(Planner, EqualsTheZeroFormulaWithoutPaddingOrScratch) {
@@ -184,7 +213,7 @@ TEST(Planner, EqualsTheZeroFormulaWithoutPaddingOrScratch) {
       for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
         const std::size_t psi = 64 * 7 * static_cast<std::size_t>(world);  // no padding
         const MemoryPlan p = plan_memory(uniform_layout(psi, psi),
-                                         {stage, world, dtype, DType::F32, 1 << 20});
+                                         {stage, world, dtype, DType::F32, 64});
         const double formula = zero_formula_bytes(stage, static_cast<double>(psi), world, dtype);
         EXPECT_EQ(static_cast<double>(p.total() - p[MemCategory::Scratch]), formula)
             << stage_name(stage) << " " << dtype_name(dtype) << " world " << world;
@@ -193,10 +222,11 @@ TEST(Planner, EqualsTheZeroFormulaWithoutPaddingOrScratch) {
 
 TEST(Planner, BuiltLayoutMustMatchTheWorld) {
   FlatLayout l = uniform_layout(1000, 100);
-  l.build(2);
-  // Ten tensors of 100 at 128-element starts end at 1252; two ranks pad to 1280.
+  l.build(2, 64);
+  // Ten tensors of 100, each in a bucket of its own of 128 elements (2 ranks x 64).
   EXPECT_EQ(plan_memory(l, {Stage::Zero1, 2, DType::BF16, DType::F32, 64}).padded_elems, 1280u);
   EXPECT_THROW(plan_memory(l, {Stage::Zero1, 3, DType::BF16, DType::F32, 64}), Error);
+  EXPECT_THROW(plan_memory(l, {Stage::Zero1, 2, DType::BF16, DType::F32, 128}), Error);
 }
 
 TEST(Planner, RejectsInvalidConfigurations) {
@@ -254,10 +284,10 @@ TEST(Planner, Stage2AccumulationWithoutSyncAndSlots) {
     o.stage = c.stage;
     o.bucket_elems = c.bucket;
     o.buckets_in_flight = slots;
-    ShardedOptimizer opt(make_single_process_communicator(), o);
+    ShardedOptimizer opt(std::make_shared<ReplicatedWorld>(1, 4), o);
     for (std::size_t i = 0; i < c.sizes.size(); ++i) opt.add_param("p" + std::to_string(i), c.sizes[i]);
     opt.finalize();
-    PlanConfig pc = plan_config(opt.options(), 1);
+    PlanConfig pc = plan_config(opt.options(), 4);
     EXPECT_EQ(plan_memory(layout_of(c), pc).total(), opt.memory_report().total());
     opt.begin_backward(false);  // allocates the local accumulation buffer
     pc.accumulate_without_sync = true;

@@ -40,34 +40,36 @@ class Communicator {
 
   // ---- data collectives (device memory when device_buffers()) --------------------------------
 
-  /// Starts an in-place reduce-scatter (sum) with per-rank block lengths `counts` (size()
-  /// entries; block r starts at counts[0] + ... + counts[r-1]). On completion block rank(),
-  /// at its own offset, holds the sum over ranks of everyone's block rank(); the other blocks
-  /// are undefined (NCCL's in-place convention). `wire` is F32 or BF16.
-  virtual std::unique_ptr<CommRequest> start_reduce_scatter_sum(
-      float* buf, std::span<const std::size_t> counts, CommType wire) = 0;
+  // Every data collective works on size() equal blocks of `count_per_rank` elements laid out
+  // back to back (block r at offset r * count_per_rank): the shape of a bucket, of which rank
+  // r owns the r-th equal slice. In place, in NCCL's convention.
+
+  /// Starts an in-place reduce-scatter (sum): on completion block rank() holds the sum over
+  /// ranks of everyone's block rank(); the other blocks are undefined. `wire` is F32 or BF16.
+  virtual std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf,
+                                                                std::size_t count_per_rank,
+                                                                CommType wire) = 0;
+
+  /// Starts an in-place all-gather: on entry block rank() holds this rank's data; on
+  /// completion every block holds its owner's data. `type` is F32 or U16.
+  virtual std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count_per_rank,
+                                                        CommType type) = 0;
 
   /// Starts an in-place sum over all ranks of `count` fp32 values; `wire` is F32 or BF16.
   virtual std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
                                                             CommType wire) = 0;
 
-  /// Starts an in-place all-gather: on entry block rank() (blocks laid out as for
-  /// start_reduce_scatter_sum, `counts` elements of `type` each) holds this rank's data; on
-  /// completion every block holds its owner's data. `type` is F32 or U16.
-  virtual std::unique_ptr<CommRequest> start_all_gatherv(void* buf,
-                                                         std::span<const std::size_t> counts,
-                                                         CommType type) = 0;
-
   /// In-place sum over all ranks, blocking. CommType F32 or F64.
   virtual void all_reduce_sum(void* buf, std::size_t count, CommType type) = 0;
 
   /// Blocking forms of the above.
-  void reduce_scatter_sum_inplace(float* buf, std::span<const std::size_t> counts,
+  void reduce_scatter_sum_inplace(float* buf, std::size_t count_per_rank,
                                   CommType wire = CommType::F32) {
-    start_reduce_scatter_sum(buf, counts, wire)->wait();
+    start_reduce_scatter_sum(buf, count_per_rank, wire)->wait();
   }
-  /// Equal blocks of count_per_rank elements.
-  void all_gather_inplace(void* buf, std::size_t count_per_rank, CommType type);
+  void all_gather_inplace(void* buf, std::size_t count_per_rank, CommType type) {
+    start_all_gather(buf, count_per_rank, type)->wait();
+  }
 
   // ---- host collectives for small metadata ------------------------------------------------------
 

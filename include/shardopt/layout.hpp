@@ -1,10 +1,27 @@
-// layout.hpp: the flat, padded buffer that holds every parameter, and its shards.
+// layout.hpp: the flat, padded buffer that holds every parameter, its buckets, and which
+// slice of every bucket each rank owns.
 //
-// Parameters are registered in the trainer's order. Each one starts at a multiple of
-// kAlignElems elements, so that every per-parameter view is aligned for vector loads (64
-// elements = 256 B of fp32, 128 B of bf16). The total is padded to a multiple of
-// world_size * kAlignElems, so that all ranks own one contiguous shard of the same length
-// that starts aligned too. Parameters may straddle shard boundaries.
+// Parameters are registered in the trainer's (forward) order and laid out back to back in
+// the flat buffer, each starting at a multiple of kAlignElems elements so that every
+// per-parameter view is aligned for vector loads (64 elements = 256 B of fp32, 128 B of
+// bf16). The flat buffer is cut into buckets: the unit of every collective. A bucket starts
+// at a multiple of N x 64 elements (N ranks) and its length is a multiple of N x 64, so it
+// splits into N equal, aligned slices; rank r owns the r-th slice of every bucket (the
+// distributed-optimizer layout of Megatron-LM). Buckets are numbered in backward order:
+// bucket 0 holds the last parameters, whose gradients backward produces first.
+//
+// Buckets close at a parameter boundary (padded up to N x 64) when the next parameter does
+// not fit; a parameter larger than the remaining room of a bucket *and* larger than a whole
+// bucket is cut at multiples of N x 64 instead, so it spans several buckets with no padding
+// inside it. Each parameter is therefore one contiguous range of the flat buffer.
+//
+// Coordinates (all half-open Ranges):
+//   flat     position in the flat buffer (the replica, the full gradient buffer)
+//   bucket   the bucket's own range of the flat buffer; slice(b, r) is rank r's part of it
+//   local    position in a rank's own arrays (master, m, v, the sharded gradient): the
+//            concatenation of its slices in flat order; bucket b's slice starts at
+//            local_begin = flat.begin / N on every rank
+//   param    position inside one parameter (0 .. numel)
 #pragma once
 
 #include <cstddef>
@@ -23,22 +40,34 @@ struct ParamInfo {
   std::string name;
   std::size_t numel = 0;
   int group = 0;
-  Range flat;  ///< where the parameter lives in the flat buffer ([offset, offset + numel))
+  Range flat;     ///< where the parameter lives in the flat buffer (valid once built)
+  Range buckets;  ///< indices of the buckets it has elements in (valid once built)
 };
 
-/// The piece of one parameter that falls inside one shard.
+/// The piece of one parameter that falls inside one range (a rank's slice of a bucket).
 struct ShardPiece {
   std::size_t param = 0;  ///< parameter index
   Range flat;             ///< in the flat buffer
-  Range local;            ///< relative to the start of the shard
+  Range local;            ///< in the owning rank's local arrays (see the coordinates above)
   Range in_param;         ///< relative to the start of the parameter
 };
 
-/// A contiguous run of parameters whose gradients are reduced together (stage 2).
+/// One bucket: a range of the flat buffer every rank owns an equal slice of.
 struct Bucket {
-  Range flat;                 ///< tiles the flat buffer, padding included
-  std::size_t first_param;    ///< lowest parameter index in the bucket
-  std::size_t end_param;      ///< one past the highest
+  Range flat;                   ///< starts at a multiple of N x 64; length a multiple of N x 64
+  std::size_t first_param = 0;  ///< lowest index of a parameter with elements in the bucket
+  std::size_t end_param = 0;    ///< one past the highest
+  std::size_t slice_elems = 0;  ///< flat.size() / N: every rank's share
+  std::size_t local_begin = 0;  ///< flat.begin / N: where the slice sits in the local arrays
+
+  /// Rank r's slice, in flat coordinates.
+  Range slice(int rank) const {
+    const std::size_t b = flat.begin + static_cast<std::size_t>(rank) * slice_elems;
+    return {b, b + slice_elems};
+  }
+  /// The slice's place in every rank's local arrays.
+  Range local() const { return {local_begin, local_begin + slice_elems}; }
+  std::size_t num_params() const { return end_param - first_param; }
 };
 
 class FlatLayout {
@@ -49,13 +78,27 @@ class FlatLayout {
   static constexpr std::size_t round_up(std::size_t n, std::size_t multiple) {
     return (n + multiple - 1) / multiple * multiple;
   }
+  /// Where a parameter starts: the next multiple of kAlignElems (aligned vector loads).
+  static constexpr std::size_t param_start(std::size_t end_of_previous) {
+    return round_up(end_of_previous, kAlignElems);
+  }
+  /// The granule of bucket boundaries for `world_size` ranks: N x 64 elements, so every
+  /// rank's slice of a bucket is equal and starts aligned.
+  static constexpr std::size_t bucket_quantum(int world_size) {
+    return kAlignElems * static_cast<std::size_t>(world_size);
+  }
+  /// The capacity of every bucket: bucket_elems rounded up to the quantum.
+  static constexpr std::size_t bucket_capacity(std::size_t bucket_elems, int world_size) {
+    return round_up(bucket_elems == 0 ? 1 : bucket_elems, bucket_quantum(world_size));
+  }
 
   /// Registers a parameter; throws Error(InvalidArgument) for an empty or duplicate name, or
-  /// a zero size. Layout offsets are assigned at once; build() fixes the padding.
+  /// a zero size. Offsets are assigned by build().
   std::size_t add(std::string_view name, std::size_t numel, int group);
 
-  /// Pads the total for `world_size` equal, aligned shards. Further add() calls throw.
-  void build(int world_size);
+  /// Places the parameters and cuts the buckets for `world_size` ranks and buckets of about
+  /// `bucket_elems` elements. Further add() calls throw.
+  void build(int world_size, std::size_t bucket_elems);
 
   bool built() const { return world_size_ > 0; }
   int world_size() const { return world_size_; }
@@ -67,17 +110,30 @@ class FlatLayout {
 
   std::size_t unpadded_size() const { return unpadded_; }  ///< sum of parameter sizes
   std::size_t padded_size() const { return padded_; }      ///< length of the flat buffer
+  /// Elements every rank owns: padded_size() / N, the length of its local arrays.
   std::size_t shard_size() const { return padded_ / static_cast<std::size_t>(world_size_); }
-  Range shard_range(int rank) const;
+  /// The bucket_elems the layout was built with, and the capacity of every bucket.
+  std::size_t bucket_elems() const { return bucket_elems_; }
+  std::size_t bucket_capacity() const { return capacity_; }
 
-  /// The pieces of parameters inside `window`, in flat order (padding excluded).
+  std::size_t num_buckets() const { return buckets_.size(); }
+  const Bucket& bucket(std::size_t b) const { return buckets_[b]; }
+  /// In backward order (bucket 0 at the end of the flat buffer).
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  /// The bucket holding flat element x (x < padded_size()).
+  std::size_t bucket_at(std::size_t flat) const;
+  /// The rank that owns flat element x.
+  int owner_of(std::size_t flat) const;
+
+  /// The pieces of parameters inside `window` (flat), in flat order (padding excluded);
+  /// local ranges are relative to window.begin.
   std::vector<ShardPiece> pieces_in(Range window) const;
+  /// Every piece rank r owns (its slices of all buckets), in local order, with local ranges
+  /// in its local arrays.
+  std::vector<ShardPiece> owned_pieces(int rank) const;
 
-  /// Buckets of about `bucket_elems` elements in backward order (bucket 0 holds the last
-  /// parameters). A parameter larger than bucket_elems gets a bucket of its own.
-  std::vector<Bucket> make_buckets(std::size_t bucket_elems) const;
-
-  /// A hash of everything that must agree between ranks (names, sizes, groups, order).
+  /// A hash of everything that must agree between ranks (names, sizes, groups, order, world
+  /// size, bucket size).
   std::uint64_t fingerprint() const;
   /// One line per parameter, for error messages and logs.
   std::string describe(std::size_t max_lines = 16) const;
@@ -85,9 +141,11 @@ class FlatLayout {
  private:
   std::vector<ParamInfo> params_;
   std::unordered_map<std::string, std::size_t> index_;  ///< name -> parameter index
+  std::vector<Bucket> buckets_;
   std::size_t unpadded_ = 0;
-  std::size_t end_ = 0;  ///< end of the last parameter, before the final padding
   std::size_t padded_ = 0;
+  std::size_t bucket_elems_ = 0;
+  std::size_t capacity_ = 0;
   int world_size_ = 0;
 };
 

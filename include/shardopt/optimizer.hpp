@@ -59,11 +59,12 @@ struct LossScaleState {
   std::int64_t skipped_steps = 0;  ///< all skipped steps, with or without loss scaling
 };
 
-/// The optimizer state arrays over owned_range(), for host copies (checkpoints).
+/// The optimizer state arrays (this rank's local arrays), for host copies (checkpoints).
 enum class StateArray : int { Master = 0, ExpAvg = 1, ExpAvgSq = 2 };
 
-class Backend;      // buffers and kernels of one device kind (internal)
-class GradReducer;  // bucketed gradient reduction (internal)
+class Backend;    // buffers and kernels of one device kind (internal)
+class BucketSet;  // per-bucket gradient and parameter synchronisation (internal)
+struct BufferPlan;
 
 class ShardedOptimizer {
  public:
@@ -90,8 +91,9 @@ class ShardedOptimizer {
   /// Sets parameter i from fp32 values (numel of them): the replica (rounded to its dtype)
   /// and this rank's part of the fp32 master. Every rank must pass the same values.
   void set_param(std::size_t i, std::span<const float> values);
-  /// Copies parameter i's fp32 master values into `out` (numel); collective, because the
-  /// master is sharded (each rank contributes its part).
+  /// Copies parameter i's fp32 master values into `out` (numel), bit for bit (-0.0 and NaN
+  /// payloads included); collective, because the master is sharded (each rank sends the
+  /// pieces it owns).
   void get_master(std::size_t i, std::span<float> out);
 
   /// The full-replica view of parameter i, as the forward pass reads it. T must be bf16 or
@@ -142,18 +144,20 @@ class ShardedOptimizer {
   const FlatLayout& layout() const { return layout_; }
   const std::vector<GroupOptions>& groups() const { return groups_; }
   Communicator& comm() const { return *comm_; }
-  /// The part of the flat buffer whose master and moments this rank holds.
-  Range owned_range() const { return owned_; }
+  /// Length of this rank's local arrays (master, m, v): padded / N, or padded in
+  /// data-parallel mode. See layout.hpp for local coordinates.
+  std::size_t local_size() const;
+  /// The parameter pieces this rank's local arrays hold, in local order (data-parallel: all
+  /// of them, local == flat).
+  std::vector<ShardPiece> local_pieces() const;
+  /// The pieces this rank writes to a checkpoint: its slice of every bucket (also in
+  /// data-parallel mode, where every rank holds everything), local ranges as above.
+  std::vector<ShardPiece> saved_pieces() const;
   MemoryReport memory_report() const { return tracker_.report(); }
 
-  /// This rank's optimizer state over owned_range() (for checkpoints; device memory when
-  /// the device is CUDA).
-  std::span<float> master_shard();
-  std::span<float> exp_avg_shard();
-  std::span<float> exp_avg_sq_shard();
   void set_step_count(std::int64_t s);
   /// Host copies of `out.size()` elements of a state array starting `offset` elements into
-  /// owned_range() (local; works for device memory too).
+  /// the local arrays (local; works for device memory too).
   void copy_state_to_host(StateArray a, std::size_t offset, std::span<float> out);
   void copy_state_from_host(StateArray a, std::size_t offset, std::span<const float> in);
   /// Loss scaling: the scale the trainer multiplies its loss by, and the full state.
@@ -167,10 +171,15 @@ class ShardedOptimizer {
   void require_finalized(const char* what) const;
   void require_registering(const char* what) const;
   void all_gather_replica();
-  double update_and_gather(const StepScalars& s, const StepHyper& h, const float* grads);
+  double update_and_gather(const StepScalars& s, const StepHyper& h, bool gather_per_bucket);
   std::vector<UpdateSegment> make_segments(const StepHyper& h, Range window) const;
-  void wait_gathers();
   void* replica_ptr(std::size_t elem_offset) const;
+  float* master_at(std::size_t b) const;  // master over the bucket's window
+  float* state_base(StateArray a) const;
+  // Calls f(bucket, offset in the window, local offset, n) for the pieces of local range
+  // [offset, offset + n) in each bucket's window.
+  template <class F>
+  void for_each_local(std::size_t offset, std::size_t n, F&& f) const;
 
   std::shared_ptr<Communicator> comm_;
   OptimizerOptions options_;
@@ -178,7 +187,6 @@ class ShardedOptimizer {
   std::vector<GroupOptions> groups_;
   FlatLayout layout_;
   bool finalized_ = false;
-  Range owned_;
   std::int64_t step_count_ = 0;
   LossScaleState loss_scale_;
   void update_loss_scale(bool finite);
@@ -186,8 +194,7 @@ class ShardedOptimizer {
   MemoryTracker tracker_;
   struct Buffers;
   std::unique_ptr<Buffers> buf_;
-  std::unique_ptr<GradReducer> reducer_;
-  std::vector<std::unique_ptr<CommRequest>> gathers_;  ///< per bucket, after an overlapped step
+  std::unique_ptr<BucketSet> buckets_;
 };
 
 }  // namespace shardopt

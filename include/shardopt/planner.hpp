@@ -1,16 +1,21 @@
 // planner.hpp: per-rank memory of a configuration, predicted without allocating it.
 //
-// plan_memory() sizes the same buffers that ShardedOptimizer::finalize() allocates, from the
-// same FlatLayout (padding and stage-2 buckets are computed by the layout, not re-derived),
-// so its bytes per category equal memory_report() of a finalized optimizer exactly. Every
-// rank holds the same amount: shards are equal and the stage-2 staging buffer is sized by
-// the largest bucket, the same on every rank.
+// plan_memory() reports the buffer plan that ShardedOptimizer::finalize() allocates from
+// (one function, src/buffer_plan.cpp, sizes both), on the same FlatLayout, so its bytes per
+// category equal memory_report() of a finalized optimizer exactly. Every rank holds the same
+// amount: every rank owns an equal slice of every bucket.
 //
-// Per rank, with P = padded elements, S = P / N (N ranks), B = largest stage-2 bucket:
+// Per rank, with P = padded elements, S = P / N (N ranks), B = largest bucket, k = staging
+// slots (buckets_in_flight, at most the number of buckets):
 //   stage          params            grads   master        moments   scratch
 //   data-parallel  P * sizeof(param) 4P      4P  (0: fp32) 8P        0
 //   zero-1         P * sizeof(param) 4P      4S  (0: fp32) 8S        0
-//   zero-2         P * sizeof(param) 4S      4S  (0: fp32) 8S        4B
+//   zero-2         P * sizeof(param) 4S      4S  (0: fp32) 8S        4kB
+// Stage 2 stages gradients only when S + kB < P; otherwise (one rank, or a model of one or
+// two buckets) it keeps stage 1's full gradient buffer, so it never plans more than stage 1.
+// Stage 2 buffers allocated on first use: a full-size local accumulation buffer (4P) for
+// micro-batches that accumulate without synchronising, and a grad() view of a parameter that
+// spans several buckets (4 x its size; accumulate_grad() streams through the slots instead).
 // An fp32 replica is the master itself, so no separate master is allocated.
 //
 // Gradient dtype: the library's gradient buffers are fp32 by design (backward writes or
@@ -39,6 +44,9 @@ struct PlanConfig {
   /// Stage 2 with micro-batches that accumulate without synchronising (begin_backward(false))
   /// keeps a full-size local fp32 accumulation buffer.
   bool accumulate_without_sync = false;
+  /// Stage 2 with grad() views of parameters that span several buckets (a buffer of the
+  /// largest such parameter); accumulate_grad() needs none.
+  bool grad_views_across_buckets = false;
 };
 
 /// The planner's view of an optimizer's options on a group of `world_size` ranks.
@@ -49,8 +57,9 @@ struct MemoryPlan {
   std::size_t unpadded_elems = 0;  ///< Psi: sum of parameter sizes
   std::size_t padded_elems = 0;    ///< length of the flat buffer
   std::size_t owned_elems = 0;     ///< elements whose master and moments one rank holds
-  std::size_t bucket_elems = 0;    ///< largest stage-2 bucket (0 for other stages)
-  std::size_t num_buckets = 0;     ///< stage-2 buckets (0 for other stages)
+  std::size_t bucket_elems = 0;    ///< largest bucket
+  std::size_t num_buckets = 0;     ///< buckets (the unit of every collective)
+  bool staged = false;             ///< stage 2 stages gradients in bucket slots
 
   std::size_t operator[](MemCategory c) const { return bytes[static_cast<int>(c)]; }
   std::size_t total() const;

@@ -96,7 +96,7 @@ Metadata describe(ShardedOptimizer& opt) {
     m.params.push_back(MetaParam{p.name, p.numel, static_cast<std::uint32_t>(p.group), p.flat.begin});
   m.padded_size = l.padded_size();
   for (int r = 0; r < l.world_size(); ++r) {
-    const Range s = l.shard_range(r);
+    const Range s{l.shard_size() * static_cast<std::size_t>(r), l.shard_size() * static_cast<std::size_t>(r + 1)};  // FIXME(v2 format)
     m.shards.push_back(MetaShard{s.begin, s.end, kShardHeaderBytes + kNumArrays * s.size() * 4, 0});
   }
   return m;
@@ -112,8 +112,8 @@ struct ShardRecord {
 // owned range in every stage (data-parallel ranks own everything but write one slice each).
 ShardRecord write_shard(ShardedOptimizer& opt, const Metadata& m, const fs::path& tmp_dir) {
   const int rank = opt.comm().rank();
-  const Range file = opt.layout().shard_range(rank);
-  const std::size_t base = file.begin - opt.owned_range().begin;
+  const Range file{opt.layout().shard_size() * static_cast<std::size_t>(rank), opt.layout().shard_size() * static_cast<std::size_t>(rank + 1)};  // FIXME(v2 format)
+  const std::size_t base = 0;
   ShardHeader h;
   h.rank = static_cast<std::uint32_t>(rank);
   h.world_size = m.world_size;
@@ -254,9 +254,9 @@ struct Target {
 };
 
 Staged read_owned_state(const fs::path& dir, const Metadata& m, const ShardedOptimizer& opt) {
-  const Range owned = opt.owned_range();
+  const Range owned{0, opt.local_size()};
   std::vector<Target> targets;
-  for (const ShardPiece& p : opt.layout().pieces_in(owned)) {
+  for (const ShardPiece& p : opt.local_pieces()) {
     const std::uint64_t at = m.params[p.param].offset + p.in_param.begin;
     targets.push_back(Target{at, at + p.in_param.size(), p.local.begin});
   }

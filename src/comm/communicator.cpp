@@ -1,6 +1,4 @@
 // communicator.cpp: what all communicators share.
-#include <vector>
-
 #include "shardopt/comm.hpp"
 
 namespace shardopt {
@@ -15,10 +13,5 @@ class CompletedRequest final : public CommRequest {
 }  // namespace
 
 std::unique_ptr<CommRequest> completed_request() { return std::make_unique<CompletedRequest>(); }
-
-void Communicator::all_gather_inplace(void* buf, std::size_t count_per_rank, CommType type) {
-  const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), count_per_rank);
-  start_all_gatherv(buf, counts, type)->wait();
-}
 
 }  // namespace shardopt

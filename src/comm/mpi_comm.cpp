@@ -26,9 +26,7 @@ void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
 class MpiRequest final : public CommRequest {
  public:
   std::vector<MPI_Request> requests;
-  std::vector<int> counts, displs;
-  std::vector<bf16> wire, wire_received;
-  std::vector<float> received;
+  std::vector<bf16> wire;
   std::function<void()> on_complete;
 
   ~MpiRequest() override {
@@ -85,38 +83,31 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string name() const override { return "mpi"; }
 
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf,
-                                                        std::span<const std::size_t> counts,
+  // MPI's in-place reduce-scatter leaves the result at the start of the buffer; it is moved
+  // to the rank's own block when the request completes (NCCL's convention), so no temporary
+  // is needed with an fp32 wire.
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
                                                         CommType wire) override {
-    auto req = blocks(counts, "MPI_Ireduce_scatter");
-    const std::size_t mine = counts[static_cast<std::size_t>(rank_)];
-    const std::size_t offset = static_cast<std::size_t>(req->displs[static_cast<std::size_t>(rank_)]);
+    auto req = std::make_unique<MpiRequest>();
     req->requests.resize(1);
-    // Out of place, into a block-sized buffer: MPICH 4.0's in-place MPI_Reduce_scatter with
-    // unequal counts (e.g. {0, n} for a bucket inside one shard) corrupts memory
-    // ("memcpy argument memory ranges overlap"). The copy back costs one block.
+    const int n = mpi::checked_int(count, "MPI_Ireduce_scatter_block");
+    mpi::checked_int(count * static_cast<std::size_t>(size_), "MPI_Ireduce_scatter_block");
+    float* own = buf + static_cast<std::size_t>(rank_) * count;
     if (wire == CommType::BF16) {
       // Send bf16: convert, reduce the bf16 values, convert this rank's block back in place.
-      const std::size_t total = offset_end(counts);
+      const std::size_t total = count * static_cast<std::size_t>(size_);
       req->wire.resize(total);
       cpu::cast_f32_to_bf16(buf, req->wire.data(), total);
-      req->wire_received.resize(mine);
-      SHARDOPT_MPI(MPI_Ireduce_scatter(req->wire.data(), req->wire_received.data(),
-                                       req->counts.data(), MPI_UINT16_T, bf16_sum_op_, comm_,
-                                       &req->requests[0]));
+      SHARDOPT_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, req->wire.data(), n, MPI_UINT16_T,
+                                             bf16_sum_op_, comm_, &req->requests[0]));
       MpiRequest* r = req.get();
-      req->on_complete = [r, buf, mine, offset] {
-        cpu::cast_bf16_to_f32(r->wire_received.data(), buf + offset, mine);
-      };
+      req->on_complete = [r, own, count] { cpu::cast_bf16_to_f32(r->wire.data(), own, count); };
     } else {
       require(wire == CommType::F32, Status::InvalidArgument, "reduce_scatter: wire F32 or BF16");
-      req->received.resize(mine);
-      SHARDOPT_MPI(MPI_Ireduce_scatter(buf, req->received.data(), req->counts.data(), MPI_FLOAT,
-                                       MPI_SUM, comm_, &req->requests[0]));
-      MpiRequest* r = req.get();
-      req->on_complete = [r, buf, mine, offset] {
-        if (mine) std::memcpy(buf + offset, r->received.data(), mine * sizeof(float));
-      };
+      SHARDOPT_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, comm_,
+                                             &req->requests[0]));
+      if (rank_ != 0)
+        req->on_complete = [buf, own, count] { std::memcpy(own, buf, count * sizeof(float)); };
     }
     return req;
   }
@@ -141,25 +132,24 @@ class MpiCommunicator final : public Communicator {
     return req;
   }
 
-  std::unique_ptr<CommRequest> start_all_gatherv(void* buf, std::span<const std::size_t> counts,
-                                                 CommType type) override {
+  std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count,
+                                                CommType type) override {
     // Blocks are multiples of the layout's 64-element alignment in practice: moving them as
-    // 64-element units keeps int counts valid for buffers of up to 2^37 elements.
-    std::size_t unit = 64;
-    for (std::size_t c : counts) unit = c % unit == 0 ? unit : 1;
-    std::vector<std::size_t> units(counts.begin(), counts.end());
-    for (std::size_t& u : units) u /= unit;
-    auto req = blocks(units, "MPI_Iallgatherv");
+    // 64-element units keeps int counts valid for buckets of up to 2^37 elements per rank.
+    const std::size_t unit = count % 64 == 0 ? 64 : 1;
+    const int n = mpi::checked_int(count / unit, "MPI_Iallgather");
+    mpi::checked_int(count / unit * static_cast<std::size_t>(size_), "MPI_Iallgather");
+    auto req = std::make_unique<MpiRequest>();
     MPI_Datatype elem = mpi::datatype(type);
     if (unit > 1) {
       SHARDOPT_MPI(MPI_Type_contiguous(static_cast<int>(unit), elem, &elem));
       SHARDOPT_MPI(MPI_Type_commit(&elem));
     }
     req->requests.resize(1);
-    const int rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, req->counts.data(),
-                                   req->displs.data(), elem, comm_, &req->requests[0]);
+    const int rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, n, elem, comm_,
+                                  &req->requests[0]);
     if (unit > 1) MPI_Type_free(&elem);  // MPI keeps it alive until the operation completes
-    mpi::check(rc, "MPI_Iallgatherv");
+    mpi::check(rc, "MPI_Iallgather");
     return req;
   }
 
@@ -187,26 +177,6 @@ class MpiCommunicator final : public Communicator {
   void barrier() override { SHARDOPT_MPI(MPI_Barrier(comm_)); }
 
  private:
-  // A request with int counts and displacements for per-rank blocks.
-  std::unique_ptr<MpiRequest> blocks(std::span<const std::size_t> counts, const char* what) const {
-    require(counts.size() == static_cast<std::size_t>(size_), Status::InvalidArgument,
-            std::string(what) + ": need one count per rank");
-    auto req = std::make_unique<MpiRequest>();
-    std::size_t offset = 0;
-    for (std::size_t c : counts) {
-      req->counts.push_back(mpi::checked_int(c, what));
-      req->displs.push_back(mpi::checked_int(offset, what));
-      offset += c;
-    }
-    mpi::checked_int(offset, what);
-    return req;
-  }
-  static std::size_t offset_end(std::span<const std::size_t> counts) {
-    std::size_t t = 0;
-    for (std::size_t c : counts) t += c;
-    return t;
-  }
-
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Op bf16_sum_op_ = MPI_OP_NULL;
   int rank_ = 0;

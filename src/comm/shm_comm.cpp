@@ -89,41 +89,36 @@ class ShmCommunicator final : public Communicator {
 
   // The shared-memory collectives complete before they return (node barriers inside), so
   // their requests are complete; everything else is the plain MPI communicator's.
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf,
-                                                        std::span<const std::size_t> counts,
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
                                                         CommType wire) override {
-    require(counts.size() == static_cast<std::size_t>(size()), Status::InvalidArgument,
-            "reduce_scatter: need one count per rank");
-    const std::vector<std::size_t> start = offsets(counts, 1);
+    const std::vector<std::size_t> start = offsets(count, 1);
     const WindowView v = find(buf, start.back() * sizeof(float));
     if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32)
-      return plain_->start_reduce_scatter_sum(buf, counts, wire);
-    if (topo_->num_nodes == 1) {
-      node_reduce_scatter(v, counts, start);
-    } else {
-      hierarchical_reduce_scatter(v, counts, start);
-    }
+      return plain_->start_reduce_scatter_sum(buf, count, wire);
+    reduce_scatter(v, count, start);
     return completed_request();
   }
 
-  std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
-                                                    CommType wire) override {
-    return plain_->start_all_reduce_sum(buf, count, wire);
+  std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count,
+                                                CommType type) override {
+    const std::vector<std::size_t> start = offsets(count, mpi::type_size(type));  // bytes
+    const WindowView v = find(buf, start.back());
+    if (v.win == nullptr || !hierarchy_usable()) return plain_->start_all_gather(buf, count, type);
+    all_gather(v, start);
+    return completed_request();
   }
 
-  std::unique_ptr<CommRequest> start_all_gatherv(void* buf, std::span<const std::size_t> counts,
-                                                 CommType type) override {
-    require(counts.size() == static_cast<std::size_t>(size()), Status::InvalidArgument,
-            "all_gather: need one count per rank");
-    const std::vector<std::size_t> start = offsets(counts, mpi::type_size(type));  // bytes
-    const WindowView v = find(buf, start.back());
-    if (v.win == nullptr || !hierarchy_usable())
-      return plain_->start_all_gatherv(buf, counts, type);
-    if (topo_->num_nodes == 1) {
-      node_all_gather(v, start);
-    } else {
-      hierarchical_all_gather(v, start);
-    }
+  // Inside a window, an all-reduce is the reduce-scatter followed by the all-gather (each
+  // rank sums 1/N of the buffer, then copies the other N-1 parts): 2 (N-1)/N of the buffer
+  // read from peers, as a ring all-reduce moves, without MPI's out-of-place temporaries.
+  std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
+                                                    CommType wire) override {
+    const std::size_t n = static_cast<std::size_t>(size());
+    const WindowView v = find(buf, count * sizeof(float));
+    if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32 || count % n != 0)
+      return plain_->start_all_reduce_sum(buf, count, wire);
+    reduce_scatter(v, count / n, offsets(count / n, 1));
+    all_gather(v, offsets(count / n, sizeof(float)));
     return completed_request();
   }
 
@@ -156,12 +151,28 @@ class ShmCommunicator final : public Communicator {
     sum_rows(dst + part.begin, src.data(), topo_->node_size, part.size());
   }
 
-  // Offsets of back-to-back blocks of counts[r] * unit bytes (or elements, unit 1); the last
-  // entry is the total.
-  static std::vector<std::size_t> offsets(std::span<const std::size_t> counts, std::size_t unit) {
-    std::vector<std::size_t> off(counts.size() + 1, 0);
-    for (std::size_t r = 0; r < counts.size(); ++r) off[r + 1] = off[r] + counts[r] * unit;
+  // Offsets of size() back-to-back blocks of count * unit bytes (or elements, unit 1); the
+  // last entry is the total.
+  std::vector<std::size_t> offsets(std::size_t count, std::size_t unit) const {
+    std::vector<std::size_t> off(static_cast<std::size_t>(size()) + 1, 0);
+    for (std::size_t r = 1; r < off.size(); ++r) off[r] = off[r - 1] + count * unit;
     return off;
+  }
+
+  void reduce_scatter(const WindowView& v, std::size_t count, const std::vector<std::size_t>& start) {
+    const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), count);
+    if (topo_->num_nodes == 1) {
+      node_reduce_scatter(v, counts, start);
+    } else {
+      hierarchical_reduce_scatter(v, counts, start);
+    }
+  }
+  void all_gather(const WindowView& v, const std::vector<std::size_t>& start) {
+    if (topo_->num_nodes == 1) {
+      node_all_gather(v, start);
+    } else {
+      hierarchical_all_gather(v, start);
+    }
   }
 
   // One node: every block k is summed by all node ranks together, each rank one part of it,

@@ -19,11 +19,9 @@ class SingleProcessCommunicator final : public Communicator {
   int size() const override { return 1; }
   std::string name() const override { return "single-process"; }
 
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf,
-                                                        std::span<const std::size_t> counts,
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
                                                         CommType wire) override {
-    require(counts.size() == 1, Status::InvalidArgument, "reduce_scatter: need one count");
-    if (wire == CommType::BF16) round_through_bf16(buf, counts[0]);
+    if (wire == CommType::BF16) round_through_bf16(buf, count);
     return completed_request();
   }
   std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
@@ -31,9 +29,7 @@ class SingleProcessCommunicator final : public Communicator {
     if (wire == CommType::BF16) round_through_bf16(buf, count);
     return completed_request();
   }
-  std::unique_ptr<CommRequest> start_all_gatherv(void*, std::span<const std::size_t> counts,
-                                                 CommType) override {
-    require(counts.size() == 1, Status::InvalidArgument, "all_gather: need one count");
+  std::unique_ptr<CommRequest> start_all_gather(void*, std::size_t, CommType) override {
     return completed_request();
   }
   void all_reduce_sum(void*, std::size_t, CommType) override {}

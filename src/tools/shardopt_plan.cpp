@@ -224,7 +224,7 @@ std::size_t largest_tensor(const FlatLayout& l) {
 
 void print_tables(const Args& a) {
   FlatLayout probe = a.layout;
-  probe.build(1);
+  probe.build(1, OptimizerOptions{}.bucket_elems);
   const double psi = static_cast<double>(probe.unpadded_size());
   std::printf("model %s: Psi = %s parameters (%zu) in %zu tensors, largest %s\n",
               a.model_name.c_str(), human_count(psi).c_str(), probe.unpadded_size(),

@@ -79,7 +79,7 @@ struct FullState {
 
 inline FullState gather_state(ShardedOptimizer& opt) {
   const FlatLayout& l = opt.layout();
-  const Range owned = opt.owned_range();
+  const Range owned{0, opt.local_size()};
   std::vector<std::size_t> out_offset;
   std::size_t total = 0;
   for (const ParamInfo& p : l.params()) {
@@ -93,7 +93,7 @@ inline FullState gather_state(ShardedOptimizer& opt) {
     std::vector<float> mine(owned.size());
     opt.copy_state_to_host(static_cast<StateArray>(a), 0, mine);
     std::vector<double> full(total, 0.0);
-    for (const ShardPiece& p : l.pieces_in(owned))
+    for (const ShardPiece& p : opt.local_pieces())
       for (std::size_t k = 0; k < p.in_param.size(); ++k)
         full[out_offset[p.param] + p.in_param.begin + k] = mine[p.local.begin + k];
     // One owner per element: the sum is exact (data-parallel ranks all hold everything).

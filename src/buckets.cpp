@@ -1,0 +1,308 @@
+// buckets.cpp: per-bucket gradient and parameter synchronisation.
+#include "buckets.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <string>
+
+namespace shardopt {
+namespace {
+
+constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+
+// Adds the wall time of its scope to a counter.
+class ScopedSeconds {
+ public:
+  explicit ScopedSeconds(double& sink) : sink_(sink) {}
+  ~ScopedSeconds() {
+    sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  double& sink_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+}  // namespace
+
+BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracker,
+                     const FlatLayout& layout, const BufferPlan& plan, Config config,
+                     const CollectiveAllocator& allocate_collective, void* replica)
+    : comm_(comm), backend_(backend), tracker_(tracker), layout_(layout), plan_(plan),
+      cfg_(config), replica_(static_cast<char*>(replica)), spill_param_(kNone) {
+  state_.resize(layout_.num_buckets());
+  param_ready_.assign(layout_.num_params(), 0);
+  if (staged()) {
+    staging_ = allocate_collective(plan_.staging);
+    grads_ = backend_.allocate(&tracker_, plan_.grads.category, plan_.grads.bytes);
+    for (int s = plan_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
+  } else {
+    grads_ = allocate_collective(plan_.grads);
+  }
+}
+
+BucketSet::~BucketSet() {
+  for (State& s : state_) {
+    if (!s.request) continue;
+    try {
+      s.request->wait();
+    } catch (...) {  // nothing to report to from a destructor
+    }
+  }
+}
+
+// ---- one bucket's collective ----------------------------------------------------------------
+
+void BucketSet::begin_op(std::size_t b, Op op, std::unique_ptr<CommRequest> request) {
+  State& s = state_[b];
+  require(s.op == Op::None, Status::Internal,
+          "bucket " + std::to_string(b) + ": a collective is already outstanding");
+  s.op = op;
+  s.request = std::move(request);
+}
+
+void BucketSet::finish_op(std::size_t b) {
+  State& s = state_[b];
+  if (s.op == Op::None) return;
+  s.request->wait();
+  s.request.reset();
+  const Op op = s.op;
+  s.op = Op::None;
+  if (op != Op::GradSync || !staged()) return;  // reduced in place
+  // Staged: this rank's reduced slice joins the owned gradient; the slot is free again.
+  const Bucket& bk = layout_.bucket(b);
+  float* slot = slot_data(s.slot);
+  backend_.accumulate(grads_.as<float>() + bk.local_begin,
+                      slot + static_cast<std::size_t>(comm_.rank()) * bk.slice_elems, DType::F32,
+                      bk.slice_elems);
+  backend_.fill_zero(slot, bk.flat.size() * sizeof(float));
+  free_slots_.push_back(s.slot);
+  s.slot = -1;
+}
+
+// ---- gradients ------------------------------------------------------------------------------
+
+void BucketSet::begin_backward(bool sync) {
+  require(next_start_ == 0, Status::InvalidState,
+          "begin_backward: gradients of this step were already reduced (a micro-batch with "
+          "sync ran, or buckets were flushed); call step() first");
+  if (!sync && staged() && accumulate_.data() == nullptr)
+    accumulate_ = backend_.allocate(&tracker_, plan_.accumulate.category, plan_.accumulate.bytes);
+  if (spill_param_ != kNone) flush_spill();
+  ++micro_batches_;
+  sync_ = sync;
+  for (State& s : state_) s.ready = 0;
+  std::fill(param_ready_.begin(), param_ready_.end(), 0);
+}
+
+void BucketSet::require_open(std::size_t i) const {
+  const ParamInfo& p = layout_.param(i);
+  require(p.buckets.end - 1 >= next_start_, Status::InvalidState,
+          "gradient of parameter '" + p.name +
+              "': its bucket was already reduced in this step; gradients must be produced in "
+              "backward order (reverse registration order), each bucket once per step");
+}
+
+float* BucketSet::slot_data(int slot) const {
+  return staging_.as<float>() + static_cast<std::size_t>(slot) * plan_.slot_elems;
+}
+
+std::span<float> BucketSet::grad(std::size_t i) {
+  const ParamInfo& p = layout_.param(i);
+  progress();
+  // Writing into a bucket whose reduction has started would race with it.
+  if (sync_) require_open(i);
+  if (!staged()) return {grads_.as<float>() + p.flat.begin, p.numel};
+  if (!sync_) return {accumulate_.as<float>() + p.flat.begin, p.numel};
+  if (p.buckets.size() > 1) {  // a view across buckets: the spill buffer
+    if (spill_param_ != i) {
+      if (spill_param_ != kNone) flush_spill();
+      start_through(p.buckets.begin);
+      if (spill_.data() == nullptr)
+        spill_ = backend_.allocate(&tracker_, plan_.spill.category, plan_.spill.bytes);
+      spill_param_ = i;
+    }
+    return {spill_.as<float>(), p.numel};
+  }
+  const std::size_t b = p.buckets.begin;
+  start_through(b);  // earlier buckets are complete by the backward-order contract
+  return {slot_for(b) + (p.flat.begin - layout_.bucket(b).flat.begin), p.numel};
+}
+
+void BucketSet::accumulate_grad(std::size_t i, const void* src, DType dtype) {
+  const ParamInfo& p = layout_.param(i);
+  if (!staged() || !sync_ || spill_param_ == i) {
+    backend_.accumulate(grad(i).data(), src, dtype, p.numel);
+    return;
+  }
+  require_open(i);
+  const std::size_t elem = dtype_size(dtype);
+  for (std::size_t b = p.buckets.begin; b < p.buckets.end; ++b) {
+    start_through(b);
+    const Range bucket = layout_.bucket(b).flat;
+    const Range piece = p.flat.intersect(bucket);
+    backend_.accumulate(slot_for(b) + (piece.begin - bucket.begin),
+                        static_cast<const char*>(src) + (piece.begin - p.flat.begin) * elem,
+                        dtype, piece.size());
+  }
+  progress();
+}
+
+void BucketSet::flush_spill() {
+  const ParamInfo& p = layout_.param(spill_param_);
+  spill_param_ = kNone;
+  for (std::size_t b = p.buckets.begin; b < p.buckets.end; ++b) {
+    start_through(b);
+    const Range bucket = layout_.bucket(b).flat;
+    const Range piece = p.flat.intersect(bucket);
+    backend_.accumulate(slot_for(b) + (piece.begin - bucket.begin),
+                        spill_.as<float>() + (piece.begin - p.flat.begin), DType::F32,
+                        piece.size());
+  }
+  backend_.fill_zero(spill_.data(), p.numel * sizeof(float));
+}
+
+void BucketSet::grad_ready(std::size_t i) {
+  const ParamInfo& p = layout_.param(i);
+  require(param_ready_[i] == 0, Status::InvalidState,
+          "grad_ready: parameter '" + p.name + "' was already marked ready in this micro-batch");
+  if (!sync_) {
+    param_ready_[i] = 1;
+    return;
+  }
+  require_open(i);
+  param_ready_[i] = 1;
+  if (spill_param_ == i) flush_spill();
+  for (std::size_t b = std::max(p.buckets.begin, next_start_); b < p.buckets.end; ++b)
+    ++state_[b].ready;
+  if (cfg_.overlap || staged()) {
+    // Start complete buckets in bucket order only, so that every rank issues the same
+    // sequence of collectives whatever order its parameters became ready in.
+    std::size_t end = next_start_;
+    while (end < state_.size() && state_[end].ready == layout_.bucket(end).num_params()) ++end;
+    start_through(end);
+  }
+  progress();
+}
+
+void BucketSet::start_through(std::size_t end) {
+  if (spill_param_ != kNone && end > layout_.param(spill_param_).buckets.begin) flush_spill();
+  while (next_start_ < end) start_grad_sync(next_start_);
+}
+
+void BucketSet::start_grad_sync(std::size_t b) {
+  const Bucket& bk = layout_.bucket(b);
+  finish_op(b);  // the previous step's gather of this bucket, if still outstanding
+  float* data = staged() ? slot_for(b) : grads_.as<float>() + bk.flat.begin;
+  {
+    const ScopedSeconds timed(blocked_seconds_);
+    begin_op(b, Op::GradSync,
+             cfg_.stage == Stage::DataParallel
+                 ? comm_.start_all_reduce_sum(data, bk.flat.size(), cfg_.wire)
+                 : comm_.start_reduce_scatter_sum(data, bk.slice_elems, cfg_.wire));
+  }
+  grad_in_flight_.push_back(b);
+  next_start_ = b + 1;
+  if (!cfg_.overlap) {
+    while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
+  }
+}
+
+void BucketSet::complete_oldest_grad_sync() {
+  const ScopedSeconds timed(blocked_seconds_);
+  const std::size_t b = grad_in_flight_.front();
+  grad_in_flight_.pop_front();
+  finish_op(b);
+}
+
+float* BucketSet::slot_for(std::size_t b) {
+  State& s = state_[b];
+  if (s.slot < 0) {
+    while (free_slots_.empty()) complete_oldest_grad_sync();
+    s.slot = free_slots_.back();
+    free_slots_.pop_back();
+    if (accumulate_.data() != nullptr) {
+      // Earlier micro-batches accumulated this bucket locally: it joins the reduction.
+      const Range r = layout_.bucket(b).flat;
+      backend_.accumulate(slot_data(s.slot), accumulate_.as<float>() + r.begin, DType::F32,
+                          r.size());
+      backend_.fill_zero(accumulate_.as<float>() + r.begin, r.size() * sizeof(float));
+    }
+  }
+  return slot_data(s.slot);
+}
+
+void BucketSet::finish_grad_sync() {
+  if (spill_param_ != kNone) flush_spill();
+  start_through(state_.size());
+  while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
+}
+
+Range BucketSet::window(std::size_t b) const {
+  const Bucket& bk = layout_.bucket(b);
+  return cfg_.stage == Stage::DataParallel ? bk.flat : bk.slice(comm_.rank());
+}
+
+std::size_t BucketSet::window_local(std::size_t b) const {
+  const Bucket& bk = layout_.bucket(b);
+  return cfg_.stage == Stage::DataParallel ? bk.flat.begin : bk.local_begin;
+}
+
+const float* BucketSet::reduced_grad(std::size_t b) const {
+  if (staged()) return grads_.as<float>() + layout_.bucket(b).local_begin;
+  return grads_.as<float>() + window(b).begin;
+}
+
+void BucketSet::zero_grads() {
+  while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
+  backend_.fill_zero(grads_.data(), grads_.bytes());
+  if (staged()) {
+    for (std::size_t b = 0; b < state_.size(); ++b) {
+      State& s = state_[b];
+      if (s.slot < 0) continue;
+      backend_.fill_zero(slot_data(s.slot), layout_.bucket(b).flat.size() * sizeof(float));
+      free_slots_.push_back(s.slot);
+      s.slot = -1;
+    }
+    if (accumulate_.data() != nullptr) backend_.fill_zero(accumulate_.data(), accumulate_.bytes());
+    if (spill_.data() != nullptr) backend_.fill_zero(spill_.data(), spill_.bytes());
+    spill_param_ = kNone;
+  }
+  next_start_ = 0;
+  micro_batches_ = 0;
+  sync_ = true;
+  blocked_seconds_ = 0.0;
+  for (State& s : state_) s.ready = 0;
+  std::fill(param_ready_.begin(), param_ready_.end(), 0);
+}
+
+// ---- parameters -------------------------------------------------------------------------------
+
+void BucketSet::start_param_sync(std::size_t b) {
+  const Bucket& bk = layout_.bucket(b);
+  const std::size_t elem = cfg_.param_type == CommType::F32 ? 4 : 2;
+  begin_op(b, Op::ParamSync,
+           comm_.start_all_gather(replica_ + bk.flat.begin * elem, bk.slice_elems,
+                                  cfg_.param_type));
+}
+
+void BucketSet::wait_param(std::size_t i) {
+  const Range bs = layout_.param(i).buckets;
+  for (std::size_t b = bs.begin; b < bs.end; ++b)
+    if (state_[b].op == Op::ParamSync) finish_op(b);
+}
+
+void BucketSet::wait_params() {
+  for (std::size_t b = 0; b < state_.size(); ++b)
+    if (state_[b].op == Op::ParamSync) finish_op(b);
+}
+
+void BucketSet::progress() {
+  for (std::size_t b : grad_in_flight_)
+    if (!state_[b].request->test()) break;
+  for (std::size_t b = 0; b < state_.size(); ++b)
+    if (state_[b].op == Op::ParamSync && state_[b].request->test()) finish_op(b);
+}
+
+}  // namespace shardopt

@@ -1,0 +1,130 @@
+// buckets.hpp: the buckets as the unit of communication. BucketSet owns, for every bucket of
+// the layout, its gradient synchronisation (start: reduce-scatter, or all-reduce in
+// data-parallel mode; finish: wait and, in stage 2, add this rank's slice into the owned
+// gradient), its parameter synchronisation (start: all-gather of the updated slices;
+// finish: wait), its stage-2 staging slot, and the rule that a bucket has at most one
+// collective outstanding. The geometry itself belongs to FlatLayout.
+//
+// Gradients. Backward writes (grad) or adds (accumulate_grad) each parameter's gradient and
+// marks it ready (grad_ready). Buckets start in bucket order on every rank: with overlap, a
+// bucket starts as soon as all of its parameters are ready; without, at the step. In stage 2
+// (GradScheme::Staged) gradients are written into bucket-sized staging slots, so a bucket is
+// also started when backward moves past it (the backward-order contract), and
+// accumulate_grad streams a parameter that spans buckets through their slots; a grad() view
+// of such a parameter is a separate buffer of its size ("spill"), handed to the slots at
+// grad_ready, at the next spill view, or at the step.
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "backend.hpp"
+#include "buffer_plan.hpp"
+#include "shardopt/comm.hpp"
+#include "shardopt/layout.hpp"
+#include "shardopt/options.hpp"
+
+namespace shardopt {
+
+class BucketSet {
+ public:
+  struct Config {
+    Stage stage;
+    CommType wire;        ///< gradient reduction: F32 or BF16
+    CommType param_type;  ///< replica: F32 or U16 (bf16 bits)
+    bool overlap;
+  };
+  /// Allocates a buffer that goes through collectives (collective: same calls on every
+  /// rank); the communicator may place it where it moves fastest (shared-memory windows).
+  using CollectiveAllocator = std::function<Allocation(const BufferSpec&)>;
+
+  BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracker,
+            const FlatLayout& layout, const BufferPlan& plan, Config config,
+            const CollectiveAllocator& allocate_collective, void* replica);
+  ~BucketSet();  // completes collectives still in flight (they are collective)
+  BucketSet(const BucketSet&) = delete;
+  BucketSet& operator=(const BucketSet&) = delete;
+
+  // ---- gradients ------------------------------------------------------------------------
+  /// Starts one micro-batch's backward; sync = false accumulates locally, no communication.
+  void begin_backward(bool sync);
+  /// Where backward writes (or adds) parameter i's gradient now.
+  std::span<float> grad(std::size_t i);
+  /// grad(i) += src (numel elements of `dtype`, F32 or BF16), streamed bucket by bucket.
+  void accumulate_grad(std::size_t i, const void* src, DType dtype);
+  /// Parameter i's gradient of this micro-batch is complete.
+  void grad_ready(std::size_t i);
+  /// Starts every bucket not started yet and finishes every gradient sync.
+  void finish_grad_sync();
+  /// The flat range of bucket b that this rank updates: its slice, or the whole bucket in
+  /// data-parallel mode; and where that range starts in the local arrays.
+  Range window(std::size_t b) const;
+  std::size_t window_local(std::size_t b) const;
+  /// After finish_grad_sync(): the reduced gradient over window(b).
+  const float* reduced_grad(std::size_t b) const;
+  /// Micro-batches accumulated since the last zero_grads() (at least 1).
+  int micro_batches() const { return micro_batches_ > 0 ? micro_batches_ : 1; }
+  /// Waits for gradient syncs in flight and clears every gradient and the pass state.
+  void zero_grads();
+  /// Seconds blocked in gradient communication since the last zero_grads(), on this rank.
+  double blocked_seconds() const { return blocked_seconds_; }
+
+  // ---- parameters ------------------------------------------------------------------------
+  /// Starts the all-gather of bucket b's updated slices into the replica.
+  void start_param_sync(std::size_t b);
+  /// Finishes the parameter syncs of the buckets holding parameter i.
+  void wait_param(std::size_t i);
+  /// Finishes every parameter sync.
+  void wait_params();
+
+  /// Tests collectives in flight so that MPI makes progress while the trainer computes.
+  void progress();
+
+ private:
+  enum class Op : unsigned char { None, GradSync, ParamSync };
+  struct State {
+    Op op = Op::None;
+    std::unique_ptr<CommRequest> request;
+    int slot = -1;          ///< Staged: the staging slot, -1 when none
+    std::size_t ready = 0;  ///< parameters ready in this micro-batch
+  };
+  void begin_op(std::size_t b, Op op, std::unique_ptr<CommRequest> request);
+  void finish_op(std::size_t b);  // waits and completes bucket b's outstanding collective
+  void start_through(std::size_t end);  // starts gradient syncs [next_start_, end) in order
+  void start_grad_sync(std::size_t b);
+  void complete_oldest_grad_sync();
+  float* slot_for(std::size_t b);  // Staged: the bucket's staging slot, acquired if needed
+  float* slot_data(int slot) const;
+  void flush_spill();
+  void require_open(std::size_t i) const;
+  bool staged() const { return plan_.grads_scheme == GradScheme::Staged; }
+
+  Communicator& comm_;
+  Backend& backend_;
+  MemoryTracker& tracker_;
+  const FlatLayout& layout_;
+  BufferPlan plan_;
+  Config cfg_;
+  char* replica_;
+
+  std::vector<State> state_;
+  std::vector<unsigned char> param_ready_;
+  Allocation grads_;       ///< Full: the full fp32 gradient; Staged: the owned shard
+  Allocation staging_;     ///< Staged: plan_.slots slots of plan_.slot_elems floats
+  Allocation accumulate_;  ///< Staged, on demand: full-size accumulation without sync
+  Allocation spill_;       ///< Staged, on demand: grad() view of a parameter across buckets
+  std::size_t spill_param_;
+  std::vector<int> free_slots_;
+
+  std::deque<std::size_t> grad_in_flight_;  ///< buckets whose gradient sync is outstanding
+  std::size_t next_start_ = 0;              ///< buckets before it were started in this step
+  int micro_batches_ = 0;
+  bool sync_ = true;
+  double blocked_seconds_ = 0.0;
+};
+
+}  // namespace shardopt

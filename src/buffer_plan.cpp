@@ -1,0 +1,48 @@
+// buffer_plan.cpp: the single computation of every buffer's size.
+#include "buffer_plan.hpp"
+
+#include <algorithm>
+
+namespace shardopt {
+
+BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype,
+                        int buckets_in_flight) {
+  constexpr std::size_t f32 = sizeof(float);
+  const std::size_t padded = layout.padded_size();
+  BufferPlan p;
+  p.local_elems = stage == Stage::DataParallel ? padded : layout.shard_size();
+  p.replica = {MemCategory::Params, padded * dtype_size(param_dtype), false};
+
+  if (stage == Stage::Zero2) {
+    // Slots hold the largest buckets that can be in flight at once; at most as many as there
+    // are buckets.
+    std::vector<std::size_t> sizes;
+    for (const Bucket& b : layout.buckets()) sizes.push_back(b.flat.size());
+    std::sort(sizes.begin(), sizes.end(), std::greater<>());
+    const std::size_t slots =
+        std::min(sizes.size(), static_cast<std::size_t>(std::max(1, buckets_in_flight)));
+    const std::size_t staging = slots * sizes.front();
+    // Staging pays off only if shard + staging stays below the full buffer; otherwise (one
+    // rank, or a model of one or two buckets) stage 2 keeps stage 1's full buffer, so it
+    // never needs more memory than stage 1.
+    if (layout.world_size() > 1 && p.local_elems + staging < padded) {
+      p.grads_scheme = GradScheme::Staged;
+      p.slots = static_cast<int>(slots);
+      p.slot_elems = sizes.front();
+      p.staging = {MemCategory::Scratch, staging * f32, false};
+      p.accumulate = {MemCategory::Grads, padded * f32, true};
+      std::size_t spill = 0;
+      for (const ParamInfo& q : layout.params())
+        if (q.buckets.size() > 1) spill = std::max(spill, q.numel);
+      p.spill = {MemCategory::Scratch, spill * f32, true};
+    }
+  }
+  p.grads = {MemCategory::Grads,
+             (p.grads_scheme == GradScheme::Staged ? p.local_elems : padded) * f32, false};
+  if (param_dtype != DType::F32) p.master = {MemCategory::Master, p.local_elems * f32, false};
+  p.exp_avg = {MemCategory::Moments, p.local_elems * f32, false};
+  p.exp_avg_sq = {MemCategory::Moments, p.local_elems * f32, false};
+  return p;
+}
+
+}  // namespace shardopt

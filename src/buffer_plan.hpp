@@ -1,0 +1,58 @@
+// buffer_plan.hpp: every buffer the optimizer allocates, sized once from the layout and the
+// options. ShardedOptimizer::finalize() allocates from it and plan_memory() reports it, so
+// the planner and the real accounting cannot drift apart.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "shardopt/layout.hpp"
+#include "shardopt/memory.hpp"
+#include "shardopt/options.hpp"
+
+namespace shardopt {
+
+/// Where the gradients of a step live.
+enum class GradScheme {
+  /// One full fp32 buffer (flat layout); each bucket is reduced in place and this rank's
+  /// slices of it are the reduced gradient. Data-parallel, stage 1, and stage 2 where the
+  /// staging would not save memory (one rank, or one bucket holding most of the model).
+  Full,
+  /// Stage 2: backward writes into bucket-sized staging slots; each slot is reduce-scattered
+  /// and this rank's slice added into the owned gradient shard (padded / N elements).
+  Staged,
+};
+
+struct BufferSpec {
+  MemCategory category = MemCategory::Scratch;
+  std::size_t bytes = 0;
+  /// Allocated only when first needed (see BufferPlan); not part of finalize()'s memory.
+  bool on_demand = false;
+};
+
+struct BufferPlan {
+  GradScheme grads_scheme = GradScheme::Full;
+  std::size_t local_elems = 0;      ///< length of the local arrays (master, m, v)
+  std::size_t slot_elems = 0;       ///< Staged: one staging slot (the largest bucket)
+  int slots = 0;                    ///< Staged: staging slots
+  BufferSpec replica;               ///< the full replica, param dtype
+  BufferSpec grads;                 ///< Full: the full gradient; Staged: the owned shard
+  BufferSpec staging;               ///< Staged: slots x slot_elems fp32
+  BufferSpec master;                ///< absent (0 bytes) when the fp32 replica is the master
+  BufferSpec exp_avg, exp_avg_sq;
+  /// Staged, on demand: micro-batches that accumulate without synchronising (full size).
+  BufferSpec accumulate;
+  /// Staged, on demand: a grad(i) view of a parameter that spans several buckets (its size).
+  BufferSpec spill;
+
+  /// Every buffer with its bytes, allocated ones first.
+  std::vector<BufferSpec> all() const {
+    return {replica, grads, staging, master, exp_avg, exp_avg_sq, accumulate, spill};
+  }
+};
+
+/// The plan for `layout` (built for the group's size) under these options.
+BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype,
+                        int buckets_in_flight);
+
+}  // namespace shardopt
