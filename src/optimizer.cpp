@@ -403,21 +403,21 @@ std::span<float> ShardedOptimizer::grad(std::size_t i) {
 }
 
 void ShardedOptimizer::accumulate_grad(std::size_t i, std::span<const float> src) {
-  require_finalized("accumulate_grad");
-  const ParamInfo& p = layout_.param(i);
-  require(src.size() == p.numel, Status::InvalidArgument,
-          "accumulate_grad: parameter '" + p.name + "' has " + std::to_string(p.numel) +
-              " elements, got " + std::to_string(src.size()));
-  buckets_->accumulate_grad(i, src.data(), DType::F32);
+  accumulate_grad_as(i, src.data(), src.size(), DType::F32);
 }
 
 void ShardedOptimizer::accumulate_grad(std::size_t i, std::span<const bf16> src) {
+  accumulate_grad_as(i, src.data(), src.size(), DType::BF16);
+}
+
+void ShardedOptimizer::accumulate_grad_as(std::size_t i, const void* src, std::size_t n,
+                                          DType dtype) {
   require_finalized("accumulate_grad");
   const ParamInfo& p = layout_.param(i);
-  require(src.size() == p.numel, Status::InvalidArgument,
+  require(n == p.numel, Status::InvalidArgument,
           "accumulate_grad: parameter '" + p.name + "' has " + std::to_string(p.numel) +
-              " elements, got " + std::to_string(src.size()));
-  buckets_->accumulate_grad(i, src.data(), DType::BF16);
+              " elements, got " + std::to_string(n));
+  buckets_->accumulate_grad(i, src, dtype);
 }
 
 void ShardedOptimizer::grad_ready(std::size_t i) {

@@ -171,6 +171,7 @@ class ShardedOptimizer {
   void require_finalized(const char* what) const;
   void require_registering(const char* what) const;
   void all_gather_replica();
+  void accumulate_grad_as(std::size_t i, const void* src, std::size_t n, DType dtype);
   double update_and_gather(const StepScalars& s, const StepHyper& h, bool gather_per_bucket);
   std::vector<UpdateSegment> make_segments(const StepHyper& h, Range window) const;
   void* replica_ptr(std::size_t elem_offset) const;
