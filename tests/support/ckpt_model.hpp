@@ -53,14 +53,45 @@ inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Com
 /// One training step with rank-independent gradients (multiples of 2^-10), given in
 /// backward order so that stage 2 works too.
 inline StepResult ckpt_train_step(ShardedOptimizer& opt, int step) {
-  const auto& sizes = ckpt_sizes();
-  for (std::size_t i = sizes.size(); i-- > 0;) {
+  for (std::size_t i = opt.layout().num_params(); i-- > 0;) {
     std::span<float> g = opt.grad(i);
     for (std::size_t k = 0; k < g.size(); ++k)
       g[k] = std::round(synth(11, static_cast<std::uint64_t>(step), i, k) * 1024.0f) / 1024.0f;
     opt.grad_ready(i);
   }
   return opt.step();
+}
+
+/// The model of the committed format-1 fixture (tests/data/ckpt_v1, written by
+/// tests/data/make_ckpt_fixture.cpp): its parameters must never change. Parameter 2 straddles
+/// the boundary of the two shards the fixture was saved with.
+inline const std::vector<std::size_t>& fixture_sizes() {
+  static const std::vector<std::size_t> s = {5, 300, 1000, 64, 129, 1, 77};
+  return s;
+}
+
+inline std::unique_ptr<ShardedOptimizer> make_fixture_optimizer(std::shared_ptr<Communicator> comm,
+                                                                Stage stage) {
+  OptimizerOptions o;
+  o.stage = stage;
+  o.param_dtype = DType::BF16;
+  o.adam.lr = 1e-2;
+  o.adam.weight_decay = 0.05;
+  o.bucket_elems = 500;
+  o.loss_scaling.enabled = true;
+  o.loss_scaling.initial_scale = 4096.0;
+  auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
+  opt->add_group(GroupOptions{0.5, false});
+  const auto& sizes = fixture_sizes();
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    opt->add_param("fixture.p" + std::to_string(i), sizes[i], static_cast<int>(i % 2));
+  opt->finalize();
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    std::vector<float> init(sizes[i]);
+    for (std::size_t k = 0; k < init.size(); ++k) init[k] = synth(5, 0, i, k);
+    opt->set_param(i, init);
+  }
+  return opt;
 }
 
 /// The full state (master, exp_avg, exp_avg_sq, each per parameter, concatenated in
