@@ -1,18 +1,24 @@
 // ckpt_model.hpp: a small deterministic training setup for checkpoint tests: an optimizer
 // over odd-sized parameters, gradients that do not depend on the rank (so the averaged
-// gradient is exact at world sizes 1, 2 and 4), and the full state gathered for bitwise
-// comparisons.
+// gradient is exact at world sizes 1, 2 and 4), the full state gathered for bitwise
+// comparisons, and the model of the committed format-1 fixture.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "shardopt/optimizer.hpp"
 #include "support/reference.hpp"
+// Which state a rank holds, from the one function the checkpoint code asks too (internal
+// header, by path: not every user of this file has src/ on its include path).
+#include "../../src/checkpoint/pieces.hpp"
 
 namespace shardopt::test {
 
@@ -94,6 +100,32 @@ inline std::unique_ptr<ShardedOptimizer> make_fixture_optimizer(std::shared_ptr<
   return opt;
 }
 
+/// A fresh directory every rank sees at the same path, removed at the end (collective).
+class SharedDir {
+ public:
+  explicit SharedDir(Communicator& comm) : comm_(comm) {
+    char name[256] = {};
+    if (comm.rank() == 0) {
+      std::string tmpl = (std::filesystem::temp_directory_path() / "shardopt-ckpt-XXXXXX").string();
+      if (!mkdtemp(tmpl.data())) std::abort();
+      std::snprintf(name, sizeof name, "%s", tmpl.c_str());
+    }
+    comm.broadcast_bytes(name, sizeof name, 0);
+    path_ = name;
+  }
+  ~SharedDir() {
+    comm_.barrier();
+    if (comm_.rank() == 0) std::filesystem::remove_all(path_);
+  }
+  SharedDir(const SharedDir&) = delete;
+  SharedDir& operator=(const SharedDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  Communicator& comm_;
+  std::filesystem::path path_;
+};
+
 /// The full state (master, exp_avg, exp_avg_sq, each per parameter, concatenated in
 /// parameter order) on every rank. Collective.
 struct FullState {
@@ -110,7 +142,6 @@ struct FullState {
 
 inline FullState gather_state(ShardedOptimizer& opt) {
   const FlatLayout& l = opt.layout();
-  const Range owned = opt.owned_range();
   std::vector<std::size_t> out_offset;
   std::size_t total = 0;
   for (const ParamInfo& p : l.params()) {
@@ -121,10 +152,10 @@ inline FullState gather_state(ShardedOptimizer& opt) {
   st.step = opt.step_count();
   const bool everyone_owns_all = opt.options().stage == Stage::DataParallel;
   for (int a = 0; a < 3; ++a) {
-    std::vector<float> mine(owned.size());
+    std::vector<float> mine(ckpt::owned_state_elems(opt));
     opt.copy_state_to_host(static_cast<StateArray>(a), 0, mine);
     std::vector<double> full(total, 0.0);
-    for (const ShardPiece& p : l.pieces_in(owned))
+    for (const ShardPiece& p : ckpt::owned_pieces(opt, ckpt::PieceSet::Held))
       for (std::size_t k = 0; k < p.in_param.size(); ++k)
         full[out_offset[p.param] + p.in_param.begin + k] = mine[p.local.begin + k];
     // One owner per element: the sum is exact (data-parallel ranks all hold everything).
