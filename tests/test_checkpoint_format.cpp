@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -323,6 +324,7 @@ TEST(Files, AFifoIsRefusedWithoutBlocking) {
   ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
   const std::filesystem::path fifo = std::filesystem::path(tmpl) / "shard-00000.bin";
   ASSERT_EQ(mkfifo(fifo.c_str(), 0644), 0);
+  alarm(60);  // a hang becomes a failure
   try {
     InFile f(fifo);  // blocked here forever before the fix
     ADD_FAILURE() << "a FIFO was opened as a checkpoint file";
@@ -331,5 +333,6 @@ TEST(Files, AFifoIsRefusedWithoutBlocking) {
     EXPECT_NE(std::string(e.what()).find("not a regular file"), std::string::npos) << e.what();
   }
   EXPECT_THROW(read_whole_file(fifo, 100), Error);
+  alarm(0);
   std::filesystem::remove_all(tmpl);
 }
