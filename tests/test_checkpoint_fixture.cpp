@@ -147,3 +147,27 @@ TEST(FixtureCorrupted, IsRefusedEverywhereAndChangesNothing) {
   EXPECT_TRUE(test::gather_state(*opt) == before);
   EXPECT_EQ(opt->step_count(), 0);
 }
+
+TEST(FixtureDirectory, NewSavesJoinAFormatOneSaveDirectory) {
+  auto comm = test::world();
+  test::SharedDir dir(*comm);
+  const fs::path copy = dir.path() / "save";
+  comm->barrier();
+  if (comm->rank() == 0) fs::copy(kFixture / "save", copy, fs::copy_options::recursive);
+  comm->barrier();
+  const test::FullState want = expected_state();
+  auto opt = test::make_fixture_optimizer(comm, Stage::Zero1);
+  load_checkpoint(*opt, copy);
+  test::ckpt_train_step(*opt, 4);
+  const test::FullState newer = test::gather_state(*opt);
+  SaveOptions keep2;
+  keep2.keep = 2;
+  EXPECT_EQ(save_checkpoint(*opt, copy, keep2).filename(), "ckpt-00000002");
+  comm->barrier();
+  EXPECT_TRUE(fs::exists(copy / "ckpt-00000001")) << "the format-1 checkpoint was removed";
+  auto b = test::make_fixture_optimizer(comm, Stage::Zero2);
+  load_checkpoint(*b, copy);  // LATEST (now with a checksum): the format-2 checkpoint
+  EXPECT_TRUE(test::gather_state(*b) == newer);
+  load_checkpoint(*b, copy / "ckpt-00000001");  // the format-1 one, named
+  EXPECT_TRUE(test::gather_state(*b) == want);
+}

@@ -1,7 +1,8 @@
 // test_checkpoint_format.cpp: the byte format alone: CRC-32C, metadata round trip, the
 // decoder's refusal of every truncation, every single-byte corruption, shards that do not
 // cover every element exactly once and newer versions; format 1 (the committed fixture's
-// files) decoded and checked the same way; LATEST's checksum; non-blocking opens.
+// files) decoded and checked the same way; LATEST's checksum; non-blocking opens; the reader
+// opening only the files and reading only the blocks a range needs.
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>
@@ -17,6 +18,8 @@
 #include "checkpoint/crc32c.hpp"
 #include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
+#include "checkpoint/reader.hpp"
+#include "shardopt/checkpoint.hpp"
 #include "support/reference.hpp"
 
 using namespace shardopt;
@@ -335,4 +338,54 @@ TEST(Files, AFifoIsRefusedWithoutBlocking) {
   EXPECT_THROW(read_whole_file(fifo, 100), Error);
   alarm(0);
   std::filesystem::remove_all(tmpl);
+}
+
+// ---- the reader reads what a range needs, nothing else ----------------------------------------
+
+TEST(Reader, ReadsOnlyTheBlocksAndFilesARangeNeeds) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "shardopt-reader-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  const std::filesystem::path root = tmpl;
+  auto counting = [](std::uint64_t& n) {
+    return [&n](std::uint32_t, std::uint64_t, std::span<const float> v) { n += v.size(); };
+  };
+
+  // Format 2, one shard of two blocks (one parameter longer than a block): a corrupted
+  // second block does not stop a read of the first block's range.
+  {
+    OptimizerOptions o;
+    o.param_dtype = DType::F32;
+    ShardedOptimizer opt(make_single_process_communicator(), o);
+    opt.add_param("big", kBlockElems + 1000);
+    opt.finalize();
+    const std::filesystem::path ck = save_checkpoint(opt, root / "v2");
+    const Metadata m = read_metadata(ck);
+    ASSERT_EQ(m.shards[0].blocks.size(), 2u);
+    {
+      std::fstream f(ck / shard_file_name(0), std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(static_cast<std::streamoff>(m.shards[0].blocks[1].file_offset + 8));
+      f.put('\x55');
+    }
+    std::uint64_t n = 0;
+    const Range first{10, 20};
+    read_state(ck, m, std::span(&first, 1), counting(n));
+    EXPECT_EQ(n, 3 * kBlockElems);  // the whole first block, three arrays
+    const Range second{kBlockElems + 5, kBlockElems + 6};
+    EXPECT_THROW(read_state(ck, m, std::span(&second, 1), counting(n)), Error);
+  }
+
+  // Format 1 (the fixture, two shard files): without shard 1, ranges inside shard 0 read.
+  {
+    const std::filesystem::path v1 = root / "v1";
+    std::filesystem::copy(std::string(SHARDOPT_TEST_DATA) + "/ckpt_v1/save/ckpt-00000001", v1);
+    std::filesystem::remove(v1 / shard_file_name(1));
+    const Metadata m = read_metadata(v1);
+    std::uint64_t n = 0;
+    const Range head{0, 305};  // parameters 0 and 1, in shard 0
+    read_state(v1, m, std::span(&head, 1), counting(n));
+    EXPECT_EQ(n, 3 * shard_extents(m, 0).back().end);  // shard 0 streamed, padding left out
+    const Range all{0, canonical_offsets(m).back()};
+    EXPECT_THROW(read_state(v1, m, std::span(&all, 1), counting(n)), Error);
+  }
+  std::filesystem::remove_all(root);
 }
