@@ -18,6 +18,14 @@ using shardopt::test::synth;
 
 std::string last(shardopt_optimizer_t opt) { return shardopt_last_error(opt); }
 
+// A result struct ready for shardopt_step (struct_size set).
+shardopt_step_result_t step_result() {
+  shardopt_step_result_t r;
+  EXPECT_EQ(shardopt_step_result_init(&r), SHARDOPT_SUCCESS);
+  return r;
+}
+
+
 shardopt_config_t config(int stage, int dtype) {
   shardopt_config_t c;
   EXPECT_EQ(shardopt_config_init(&c), SHARDOPT_SUCCESS);
@@ -322,7 +330,7 @@ TEST(CApi, MpiCreationWithoutMpiFailsCleanly) {
 
 TEST(CApi, StepReportsClippingAndSkipping) {
   Fixture f;
-  shardopt_step_result_t r{};
+  shardopt_step_result_t r = step_result();
   float* g = nullptr;
   std::size_t n = 0;
   ASSERT_EQ(shardopt_grad(f.opt, 0, &g, &n), SHARDOPT_SUCCESS);
@@ -404,7 +412,7 @@ void train_both(int stage, int dtype) {
       ASSERT_EQ(shardopt_grad_ready(opt, q), SHARDOPT_SUCCESS);
       ref.grad_ready(q);
     }
-    shardopt_step_result_t r{};
+    shardopt_step_result_t r = step_result();
     ASSERT_EQ(shardopt_step(opt, &r), SHARDOPT_SUCCESS);
     const shardopt::StepResult rr = ref.step();
     EXPECT_EQ(r.grad_norm, rr.grad_norm);
