@@ -1,6 +1,8 @@
 // c_api_mpi.cpp: the MPI creation entry points (built when shardopt has MPI).
 #include <mpi.h>
 
+#include <vector>
+
 #include "handle.hpp"
 #include "shardopt/mpi_comm.hpp"
 
@@ -20,6 +22,15 @@ void create_over(MPI_Comm comm, const shardopt_config_t* config, shardopt_optimi
   std::shared_ptr<Communicator> plain =
       make_mpi_communicator(comm, MpiCommOptions{MpiCommKind::Plain, 0});
   capi::agree_on_request(*plain, request);
+  // Every rank must build the same kind of communicator, or they would wait in different
+  // collectives: compare the choices first (all ranks see the same table, so all agree).
+  const int mine[2] = {request.comm_kind, request.simulate_nodes};
+  std::vector<int> all(2 * static_cast<std::size_t>(plain->size()));
+  plain->all_gather_bytes(mine, all.data(), sizeof mine);
+  for (std::size_t r = 0; r < all.size(); r += 2)
+    require(all[r] == all[0] && all[r + 1] == all[1], Status::InvalidArgument,
+            "ranks chose different communicators (config->comm_kind or "
+            "config->comm_simulate_nodes differ)");
   std::shared_ptr<Communicator> chosen =
       request.comm_kind == SHARDOPT_COMM_MPI
           ? std::move(plain)
