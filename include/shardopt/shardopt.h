@@ -508,9 +508,11 @@ SHARDOPT_API shardopt_status_t shardopt_set_group(shardopt_optimizer_t opt, int 
                                                   double lr_scale, int weight_decay);
 
 /* The dynamic loss-scaling state: the scale the trainer multiplies its loss by (1 when loss
- * scaling is off), the finite steps since the last growth or backoff, and every skipped step.
- * Local; any output may be NULL. The set form (scale > 0 and finite, counts >= 0) is local
- * too: set the same values on every rank; an invalid value changes nothing. */
+ * scaling is off), the finite steps since the last growth or backoff, and every skipped step
+ * (with or without loss scaling). Local; any output may be NULL. The set form is local too:
+ * set the same values on every rank; the scale must lie in [loss_scale_min, loss_scale_max]
+ * (exactly 1 without loss scaling) and the counts be >= 0, otherwise nothing changes
+ * (SHARDOPT_ERROR_INVALID_ARGUMENT). Checkpoints save and restore this state. */
 SHARDOPT_API shardopt_status_t shardopt_get_loss_scale(shardopt_optimizer_t opt, double* scale,
                                                        int64_t* good_steps,
                                                        int64_t* skipped_steps);

@@ -133,6 +133,7 @@ module shardopt
   public :: shardopt_param_offset, shardopt_wait_param, shardopt_wait_all, shardopt_progress
   public :: shardopt_get_loss_scale, shardopt_set_loss_scale
   public :: shardopt_save_checkpoint, shardopt_load_checkpoint
+  public :: shardopt_param_index, shardopt_mem_category_name
 
   !> Registers a parameter; numel may be a default or a 64-bit integer.
   interface shardopt_add_param
@@ -406,6 +407,18 @@ module shardopt
       integer(c_int), value :: cat
       integer(c_size_t), intent(out) :: bytes, peak
       integer(c_int) :: c_memory_usage
+    end function
+    function c_param_index(opt, name, idx) bind(c, name="shardopt_param_index")
+      import :: c_int, c_ptr, c_char, c_size_t
+      type(c_ptr), value :: opt
+      character(kind=c_char), intent(in) :: name(*)
+      integer(c_size_t), intent(out) :: idx
+      integer(c_int) :: c_param_index
+    end function
+    function c_mem_category_name(cat) bind(c, name="shardopt_mem_category_name")
+      import :: c_int, c_ptr
+      integer(c_int), value :: cat
+      type(c_ptr) :: c_mem_category_name
     end function
     function c_step_result_init(r) bind(c, name="shardopt_step_result_init")
       import :: c_int, shardopt_step_result
@@ -1075,6 +1088,27 @@ contains
     bytes = int(b, c_int64_t)
     if (present(peak)) peak = int(p, c_int64_t)
   end subroutine shardopt_memory_usage
+
+  !> The 1-based index of the parameter called `name`. Local.
+  subroutine shardopt_param_index(opt, name, index, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    character(len=*), intent(in) :: name
+    integer, intent(out) :: index
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_size_t) :: idx
+    idx = 0
+    call finish(opt%ptr, c_param_index(opt%ptr, trim(name)//c_null_char, idx), status, errmsg)
+    index = 0
+    if (status == SHARDOPT_SUCCESS) index = int(idx) + 1
+  end subroutine shardopt_param_index
+
+  !> The name of a SHARDOPT_MEM_* category ("params", ..., "total"; "?" if unknown).
+  function shardopt_mem_category_name(category) result(s)
+    integer(c_int), intent(in) :: category
+    character(len=:), allocatable :: s
+    s = from_c(c_mem_category_name(category))
+  end function shardopt_mem_category_name
 
   ! ---- introspection ---------------------------------------------------------------------------
 
