@@ -649,4 +649,49 @@ void ShardedOptimizer::refresh_replica() {
   all_gather_replica();
 }
 
+// ---- for the C ABI (issue 13) ---------------------------------------------------------------
+
+void* ShardedOptimizer::replica_data() {
+  require_finalized("replica_data");
+  wait_gathers();
+  return replica_ptr(0);
+}
+
+void ShardedOptimizer::get_state(StateArray a, std::size_t i, std::span<float> out) {
+  std::string problem;
+  if (!finalized_) {
+    problem = "get_state: call finalize() first";
+  } else if (i >= layout_.num_params()) {
+    problem = "get_state: no parameter index " + std::to_string(i) + " (there are " +
+              std::to_string(layout_.num_params()) + ")";
+  } else if (out.size() != layout_.param(i).numel) {
+    problem = "get_state: parameter '" + layout_.param(i).name + "' has " +
+              std::to_string(layout_.param(i).numel) + " elements, got a buffer of " +
+              std::to_string(out.size());
+  }
+  agree_or_throw(*comm_, problem.empty() ? Status::Ok : (finalized_ ? Status::InvalidArgument
+                                                                    : Status::InvalidState),
+                 problem);
+  const Range flat = layout_.param(i).flat;
+  if (options_.stage == Stage::DataParallel || comm_->size() == 1) {
+    copy_state_to_host(a, flat.begin - owned_.begin, out);
+    return;
+  }
+  // Every rank's piece of the parameter, each padded to the largest, gathered in rank order.
+  const int world = comm_->size();
+  std::size_t chunk = 0;
+  for (int r = 0; r < world; ++r) chunk = std::max(chunk, flat.intersect(layout_.shard_range(r)).size());
+  std::vector<float> mine(chunk), all(chunk * static_cast<std::size_t>(world));
+  const Range own = flat.intersect(owned_);
+  if (!own.empty())
+    copy_state_to_host(a, own.begin - owned_.begin, std::span<float>(mine.data(), own.size()));
+  comm_->all_gather_bytes(mine.data(), all.data(), chunk * sizeof(float));
+  for (int r = 0; r < world; ++r) {
+    const Range piece = flat.intersect(layout_.shard_range(r));
+    if (piece.empty()) continue;
+    std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r) * chunk),
+                piece.size(), out.begin() + static_cast<std::ptrdiff_t>(piece.begin - flat.begin));
+  }
+}
+
 }  // namespace shardopt

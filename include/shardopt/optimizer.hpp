@@ -167,6 +167,16 @@ class ShardedOptimizer {
   /// Rewrites the replica's owned part from the master and all-gathers it (collective).
   void refresh_replica();
 
+  // ---- for the C ABI (issue 13): whole-replica view and per-parameter state copies -------
+  /// The flat replica: layout().padded_size() elements of options().param_dtype, parameter i
+  /// at element layout().param(i).flat.begin (device memory when the device is CUDA). Waits
+  /// for every gather in flight, as param() does for one parameter. Local; after finalize.
+  void* replica_data();
+  /// Collective: copies parameter i's state array `a` into `out` (numel) on every rank, bit
+  /// for bit (a gather of the owners' pieces, not a sum). A wrong size or index on any rank
+  /// throws the same Error on every rank.
+  void get_state(StateArray a, std::size_t i, std::span<float> out);
+
  private:
   void require_finalized(const char* what) const;
   void require_registering(const char* what) const;
