@@ -318,20 +318,28 @@ void ShardedOptimizer::set_param(std::size_t i, std::span<const float> values) {
 }
 
 void ShardedOptimizer::get_master(std::size_t i, std::span<float> out) {
-  require_finalized("get_master");
+  get_state(StateArray::Master, i, out);
+}
+
+void ShardedOptimizer::get_state(StateArray a, std::size_t i, std::span<float> out) {
   // Checked on every rank and agreed before any data moves, so that a bad call on one rank
   // is the same error everywhere instead of a hang.
   std::string problem;
-  if (i >= layout_.num_params())
-    problem = "get_master: parameter index " + std::to_string(i) + " out of range (have " +
+  Status status = Status::InvalidArgument;
+  if (!finalized_) {
+    problem = "get_state: call finalize() first";
+    status = Status::InvalidState;
+  } else if (i >= layout_.num_params()) {
+    problem = "get_state: parameter index " + std::to_string(i) + " out of range (have " +
               std::to_string(layout_.num_params()) + ")";
-  else if (out.size() != layout_.param(i).numel)
-    problem = "get_master: parameter '" + layout_.param(i).name + "' has " +
+  } else if (out.size() != layout_.param(i).numel) {
+    problem = "get_state: parameter '" + layout_.param(i).name + "' has " +
               std::to_string(layout_.param(i).numel) + " elements, got a buffer of " +
               std::to_string(out.size());
-  else if (out.data() == nullptr)
-    problem = "get_master: the output buffer is null";
-  agree_or_throw(*comm_, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
+  } else if (out.data() == nullptr) {
+    problem = "get_state: the output buffer is null";
+  }
+  agree_or_throw(*comm_, problem.empty() ? Status::Ok : status, problem);
   const ParamInfo& p = layout_.param(i);
   buckets_->wait_params();
   // This rank's pieces of [lo, hi) of the parameter into dst (indexed from lo).
@@ -340,9 +348,11 @@ void ShardedOptimizer::get_master(std::size_t i, std::span<float> out) {
     for (std::size_t b = p.buckets.begin; b < p.buckets.end; ++b) {
       const Range w = buckets_->window(b);
       const Range mine = want.intersect(w);
-      if (!mine.empty())
-        backend_->copy_to_host(dst + (mine.begin - want.begin), master_at(b) + (mine.begin - w.begin),
-                               mine.size() * sizeof(float));
+      if (mine.empty()) continue;
+      const float* src = a == StateArray::Master ? master_at(b)
+                                                 : state_base(a) + buckets_->window_local(b);
+      backend_->copy_to_host(dst + (mine.begin - want.begin), src + (mine.begin - w.begin),
+                             mine.size() * sizeof(float));
     }
   };
   const int world = comm_->size();
@@ -356,7 +366,7 @@ void ShardedOptimizer::get_master(std::size_t i, std::span<float> out) {
   std::vector<float> mine(std::min(kChunk, p.numel));
   std::vector<float> all(mine.size() * static_cast<std::size_t>(world));
   for (std::size_t lo = 0; lo < p.numel; lo += kChunk) {
-    const std::size_t hi = std::min(p.numel, lo + kChunk), n = hi - lo;
+    const std::size_t hi = std::min(p.numel, lo + kChunk);
     std::fill(mine.begin(), mine.end(), 0.0f);
     copy_mine(lo, hi, mine.data());
     comm_->all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(float));
@@ -368,7 +378,6 @@ void ShardedOptimizer::get_master(std::size_t i, std::span<float> out) {
         const float* src = all.data() + static_cast<std::size_t>(r) * mine.size() + (got.begin - want.begin);
         std::copy(src, src + got.size(), out.data() + lo + (got.begin - want.begin));
       }
-    (void)n;
   }
 }
 
@@ -653,45 +662,8 @@ void ShardedOptimizer::refresh_replica() {
 
 void* ShardedOptimizer::replica_data() {
   require_finalized("replica_data");
-  wait_gathers();
+  buckets_->wait_params();
   return replica_ptr(0);
-}
-
-void ShardedOptimizer::get_state(StateArray a, std::size_t i, std::span<float> out) {
-  std::string problem;
-  if (!finalized_) {
-    problem = "get_state: call finalize() first";
-  } else if (i >= layout_.num_params()) {
-    problem = "get_state: no parameter index " + std::to_string(i) + " (there are " +
-              std::to_string(layout_.num_params()) + ")";
-  } else if (out.size() != layout_.param(i).numel) {
-    problem = "get_state: parameter '" + layout_.param(i).name + "' has " +
-              std::to_string(layout_.param(i).numel) + " elements, got a buffer of " +
-              std::to_string(out.size());
-  }
-  agree_or_throw(*comm_, problem.empty() ? Status::Ok : (finalized_ ? Status::InvalidArgument
-                                                                    : Status::InvalidState),
-                 problem);
-  const Range flat = layout_.param(i).flat;
-  if (options_.stage == Stage::DataParallel || comm_->size() == 1) {
-    copy_state_to_host(a, flat.begin - owned_.begin, out);
-    return;
-  }
-  // Every rank's piece of the parameter, each padded to the largest, gathered in rank order.
-  const int world = comm_->size();
-  std::size_t chunk = 0;
-  for (int r = 0; r < world; ++r) chunk = std::max(chunk, flat.intersect(layout_.shard_range(r)).size());
-  std::vector<float> mine(chunk), all(chunk * static_cast<std::size_t>(world));
-  const Range own = flat.intersect(owned_);
-  if (!own.empty())
-    copy_state_to_host(a, own.begin - owned_.begin, std::span<float>(mine.data(), own.size()));
-  comm_->all_gather_bytes(mine.data(), all.data(), chunk * sizeof(float));
-  for (int r = 0; r < world; ++r) {
-    const Range piece = flat.intersect(layout_.shard_range(r));
-    if (piece.empty()) continue;
-    std::copy_n(all.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r) * chunk),
-                piece.size(), out.begin() + static_cast<std::ptrdiff_t>(piece.begin - flat.begin));
-  }
 }
 
 }  // namespace shardopt

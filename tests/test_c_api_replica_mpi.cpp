@@ -297,10 +297,8 @@ TEST(CApiReplicaMpi, MomentsGatheredEqualTheUnshardedOnes) {
 
 // ---- get_master returns the master bit for bit --------------------------------------------------
 
-// NOTE (issue 13): this needs ShardedOptimizer::get_master to gather the owners' pieces instead
-// of summing the shards in fp64 (the lead's fix in the C++ core). Until that fix is merged it
-// FAILS at 2 or more ranks for stages 1 and 2: -0.0 comes back +0.0 and signalling NaNs come
-// back quieted. It passes at 1 rank and at stage 0.
+// get_master gathers the owners' pieces: a sum over ranks would return -0.0 as +0.0 and quiet
+// signalling NaNs at 2 or more ranks in stages 1 and 2.
 TEST(CApiReplicaMpi, GetMasterRoundTripsSpecialValuesBitForBit) {
   const std::uint32_t specials[] = {
       0x00000000u, 0x80000000u,                             // +0, -0

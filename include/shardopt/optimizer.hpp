@@ -167,7 +167,7 @@ class ShardedOptimizer {
   /// Rewrites the replica's owned part from the master and all-gathers it (collective).
   void refresh_replica();
 
-  // ---- for the C ABI (issue 13): whole-replica view and per-parameter state copies -------
+  // ---- whole-replica view and per-parameter state copies -------------------------------
   /// The flat replica: layout().padded_size() elements of options().param_dtype, parameter i
   /// at element layout().param(i).flat.begin (device memory when the device is CUDA). Waits
   /// for every gather in flight, as param() does for one parameter. Local; after finalize.
