@@ -51,6 +51,13 @@ void check(const PlanConfig& c) {
 
 }  // namespace
 
+FlatLayout unit_per_tensor(const FlatLayout& layout) {
+  FlatLayout out;
+  int unit = 0;
+  for (const ParamInfo& p : layout.params()) out.add(p.name, p.numel, p.group, unit++);
+  return out;
+}
+
 MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   check(config);
   FlatLayout built = layout;
@@ -102,7 +109,7 @@ double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dty
   throw Error(Status::InvalidArgument, "zero_formula_bytes: invalid stage");
 }
 
-FlatLayout uniform_layout(std::size_t psi, std::size_t tensor_elems, bool unit_per_tensor) {
+FlatLayout uniform_layout(std::size_t psi, std::size_t tensor_elems) {
   require(psi > 0, Status::InvalidArgument, "uniform_layout: the model has no parameters");
   require(tensor_elems > 0, Status::InvalidArgument, "uniform_layout: tensor size is zero");
   const std::size_t tensors = psi / tensor_elems + (psi % tensor_elems != 0);
@@ -117,7 +124,7 @@ FlatLayout uniform_layout(std::size_t psi, std::size_t tensor_elems, bool unit_p
     const std::size_t n = std::min(left, tensor_elems);
     std::string name = "t";  // appended, not "t" + ...: avoids a GCC 12 -Wrestrict false positive
     name += std::to_string(t);
-    layout.add(name, n, 0, unit_per_tensor ? static_cast<int>(t) : 0);
+    layout.add(name, n, 0);
     left -= n;
   }
   return layout;
@@ -133,8 +140,8 @@ std::size_t largest_fitting_psi(std::size_t budget_bytes, const PlanConfig& conf
   check(config);
   require(tensor_elems > 0, Status::InvalidArgument, "largest_fitting_psi: tensor size is zero");
   auto fits = [&](std::size_t psi) {
-    const FlatLayout l = uniform_layout(psi, uniform_tensor_elems(psi, tensor_elems),
-                                        config.stage == Stage::Zero3);
+    FlatLayout l = uniform_layout(psi, uniform_tensor_elems(psi, tensor_elems));
+    if (config.stage == Stage::Zero3) l = unit_per_tensor(l);
     return plan_memory(l, config).total() <= budget_bytes;
   };
   // Every rank holds at least 2 bytes per element (the replica; at stage 3 its slice of the

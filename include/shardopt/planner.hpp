@@ -73,7 +73,8 @@ struct MemoryPlan {
 };
 
 /// Per-rank bytes of `layout` under `config`. The layout may be unbuilt (a copy is built for
-/// config.world_size) or built for exactly that world size. Throws Error(InvalidArgument)
+/// config.world_size) or built for exactly that world size. Stage 3 plans the layout's
+/// units as they are (one unit if it declares none: see unit_per_tensor()). Throws Error(InvalidArgument)
 /// for an invalid configuration or a layout built for another world size, and
 /// Error(Unsupported) for a gradient dtype other than F32.
 MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config);
@@ -92,12 +93,13 @@ double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dty
 inline constexpr std::size_t kMaxUniformTensors = 4096;
 
 /// A model of `psi` elements made of tensors of `tensor_elems` elements (the last one
-/// holding the remainder), all in group 0; with unit_per_tensor each tensor is its own unit
-/// (stage 3 gathers one tensor at a time), otherwise the model is one unit. Throws
-/// Error(InvalidArgument) for psi == 0, tensor_elems == 0 or more than kMaxUniformTensors
-/// tensors.
-FlatLayout uniform_layout(std::size_t psi, std::size_t tensor_elems,
-                          bool unit_per_tensor = false);
+/// holding the remainder), all in group 0. Throws Error(InvalidArgument) for psi == 0,
+/// tensor_elems == 0 or more than kMaxUniformTensors tensors.
+FlatLayout uniform_layout(std::size_t psi, std::size_t tensor_elems);
+
+/// An unbuilt copy of `layout` with every tensor its own unit: how stage 3 gathers a model
+/// known only by its tensors (shardopt-plan --stage 3, largest_fitting_psi at stage 3).
+FlatLayout unit_per_tensor(const FlatLayout& layout);
 
 /// The tensor size the planner assumes for a model of `psi` elements given only its size:
 /// `tensor_elems`, grown to ceil(psi / kMaxUniformTensors) when psi is that large.
@@ -107,7 +109,7 @@ std::size_t uniform_tensor_elems(std::size_t psi, std::size_t tensor_elems);
 /// needs at most `budget_bytes` per rank under `config`; 0 when not even one element fits.
 /// Found by bisection with plan_memory(); bytes grow with psi except for stage-2 bucket
 /// packing, so the answer always fits and is the largest up to that packing. At stage 3 each
-/// tensor is a unit (uniform_layout's unit_per_tensor).
+/// tensor is its own unit (unit_per_tensor()).
 std::size_t largest_fitting_psi(std::size_t budget_bytes, const PlanConfig& config,
                                 std::size_t tensor_elems);
 
