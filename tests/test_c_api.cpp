@@ -146,7 +146,7 @@ TEST(CApi, CreateRejectsBadConfigAndNullOutput) {
   EXPECT_FAILS(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_create",
                "shardopt_config_init");
   EXPECT_EQ(opt, nullptr);  // set to NULL on failure
-  for (auto [field, value] : {std::pair{&shardopt_config_t::stage, 3},
+  for (auto [field, value] : {std::pair{&shardopt_config_t::stage, 4},
                               std::pair{&shardopt_config_t::param_dtype, 2},
                               std::pair{&shardopt_config_t::device, -1},
                               std::pair{&shardopt_config_t::adam_mode, 5}}) {

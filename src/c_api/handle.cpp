@@ -36,7 +36,7 @@ ConfigCheck read_config(const shardopt_config_t* c) {
     return r;
   }
   auto in = [](int v, int lo, int hi) { return v >= lo && v <= hi; };
-  if (!in(c->stage, 0, 2)) r.problem = "config->stage " + std::to_string(c->stage) + " is not 0, 1 or 2";
+  if (!in(c->stage, 0, 3)) r.problem = "config->stage " + std::to_string(c->stage) + " is not 0, 1, 2 or 3";
   else if (!in(c->param_dtype, 0, 1)) r.problem = "config->param_dtype " + std::to_string(c->param_dtype) + " is not SHARDOPT_DTYPE_F32 or _BF16";
   else if (!in(c->device, 0, 1)) r.problem = "config->device " + std::to_string(c->device) + " is not SHARDOPT_DEVICE_CPU or _CUDA";
   else if (!in(c->adam_mode, 0, 1)) r.problem = "config->adam_mode " + std::to_string(c->adam_mode) + " is not SHARDOPT_ADAMW or SHARDOPT_ADAM_L2";
