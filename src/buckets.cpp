@@ -86,8 +86,9 @@ void BucketSet::finish_op(std::size_t b) {
 void BucketSet::begin_backward(bool sync) {
   if (cfg_.stage == Stage::Zero3) {
     // Stage 3 keeps no full-size gradient: every micro-batch is reduced, and its slice
-    // summed into the owned gradient (Staged) or the reduction is a no-op (one rank).
-    finish_grad_sync();
+    // summed into the owned gradient (Staged) or the reduction is a no-op (one rank). The
+    // first micro-batch of a step has nothing to reduce yet.
+    if (micro_batches_ > 0) finish_grad_sync();
     next_start_ = 0;
     sync = true;
   }
