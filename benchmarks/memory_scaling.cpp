@@ -22,7 +22,7 @@ using namespace shardopt;
 namespace {
 
 constexpr const char* kUsage =
-    "usage: mpiexec -n N memory_scaling --stage dp|1|2 --psi ELEMS [--tensor-elems ELEMS]\n"
+    "usage: mpiexec -n N memory_scaling --stage dp|1|2|3 --psi ELEMS [--tensor-elems ELEMS]\n"
     "       [--bucket-elems ELEMS] [--steps N] [--warmup N] [--csv FILE]\n";
 
 struct Args {
@@ -45,7 +45,8 @@ Args parse(int argc, char** argv) {
       if (v == "dp") a.stage = Stage::DataParallel;
       else if (v == "1") a.stage = Stage::Zero1;
       else if (v == "2") a.stage = Stage::Zero2;
-      else throw Error(Status::InvalidArgument, "--stage is dp, 1 or 2");
+      else if (v == "3") a.stage = Stage::Zero3;
+      else throw Error(Status::InvalidArgument, "--stage is dp, 1, 2 or 3");
     } else if (opt == "--psi") a.psi = std::stoull(v);
     else if (opt == "--tensor-elems") a.tensor_elems = std::stoull(v);
     else if (opt == "--bucket-elems") a.bucket_elems = std::stoull(v);
@@ -89,8 +90,14 @@ int run(const Args& a) {
   o.param_dtype = DType::BF16;
   o.bucket_elems = a.bucket_elems;
   ShardedOptimizer opt(comm, o);
-  const FlatLayout model = uniform_layout(a.psi, a.tensor_elems);
-  for (const ParamInfo& p : model.params()) opt.add_param(p.name, p.numel, p.group);
+  // Stage 3 gathers one tensor (unit) at a time.
+  const bool zero3 = a.stage == Stage::Zero3;
+  FlatLayout model = uniform_layout(a.psi, a.tensor_elems);
+  if (zero3) model = unit_per_tensor(model);
+  for (const ParamInfo& p : model.params()) {
+    if (zero3) opt.begin_unit();
+    opt.add_param(p.name, p.numel, p.group);
+  }
   opt.finalize();
   const std::size_t n_params = opt.layout().num_params();
   {
@@ -104,6 +111,14 @@ int run(const Args& a) {
 
   StepTimings sum;
   for (int s = 0; s < a.warmup + a.steps; ++s) {
+    if (zero3) {  // a forward pass: each unit acquired with the next prefetched, then released
+      const std::size_t units = opt.layout().num_units();
+      for (std::size_t u = 0; u < units; ++u) {
+        opt.acquire(u);
+        if (u + 1 < units) opt.prefetch(u + 1);
+        opt.release(u);
+      }
+    }
     for (std::size_t i = n_params; i-- > 0;) {  // backward order, as stage 2 requires
       const std::span<float> g = opt.grad(i);
       for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(i, k, s + rank);

@@ -84,6 +84,11 @@ class CudaBackend final : public Backend {
     SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
     SHARDOPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
+  void copy(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes == 0) return;
+    SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    SHARDOPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
 
   double sum_squares(const float* x, std::size_t n) override {
     if (n == 0) return 0.0;

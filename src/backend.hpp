@@ -28,6 +28,8 @@ class Backend {
   virtual void fill_zero(void* p, std::size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, std::size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, std::size_t bytes) = 0;
+  /// Copies between two of the backend's own buffers (they do not overlap).
+  virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
 
   /// Sum of squares in double, with an order fixed by n alone (not by threads or timing).
   virtual double sum_squares(const float* x, std::size_t n) = 0;

@@ -12,11 +12,12 @@
 #include "backend.hpp"
 #include "buckets.hpp"
 #include "buffer_plan.hpp"
+#include "units.hpp"
 
 namespace shardopt {
 
 struct ShardedOptimizer::Buffers {
-  Allocation replica;     ///< full parameter replica (param dtype)
+  Allocation replica;     ///< full parameter replica (stage 3: this rank's slices), param dtype
   Allocation master;      ///< local fp32 master (absent when the replica is fp32)
   Allocation exp_avg;     ///< local arrays (see layout.hpp)
   Allocation exp_avg_sq;
@@ -51,12 +52,14 @@ std::unique_ptr<Backend> make_backend(Device d) {
 std::string options_problem(const OptimizerOptions& o) {
   std::string p = validate(o.adam);
   if (!p.empty()) return p;
-  if (o.stage != Stage::DataParallel && o.stage != Stage::Zero1 && o.stage != Stage::Zero2)
+  if (o.stage != Stage::DataParallel && o.stage != Stage::Zero1 && o.stage != Stage::Zero2 &&
+      o.stage != Stage::Zero3)
     return "invalid stage " + std::to_string(static_cast<int>(o.stage));
   if (o.param_dtype != DType::F32 && o.param_dtype != DType::BF16) return "invalid param dtype";
   if (o.device != Device::Cpu && o.device != Device::Cuda) return "invalid device";
   if (o.bucket_elems == 0) return "bucket_elems must be positive";
   if (o.buckets_in_flight < 1) return "buckets_in_flight must be at least 1";
+  if (o.units_in_flight < 1) return "units_in_flight must be at least 1";
   if (o.reduce_dtype != DType::F32 && o.reduce_dtype != DType::BF16) return "invalid reduce dtype";
   return validate(o.loss_scaling);
 }
@@ -138,7 +141,14 @@ std::size_t ShardedOptimizer::add_param(std::string_view name, std::size_t numel
           "add_param: parameter '" + std::string(name) + "' names group " +
               std::to_string(group) + ", but only " + std::to_string(groups_.size()) +
               " groups exist");
-  return layout_.add(name, numel, group);
+  return layout_.add(name, numel, group, current_unit_);
+}
+
+int ShardedOptimizer::begin_unit() {
+  require_registering("begin_unit");
+  const bool empty = layout_.num_params() == 0 || layout_.params().back().unit < current_unit_;
+  if (!empty) ++current_unit_;
+  return current_unit_;
 }
 
 // ---- finalize ---------------------------------------------------------------------------
@@ -149,10 +159,11 @@ namespace {
 std::uint64_t configuration_fingerprint(const FlatLayout& layout, const OptimizerOptions& o,
                                         const std::vector<GroupOptions>& groups) {
   std::uint64_t h = layout.fingerprint();
-  const std::int64_t ints[7] = {static_cast<int>(o.stage), static_cast<int>(o.param_dtype),
+  const std::int64_t ints[8] = {static_cast<int>(o.stage), static_cast<int>(o.param_dtype),
                                 static_cast<int>(o.adam.mode),
                                 static_cast<std::int64_t>(o.bucket_elems), o.overlap ? 1 : 0,
-                                o.buckets_in_flight, static_cast<int>(o.reduce_dtype)};
+                                o.buckets_in_flight, static_cast<int>(o.reduce_dtype),
+                                o.units_in_flight};
   h = fnv1a64(ints, sizeof ints, h);
   const double reals[6] = {o.adam.lr, o.adam.beta1, o.adam.beta2, o.adam.eps,
                            o.adam.weight_decay, o.adam.max_grad_norm};
@@ -211,7 +222,7 @@ void ShardedOptimizer::finalize() {
   try {
     layout_ = std::move(layout);
     const BufferPlan plan = plan_buffers(layout_, options_.stage, options_.param_dtype,
-                                         options_.buckets_in_flight);
+                                         options_.buckets_in_flight, options_.units_in_flight);
     Backend& be = *backend_;
     Buffers& b = *buf_;
     Communicator& comm = *comm_;
@@ -220,7 +231,9 @@ void ShardedOptimizer::finalize() {
     const auto collective = [&comm, &be, device, tracker](const BufferSpec& spec) {
       return collective_buffer(comm, be, device, tracker, spec);
     };
-    b.replica = collective(plan.replica);
+    const bool zero3 = options_.stage == Stage::Zero3;  // its replica slices stay local
+    b.replica = zero3 ? be.allocate(&tracker_, plan.replica.category, plan.replica.bytes)
+                      : collective(plan.replica);
     const bool f32 = options_.param_dtype == DType::F32;
     buckets_ = std::make_unique<BucketSet>(
         comm, be, tracker_, layout_, plan,
@@ -228,6 +241,9 @@ void ShardedOptimizer::finalize() {
                           options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
                           f32 ? CommType::F32 : CommType::U16, options_.overlap},
         collective, b.replica.data());
+    if (zero3)
+      units_ = std::make_unique<UnitSet>(comm, be, layout_, plan, options_.param_dtype, collective,
+                                         b.replica.data());
     if (plan.master.bytes > 0) b.master = be.allocate(&tracker_, plan.master.category, plan.master.bytes);
     b.exp_avg = be.allocate(&tracker_, plan.exp_avg.category, plan.exp_avg.bytes);
     b.exp_avg_sq = be.allocate(&tracker_, plan.exp_avg_sq.category, plan.exp_avg_sq.bytes);
@@ -246,9 +262,16 @@ void* ShardedOptimizer::replica_ptr(std::size_t elem_offset) const {
   return buf_->replica.as<char>() + elem_offset * dtype_size(options_.param_dtype);
 }
 
+void* ShardedOptimizer::replica_at(std::size_t b) const {
+  if (options_.stage == Stage::Zero3)  // only this rank's slices, in local coordinates
+    return buf_->replica.as<char>() +
+           buckets_->window_local(b) * dtype_size(options_.param_dtype);
+  return replica_ptr(buckets_->window(b).begin);
+}
+
 float* ShardedOptimizer::master_at(std::size_t b) const {
   if (options_.param_dtype == DType::F32)  // the fp32 replica is the master
-    return static_cast<float*>(replica_ptr(buckets_->window(b).begin));
+    return static_cast<float*>(replica_at(b));
   return buf_->master.as<float>() + buckets_->window_local(b);
 }
 
@@ -299,18 +322,22 @@ void ShardedOptimizer::set_param(std::size_t i, std::span<const float> values) {
               " elements, got " + std::to_string(values.size()));
   buckets_->wait_params();
   // Host-side cast, then one copy: set_param is not on the hot path.
-  if (options_.param_dtype == DType::BF16) {
-    std::vector<bf16> low(p.numel);
-    for (std::size_t k = 0; k < p.numel; ++k) low[k] = to_bf16(values[k]);
-    backend_->copy_from_host(replica_ptr(p.flat.begin), low.data(), p.numel * sizeof(bf16));
-  } else {
-    backend_->copy_from_host(replica_ptr(p.flat.begin), values.data(), p.numel * sizeof(float));
-    return;  // the fp32 replica is the master
-  }
+  const bool bf = options_.param_dtype == DType::BF16;
+  std::vector<bf16> low(bf ? p.numel : 0);
+  for (std::size_t k = 0; k < low.size(); ++k) low[k] = to_bf16(values[k]);
+  const char* src = bf ? reinterpret_cast<const char*>(low.data())
+                       : reinterpret_cast<const char*>(values.data());
+  const std::size_t elem = dtype_size(options_.param_dtype);
+  const bool zero3 = options_.stage == Stage::Zero3;  // the replica holds this rank's slices
+  if (!zero3) backend_->copy_from_host(replica_ptr(p.flat.begin), src, p.numel * elem);
   for (std::size_t b = p.buckets.begin; b < p.buckets.end; ++b) {
     const Range w = buckets_->window(b);
     const Range mine = p.flat.intersect(w);
-    if (!mine.empty())
+    if (mine.empty()) continue;
+    if (zero3)
+      backend_->copy_from_host(static_cast<char*>(replica_at(b)) + (mine.begin - w.begin) * elem,
+                               src + (mine.begin - p.flat.begin) * elem, mine.size() * elem);
+    if (bf)  // (an fp32 replica is the master)
       backend_->copy_from_host(master_at(b) + (mine.begin - w.begin),
                                values.data() + (mine.begin - p.flat.begin),
                                mine.size() * sizeof(float));
@@ -389,6 +416,7 @@ std::span<T> ShardedOptimizer::param(std::size_t i) {
           std::string("param: the replica is ") + dtype_name(options_.param_dtype) +
               ", not " + dtype_name(want));
   const ParamInfo& p = layout_.param(i);
+  if (units_) return {static_cast<T*>(units_->param_data(i)), p.numel};
   wait_param(i);
   return {static_cast<T*>(replica_ptr(p.flat.begin)), p.numel};
 }
@@ -397,6 +425,30 @@ void ShardedOptimizer::wait_param(std::size_t i) {
   require_finalized("wait_param");
   layout_.param(i);  // index check
   buckets_->wait_param(i);
+}
+
+void ShardedOptimizer::acquire(std::size_t unit) {
+  require_finalized("acquire");
+  require_zero3("acquire");
+  units_->acquire(unit);
+}
+
+void ShardedOptimizer::prefetch(std::size_t unit) {
+  require_finalized("prefetch");
+  require_zero3("prefetch");
+  units_->prefetch(unit);
+}
+
+void ShardedOptimizer::release(std::size_t unit) {
+  require_finalized("release");
+  require_zero3("release");
+  units_->release(unit);
+}
+
+void ShardedOptimizer::require_zero3(const char* what) const {
+  require(units_ != nullptr, Status::InvalidState,
+          std::string(what) + ": units are gathered only at stage 3 (this optimizer is " +
+              stage_name(options_.stage) + "; param() reads the full replica)");
 }
 
 void ShardedOptimizer::begin_backward(bool sync) {
@@ -437,6 +489,7 @@ void ShardedOptimizer::grad_ready(std::size_t i) {
 void ShardedOptimizer::progress() {
   require_finalized("progress");
   buckets_->progress();
+  if (units_) units_->progress();
 }
 
 void ShardedOptimizer::reduce_gradients() {
@@ -491,7 +544,9 @@ std::vector<UpdateSegment> ShardedOptimizer::make_segments(const StepHyper& h,
 
 // Gathers every bucket's updated slices into the replica and waits (blocking form).
 void ShardedOptimizer::all_gather_replica() {
-  if (options_.stage == Stage::DataParallel || comm_->size() == 1) return;
+  if (options_.stage == Stage::DataParallel || options_.stage == Stage::Zero3 ||
+      comm_->size() == 1)
+    return;  // stage 3: the next acquires gather
   for (std::size_t b = layout_.num_buckets(); b-- > 0;) buckets_->start_param_sync(b);
   buckets_->wait_params();
 }
@@ -504,7 +559,8 @@ double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper
                                            bool gather_per_bucket) {
   Buffers& b = *buf_;
   const bool low_precision_copy = options_.param_dtype != DType::F32;
-  const bool gathers = options_.stage != Stage::DataParallel && comm_->size() > 1;
+  const bool gathers = options_.stage != Stage::DataParallel &&
+                       options_.stage != Stage::Zero3 && comm_->size() > 1;
   double update_seconds = 0.0;
   for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
     const Range window = buckets_->window(k);
@@ -512,7 +568,7 @@ double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper
     const Clock::time_point start = Clock::now();
     backend_->adam_update(s, make_segments(h, window), master_at(k), buckets_->reduced_grad(k),
                           b.exp_avg.as<float>() + local, b.exp_avg_sq.as<float>() + local,
-                          low_precision_copy ? replica_ptr(window.begin) : nullptr,
+                          low_precision_copy ? replica_at(k) : nullptr,
                           options_.param_dtype);
     update_seconds += seconds(Clock::now() - start);
     if (gathers && gather_per_bucket) buckets_->start_param_sync(k);
@@ -523,6 +579,10 @@ double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper
 
 StepResult ShardedOptimizer::step() {
   require_finalized("step");
+  // Stage 3: a unit gathered before the update would keep stale parameters.
+  require(!units_ || units_->held() == 0, Status::InvalidState,
+          "step: " + std::to_string(units_ ? units_->held() : 0) +
+              " units are still acquired or prefetched; release them before the step");
   buckets_->wait_params();
   const int world = comm_->size();
   StepResult r;
@@ -653,7 +713,7 @@ void ShardedOptimizer::refresh_replica() {
   if (options_.param_dtype == DType::BF16)
     for (std::size_t k = 0; k < layout_.num_buckets(); ++k) {
       const Range w = buckets_->window(k);
-      backend_->cast_from_f32(master_at(k), replica_ptr(w.begin), DType::BF16, w.size());
+      backend_->cast_from_f32(master_at(k), replica_at(k), DType::BF16, w.size());
     }
   all_gather_replica();
 }

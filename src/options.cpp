@@ -12,6 +12,7 @@ const char* stage_name(Stage s) noexcept {
     case Stage::DataParallel: return "data-parallel";
     case Stage::Zero1: return "zero-1";
     case Stage::Zero2: return "zero-2";
+    case Stage::Zero3: return "zero-3";
   }
   return "?";
 }

@@ -13,6 +13,7 @@ enum class Stage : int {
   DataParallel = 0,  ///< baseline: all-reduce, every rank holds and updates everything
   Zero1 = 1,         ///< optimizer state sharded; full fp32 gradient buffer on every rank
   Zero2 = 2,         ///< state and gradients sharded; gradients reduced bucket by bucket
+  Zero3 = 3,         ///< parameters sharded too: units gathered on acquire, released after use
 };
 const char* stage_name(Stage s) noexcept;
 
@@ -68,6 +69,9 @@ struct OptimizerOptions {
   bool overlap = true;
   /// Stage 2: staging buckets that may be in flight at once (memory: this many buckets).
   int buckets_in_flight = 2;
+  /// Stage 3: gathered units that may be held at once (acquired or prefetched); memory: this
+  /// many buffers of the largest unit, in the parameter dtype, accounted as Params.
+  int units_in_flight = 2;
   /// Wire type of the gradient reduction: F32, or BF16 for half the bytes (each partial sum
   /// rounded to bf16: about 3 significant digits; see docs/architecture.md).
   DType reduce_dtype = DType::F32;

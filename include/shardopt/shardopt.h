@@ -229,6 +229,8 @@ typedef struct shardopt_config {
   double loss_scale_backoff_factor; /* in (0, 1); default 0.5 */
   double loss_scale_min;          /* backoff never goes below this; default 1 */
   double loss_scale_max;          /* growth never goes above this; default 16777216 (2^24) */
+  /* Since 0.2.0 (stage 3): */
+  size_t units_in_flight; /* stage 3: gathered units held at once (the pool); default 2 */
 } shardopt_config_t;
 
 /* What one step did. An output struct: set struct_size (shardopt_step_result_init does)
@@ -553,6 +555,31 @@ SHARDOPT_API shardopt_status_t shardopt_memory_usage(shardopt_optimizer_t opt,
                                                      size_t* bytes, size_t* peak);
 /* A static name of a category ("params", ..., "total"); "?" for an unknown value. */
 SHARDOPT_API const char* shardopt_mem_category_name(shardopt_mem_category_t category);
+
+/* ---- stage 3: parameters sharded, gathered per unit ----------------------------------------
+ * config.stage = SHARDOPT_STAGE_ZERO3 keeps only this rank's slice of the replica; the
+ * trainer groups parameters into units (typically one layer) and gathers a unit before
+ * reading its parameters. See docs/architecture.md ("Stage 3"). config.units_in_flight units
+ * (default 2) may be held at once. acquire/prefetch/release are collective:
+ * every rank makes the same calls in the same order. */
+#define SHARDOPT_STAGE_ZERO3 3
+
+/* Starts a new unit: parameters added from now on belong to it. A unit without parameters
+ * yet is reused, so the first call gives 0. Before shardopt_finalize. Local. unit may be
+ * NULL. */
+SHARDOPT_API shardopt_status_t shardopt_begin_unit(shardopt_optimizer_t opt, int* unit);
+/* The number of units (after shardopt_finalize). */
+SHARDOPT_API shardopt_status_t shardopt_num_units(shardopt_optimizer_t opt, size_t* count);
+/* Gathers `unit` (unless prefetched) and waits: shardopt_param_f32/_bf16 of its parameters
+ * then point into the gathered unit until shardopt_release(unit). INVALID_STATE if the unit
+ * is acquired already, if every unit buffer is held, or at stages 0-2. */
+SHARDOPT_API shardopt_status_t shardopt_acquire(shardopt_optimizer_t opt, size_t unit);
+/* Starts gathering `unit` without waiting (nothing if it is held already). INVALID_STATE if
+ * every unit buffer is held, or at stages 0-2. */
+SHARDOPT_API shardopt_status_t shardopt_prefetch(shardopt_optimizer_t opt, size_t unit);
+/* Returns the unit's buffer to the pool; pointers into it become invalid. INVALID_STATE if
+ * the unit is not acquired. shardopt_step fails with INVALID_STATE while a unit is held. */
+SHARDOPT_API shardopt_status_t shardopt_release(shardopt_optimizer_t opt, size_t unit);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -529,4 +529,35 @@ const char* shardopt_mem_category_name(shardopt_mem_category_t category) {
   return mem_category_name(static_cast<MemCategory>(category));
 }
 
+// ---- stage 3: units ----------------------------------------------------------------------
+
+static_assert(SHARDOPT_STAGE_ZERO3 == static_cast<int>(Stage::Zero3));
+
+shardopt_status_t shardopt_begin_unit(shardopt_optimizer_t opt, int* unit) {
+  return on_handle("shardopt_begin_unit", opt, [&](ShardedOptimizer& o) {
+    const int u = o.begin_unit();
+    if (unit != nullptr) *unit = u;
+  });
+}
+
+shardopt_status_t shardopt_num_units(shardopt_optimizer_t opt, size_t* count) {
+  return on_handle("shardopt_num_units", opt, [&](ShardedOptimizer& o) {
+    non_null(count, "count");
+    require(o.finalized(), Status::InvalidState, "shardopt_num_units: call shardopt_finalize first");
+    *count = o.layout().num_units();
+  });
+}
+
+shardopt_status_t shardopt_acquire(shardopt_optimizer_t opt, size_t unit) {
+  return on_handle("shardopt_acquire", opt, [&](ShardedOptimizer& o) { o.acquire(unit); });
+}
+
+shardopt_status_t shardopt_prefetch(shardopt_optimizer_t opt, size_t unit) {
+  return on_handle("shardopt_prefetch", opt, [&](ShardedOptimizer& o) { o.prefetch(unit); });
+}
+
+shardopt_status_t shardopt_release(shardopt_optimizer_t opt, size_t unit) {
+  return on_handle("shardopt_release", opt, [&](ShardedOptimizer& o) { o.release(unit); });
+}
+
 }  // extern "C"

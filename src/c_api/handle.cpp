@@ -39,7 +39,7 @@ constexpr std::size_t kConfigEnds[] = {
     SHARDOPT_CONFIG_END(loss_scaling), SHARDOPT_CONFIG_END(loss_scale_growth_interval),
     SHARDOPT_CONFIG_END(loss_scale_initial), SHARDOPT_CONFIG_END(loss_scale_growth_factor),
     SHARDOPT_CONFIG_END(loss_scale_backoff_factor), SHARDOPT_CONFIG_END(loss_scale_min),
-    SHARDOPT_CONFIG_END(loss_scale_max)};
+    SHARDOPT_CONFIG_END(loss_scale_max), SHARDOPT_CONFIG_END(units_in_flight)};
 #undef SHARDOPT_CONFIG_END
 // No trailing padding: an older struct's sizeof never covers part of a newer field.
 static_assert(kConfigEnds[std::size(kConfigEnds) - 1] == sizeof(shardopt_config_t));
@@ -76,6 +76,7 @@ shardopt_config_t default_config() {
   c.loss_scale_backoff_factor = d.loss_scaling.backoff_factor;
   c.loss_scale_min = d.loss_scaling.min_scale;
   c.loss_scale_max = d.loss_scaling.max_scale;
+  c.units_in_flight = static_cast<std::size_t>(d.units_in_flight);
   return c;
 }
 
@@ -89,7 +90,7 @@ std::string enum_problem(const shardopt_config_t& c) {
     const char* allowed;
   };
   const Field fields[] = {
-      {"stage", c.stage, 0, 2, "0, 1 or 2"},
+      {"stage", c.stage, 0, 3, "0, 1, 2 or 3"},
       {"param_dtype", c.param_dtype, 0, 1, "SHARDOPT_DTYPE_F32 or _BF16"},
       {"device", c.device, 0, 1, "SHARDOPT_DEVICE_CPU or _CUDA"},
       {"adam_mode", c.adam_mode, 0, 1, "SHARDOPT_ADAMW or SHARDOPT_ADAM_L2"},
@@ -159,6 +160,7 @@ CreateRequest read_config(const shardopt_config_t* in, const shardopt_optimizer_
   o.loss_scaling.backoff_factor = c.loss_scale_backoff_factor;
   o.loss_scaling.min_scale = c.loss_scale_min;
   o.loss_scaling.max_scale = c.loss_scale_max;
+  o.units_in_flight = static_cast<int>(std::min<std::size_t>(c.units_in_flight, 1 << 20));
   r.comm_kind = c.comm_kind;
   r.simulate_nodes = c.comm_simulate_nodes;
   r.lazy_gather = c.gather_mode == SHARDOPT_GATHER_LAZY;
@@ -195,6 +197,7 @@ void write_config(const Handle& h, shardopt_config_t* config) {
   c.loss_scale_backoff_factor = o.loss_scaling.backoff_factor;
   c.loss_scale_min = o.loss_scaling.min_scale;
   c.loss_scale_max = o.loss_scaling.max_scale;
+  c.units_in_flight = static_cast<std::size_t>(o.units_in_flight);
   write_prefix(config, c);
 }
 

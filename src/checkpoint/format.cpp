@@ -184,7 +184,7 @@ void decode_common(Reader& r, Metadata& m) {
   const auto mode = r.get<std::uint32_t>("adam mode");
   if (m.step_count < 0) corrupt("negative step count");
   if (m.world_size == 0 || m.world_size > (1u << 20)) corrupt("impossible world size");
-  if (stage > 2) corrupt("unknown stage " + std::to_string(stage));
+  if (stage > 3) corrupt("unknown stage " + std::to_string(stage));
   if (dtype > 1) corrupt("unknown parameter dtype " + std::to_string(dtype));
   if (mode > 1) corrupt("unknown Adam mode " + std::to_string(mode));
   m.stage = static_cast<Stage>(stage);

@@ -96,6 +96,7 @@ module shardopt
     real(c_double) :: loss_scale_backoff_factor
     real(c_double) :: loss_scale_min
     real(c_double) :: loss_scale_max
+    integer(c_size_t) :: units_in_flight
   end type shardopt_config
 
   !> What one step did (shardopt_step_result_t); clipped and skipped are 0 or 1, times are

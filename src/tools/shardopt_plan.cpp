@@ -28,7 +28,8 @@ model (one of):
   --layout FILE        one tensor per line: "name numel" ('#' starts a comment)
 options:
   --ranks LIST         rank counts, comma separated (default 1,2,4,8,64,1024)
-  --stage LIST         dp, 1, 2, comma separated (default dp,1,2)
+  --stage LIST         dp, 1, 2, 3, comma separated (default dp,1,2; stage 3 gathers one
+                       tensor at a time)
   --param-dtype T      bf16 (default) or fp32: the replica the forward pass reads
   --grad-dtype T       fp32 only: shardopt's gradients are fp32 (see docs/memory.md)
   --bucket-elems N     stage-2 bucket size in elements (default 1Mi)
@@ -89,7 +90,8 @@ Stage parse_stage(const std::string& s) {
   if (s == "dp" || s == "0" || s == "data-parallel") return Stage::DataParallel;
   if (s == "1" || s == "zero-1") return Stage::Zero1;
   if (s == "2" || s == "zero-2") return Stage::Zero2;
-  usage_error("unknown stage '" + s + "' (dp, 1 or 2)");
+  if (s == "3" || s == "zero-3") return Stage::Zero3;
+  usage_error("unknown stage '" + s + "' (dp, 1, 2 or 3)");
 }
 
 FlatLayout read_layout_file(const std::string& path) {
@@ -222,6 +224,11 @@ std::size_t largest_tensor(const FlatLayout& l) {
   return m;
 }
 
+// Stage 3 gathers a model given by its tensors one tensor (unit) at a time.
+FlatLayout layout_for(const Args& a, Stage s) {
+  return s == Stage::Zero3 ? unit_per_tensor(a.layout) : a.layout;
+}
+
 void print_tables(const Args& a) {
   FlatLayout probe = a.layout;
   probe.build(1, OptimizerOptions{}.bucket_elems);
@@ -236,7 +243,7 @@ void print_tables(const Args& a) {
   for (Stage s : a.stages) {
     for (int n : a.ranks) {
       const PlanConfig c{s, n, a.param_dtype, a.grad_dtype, a.bucket_elems};
-      const MemoryPlan p = plan_memory(a.layout, c);
+      const MemoryPlan p = plan_memory(layout_for(a, s), c);
       std::printf("%-14s %6d", stage_name(s), n);
       for (std::size_t b : p.bytes) std::printf(" %11s", human_bytes(static_cast<double>(b)).c_str());
       std::printf(" %11s %8.3f %11s\n", human_bytes(static_cast<double>(p.total())).c_str(),
@@ -267,7 +274,7 @@ void print_csv(const Args& a) {
   for (Stage s : a.stages)
     for (int n : a.ranks) {
       const PlanConfig c{s, n, a.param_dtype, a.grad_dtype, a.bucket_elems};
-      const MemoryPlan p = plan_memory(a.layout, c);
+      const MemoryPlan p = plan_memory(layout_for(a, s), c);
       std::printf("%s,%zu,%zu,%s,%d,%s,%s,%zu", a.model_name.c_str(), p.unpadded_elems,
                   p.padded_elems, stage_name(s), n, dtype_name(a.param_dtype),
                   dtype_name(a.grad_dtype), a.bucket_elems);
