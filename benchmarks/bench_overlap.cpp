@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
       std::printf("%-14s %12s %12s %12s %10s\n", "compute/comm", "compute ms", "off ms", "on ms",
                   "hidden");
     }
-    for (double ratio : {0.5, 1.0, 2.0, 4.0}) {
+    for (double ratio : {0.0, 0.5, 1.0, 2.0, 4.0}) {
       const double compute_total = ratio * comm;
       const double per_param = compute_total / static_cast<double>(a.params);
       const Run r_off = run(*off, a, per_param);

@@ -34,14 +34,26 @@ std::string resolve(MpiCommOptions& o) {
     }
   }
   if (o.simulate_nodes < 0) return "simulate_nodes must be >= 0";
+  if (o.mpi_in_flight == 0) {
+    o.mpi_in_flight = 1;
+    if (const char* env = std::getenv("SHARDOPT_MPI_IN_FLIGHT"); env && *env) {
+      char* end = nullptr;
+      const long n = std::strtol(env, &end, 10);
+      if (*end != '\0' || n < 1 || n > 1 << 20)
+        return std::string("SHARDOPT_MPI_IN_FLIGHT='") + env + "': expected a count >= 1";
+      o.mpi_in_flight = static_cast<int>(n);
+    }
+  }
+  if (o.mpi_in_flight < 0) return "mpi_in_flight must be >= 0";
   return {};
 }
 
 }  // namespace
 
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOptions options) {
-  std::shared_ptr<Communicator> plain = mpi::make_plain_communicator(comm);
   const std::string problem = resolve(options);
+  std::shared_ptr<Communicator> plain =
+      mpi::make_plain_communicator(comm, problem.empty() ? options.mpi_in_flight : 1);
   agree_or_throw(*plain, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
 
   // A rank that chose differently would wait in other collectives than its peers.

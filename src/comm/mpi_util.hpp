@@ -51,7 +51,7 @@ inline int checked_int(std::size_t n, const char* what) {
 }
 
 /// The plain communicator: MPI collectives on a duplicate of `comm` (mpi_comm.cpp).
-std::shared_ptr<Communicator> make_plain_communicator(MPI_Comm comm);
+std::shared_ptr<Communicator> make_plain_communicator(MPI_Comm comm, std::size_t in_flight);
 
 }  // namespace shardopt::mpi
 
