@@ -41,7 +41,8 @@ inline std::optional<std::size_t> parse_size(std::string_view text, Unit unit, s
     return fail("is not a size (a number >= 0, e.g. 16, 1M, 64Ki)");
   char* end = nullptr;
   const double value = std::strtod(s.c_str(), &end);
-  if (end == s.c_str() || !std::isfinite(value) || s.find_first_of("xXpP") != std::string::npos)
+  const bool hex = s.size() > 1 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X');
+  if (end == s.c_str() || !std::isfinite(value) || hex)
     return fail("is not a size (a number >= 0, e.g. 16, 1M, 64Ki)");
   std::string suffix(end);
   if (unit == Unit::Bytes && !suffix.empty() && suffix.back() == 'B') suffix.pop_back();
