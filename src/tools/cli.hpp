@@ -115,13 +115,21 @@ inline void init(CLI::App& app, const std::string& name) {
 /// (printed by this process only when `print`, e.g. only on MPI rank 0; every rank parses
 /// the same argv and so gets the same code).
 inline int parse(CLI::App& app, int argc, const char* const* argv, bool print = true) {
+  std::ostream null(nullptr);
+  const auto fail = [&](const CLI::Error& e) { return print ? app.exit(e) : app.exit(e, null, null); };
   try {
     app.parse(argc, argv);
     return -1;
+  } catch (const CLI::CallForHelp& e) {
+    return fail(e);
+  } catch (const CLI::CallForVersion& e) {
+    return fail(e);
   } catch (const CLI::ParseError& e) {
-    if (print) return app.exit(e);
-    std::ostream null(nullptr);
-    return app.exit(e, null, null);
+    // CLI11 checks required options before it complains about unknown ones; a misspelt
+    // option is the likelier mistake, so it is named first.
+    if (!app.get_allow_extras() && !app.remaining(true).empty())
+      return fail(CLI::ExtrasError(app.remaining(true)));
+    return fail(e);
   }
 }
 
