@@ -28,6 +28,7 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
 #include "support/timing.hpp"
+#include "cli.hpp"
 
 using namespace shardopt;
 
@@ -42,47 +43,29 @@ struct Args {
   std::vector<Stage> stages{Stage::DataParallel, Stage::Zero1, Stage::Zero2};
 };
 
-std::size_t parse_size(const std::string& v) {
-  std::size_t used = 0;
-  const unsigned long long n = std::stoull(v, &used);
-  const std::string suffix = v.substr(used);
-  const std::size_t mult = suffix.empty() ? 1 : suffix == "K" ? 1000 : suffix == "M" ? 1000000
-                         : suffix == "G" ? 1000000000 : suffix == "Ki" ? 1024
-                         : suffix == "Mi" ? 1048576 : suffix == "Gi" ? 1073741824 : 0;
-  require(mult != 0 && n > 0, Status::InvalidArgument, "bad size '" + v + "'");
-  return static_cast<std::size_t>(n) * mult;
-}
-
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string opt = argv[i];
-    if (opt == "--no-overlap") {
-      a.overlap = false;
-      continue;
-    }
-    require(i + 1 < argc, Status::InvalidArgument, opt + " needs a value");
-    const std::string v = argv[++i];
-    if (opt == "--psi") a.psi = parse_size(v);
-    else if (opt == "--tensor-elems") a.tensor_elems = parse_size(v);
-    else if (opt == "--bucket-elems") a.bucket_elems = parse_size(v);
-    else if (opt == "--steps") a.steps = static_cast<int>(parse_size(v));
-    else if (opt == "--stages") {
-      a.stages.clear();
-      for (std::size_t p = 0; p < v.size();) {
-        const std::size_t q = std::min(v.find(',', p), v.size());
-        const std::string s = v.substr(p, q - p);
-        if (s == "dp") a.stages.push_back(Stage::DataParallel);
-        else if (s == "1") a.stages.push_back(Stage::Zero1);
-        else if (s == "2") a.stages.push_back(Stage::Zero2);
-        else throw Error(Status::InvalidArgument, "--stages: dp, 1 or 2, got '" + s + "'");
-        p = q + 1;
-      }
-    } else {
-      throw Error(Status::InvalidArgument, "unknown option " + opt);
-    }
-  }
-  return a;
+// The command line: the exit code after --help, --version or bad input, or -1 to run.
+int parse(int argc, char** argv, bool print, Args& a) {
+  CLI::App app{"The optimizer step of every stage against its memory-traffic floor; run "
+               "under mpiexec (SHARDOPT_COMM=mpi for plain MPI)."};
+  cli::init(app, "bench_step");
+  app.add_option("--psi", a.psi, "parameters")->transform(cli::size())
+      ->check(CLI::PositiveNumber)->default_str("64Mi");
+  app.add_option("--tensor-elems", a.tensor_elems, "elements per tensor")
+      ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("1Mi");
+  app.add_option("--bucket-elems", a.bucket_elems, "bucket size in elements")
+      ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("1Mi");
+  app.add_option("--steps", a.steps, "timed steps per stage (after one warm-up step)")
+      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  app.add_option("--stages", a.stages, "stages, comma separated: dp (or 0), 1, 2")
+      ->delimiter(',')
+      ->transform(cli::choice<Stage>({{"dp", Stage::DataParallel}, {"0", Stage::DataParallel},
+                                      {"1", Stage::Zero1}, {"2", Stage::Zero2}}))
+      ->default_str("dp,1,2");
+  bool no_overlap = false;
+  app.add_flag("--no-overlap", no_overlap, "issue every collective inside step()");
+  const int rc = cli::parse(app, argc, argv, print);
+  a.overlap = !no_overlap;
+  return rc;
 }
 
 float value(std::size_t param, std::size_t k, int salt) {
@@ -146,7 +129,11 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   try {
-    const Args a = parse(argc, argv);
+    Args a;
+    if (const int exit_code = parse(argc, argv, rank == 0, a); exit_code >= 0) {
+      MPI_Finalize();
+      return exit_code;
+    }
     const double N = ranks;
     // Arrays of at least 2 x 64 MiB per rank, far larger than the last-level cache.
     const double bw = bench::inplace_bandwidth_per_rank(

@@ -185,12 +185,21 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend() {
+// This library's entry into the core (src/cuda_hook.cpp): registered when the library is
+// loaded, so make_cuda_backend() in the core creates a CudaBackend.
+namespace {
+std::unique_ptr<Backend> make_thrust_backend() {
   return std::make_unique<CudaBackend>(dev::AdamKernel::Thrust);
 }
+[[maybe_unused]] const bool registered = (register_cuda_backend(&make_thrust_backend), true);
+}  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend_with(dev::AdamKernel kernel) {
   return std::make_unique<CudaBackend>(kernel);
 }
 
 }  // namespace shardopt
+
+// A static libshardopt_cuda.a is linked with --undefined=shardopt_cuda_link (the target's
+// usage requirement), which pulls this object, and so its registration, into the program.
+extern "C" void shardopt_cuda_link(void) {}

@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(build-essential cmake gfortran pkg-config mpich libmpich-dev
-          libgtest-dev libgmock-dev libbenchmark-dev)
+          libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev)
 packages+=("$@")  # extra packages a caller needs (e.g. clang for the fuzzer)
 
 missing=()

@@ -49,7 +49,11 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
-/// Throws Error(Unsupported) when shardopt was built without CUDA.
+/// The CUDA backend (libshardopt_cuda; src/cuda_hook.cpp). Throws Error(Unsupported) when
+/// shardopt was built without CUDA or that library can be neither found nor loaded.
 std::unique_ptr<Backend> make_cuda_backend();
+/// Called by libshardopt_cuda when it is loaded.
+using CudaBackendFactory = std::unique_ptr<Backend> (*)();
+void register_cuda_backend(CudaBackendFactory factory);
 
 }  // namespace shardopt

@@ -9,6 +9,7 @@
 //   mpiexec -n 2 ./train_mlp [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
 //                            [--micro-batches K] [--no-overlap]
 //                            [--loss-out FILE] [--check-against FILE] [--params-out FILE]
+//   ./train_mlp --help
 //
 // Each rank's slice of the batch is split into K micro-batches (default 2): all but the last
 // accumulate gradients locally with no communication; during the last one each bucket's
@@ -30,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "cli.hpp"
 #include "shardopt/optimizer.hpp"
 #ifdef SHARDOPT_WITH_MPI
 #include <mpi.h>
@@ -73,25 +75,32 @@ struct Options {
   std::string loss_out, check_against, params_out;
 };
 
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw Error(Status::InvalidArgument, a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--steps") o.steps = std::stoi(next());
-    else if (a == "--stage") o.stage = static_cast<Stage>(std::stoi(next()));
-    else if (a == "--dtype") o.dtype = next() == "fp32" ? DType::F32 : DType::BF16;
-    else if (a == "--loss-out") o.loss_out = next();
-    else if (a == "--check-against") o.check_against = next();
-    else if (a == "--params-out") o.params_out = next();
-    else if (a == "--micro-batches") o.micro_batches = std::stoi(next());
-    else if (a == "--no-overlap") o.overlap = false;
-    else throw Error(Status::InvalidArgument, "unknown option " + a);
-  }
-  return o;
+// The command line; returns the exit code after --help, --version or bad input (printed on
+// rank 0 only), or -1 to train.
+int parse(int argc, char** argv, bool print, Options& o) {
+  CLI::App app{"A small data-parallel MLP trainer that uses shardopt as its optimizer; run it "
+               "under mpiexec."};
+  cli::init(app, "train_mlp");
+  app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::Range(1, 1 << 30))
+      ->capture_default_str();
+  app.add_option("--stage", o.stage, "0 (data-parallel), 1, 2 or 3")
+      ->transform(cli::choice<Stage>({{"0", Stage::DataParallel}, {"dp", Stage::DataParallel},
+                                      {"1", Stage::Zero1}, {"2", Stage::Zero2},
+                                      {"3", Stage::Zero3}}))
+      ->default_str("1");
+  app.add_option("--dtype", o.dtype, "the parameter replica")
+      ->transform(cli::choice<DType>({{"bf16", DType::BF16}, {"fp32", DType::F32}}))
+      ->default_str("bf16");
+  app.add_option("--micro-batches", o.micro_batches,
+                 "micro-batches per step (all but the last accumulate without communication)")
+      ->check(CLI::Range(1, kGlobalBatch))->capture_default_str();
+  app.add_flag("--no-overlap{false}", o.overlap, "reduce buckets in step(), not during backward");
+  app.add_option("--loss-out", o.loss_out, "write the loss curve (one value per step)");
+  app.add_option("--check-against", o.check_against,
+                 "compare the loss curve with this file; fail beyond the tolerance")
+      ->check(CLI::ExistingFile);
+  app.add_option("--params-out", o.params_out, "write the final fp32 master weights (raw floats)");
+  return cli::parse(app, argc, argv, print);
 }
 
 // Reads parameter p as float, whatever the replica dtype.
@@ -301,17 +310,22 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  int rank = 0;
 #ifdef SHARDOPT_WITH_MPI
   MPI_Init(&argc, &argv);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 #endif
   int rc = 0;
   try {
-    const Options cli = parse(argc, argv);
+    Options options;
+    rc = parse(argc, argv, rank == 0, options);
+    if (rc < 0) {
 #ifdef SHARDOPT_WITH_MPI
-    rc = run(make_mpi_communicator(MPI_COMM_WORLD), cli);
+      rc = run(make_mpi_communicator(MPI_COMM_WORLD), options);
 #else
-    rc = run(make_single_process_communicator(), cli);
+      rc = run(make_single_process_communicator(), options);
 #endif
+    }
   } catch (const Error& e) {
     std::fprintf(stderr, "train_mlp: %s: %s\n", status_name(e.status()), e.what());
     rc = 1;

@@ -56,11 +56,11 @@
  * The last-error message without a handle is kept per thread.
  *
  * ---- MPI ------------------------------------------------------------------------------------
- * The header does not need <mpi.h>. shardopt_create_mpi(MPI_Comm) is declared when <mpi.h>
- * was included before this header (or SHARDOPT_WITH_MPI is defined, which includes it);
- * shardopt_create_mpi_f takes a Fortran integer communicator (MPI_Comm_f2c; from mpi_f08,
- * pass comm%MPI_VAL) and is always declared. Without MPI support built in, it returns
- * SHARDOPT_ERROR_UNSUPPORTED.
+ * When the library was built with MPI (SHARDOPT_HAVE_MPI in shardopt_config.h), this header
+ * includes <mpi.h> and declares shardopt_create_mpi(MPI_Comm), unless SHARDOPT_NO_MPI is
+ * defined first; it is also declared when <mpi.h> was included before. shardopt_create_mpi_f
+ * takes a Fortran integer communicator (MPI_Comm_f2c) and is always declared. Without MPI
+ * support built in, it returns SHARDOPT_ERROR_UNSUPPORTED.
  */
 #ifndef SHARDOPT_H
 #define SHARDOPT_H
@@ -69,6 +69,7 @@
 #include <stdint.h>
 
 #include "shardopt/shardopt_version.h"
+#include "shardopt/shardopt_config.h"
 
 #if defined(SHARDOPT_WITH_MPI) && !defined(MPI_VERSION)
 #include <mpi.h>

@@ -14,21 +14,13 @@
 #include <vector>
 
 #include "checkpoint/reader.hpp"
+#include "cli.hpp"
 #include "shardopt/error.hpp"
 
 namespace {
 
 using namespace shardopt;
 using namespace shardopt::ckpt;
-
-void usage() {
-  std::fprintf(stderr,
-               "usage: shardopt-export CHECKPOINT OUTPUT.safetensors\n"
-               "       shardopt-export --list CHECKPOINT\n"
-               "CHECKPOINT is a save directory (its LATEST checkpoint is used) or one\n"
-               "checkpoint directory. Writes the fp32 master weights, one tensor per\n"
-               "parameter (shape [numel]); --list prints the parameters instead.\n");
-}
 
 std::string json_string(const std::string& s) {
   std::string out = "\"";
@@ -199,13 +191,24 @@ void export_master(const fs::path& dir, const Metadata& m, const std::string& ou
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool list = argc == 3 && std::strcmp(argv[1], "--list") == 0;
-  if (!list && (argc != 3 || argv[1][0] == '-')) {
-    usage();
+  CLI::App app{"Writes the fp32 master weights of a shardopt checkpoint as one safetensors file, "
+               "one tensor per parameter (shape [numel]), reading files only (no MPI). "
+               "CHECKPOINT is a save directory (its LATEST checkpoint is used) or one "
+               "checkpoint directory. See docs/checkpoint-format.md."};
+  shardopt::cli::init(app, "shardopt-export");
+  std::string checkpoint, output;
+  bool list = false;
+  app.add_option("CHECKPOINT", checkpoint, "save directory or checkpoint directory")->required();
+  auto* out = app.add_option("OUTPUT", output, "the .safetensors file to write");
+  app.add_flag("--list", list, "print the checkpoint's parameters instead of exporting")
+      ->excludes(out);
+  if (const int rc = shardopt::cli::parse(app, argc, argv); rc >= 0) return rc;
+  if (!list && output.empty()) {
+    std::fprintf(stderr, "shardopt-export: give OUTPUT, or --list (see --help)\n");
     return 2;
   }
   try {
-    const fs::path dir = resolve_checkpoint_dir(argv[list ? 2 : 1]);
+    const fs::path dir = resolve_checkpoint_dir(checkpoint);
     const Metadata m = read_metadata(dir);
     if (list) {
       std::printf("checkpoint %s: format %u, step %lld, %u shards, stage %s, replica %s\n",
@@ -216,7 +219,7 @@ int main(int argc, char** argv) {
                     p.group);
       return 0;
     }
-    export_master(dir, m, argv[2]);
+    export_master(dir, m, output);
     return 0;
   } catch (const Error& e) {
     std::fprintf(stderr, "shardopt-export: %s (%s)\n", e.what(), status_name(e.status()));
