@@ -9,10 +9,13 @@
 
 #include "../cpu/kernels.hpp"
 #include "mpi_util.hpp"
+#include "mpi_watchdog.hpp"
 #include "shardopt/bf16.hpp"
 
 namespace shardopt {
 namespace {
+
+using mpi::Watchdog;
 
 // The reduction of the bf16 wire: each partial sum is computed in fp32 and rounded to bf16.
 void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -25,6 +28,8 @@ void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
 // One started MPI operation, the arrays MPI reads until it completes, and what to do after.
 class MpiRequest final : public CommRequest {
  public:
+  MpiRequest(std::shared_ptr<Watchdog> dog, const char* name)
+      : dog_(std::move(dog)), ticket_(dog_->enter(name)) {}
   std::vector<MPI_Request> requests;
   std::vector<bf16> wire;
   std::function<void()> on_complete;
@@ -46,8 +51,7 @@ class MpiRequest final : public CommRequest {
   }
   void wait() override {
     if (done_) return;
-    SHARDOPT_MPI(MPI_Waitall(static_cast<int>(requests.size()), requests.data(),
-                             MPI_STATUSES_IGNORE));
+    dog_->wait(ticket_, static_cast<int>(requests.size()), requests.data());
     finish();
   }
 
@@ -57,11 +61,13 @@ class MpiRequest final : public CommRequest {
     if (on_complete) on_complete();
   }
   bool done_ = false;
+  std::shared_ptr<Watchdog> dog_;
+  Watchdog::Ticket ticket_;
 };
 
 class MpiCommunicator final : public Communicator {
  public:
-  explicit MpiCommunicator(MPI_Comm parent) {
+  MpiCommunicator(MPI_Comm parent, std::shared_ptr<Watchdog> dog) : dog_(std::move(dog)) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     require(initialized != 0, Status::InvalidState, "MPI is not initialised");
@@ -70,6 +76,7 @@ class MpiCommunicator final : public Communicator {
     SHARDOPT_MPI(MPI_Comm_rank(comm_, &rank_));
     SHARDOPT_MPI(MPI_Comm_size(comm_, &size_));
     SHARDOPT_MPI(MPI_Op_create(&bf16_sum, 1, &bf16_sum_op_));
+    dog_->attach(comm_);
   }
   ~MpiCommunicator() override {
     int finalized = 0;
@@ -82,13 +89,14 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return "mpi"; }
+  void set_collective_timeout(double seconds) override { dog_->set_timeout(seconds); }
 
   // MPI's in-place reduce-scatter leaves the result at the start of the buffer; it is moved
   // to the rank's own block when the request completes (NCCL's convention), so no temporary
   // is needed with an fp32 wire.
   std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
                                                         CommType wire) override {
-    auto req = std::make_unique<MpiRequest>();
+    auto req = std::make_unique<MpiRequest>(dog_, "reduce_scatter_sum");
     req->requests.resize(1);
     const int n = mpi::checked_int(count, "MPI_Ireduce_scatter_block");
     mpi::checked_int(count * static_cast<std::size_t>(size_), "MPI_Ireduce_scatter_block");
@@ -114,7 +122,7 @@ class MpiCommunicator final : public Communicator {
 
   std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
                                                     CommType wire) override {
-    auto req = std::make_unique<MpiRequest>();
+    auto req = std::make_unique<MpiRequest>(dog_, "start_all_reduce_sum");
     req->requests.resize(1);
     const int n = mpi::checked_int(count, "MPI_Iallreduce");
     if (wire == CommType::BF16) {
@@ -139,7 +147,7 @@ class MpiCommunicator final : public Communicator {
     const std::size_t unit = count % 64 == 0 ? 64 : 1;
     const int n = mpi::checked_int(count / unit, "MPI_Iallgather");
     mpi::checked_int(count / unit * static_cast<std::size_t>(size_), "MPI_Iallgather");
-    auto req = std::make_unique<MpiRequest>();
+    auto req = std::make_unique<MpiRequest>(dog_, "all_gather");
     MPI_Datatype elem = mpi::datatype(type);
     if (unit > 1) {
       SHARDOPT_MPI(MPI_Type_contiguous(static_cast<int>(unit), elem, &elem));
@@ -158,25 +166,44 @@ class MpiCommunicator final : public Communicator {
             "all_reduce_sum: type F32 or F64");
     const std::size_t elem = mpi::type_size(type);
     constexpr std::size_t kChunk = std::size_t{1} << 30;
+    const Watchdog::Ticket t = dog_->enter("all_reduce_sum");
     for (std::size_t off = 0; off < count; off += kChunk) {
-      const std::size_t n = std::min(kChunk, count - off);
-      SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(buf) + off * elem,
-                                 static_cast<int>(n), mpi::datatype(type), MPI_SUM, comm_));
+      const int n = static_cast<int>(std::min(kChunk, count - off));
+      void* at = static_cast<char*>(buf) + off * elem;
+      dog_->run(
+          t, [&] { SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, at, n, mpi::datatype(type), MPI_SUM, comm_)); },
+          [&](MPI_Request* r) {
+            SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, at, n, mpi::datatype(type), MPI_SUM, comm_, r));
+          });
     }
   }
 
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
     const int n = mpi::checked_int(bytes, "MPI_Allgather");
-    SHARDOPT_MPI(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_));
+    dog_->run(
+        dog_->enter("all_gather_bytes"),
+        [&] { SHARDOPT_MPI(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_)); },
+        [&](MPI_Request* r) {
+          SHARDOPT_MPI(MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, r));
+        });
   }
 
   void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
-    SHARDOPT_MPI(MPI_Bcast(buf, mpi::checked_int(bytes, "MPI_Bcast"), MPI_BYTE, root, comm_));
+    const int n = mpi::checked_int(bytes, "MPI_Bcast");
+    dog_->run(
+        dog_->enter("broadcast_bytes"),
+        [&] { SHARDOPT_MPI(MPI_Bcast(buf, n, MPI_BYTE, root, comm_)); },
+        [&](MPI_Request* r) { SHARDOPT_MPI(MPI_Ibcast(buf, n, MPI_BYTE, root, comm_, r)); });
   }
 
-  void barrier() override { SHARDOPT_MPI(MPI_Barrier(comm_)); }
+  void barrier() override {
+    dog_->run(
+        dog_->enter("barrier"), [&] { SHARDOPT_MPI(MPI_Barrier(comm_)); },
+        [&](MPI_Request* r) { SHARDOPT_MPI(MPI_Ibarrier(comm_, r)); });
+  }
 
  private:
+  std::shared_ptr<Watchdog> dog_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Op bf16_sum_op_ = MPI_OP_NULL;
   int rank_ = 0;
@@ -185,8 +212,9 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> mpi::make_plain_communicator(MPI_Comm comm) {
-  return std::make_shared<MpiCommunicator>(comm);
+std::shared_ptr<Communicator> mpi::make_plain_communicator(MPI_Comm comm,
+                                                           std::shared_ptr<Watchdog> watchdog) {
+  return std::make_shared<MpiCommunicator>(comm, std::move(watchdog));
 }
 
 }  // namespace shardopt

@@ -50,8 +50,12 @@ inline int checked_int(std::size_t n, const char* what) {
   return static_cast<int>(n);
 }
 
-/// The plain communicator: MPI collectives on a duplicate of `comm` (mpi_comm.cpp).
-std::shared_ptr<Communicator> make_plain_communicator(MPI_Comm comm);
+class Watchdog;  // mpi_watchdog.hpp
+
+/// The plain communicator: MPI collectives on a duplicate of `comm` (mpi_comm.cpp), waiting
+/// under `watchdog` (which it attaches to its duplicate).
+std::shared_ptr<Communicator> make_plain_communicator(MPI_Comm comm,
+                                                      std::shared_ptr<Watchdog> watchdog);
 
 }  // namespace shardopt::mpi
 
