@@ -63,8 +63,9 @@ struct Harness {
           return o;
         }()) {}
 
-  explicit Harness(const OptimizerOptions& o) : cfg(o.adam) {
-    opt = std::make_unique<ShardedOptimizer>(world(), o);
+  explicit Harness(const OptimizerOptions& o, std::shared_ptr<Communicator> comm = world())
+      : cfg(o.adam) {
+    opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
     EXPECT_EQ(opt->add_group(groups[1]), 1);
     for (std::size_t i = 0; i < model.sizes.size(); ++i)
       opt->add_param("p" + std::to_string(i), model.sizes[i], model.groups[i]);
