@@ -2,6 +2,7 @@
 #include "step_check.hpp"
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -69,9 +70,11 @@ std::uint64_t fingerprint(const StepSettings& s) {
   return fnv1a64(g.data(), g.size() * sizeof(double), fnv1a64(&w, sizeof w));
 }
 
+// The shortest of %.15g and %.17g that reads back as v.
 std::string text(double v) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
+  std::snprintf(buf, sizeof buf, "%.15g", v);
+  if (std::strtod(buf, nullptr) != v) std::snprintf(buf, sizeof buf, "%.17g", v);
   return buf;
 }
 std::string text(std::int64_t v) { return std::to_string(v); }

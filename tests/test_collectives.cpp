@@ -61,12 +61,12 @@ OptimizerOptions small_options(Stage stage = Stage::Zero1) {
   return o;
 }
 
-// Every parameter's master, gathered (collective).
-std::vector<std::vector<float>> masters(ShardedOptimizer& opt) {
+// This rank's optimizer state (master, m, v), copied locally: no communication.
+std::vector<std::vector<float>> local_state(ShardedOptimizer& opt) {
   std::vector<std::vector<float>> out;
-  for (std::size_t i = 0; i < opt.layout().num_params(); ++i) {
-    out.emplace_back(opt.layout().param(i).numel);
-    opt.get_master(i, out.back());
+  for (const StateArray a : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
+    out.emplace_back(opt.local_size());
+    opt.copy_state_to_host(a, 0, out.back());
   }
   return out;
 }
@@ -235,12 +235,12 @@ TEST_P(StepSettings, DifferentSettingOnOneRankFailsEverywhereAndChangesNothing) 
     ++step;
     h.write_grads(step);
     ref.write_grads(step);
-    const std::vector<std::vector<float>> before = masters(*h.opt);
+    const std::vector<std::vector<float>> before = local_state(*h.opt);
     const std::int64_t count = h.opt->step_count();
     if (is_last()) m.apply(*h.opt);
     expect_same_error(Status::InvalidArgument, [&] { h.opt->step(); },
                       {m.what, last_tag(), "no update was applied"}, m.what);
-    EXPECT_TRUE(bitwise_equal(masters(*h.opt), before)) << m.what << ": the master changed";
+    EXPECT_TRUE(bitwise_equal(local_state(*h.opt), before)) << m.what << ": the state changed";
     EXPECT_EQ(h.opt->step_count() - (is_last() && std::strcmp(m.what, "step count differs") == 0),
               count)
         << m.what;
@@ -248,7 +248,7 @@ TEST_P(StepSettings, DifferentSettingOnOneRankFailsEverywhereAndChangesNothing) 
     const StepResult r = h.opt->step();
     const StepResult want = ref.opt->step();
     EXPECT_EQ(r.grad_norm, want.grad_norm) << m.what;
-    EXPECT_TRUE(bitwise_equal(masters(*h.opt), masters(*ref.opt))) << m.what;
+    EXPECT_TRUE(bitwise_equal(local_state(*h.opt), local_state(*ref.opt))) << m.what;
   }
 }
 
@@ -264,16 +264,16 @@ TEST_P(StepSettings, DifferentMicroBatchCountOnOneRankFailsEverywhere) {
   }
   h.opt->begin_backward(true);
   h.write_grads(1);
-  const std::vector<std::vector<float>> before = masters(*h.opt);
+  const std::vector<std::vector<float>> before = local_state(*h.opt);
   expect_same_error(Status::InvalidArgument, [&] { h.opt->step(); },
                     {"micro-batch count differs", "2 on " + last_tag()}, "micro-batches");
-  EXPECT_TRUE(bitwise_equal(masters(*h.opt), before));
+  EXPECT_TRUE(bitwise_equal(local_state(*h.opt), before));
   EXPECT_EQ(h.opt->step_count(), 0);
   h.opt->zero_grad();
   h.write_grads(2);
   ref.write_grads(2);
   EXPECT_EQ(h.opt->step().grad_norm, ref.opt->step().grad_norm);
-  EXPECT_TRUE(bitwise_equal(masters(*h.opt), masters(*ref.opt)));
+  EXPECT_TRUE(bitwise_equal(local_state(*h.opt), local_state(*ref.opt)));
 }
 
 TEST_P(StepSettings, DifferentLossScaleStateOnOneRankFailsEverywhere) {
@@ -357,7 +357,7 @@ TEST(DebugCollectives, TrainsExactlyAsWithoutIt) {
     debug.write_grads(s);
     EXPECT_EQ(plain.opt->step().grad_norm, debug.opt->step().grad_norm);
   }
-  EXPECT_TRUE(bitwise_equal(masters(*plain.opt), masters(*debug.opt)));
+  EXPECT_TRUE(bitwise_equal(local_state(*plain.opt), local_state(*debug.opt)));
 }
 
 // ---- the timeout's polling waits -------------------------------------------------------------
@@ -384,7 +384,7 @@ TEST(CollectiveTimeout, PollingWaitsGiveTheSameResults) {
         polling.write_grads(s);
         EXPECT_EQ(blocking.opt->step().grad_norm, polling.opt->step().grad_norm);
       }
-      EXPECT_TRUE(bitwise_equal(masters(*blocking.opt), masters(*polling.opt)));
+      EXPECT_TRUE(bitwise_equal(local_state(*blocking.opt), local_state(*polling.opt)));
     }
   }
   if (registered != nullptr) setenv("SHARDOPT_COLLECTIVE_TIMEOUT", timeout.c_str(), 1);
