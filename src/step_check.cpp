@@ -133,7 +133,9 @@ void describe(std::string& out, const std::string& name, int ranks,
     comm.all_gather_bytes(g.data(), gs.data(), g.size() * sizeof(double));
     for (std::size_t k = 0; k < w.num_groups; ++k) {
       auto field = [&](std::size_t j) {
-        return [&, j](int r) { return text(gs[static_cast<std::size_t>(r) * g.size() + 2 * k + j]); };
+        return [&, j](int r) {
+          return text(gs[static_cast<std::size_t>(r) * g.size() + 2 * k + j]);
+        };
       };
       describe(diff, "group " + std::to_string(k) + " lr_scale", n, field(0));
       describe(diff, "group " + std::to_string(k) + " weight_decay", n, field(1));

@@ -31,7 +31,8 @@ void write_file(const std::string& path, const std::string& text) {
 void backward(ShardedOptimizer& opt, int rank) {
   for (std::size_t i = opt.layout().num_params(); i-- > 0;) {
     std::span<float> g = opt.grad(i);
-    for (std::size_t k = 0; k < g.size(); ++k) g[k] = 0.001f * static_cast<float>((k + i + rank) % 7);
+    for (std::size_t k = 0; k < g.size(); ++k)
+      g[k] = 0.001f * static_cast<float>((k + i + static_cast<std::size_t>(rank)) % 7);
     opt.grad_ready(i);
   }
 }

@@ -100,9 +100,10 @@ class Communicator {
   /// Local. A rank that waits longer than `seconds` in one collective of this communicator
   /// prints to stderr which collective it waits in and which ranks have not arrived, then
   /// aborts the job (MPI_Abort on MPI_COMM_WORLD, error code kCollectiveTimeoutExitCode): an
-  /// MPI collective cannot be cancelled. While it waits it polls with sleeps (it does not
-  /// spin). 0 (the default) waits forever with plain blocking calls. The MPI communicators
-  /// implement it (NCCL: its host-side MPI collectives only); the others never wait.
+  /// MPI collective cannot be cancelled. While it waits it polls, sleeping between polls
+  /// after the first 50 ms instead of spinning. 0 (the default) waits forever with plain
+  /// blocking calls. The MPI communicators implement it (NCCL: its host-side MPI collectives
+  /// only); the others never wait.
   virtual void set_collective_timeout(double /*seconds*/) {}
 };
 
@@ -141,9 +142,9 @@ struct LocalOutcome {
   bool ok() const { return status == Status::Ok; }
 };
 
-/// The LocalOutcome of the exception being handled (call it in a catch block): an Error keeps its
-/// status and message; std::filesystem errors are Io, std::bad_alloc OutOfMemory, anything
-/// else Internal, with "what: " before their message. Never throws.
+/// The LocalOutcome of the exception being handled (call it in a catch block): an Error
+/// keeps its status and message; std::filesystem errors are Io, std::bad_alloc OutOfMemory,
+/// anything else Internal, with "what: " before their message. Never throws.
 LocalOutcome current_exception_outcome(std::string_view what) noexcept;
 
 /// Runs f() on this rank and returns how it went (see current_exception_outcome). Local;

@@ -29,7 +29,8 @@ void copy_truncated(char* dst, std::size_t size, std::string_view src) {
 
 // Every rank knows that some rank failed or that the calls differ: share every rank's record
 // and throw the same combined Error everywhere.
-[[noreturn]] void throw_agreed(Communicator& comm, std::string_view what, const LocalOutcome& local) {
+[[noreturn]] void throw_agreed(Communicator& comm, std::string_view what,
+                               const LocalOutcome& local) {
   Record mine{};
   mine.status = static_cast<std::int32_t>(local.status);
   copy_truncated(mine.what, sizeof mine.what, what);

@@ -72,7 +72,8 @@ std::string describe(const Entry& e) {
 class CheckedCommunicator final : public Communicator {
  public:
   explicit CheckedCommunicator(std::shared_ptr<Communicator> inner) : in_(std::move(inner)) {
-    require(in_ != nullptr, Status::InvalidArgument, "make_checked_communicator: null communicator");
+    require(in_ != nullptr, Status::InvalidArgument,
+            "make_checked_communicator: null communicator");
   }
 
   int rank() const override { return in_->rank(); }
@@ -138,11 +139,13 @@ class CheckedCommunicator final : public Communicator {
     for (const Entry& e : all) same = same && std::memcmp(&e, &all[0], sizeof e) == 0;
     if (same) return;
     std::vector<std::string> entered;
+    // (A rank that entered through another wrapper counts from elsewhere: its number shows.)
     for (const Entry& e : all)
-      entered.push_back(describe(e) + (e.seq != mine.seq ? " as collective #" + std::to_string(e.seq) : ""));
-    throw Error(Status::InvalidState,
-                "debug_collectives: collective #" + std::to_string(mine.seq) + " on " + in_->name() +
-                    " differs across ranks: " + values_by_rank(entered));
+      entered.push_back(describe(e) +
+                        (e.seq != mine.seq ? " as collective #" + std::to_string(e.seq) : ""));
+    throw Error(Status::InvalidState, "debug_collectives: collective #" + std::to_string(mine.seq) +
+                                          " on " + in_->name() + " differs across ranks: " +
+                                          values_by_rank(entered));
   }
 
   std::shared_ptr<Communicator> in_;

@@ -170,10 +170,11 @@ class MpiCommunicator final : public Communicator {
     for (std::size_t off = 0; off < count; off += kChunk) {
       const int n = static_cast<int>(std::min(kChunk, count - off));
       void* at = static_cast<char*>(buf) + off * elem;
+      const MPI_Datatype dt = mpi::datatype(type);
       dog_->run(
-          t, [&] { SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, at, n, mpi::datatype(type), MPI_SUM, comm_)); },
+          t, [&] { SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, at, n, dt, MPI_SUM, comm_)); },
           [&](MPI_Request* r) {
-            SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, at, n, mpi::datatype(type), MPI_SUM, comm_, r));
+            SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, at, n, dt, MPI_SUM, comm_, r));
           });
     }
   }

@@ -26,7 +26,9 @@ struct Answer {
 };
 
 using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 // How long the timed-out rank collects answers.
 double grace_seconds(double timeout) { return std::clamp(timeout / 4, 0.5, 5.0); }
@@ -119,9 +121,9 @@ void Watchdog::report_and_abort(const Ticket& t, double waited) {
     } else if (a.entered > t.seq) {
       arrived.push_back(r);
     } else {
+      const std::string name(a.name, strnlen(a.name, sizeof a.name));
       behind += "; rank " + std::to_string(r) + " waits in collective #" +
-                std::to_string(a.waiting) + " (" + std::string(a.name, strnlen(a.name, sizeof a.name)) +
-                ")";
+                std::to_string(a.waiting) + " (" + name + ")";
     }
   }
   std::sort(arrived.begin(), arrived.end());
