@@ -54,8 +54,10 @@ void copy_truncated(char* dst, std::size_t size, std::string_view src) {
     calls = "ranks entered different collective calls:";
     for (int r = 0; r < comm.size(); ++r) {
       const char* w = all[static_cast<std::size_t>(r)].what;
-      calls += std::string(r == 0 ? " " : ", ") + "rank " + std::to_string(r) + " in " +
-               (*w != '\0' ? "'" + std::string(w) + "'" : std::string("an unnamed call"));
+      calls += r == 0 ? " rank " : ", rank ";
+      calls += std::to_string(r);
+      calls += *w != '\0' ? " in '" : " in an unnamed call";
+      if (*w != '\0') calls.append(w).append("'");
     }
   }
   if (first == Status::Ok) throw Error(Status::InvalidState, calls);
