@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <span>
 #include <string>
-#include <tuple>
 #include <vector>
 #include <utility>
 
@@ -48,36 +47,23 @@ std::size_t type_size(CommType t) {
   return 1;
 }
 
-/// Runs a local setup step; returns its Error status and message instead of throwing, so
-/// every rank can agree on the outcome before the next collective.
-template <class F>
-std::pair<Status, std::string> attempt(F&& f) {
-  try {
-    f();
-    return {Status::Ok, {}};
-  } catch (const Error& e) {
-    return {e.status(), e.what()};
-  }
-}
-
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(MPI_Comm parent, cudaStream_t stream)
       : host_(make_mpi_communicator(parent)), stream_(stream) {
-    auto [st, msg] = attempt([&] {
+    // Local setup steps run through collective(): a failure on one rank is the same error on
+    // every rank before the next collective.
+    collective(*host_, "make_nccl_communicator", [&] {
       int devices = 0;
       SHARDOPT_CUDA_CHECK(cudaGetDeviceCount(&devices));
-      require(devices > 0, Status::Cuda, "no CUDA device");
+      require(devices > 0, Status::Cuda, "make_nccl_communicator: no CUDA device");
       int device = 0;
       SHARDOPT_CUDA_CHECK(cudaGetDevice(&device));
     });
-    agree_or_throw(*host_, st, "make_nccl_communicator: " + msg);
-
     ncclUniqueId id{};
-    std::tie(st, msg) = attempt([&] {
+    collective(*host_, "make_nccl_communicator", [&] {
       if (host_->rank() == 0) SHARDOPT_NCCL(ncclGetUniqueId(&id));
     });
-    agree_or_throw(*host_, st, "make_nccl_communicator: " + msg);
     host_->broadcast_bytes(&id, sizeof id, 0);
     SHARDOPT_NCCL(ncclCommInitRank(&comm_, host_->size(), id, host_->rank()));
     ncclGetVersion(&version_);
@@ -101,6 +87,9 @@ class NcclCommunicator final : public Communicator {
            std::to_string(version_ / 100 % 100) + "." + std::to_string(version_ % 100);
   }
   bool device_buffers() const override { return true; }
+  /// Covers the host-side MPI collectives; NCCL's own collectives run on the stream and are
+  /// not timed.
+  void set_collective_timeout(double seconds) override { host_->set_collective_timeout(seconds); }
 
   void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
     require(type == CommType::F32 || type == CommType::F64, Status::InvalidArgument,

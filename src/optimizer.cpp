@@ -12,6 +12,7 @@
 #include "backend.hpp"
 #include "buckets.hpp"
 #include "buffer_plan.hpp"
+#include "step_check.hpp"
 #include "units.hpp"
 
 namespace shardopt {
@@ -61,6 +62,9 @@ std::string options_problem(const OptimizerOptions& o) {
   if (o.buckets_in_flight < 1) return "buckets_in_flight must be at least 1";
   if (o.units_in_flight < 1) return "units_in_flight must be at least 1";
   if (o.reduce_dtype != DType::F32 && o.reduce_dtype != DType::BF16) return "invalid reduce dtype";
+  if (!std::isfinite(o.collective_timeout_s) || o.collective_timeout_s < 0)
+    return "collective_timeout_s must be >= 0 seconds (0: no timeout), got " +
+           std::to_string(o.collective_timeout_s);
   return validate(o.loss_scaling);
 }
 
@@ -77,24 +81,43 @@ Allocation collective_buffer(Communicator& comm, Backend& be, Device device,
 }
 
 // Collective constructor check: throws the same error on every rank if any rank's options
-// are invalid, before anything else is communicated.
-std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm,
-                                      const OptimizerOptions& o) {
+// are invalid, before anything else is communicated. Applies the environment overrides to
+// `o`, the collective timeout to the communicator, and returns the communicator the
+// optimizer uses (wrapped by the debug checks when they are on).
+std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm, OptimizerOptions& o) {
   require(comm != nullptr, Status::InvalidArgument, "communicator is null");
-  std::string problem = options_problem(o);
-  // The communicator must accept the buffers where the device puts them. A host
-  // communicator of one rank moves no data, so it also serves Device::Cuda.
-  const bool cuda = o.device == Device::Cuda;
-  if (problem.empty() && comm->device_buffers() && !cuda)
-    problem = "Device::Cpu needs a communicator of host buffers, not " + comm->name();
-  if (problem.empty() && !comm->device_buffers() && cuda && comm->size() > 1)
-    problem = "Device::Cuda needs a communicator of device buffers (NCCL), not " + comm->name();
-  agree_or_throw(*comm, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
-  return comm;
+  collective(*comm, "ShardedOptimizer", [&] {
+    std::string problem = apply_environment(o);
+    if (problem.empty()) problem = options_problem(o);
+    // The communicator must accept the buffers where the device puts them. A host
+    // communicator of one rank moves no data, so it also serves Device::Cuda.
+    const bool cuda = o.device == Device::Cuda;
+    if (problem.empty() && comm->device_buffers() && !cuda)
+      problem = "Device::Cpu needs a communicator of host buffers, not " + comm->name();
+    if (problem.empty() && !comm->device_buffers() && cuda && comm->size() > 1)
+      problem = "Device::Cuda needs a communicator of device buffers (NCCL), not " + comm->name();
+    require(problem.empty(), Status::InvalidArgument, problem);
+  });
+  // The debug checks add collectives, so every rank must make the same choice.
+  const std::int32_t debug = o.debug_collectives ? 1 : 0;
+  std::vector<std::int32_t> all(static_cast<std::size_t>(comm->size()));
+  comm->all_gather_bytes(&debug, all.data(), sizeof debug);
+  if (std::count(all.begin(), all.end(), debug) != comm->size()) {
+    std::string on;
+    for (std::size_t r = 0; r < all.size(); ++r)
+      if (all[r] != 0) on += (on.empty() ? "" : ", ") + std::to_string(r);
+    throw Error(Status::InvalidArgument,
+                "ShardedOptimizer: debug_collectives (or SHARDOPT_DEBUG_COLLECTIVES=1) is on for "
+                "ranks " + on + " only; it must be the same on every rank");
+  }
+  if (o.collective_timeout_s > 0) comm->set_collective_timeout(o.collective_timeout_s);
+  return o.debug_collectives ? make_checked_communicator(std::move(comm)) : comm;
 }
 
 }  // namespace
 
+// comm_ is initialised first: checked() applies the environment to `options` before options_
+// copies it.
 ShardedOptimizer::ShardedOptimizer(std::shared_ptr<Communicator> comm, OptimizerOptions options)
     : comm_(checked(std::move(comm), options)),
       options_(options),
@@ -186,17 +209,11 @@ struct RankSummary {
 }  // namespace
 
 void ShardedOptimizer::finalize() {
-  require_registering("finalize");
   FlatLayout layout = layout_;
-  Status status = Status::Ok;
-  std::string problem;
-  try {
+  collective(*comm_, "finalize", [&] {
+    require_registering("finalize");
     layout.build(comm_->size(), options_.bucket_elems);
-  } catch (const Error& e) {
-    status = e.status();
-    problem = e.what();
-  }
-  agree_or_throw(*comm_, status, problem);
+  });
 
   // Every rank compares everyone's fingerprint, so all of them detect a mismatch.
   const RankSummary mine{configuration_fingerprint(layout, options_, groups_),
@@ -219,7 +236,7 @@ void ShardedOptimizer::finalize() {
     throw Error(Status::LayoutMismatch, os.str());
   }
 
-  try {
+  collective(*comm_, "finalize", [&] {
     layout_ = std::move(layout);
     const BufferPlan plan = plan_buffers(layout_, options_.stage, options_.param_dtype,
                                          options_.buckets_in_flight, options_.units_in_flight);
@@ -228,31 +245,26 @@ void ShardedOptimizer::finalize() {
     Communicator& comm = *comm_;
     const Device device = options_.device;
     MemoryTracker* tracker = &tracker_;
-    const auto collective = [&comm, &be, device, tracker](const BufferSpec& spec) {
+    const auto shared_buffer = [&comm, &be, device, tracker](const BufferSpec& spec) {
       return collective_buffer(comm, be, device, tracker, spec);
     };
     const bool zero3 = options_.stage == Stage::Zero3;  // its replica slices stay local
     b.replica = zero3 ? be.allocate(&tracker_, plan.replica.category, plan.replica.bytes)
-                      : collective(plan.replica);
+                      : shared_buffer(plan.replica);
     const bool f32 = options_.param_dtype == DType::F32;
     buckets_ = std::make_unique<BucketSet>(
         comm, be, tracker_, layout_, plan,
         BucketSet::Config{options_.stage,
                           options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
                           f32 ? CommType::F32 : CommType::U16, options_.overlap},
-        collective, b.replica.data());
+        shared_buffer, b.replica.data());
     if (zero3)
-      units_ = std::make_unique<UnitSet>(comm, be, layout_, plan, options_.param_dtype, collective,
+      units_ = std::make_unique<UnitSet>(comm, be, layout_, plan, options_.param_dtype, shared_buffer,
                                          b.replica.data());
     if (plan.master.bytes > 0) b.master = be.allocate(&tracker_, plan.master.category, plan.master.bytes);
     b.exp_avg = be.allocate(&tracker_, plan.exp_avg.category, plan.exp_avg.bytes);
     b.exp_avg_sq = be.allocate(&tracker_, plan.exp_avg_sq.category, plan.exp_avg_sq.bytes);
-    status = Status::Ok;
-  } catch (const Error& e) {
-    status = e.status();
-    problem = e.what();
-  }
-  agree_or_throw(*comm_, status, problem);
+  });
   finalized_ = true;
 }
 
@@ -345,28 +357,29 @@ void ShardedOptimizer::set_param(std::size_t i, std::span<const float> values) {
 }
 
 void ShardedOptimizer::get_master(std::size_t i, std::span<float> out) {
-  get_state(StateArray::Master, i, out);
+  gather_state("get_master", StateArray::Master, i, out);
 }
 
 void ShardedOptimizer::get_state(StateArray a, std::size_t i, std::span<float> out) {
+  gather_state("get_state", a, i, out);
+}
+
+void ShardedOptimizer::gather_state(const char* what, StateArray a, std::size_t i,
+                                    std::span<float> out) {
+  const std::string w = what;
   // Checked on every rank and agreed before any data moves, so that a bad call on one rank
   // is the same error everywhere instead of a hang.
-  std::string problem;
-  Status status = Status::InvalidArgument;
-  if (!finalized_) {
-    problem = "get_state: call finalize() first";
-    status = Status::InvalidState;
-  } else if (i >= layout_.num_params()) {
-    problem = "get_state: parameter index " + std::to_string(i) + " out of range (have " +
-              std::to_string(layout_.num_params()) + ")";
-  } else if (out.size() != layout_.param(i).numel) {
-    problem = "get_state: parameter '" + layout_.param(i).name + "' has " +
-              std::to_string(layout_.param(i).numel) + " elements, got a buffer of " +
-              std::to_string(out.size());
-  } else if (out.data() == nullptr) {
-    problem = "get_state: the output buffer is null";
-  }
-  agree_or_throw(*comm_, problem.empty() ? Status::Ok : status, problem);
+  collective(*comm_, what, [&] {
+    require_finalized(what);
+    require(i < layout_.num_params(), Status::InvalidArgument,
+            w + ": parameter index " + std::to_string(i) + " out of range (have " +
+                std::to_string(layout_.num_params()) + ")");
+    require(out.size() == layout_.param(i).numel, Status::InvalidArgument,
+            w + ": parameter '" + layout_.param(i).name + "' has " +
+                std::to_string(layout_.param(i).numel) + " elements, got a buffer of " +
+                std::to_string(out.size()));
+    require(out.data() != nullptr, Status::InvalidArgument, w + ": the output buffer is null");
+  });
   const ParamInfo& p = layout_.param(i);
   buckets_->wait_params();
   // This rank's pieces of [lo, hi) of the parameter into dst (indexed from lo).
@@ -493,7 +506,7 @@ void ShardedOptimizer::progress() {
 }
 
 void ShardedOptimizer::reduce_gradients() {
-  require_finalized("reduce_gradients");
+  collective(*comm_, "reduce_gradients", [&] { require_finalized("reduce_gradients"); });
   buckets_->finish_grad_sync();
 }
 
@@ -578,11 +591,18 @@ double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper
 }
 
 StepResult ShardedOptimizer::step() {
-  require_finalized("step");
-  // Stage 3: a unit gathered before the update would keep stale parameters.
-  require(!units_ || units_->held() == 0, Status::InvalidState,
-          "step: " + std::to_string(units_ ? units_->held() : 0) +
-              " units are still acquired or prefetched; release them before the step");
+  // finalize() is collective, so either every rank is finalized or none: a rank that is not
+  // fails here, together with the others (in this check or in their own finalize()). Stage 3
+  // agrees on its units too: a rank still holding one would otherwise fail alone, before the
+  // reductions its peers wait in (one small all-reduce per stage-3 step).
+  if (!finalized_ || units_)
+    collective(*comm_, "step", [&] {
+      require_finalized("step");
+      // Stage 3: a unit gathered before the update would keep stale parameters.
+      require(!units_ || units_->held() == 0, Status::InvalidState,
+              "step: " + std::to_string(units_ ? units_->held() : 0) +
+                  " units are still acquired or prefetched; release them before the step");
+    });
   buckets_->wait_params();
   const int world = comm_->size();
   StepResult r;
@@ -597,15 +617,23 @@ StepResult ShardedOptimizer::step() {
 
   // 2. Global norm: one all-reduce of the sum of squares (fp64) of every rank's slices.
   // Data-parallel ranks hold every bucket reduced, and each sums its own slices, so the
-  // partial sums (and the norm) are the same as in the sharded stages.
+  // partial sums (and the norm) are the same as in the sharded stages. The same all-reduce
+  // checks that every rank steps with the same settings (step_check.hpp); if not, every rank
+  // throws before anything is updated, and the reduced gradients stay for a retry.
   double sumsq = 0.0;
-  for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
-    const Bucket& bk = layout_.bucket(k);
-    const std::size_t skip =
-        options_.stage == Stage::DataParallel ? static_cast<std::size_t>(comm_->rank()) * bk.slice_elems : 0;
-    sumsq += backend_->sum_squares(buckets_->reduced_grad(k) + skip, bk.slice_elems);
-  }
-  comm_->all_reduce_sum_host(&sumsq, 1);
+  const LocalOutcome local = capture("step", [&] {
+    for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
+      const Bucket& bk = layout_.bucket(k);
+      const std::size_t skip = options_.stage == Stage::DataParallel
+                                   ? static_cast<std::size_t>(comm_->rank()) * bk.slice_elems
+                                   : 0;
+      sumsq += backend_->sum_squares(buckets_->reduced_grad(k) + skip, bk.slice_elems);
+    }
+  });
+  sumsq = sum_over_ranks_checked(
+      *comm_, sumsq, local,
+      StepSettings{options_.adam, groups_, options_.loss_scaling, buckets_->micro_batches(),
+                   step_count_, loss_scale_});
   r.timings.norm = timer.lap();
 
   const double average = 1.0 / (static_cast<double>(world) * buckets_->micro_batches());
@@ -708,7 +736,7 @@ void ShardedOptimizer::copy_state_from_host(StateArray a, std::size_t offset,
 }
 
 void ShardedOptimizer::refresh_replica() {
-  require_finalized("refresh_replica");
+  collective(*comm_, "refresh_replica", [&] { require_finalized("refresh_replica"); });
   buckets_->wait_params();
   if (options_.param_dtype == DType::BF16)
     for (std::size_t k = 0; k < layout_.num_buckets(); ++k) {

@@ -72,7 +72,10 @@ struct BufferPlan;
 
 class ShardedOptimizer {
  public:
-  /// Validates options on this rank (throws Error(InvalidArgument)); no communication.
+  /// Collective. Validates the options (after applying SHARDOPT_DEBUG_COLLECTIVES and
+  /// SHARDOPT_COLLECTIVE_TIMEOUT, see options.hpp); an invalid option on any rank is the same
+  /// Error(InvalidArgument) on every rank. Sets the collective timeout on `comm` and, with
+  /// debug_collectives, wraps it in make_checked_communicator() (comm() is the wrapper).
   ShardedOptimizer(std::shared_ptr<Communicator> comm, OptimizerOptions options);
   ~ShardedOptimizer();
   ShardedOptimizer(const ShardedOptimizer&) = delete;
@@ -161,8 +164,16 @@ class ShardedOptimizer {
   void zero_grad();
 
   // ---- the step (collective) ---------------------------------------------------------------
+  /// Collective. Every rank must step with the same hyperparameters, group settings,
+  /// micro-batch count, step count and loss scaling state and options; this is checked in
+  /// the norm's all-reduce. If they differ, every rank throws the same Error(InvalidArgument)
+  /// naming each setting that differs and its value on each rank; nothing is updated (master,
+  /// moments, step count, loss scale), and the reduced gradients are kept: put the setting
+  /// back and call step() again (it reuses them), or zero_grad() to drop them.
   StepResult step();
 
+  /// The setters are local: every rank must make the same change before the next step(),
+  /// which checks it.
   void set_lr(double lr);  ///< local; takes effect at the next step
   double lr() const { return options_.adam.lr; }
   void set_adam_config(const AdamConfig& c);  ///< validated; local
@@ -211,6 +222,7 @@ class ShardedOptimizer {
   void require_finalized(const char* what) const;
   void require_registering(const char* what) const;
   void require_zero3(const char* what) const;
+  void gather_state(const char* what, StateArray a, std::size_t i, std::span<float> out);
   void all_gather_replica();
   void accumulate_grad_as(std::size_t i, const void* src, std::size_t n, DType dtype);
   double update_and_gather(const StepScalars& s, const StepHyper& h, bool gather_per_bucket);

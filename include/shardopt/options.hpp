@@ -76,6 +76,24 @@ struct OptimizerOptions {
   /// rounded to bf16: about 3 significant digits; see docs/architecture.md).
   DType reduce_dtype = DType::F32;
   LossScaling loss_scaling;
+
+  // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------
+  /// Debugging: before every collective, every rank checks that all ranks are entering the
+  /// same collective with the same sizes (make_checked_communicator); at the first divergence
+  /// every rank throws the same Error(InvalidState) naming it. The environment variable
+  /// SHARDOPT_DEBUG_COLLECTIVES=1 turns it on too; it must be on on every rank or none. Cost:
+  /// one extra blocking all-gather of 32 bytes per rank before every collective.
+  bool debug_collectives = false;
+  /// Seconds a rank may wait in one collective before it prints which collective and which
+  /// ranks have not arrived, and aborts the job (Communicator::set_collective_timeout, which
+  /// the constructor calls on the communicator). 0: the environment variable
+  /// SHARDOPT_COLLECTIVE_TIMEOUT (seconds) if set, else no timeout.
+  double collective_timeout_s = 0.0;
 };
+
+/// Applies the environment variables SHARDOPT_DEBUG_COLLECTIVES (1 turns debug_collectives
+/// on; 0 or empty: no change) and SHARDOPT_COLLECTIVE_TIMEOUT (seconds >= 0; used when
+/// collective_timeout_s is 0) to `o`. Returns what is wrong with them, or an empty string.
+std::string apply_environment(OptimizerOptions& o);
 
 }  // namespace shardopt

@@ -31,31 +31,6 @@ std::size_t ckpt::owned_state_elems(const ShardedOptimizer& opt) { return opt.lo
 
 namespace {
 
-struct Outcome {
-  Status status = Status::Ok;
-  std::string message;
-};
-
-// Runs one rank's local part of a collective operation; its failure becomes an Outcome
-// that agree_or_throw() turns into the same error on every rank.
-template <class F>
-Outcome locally(F&& f) {
-  try {
-    f();
-    return {};
-  } catch (const Error& e) {
-    return {e.status(), e.what()};
-  } catch (const fs::filesystem_error& e) {
-    return {Status::Io, std::string("checkpoint: ") + e.what()};
-  } catch (const std::bad_alloc&) {
-    return {Status::OutOfMemory, "checkpoint: out of host memory"};
-  } catch (const std::exception& e) {
-    return {Status::Internal, std::string("checkpoint: ") + e.what()};
-  }
-}
-
-void agree(Communicator& comm, const Outcome& o) { agree_or_throw(comm, o.status, o.message); }
-
 constexpr const char* kPrefix = "ckpt-";
 constexpr const char* kTmpPrefix = ".tmp-";
 
@@ -243,36 +218,36 @@ void prune(const fs::path& dir, const std::string& name, int keep) {
 fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveOptions& options) {
   Communicator& comm = opt.comm();
   const int rank = comm.rank();
-  agree(comm, locally([&] {
-          require(opt.finalized(), Status::InvalidState, "save_checkpoint: finalize() first");
-          require(options.keep >= 1, Status::InvalidArgument, "save_checkpoint: keep must be >= 1");
-        }));
+  collective(comm, "save_checkpoint", [&] {
+    require(opt.finalized(), Status::InvalidState, "save_checkpoint: finalize() first");
+    require(options.keep >= 1, Status::InvalidArgument, "save_checkpoint: keep must be >= 1");
+  });
 
   // 1. Rank 0 prepares the directory and names the checkpoint; everyone learns the name.
   char name[32] = {};
-  agree(comm, locally([&] {
-          if (rank != 0) return;
-          const std::string n = prepare_save_directory(dir);
-          std::memcpy(name, n.c_str(), n.size() + 1);
-        }));
+  collective(comm, "save_checkpoint: prepare", [&] {
+    if (rank != 0) return;
+    const std::string n = prepare_save_directory(dir);
+    std::memcpy(name, n.c_str(), n.size() + 1);
+  });
   comm.broadcast_bytes(name, sizeof name, 0);
   test_point("prepared");
 
   // 2. Every rank writes and flushes its shard; everyone learns every block table.
   Metadata m = describe(opt);
   std::vector<Block> mine;
-  const Outcome wrote = locally([&] {
+  const LocalOutcome wrote = capture("save_checkpoint", [&] {
     mine = write_shard(opt, m, dir / (std::string(kTmpPrefix) + name));
   });
   test_point("shard-written");
   gather_block_tables(comm, m, mine);
-  agree(comm, wrote);
+  agree(comm, "save_checkpoint: write", wrote);
 
   // 3. Rank 0 writes the metadata and publishes atomically; then, the save being agreed,
   //    removes old checkpoints.
-  agree(comm, locally([&] {
-          if (rank == 0) publish(m, dir, name);
-        }));
+  collective(comm, "save_checkpoint: publish", [&] {
+    if (rank == 0) publish(m, dir, name);
+  });
   if (rank == 0) prune(dir, name, options.keep);
   return dir / name;
 }
@@ -374,7 +349,7 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
   Staged st;
   LossScaleState loss;
   std::uint64_t identity = 0;  // must agree: every rank loads the same checkpoint
-  agree(comm, locally([&] {
+  collective(comm, "load_checkpoint", [&] {
           require(opt.finalized(), Status::InvalidState, "load_checkpoint: finalize() first");
           const fs::path dir = resolve_checkpoint_dir(path);
           m = read_metadata(dir);
@@ -382,7 +357,7 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
           loss = adapt_loss_state(m.loss_state, opt.options().loss_scaling);
           st = read_held_state(dir, m, opt);
           identity = layout_hash(m) ^ (std::uint64_t{m.body_crc} << 32 | m.version);
-        }));
+        });
   std::vector<std::uint64_t> ids(static_cast<std::size_t>(comm.size()));
   comm.all_gather_bytes(&identity, ids.data(), sizeof identity);
   if (std::any_of(ids.begin(), ids.end(), [&](std::uint64_t x) { return x != ids[0]; }))

@@ -10,10 +10,13 @@
 
 #include "../cpu/kernels.hpp"
 #include "mpi_util.hpp"
+#include "mpi_watchdog.hpp"
 #include "shardopt/bf16.hpp"
 
 namespace shardopt {
 namespace {
+
+using mpi::Watchdog;
 
 // The reduction of the bf16 wire: each partial sum is computed in fp32 and rounded to bf16.
 void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -34,7 +37,8 @@ class MpiRequest final : public CommRequest {
   std::function<void(MpiRequest&)> launch;  ///< starts the MPI operation(s) into `requests`
   std::function<void()> on_complete;
 
-  explicit MpiRequest(LaunchQueue& queue) : queue_(queue) {}
+  MpiRequest(LaunchQueue& queue, std::shared_ptr<Watchdog> dog, const char* name)
+      : queue_(queue), dog_(std::move(dog)), ticket_(dog_->enter(name)) {}
   ~MpiRequest() override;
   bool test() override;
   void wait() override;
@@ -48,6 +52,8 @@ class MpiRequest final : public CommRequest {
     if (on_complete) on_complete();
   }
   LaunchQueue& queue_;
+  std::shared_ptr<Watchdog> dog_;
+  Watchdog::Ticket ticket_;  // numbered in call order, which is also the order of starts
   bool started_ = false;
   bool done_ = false;
 };
@@ -143,14 +149,14 @@ bool MpiRequest::test_started() {
 
 void MpiRequest::wait_started() {
   if (done_) return;
-  SHARDOPT_MPI(MPI_Waitall(static_cast<int>(requests.size()), requests.data(),
-                           MPI_STATUSES_IGNORE));
+  dog_->wait(ticket_, static_cast<int>(requests.size()), requests.data());
   finish();
 }
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm parent, std::size_t in_flight) : queue_(in_flight) {
+  MpiCommunicator(MPI_Comm parent, std::size_t in_flight, std::shared_ptr<Watchdog> dog)
+      : queue_(in_flight), dog_(std::move(dog)) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     require(initialized != 0, Status::InvalidState, "MPI is not initialised");
@@ -159,6 +165,7 @@ class MpiCommunicator final : public Communicator {
     SHARDOPT_MPI(MPI_Comm_rank(comm_, &rank_));
     SHARDOPT_MPI(MPI_Comm_size(comm_, &size_));
     SHARDOPT_MPI(MPI_Op_create(&bf16_sum, 1, &bf16_sum_op_));
+    dog_->attach(comm_);
   }
   ~MpiCommunicator() override {
     int finalized = 0;
@@ -171,6 +178,7 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return "mpi"; }
+  void set_collective_timeout(double seconds) override { dog_->set_timeout(seconds); }
 
   // MPI's in-place reduce-scatter leaves the result at the start of the buffer; it is moved
   // to the rank's own block when the request completes (NCCL's convention), so no temporary
@@ -181,7 +189,7 @@ class MpiCommunicator final : public Communicator {
     mpi::checked_int(count * static_cast<std::size_t>(size_), "MPI_Ireduce_scatter_block");
     require(wire == CommType::F32 || wire == CommType::BF16, Status::InvalidArgument,
             "reduce_scatter: wire F32 or BF16");
-    auto req = std::make_unique<MpiRequest>(queue_);
+    auto req = std::make_unique<MpiRequest>(queue_, dog_, "reduce_scatter_sum");
     float* own = buf + static_cast<std::size_t>(rank_) * count;
     if (wire == CommType::BF16) {
       // Send bf16: convert, reduce the bf16 values, convert this rank's block back in place.
@@ -213,7 +221,7 @@ class MpiCommunicator final : public Communicator {
     const int n = mpi::checked_int(count, "MPI_Iallreduce");
     require(wire == CommType::F32 || wire == CommType::BF16, Status::InvalidArgument,
             "all_reduce: wire F32 or BF16");
-    auto req = std::make_unique<MpiRequest>(queue_);
+    auto req = std::make_unique<MpiRequest>(queue_, dog_, "start_all_reduce_sum");
     if (wire == CommType::BF16) {
       req->launch = [this, buf, n, count](MpiRequest& r) {
         r.wire.resize(count);
@@ -242,7 +250,7 @@ class MpiCommunicator final : public Communicator {
     const std::size_t unit = count % 64 == 0 ? 64 : 1;
     const int n = mpi::checked_int(count / unit, "MPI_Iallgather");
     mpi::checked_int(count / unit * static_cast<std::size_t>(size_), "MPI_Iallgather");
-    auto req = std::make_unique<MpiRequest>(queue_);
+    auto req = std::make_unique<MpiRequest>(queue_, dog_, "all_gather");
     req->launch = [this, buf, n, unit, type](MpiRequest& r) {
       MPI_Datatype elem = mpi::datatype(type);
       if (unit > 1) {
@@ -262,34 +270,53 @@ class MpiCommunicator final : public Communicator {
   void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
     require(type == CommType::F32 || type == CommType::F64, Status::InvalidArgument,
             "all_reduce_sum: type F32 or F64");
-    queue_.flush();  // MPI must see the collectives in call order
     const std::size_t elem = mpi::type_size(type);
     constexpr std::size_t kChunk = std::size_t{1} << 30;
+    const Watchdog::Ticket t = dog_->enter("all_reduce_sum");
+    queue_.flush();  // MPI must see the collectives in call order
     for (std::size_t off = 0; off < count; off += kChunk) {
-      const std::size_t n = std::min(kChunk, count - off);
-      SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(buf) + off * elem,
-                                 static_cast<int>(n), mpi::datatype(type), MPI_SUM, comm_));
+      const int n = static_cast<int>(std::min(kChunk, count - off));
+      void* at = static_cast<char*>(buf) + off * elem;
+      const MPI_Datatype dt = mpi::datatype(type);
+      dog_->run(
+          t, [&] { SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, at, n, dt, MPI_SUM, comm_)); },
+          [&](MPI_Request* r) {
+            SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, at, n, dt, MPI_SUM, comm_, r));
+          });
     }
   }
 
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
     const int n = mpi::checked_int(bytes, "MPI_Allgather");
+    const Watchdog::Ticket t = dog_->enter("all_gather_bytes");
     queue_.flush();
-    SHARDOPT_MPI(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_));
+    dog_->run(
+        t, [&] { SHARDOPT_MPI(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_)); },
+        [&](MPI_Request* r) {
+          SHARDOPT_MPI(MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, r));
+        });
   }
 
   void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
+    const int n = mpi::checked_int(bytes, "MPI_Bcast");
+    const Watchdog::Ticket t = dog_->enter("broadcast_bytes");
     queue_.flush();
-    SHARDOPT_MPI(MPI_Bcast(buf, mpi::checked_int(bytes, "MPI_Bcast"), MPI_BYTE, root, comm_));
+    dog_->run(
+        t, [&] { SHARDOPT_MPI(MPI_Bcast(buf, n, MPI_BYTE, root, comm_)); },
+        [&](MPI_Request* r) { SHARDOPT_MPI(MPI_Ibcast(buf, n, MPI_BYTE, root, comm_, r)); });
   }
 
   void barrier() override {
+    const Watchdog::Ticket t = dog_->enter("barrier");
     queue_.flush();
-    SHARDOPT_MPI(MPI_Barrier(comm_));
+    dog_->run(
+        t, [&] { SHARDOPT_MPI(MPI_Barrier(comm_)); },
+        [&](MPI_Request* r) { SHARDOPT_MPI(MPI_Ibarrier(comm_, r)); });
   }
 
  private:
   LaunchQueue queue_;
+  std::shared_ptr<Watchdog> dog_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Op bf16_sum_op_ = MPI_OP_NULL;
   int rank_ = 0;
@@ -298,9 +325,9 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> mpi::make_plain_communicator(MPI_Comm comm,
-                                                         std::size_t in_flight) {
-  return std::make_shared<MpiCommunicator>(comm, in_flight);
+std::shared_ptr<Communicator> mpi::make_plain_communicator(MPI_Comm comm, std::size_t in_flight,
+                                                           std::shared_ptr<Watchdog> watchdog) {
+  return std::make_shared<MpiCommunicator>(comm, in_flight, std::move(watchdog));
 }
 
 }  // namespace shardopt

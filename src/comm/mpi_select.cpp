@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "mpi_util.hpp"
+#include "mpi_watchdog.hpp"
 #include "shardopt/mpi_comm.hpp"
 #include "shm_comm.hpp"
 
@@ -51,9 +52,10 @@ std::string resolve(MpiCommOptions& o) {
 }  // namespace
 
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOptions options) {
+  auto watchdog = std::make_shared<mpi::Watchdog>();
   const std::string problem = resolve(options);
   std::shared_ptr<Communicator> plain =
-      mpi::make_plain_communicator(comm, problem.empty() ? options.mpi_in_flight : 1);
+      mpi::make_plain_communicator(comm, problem.empty() ? options.mpi_in_flight : 1, watchdog);
   agree_or_throw(*plain, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
 
   // A rank that chose differently would wait in other collectives than its peers.
@@ -68,7 +70,7 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOption
   if (options.kind == MpiCommKind::Plain) return plain;
   auto topo = shm::NodeTopology::create(comm, options.simulate_nodes);
   if (options.kind == MpiCommKind::Auto && topo->max_node_size < 2) return plain;
-  return shm::make_shm_communicator(std::move(plain), std::move(topo));
+  return shm::make_shm_communicator(std::move(plain), std::move(topo), std::move(watchdog));
 }
 
 }  // namespace shardopt

@@ -65,9 +65,10 @@ struct Harness {
           return o;
         }()) {}
 
-  explicit Harness(const OptimizerOptions& o, Model m = make_model())
+  explicit Harness(const OptimizerOptions& o, Model m = make_model(),
+                   std::shared_ptr<Communicator> comm = world())
       : cfg(o.adam), model(std::move(m)) {
-    opt = std::make_unique<ShardedOptimizer>(world(), o);
+    opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
     EXPECT_EQ(opt->add_group(groups[1]), 1);
     for (std::size_t i = 0; i < model.sizes.size(); ++i) {
       if (!model.units.empty() && i > 0 && model.units[i] != model.units[i - 1])
