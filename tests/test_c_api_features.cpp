@@ -248,6 +248,10 @@ TEST(CApiConfig, EveryFieldRoundTrips) {
   c.loss_scale_backoff_factor = 0.25;
   c.loss_scale_min = 2;
   c.loss_scale_max = 8192;
+  c.units_in_flight = 3;
+  c.collective_timeout_s = 90.5;
+  c.debug_collectives = 1;
+  c.comm_mpi_in_flight = 4;
   shardopt_optimizer_t opt = nullptr;
   ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS) << last(nullptr);
   shardopt_config_t got;
@@ -281,6 +285,8 @@ TEST(CApiConfig, BadValuesOfTheNewFieldsAreRefused) {
       {&shardopt_config_t::gather_mode, 2, "config->gather_mode"},
       {&shardopt_config_t::loss_scaling, -1, "config->loss_scaling"},
       {&shardopt_config_t::buckets_in_flight, 0, "buckets_in_flight"},
+      {&shardopt_config_t::debug_collectives, 2, "config->debug_collectives"},
+      {&shardopt_config_t::comm_mpi_in_flight, -1, "config->comm_mpi_in_flight"},
   };
   for (const Case& k : cases) {
     shardopt_config_t c = base_config();
@@ -300,6 +306,10 @@ TEST(CApiConfig, BadValuesOfTheNewFieldsAreRefused) {
   c.bucket_elems = 0;
   EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(last(nullptr).find("bucket_elems"), std::string::npos) << last(nullptr);
+  c = base_config();
+  c.collective_timeout_s = -1;
+  EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last(nullptr).find("collective_timeout_s"), std::string::npos) << last(nullptr);
 }
 
 // The options change results: a bf16 reduction wire is not the fp32 one, overlap is not.

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "shardopt/checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "support/harness.hpp"
 #include "support/world.hpp"
@@ -170,6 +171,38 @@ TEST(OneRankBadInput, GetMaster) {
       [&] { opt.get_master(0, is_last() ? std::span<float>(static_cast<float*>(nullptr), std::size_t{1000}) : std::span<float>(good)); },
       {last_tag(), "buffer is null"}, "null buffer");
   opt.get_master(0, good);  // and the group still works
+}
+
+TEST(OneRankBadInput, GetState) {
+  ShardedOptimizer opt(test::world(), small_options());
+  opt.add_param("a", 1000);
+  opt.finalize();
+  std::vector<float> good(1000), shorter(999);
+  expect_same_error(
+      Status::InvalidArgument,
+      [&] {
+        opt.get_state(StateArray::ExpAvg, 0,
+                      is_last() ? std::span<float>(shorter) : std::span<float>(good));
+      },
+      {last_tag(), "get_state: parameter 'a' has 1000 elements, got a buffer of 999"},
+      "wrong size");
+  expect_same_error(Status::InvalidArgument,
+                    [&] { opt.get_state(StateArray::ExpAvgSq, is_last() ? 3 : 0, good); },
+                    {last_tag(), "get_state: parameter index 3 out of range"}, "bad index");
+  opt.get_state(StateArray::ExpAvg, 0, good);  // and the group still works
+}
+
+// ---- checkpoints ---------------------------------------------------------------------------
+
+TEST(OneRankBadInput, SaveCheckpoint) {
+  ShardedOptimizer opt(test::world(), small_options());
+  opt.add_param("a", 1000);
+  opt.finalize();
+  const std::string dir = ::testing::TempDir() + "shardopt_onerank_save";
+  expect_same_error(
+      Status::InvalidArgument,
+      [&] { save_checkpoint(opt, dir, SaveOptions{is_last() ? 0 : 2}); },
+      {last_tag(), "save_checkpoint: keep must be >= 1"}, "keep 0");
 }
 
 // ---- step: every rank must step with the same settings -------------------------------------

@@ -232,6 +232,19 @@ typedef struct shardopt_config {
   double loss_scale_max;          /* growth never goes above this; default 16777216 (2^24) */
   /* Since 0.2.0 (stage 3): */
   size_t units_in_flight; /* stage 3: gathered units held at once (the pool); default 2 */
+  /* Since 0.2.0 (collective safety, plain MPI): */
+  double collective_timeout_s; /* > 0: a rank that waits longer than this in one collective
+                           reports the collective and the ranks that have not arrived, then
+                           aborts the job (docs/architecture.md, "Errors and collectives");
+                           0: the SHARDOPT_COLLECTIVE_TIMEOUT environment variable, else no
+                           timeout; default 0 */
+  int debug_collectives; /* 1: before every collective the ranks compare what they enter and
+                           fail together at the first divergence (costs one small all-gather
+                           per collective); 0: the SHARDOPT_DEBUG_COLLECTIVES environment
+                           variable, else off; default 0 */
+  int comm_mpi_in_flight; /* plain MPI: non-blocking collectives started at once, the rest
+                           start in call order (MpiCommOptions::mpi_in_flight); 0: the
+                           SHARDOPT_MPI_IN_FLIGHT environment variable, else 1; default 0 */
 } shardopt_config_t;
 
 /* What one step did. An output struct: set struct_size (shardopt_step_result_init does)

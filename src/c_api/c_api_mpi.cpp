@@ -20,7 +20,7 @@ namespace {
 void create_over(MPI_Comm comm, const shardopt_config_t* config, shardopt_optimizer_t* out) {
   const capi::CreateRequest request = capi::read_config(config, out);
   std::shared_ptr<Communicator> plain =
-      make_mpi_communicator(comm, MpiCommOptions{MpiCommKind::Plain, 0});
+      make_mpi_communicator(comm, MpiCommOptions{MpiCommKind::Plain, 0, request.mpi_in_flight});
   capi::agree_on_request(*plain, request);
   // Every rank must build the same kind of communicator, or they would wait in different
   // collectives: compare the choices first (all ranks see the same table, so all agree).
@@ -35,7 +35,8 @@ void create_over(MPI_Comm comm, const shardopt_config_t* config, shardopt_optimi
       request.comm_kind == SHARDOPT_COMM_MPI
           ? std::move(plain)
           : make_mpi_communicator(comm, MpiCommOptions{static_cast<MpiCommKind>(request.comm_kind),
-                                                       request.simulate_nodes});
+                                                       request.simulate_nodes,
+                                                       request.mpi_in_flight});
   capi::create_on(std::move(chosen), request, out);
 }
 

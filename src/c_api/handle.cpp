@@ -39,7 +39,9 @@ constexpr std::size_t kConfigEnds[] = {
     SHARDOPT_CONFIG_END(loss_scaling), SHARDOPT_CONFIG_END(loss_scale_growth_interval),
     SHARDOPT_CONFIG_END(loss_scale_initial), SHARDOPT_CONFIG_END(loss_scale_growth_factor),
     SHARDOPT_CONFIG_END(loss_scale_backoff_factor), SHARDOPT_CONFIG_END(loss_scale_min),
-    SHARDOPT_CONFIG_END(loss_scale_max), SHARDOPT_CONFIG_END(units_in_flight)};
+    SHARDOPT_CONFIG_END(loss_scale_max), SHARDOPT_CONFIG_END(units_in_flight),
+    SHARDOPT_CONFIG_END(collective_timeout_s), SHARDOPT_CONFIG_END(debug_collectives),
+    SHARDOPT_CONFIG_END(comm_mpi_in_flight)};
 #undef SHARDOPT_CONFIG_END
 // No trailing padding: an older struct's sizeof never covers part of a newer field.
 static_assert(kConfigEnds[std::size(kConfigEnds) - 1] == sizeof(shardopt_config_t));
@@ -77,6 +79,9 @@ shardopt_config_t default_config() {
   c.loss_scale_min = d.loss_scaling.min_scale;
   c.loss_scale_max = d.loss_scaling.max_scale;
   c.units_in_flight = static_cast<std::size_t>(d.units_in_flight);
+  c.collective_timeout_s = d.collective_timeout_s;
+  c.debug_collectives = d.debug_collectives ? 1 : 0;
+  c.comm_mpi_in_flight = 0;
   return c;
 }
 
@@ -99,6 +104,8 @@ std::string enum_problem(const shardopt_config_t& c) {
       {"comm_kind", c.comm_kind, 0, 2, "SHARDOPT_COMM_AUTO, _MPI or _SHM"},
       {"gather_mode", c.gather_mode, 0, 1, "SHARDOPT_GATHER_EAGER or _LAZY"},
       {"loss_scaling", c.loss_scaling, 0, 1, "0 or 1"},
+      {"debug_collectives", c.debug_collectives, 0, 1, "0 or 1"},
+      {"comm_mpi_in_flight", c.comm_mpi_in_flight, 0, 1 << 20, "0 (the environment) or a count >= 1"},
   };
   for (const Field& f : fields)
     if (f.value < f.lo || f.value > f.hi)
@@ -161,8 +168,11 @@ CreateRequest read_config(const shardopt_config_t* in, const shardopt_optimizer_
   o.loss_scaling.min_scale = c.loss_scale_min;
   o.loss_scaling.max_scale = c.loss_scale_max;
   o.units_in_flight = static_cast<int>(std::min<std::size_t>(c.units_in_flight, 1 << 20));
+  o.collective_timeout_s = c.collective_timeout_s;
+  o.debug_collectives = c.debug_collectives == 1;
   r.comm_kind = c.comm_kind;
   r.simulate_nodes = c.comm_simulate_nodes;
+  r.mpi_in_flight = c.comm_mpi_in_flight;
   r.lazy_gather = c.gather_mode == SHARDOPT_GATHER_LAZY;
   return r;  // the values themselves are validated by ShardedOptimizer on every rank
 }
@@ -198,6 +208,9 @@ void write_config(const Handle& h, shardopt_config_t* config) {
   c.loss_scale_min = o.loss_scaling.min_scale;
   c.loss_scale_max = o.loss_scaling.max_scale;
   c.units_in_flight = static_cast<std::size_t>(o.units_in_flight);
+  c.collective_timeout_s = o.collective_timeout_s;
+  c.debug_collectives = o.debug_collectives ? 1 : 0;
+  c.comm_mpi_in_flight = h.mpi_in_flight;
   write_prefix(config, c);
 }
 
@@ -259,6 +272,7 @@ void create_on(std::shared_ptr<Communicator> comm, const CreateRequest& request,
   (*out)->comm_name = name;
   (*out)->comm_kind = request.comm_kind;
   (*out)->simulate_nodes = request.simulate_nodes;
+  (*out)->mpi_in_flight = request.mpi_in_flight;
 }
 
 const char* last_error_of(shardopt_optimizer_t h) noexcept {

@@ -25,6 +25,7 @@ struct shardopt_optimizer_s {
   bool lazy_gather = false;   ///< config gather_mode == SHARDOPT_GATHER_LAZY
   int comm_kind = SHARDOPT_COMM_AUTO;  ///< as requested in the config
   int simulate_nodes = 0;              ///< as requested in the config
+  int mpi_in_flight = 0;               ///< as requested in the config
   std::string comm_name;      ///< behind shardopt_comm_name
   std::string published;      ///< behind shardopt_save_checkpoint's *published
 };
@@ -91,6 +92,7 @@ struct CreateRequest {
   OptimizerOptions options;
   int comm_kind = SHARDOPT_COMM_AUTO;
   int simulate_nodes = 0;
+  int mpi_in_flight = 0;
   bool lazy_gather = false;
   std::string problem;
 };

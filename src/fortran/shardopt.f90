@@ -97,6 +97,9 @@ module shardopt
     real(c_double) :: loss_scale_min
     real(c_double) :: loss_scale_max
     integer(c_size_t) :: units_in_flight
+    real(c_double) :: collective_timeout_s
+    integer(c_int) :: debug_collectives
+    integer(c_int) :: comm_mpi_in_flight
   end type shardopt_config
 
   !> What one step did (shardopt_step_result_t); clipped and skipped are 0 or 1, times are
