@@ -60,6 +60,9 @@ int main(int argc, char** argv) {
     opt.finalize();
     backward(opt, rank);
     opt.step();
+    // The step's gathers complete on every rank before the stop (plain MPI starts them one at
+    // a time, later), so the next collective is the one under test.
+    for (std::size_t i = 0; i < 2; ++i) opt.wait_param(i);
     write_file(dir + "/rank" + std::to_string(rank) + ".pid", std::to_string(getpid()) + "\n");
     if (rank == stop_rank) {
       write_file(dir + "/stopped", std::to_string(getpid()) + "\n");

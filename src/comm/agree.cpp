@@ -23,7 +23,7 @@ struct Record {
 
 void copy_truncated(char* dst, std::size_t size, std::string_view src) {
   const std::size_t n = std::min(size - 1, src.size());
-  std::memcpy(dst, src.data(), n);
+  if (n > 0) std::memcpy(dst, src.data(), n);  // an empty view may have a null data()
   dst[n] = '\0';
 }
 
