@@ -60,8 +60,9 @@ class MpiRequest final : public CommRequest {
 
 // Starts a communicator's non-blocking collectives in call order, at most `limit` at a time.
 // MPICH 4.0 (ch4) slows down sharply with several large non-blocking collectives outstanding
-// on one communicator: 16 in-place MPI_Ireduce_scatter_block of 4 MiB each take 155 ms
-// started together and 10 ms started one after another (2 ranks, docs/performance.md).
+// on one communicator: with 16 started at once the overlapped stage-1 step took 162 ms
+// against 30 ms without overlap; with one at a time, less than without overlap
+// (bench_overlap, SHARDOPT_MPI_IN_FLIGHT=16 against the default; docs/performance.md).
 // Requests over the limit start when an earlier one completes (seen in test or wait of any
 // request of the communicator); a blocking collective first starts every queued one. So MPI
 // sees each rank's collectives in the order that rank called them, as it requires.
@@ -93,6 +94,11 @@ class LaunchQueue {
       active_.erase(it);
     pump();
   }
+  // A request going away without completing (its wait failed): the queue must not keep it.
+  void forget(MpiRequest* r) {
+    std::erase(waiting_, r);
+    std::erase(active_, r);
+  }
 
  private:
   void retire_front() {
@@ -121,6 +127,7 @@ MpiRequest::~MpiRequest() {
     wait();
   } catch (...) {  // a destructor cannot report; the next collective will
   }
+  queue_.forget(this);
 }
 
 bool MpiRequest::test() {
