@@ -236,8 +236,8 @@ contains
     ! ---- the unit calls' errors (the same calls on every rank, so no rank waits) ----
     call shardopt_param_bf16(z3, idx(3), p3, status, msg)
     call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'not acquired')
-    call shardopt_release(z3, 2, status, msg)
-    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'not acquired')
+    call shardopt_release(z3, 2, status, msg)  ! messages name units by their C index
+    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'unit 1 is not acquired')
     call shardopt_acquire(z3, 1, status, msg)
     call expect(status, SHARDOPT_SUCCESS, msg, '')
     call shardopt_acquire(z3, 1, status, msg)
@@ -320,7 +320,8 @@ contains
       call shardopt_get_master(z2, idx(p), m2, status, msg)
       call shardopt_get_master(z3, idx(p), m3, status, msg)
       call expect(status, SHARDOPT_SUCCESS, msg, '')
-      if (any(transfer(m2, [0_c_int]) /= transfer(m3, [0_c_int]))) call fail('stage-3 master differs', p)
+      if (any(transfer(m2, [0_c_int]) /= transfer(m3, [0_c_int]))) &
+        call fail('stage-3 master differs', p)
       deallocate (m2, m3)
     end do
     call shardopt_destroy(z3, status, msg)
