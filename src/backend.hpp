@@ -47,7 +47,8 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
-/// Throws Error(Unsupported) when shardopt was built without CUDA.
-std::unique_ptr<Backend> make_cuda_backend();
+/// Computes on `stream` (a cudaStream_t; nullptr: the legacy default stream). Throws
+/// Error(Unsupported) when shardopt was built without CUDA.
+std::unique_ptr<Backend> make_cuda_backend(void* stream = nullptr);
 
 }  // namespace shardopt

@@ -4,7 +4,7 @@
 
 namespace shardopt {
 
-std::unique_ptr<Backend> make_cuda_backend() {
+std::unique_ptr<Backend> make_cuda_backend(void*) {
   throw Error(Status::Unsupported,
               "Device::Cuda requested, but shardopt was built without CUDA (SHARDOPT_CUDA=OFF "
               "or no nvcc found at configure time)");

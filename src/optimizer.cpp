@@ -44,8 +44,8 @@ class LapTimer {
   Clock::time_point last_ = start_;
 };
 
-std::unique_ptr<Backend> make_backend(Device d) {
-  return d == Device::Cuda ? make_cuda_backend() : make_cpu_backend();
+std::unique_ptr<Backend> make_backend(Device d, const Communicator& comm) {
+  return d == Device::Cuda ? make_cuda_backend(comm.device_stream()) : make_cpu_backend();
 }
 
 std::string options_problem(const OptimizerOptions& o) {
@@ -79,13 +79,14 @@ std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm,
                                       const OptimizerOptions& o) {
   require(comm != nullptr, Status::InvalidArgument, "communicator is null");
   std::string problem = options_problem(o);
-  // The communicator must accept the buffers where the device puts them. A host
-  // communicator of one rank moves no data, so it also serves Device::Cuda.
+  // The communicator must accept the buffers where the device puts them, at any size: even
+  // a one-rank host communicator runs host code on the data (the bf16 wire's rounding).
   const bool cuda = o.device == Device::Cuda;
   if (problem.empty() && comm->device_buffers() && !cuda)
     problem = "Device::Cpu needs a communicator of host buffers, not " + comm->name();
-  if (problem.empty() && !comm->device_buffers() && cuda && comm->size() > 1)
-    problem = "Device::Cuda needs a communicator of device buffers (NCCL), not " + comm->name();
+  if (problem.empty() && !comm->device_buffers() && cuda)
+    problem = "Device::Cuda needs a communicator of device buffers (make_nccl_communicator, "
+              "or make_cuda_single_process_communicator for one process), not " + comm->name();
   agree_or_throw(*comm, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
   return comm;
 }
@@ -95,7 +96,7 @@ std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm,
 ShardedOptimizer::ShardedOptimizer(std::shared_ptr<Communicator> comm, OptimizerOptions options)
     : comm_(checked(std::move(comm), options)),
       options_(options),
-      backend_(make_backend(options.device)),
+      backend_(make_backend(options.device, *comm_)),
       groups_{GroupOptions{}},
       buf_(std::make_unique<Buffers>()) {
   if (options_.loss_scaling.enabled) loss_scale_.scale = options_.loss_scaling.initial_scale;

@@ -25,6 +25,10 @@ class CommRequest {
   virtual ~CommRequest() = default;
   /// Drives progress; returns true once the operation has completed.
   virtual bool test() = 0;
+  /// Completes the operation for its consumers. Host communicators return once it is done.
+  /// Device communicators (device_buffers()) do not wait on the host: work queued on
+  /// device_stream() after wait() sees the result; the host must wait on that stream before
+  /// it reads the result.
   virtual void wait() = 0;
 };
 
@@ -37,6 +41,11 @@ class Communicator {
   virtual std::string name() const = 0;
   /// True when buffers passed to the data collectives must be device memory.
   virtual bool device_buffers() const { return false; }
+  /// Device communicators: the CUDA stream (a cudaStream_t; nullptr: the legacy default
+  /// stream) that data collectives are ordered with: a collective starts after the work
+  /// queued there before it, and CommRequest::wait() orders that stream after it. A CUDA
+  /// optimizer computes on this stream.
+  virtual void* device_stream() const { return nullptr; }
 
   // ---- data collectives (device memory when device_buffers()) --------------------------------
 
