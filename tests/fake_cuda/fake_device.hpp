@@ -5,11 +5,11 @@
 // sees, read/write at a second address for the fake's own kernels and copies. Any host
 // dereference of a device pointer by the library faults.
 //
-// Work. Every copy, memset, kernel and collective is an Op queued on a stream. Nothing runs
-// when it is queued: ops run, in stream order and after the events they wait for, only
-// when the host synchronizes or queries (lazily). So a host that reads a copy's result
-// before waiting for it reads stale data, and one that overwrites a pinned source before
-// the copy ran uploads the new bytes, as on a GPU at its worst.
+// Work. Every copy, memset, kernel and collective is an Op queued on a stream. A device
+// thread runs them in the background, in stream order and after the events they wait for
+// (collectives progress over MPI meanwhile), as a GPU would. Copies into pinned host memory
+// run only when the host waits for them, and their destination is poisoned (NaN bytes) when
+// they are queued: a host that reads before it waits sees no data.
 //
 // Ordering. Each op carries a vector clock over streams (program order on a stream,
 // cudaStreamWaitEvent, the legacy default stream's implicit barriers, host
@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -64,8 +65,13 @@ bool is_device(const void* p, std::size_t bytes = 1);
 bool is_pinned(const void* p, std::size_t bytes = 1);
 bool valid_stream(cudaStream_t s);
 
-/// Runs ops until `op` is done; blocking: until then, else one round. True when done.
-bool run_until(const OpPtr& op, bool blocking);
+/// Every entry point of the fake holds this lock (the device thread takes it to run work).
+std::unique_lock<std::mutex> lock_device();
+/// Progresses queued work; with `lock` (held) waits until `op` is done (releasing the lock
+/// meanwhile), without it makes one round. True when done.
+bool run_until(const OpPtr& op, std::unique_lock<std::mutex>* lock);
+/// The op writes pinned host memory: it runs only when the host waits for it.
+void mark_host_visible(const OpPtr& op);
 bool op_done(const OpPtr& op);
 /// Marks ops of a transfer as done without running them (ncclCommAbort).
 void abandon(const OpPtr& op);

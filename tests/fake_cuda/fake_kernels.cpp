@@ -1,16 +1,15 @@
 // fake_kernels.cpp: the device algorithms of cuda_ops.hpp for the fake device. Each call
 // queues an op that declares what it reads and writes; when the op runs, the very templates
 // of cuda/device_algorithms.hpp run on the read/write mapping under Thrust's OpenMP system
-// (or, for AdamKernel::GridStride, the grid-stride loop of the launch shape the real code
-// would use). Built with the FMA-contraction setting of cuda/ (SHARDOPT_CUDA_FMAD).
-#include <thrust/system/omp/execution_policy.h>
-
+// (fake_thrust.cpp), or, for AdamKernel::GridStride, the grid-stride loop over AdamChunkOp
+// in the launch shape the real code computes.
 #include "cuda_ops.hpp"
-#include "device_algorithms.hpp"
 #include "fake_control.hpp"
 #include "fake_device.hpp"
+#include "fake_thrust.hpp"
 #include "launch_config.hpp"
 #include "shardopt/error.hpp"
+#include "sum_squares.hpp"
 
 namespace fakecuda {
 void set_last_grid_stride_launch(Launch l);
@@ -42,8 +41,6 @@ void launch(cudaStream_t stream, const char* name, std::vector<Access> acc, std:
   fakecuda::enqueue(stream, std::string("kernel ") + name, std::move(acc), std::move(run));
 }
 
-const auto omp = thrust::omp::par;
-
 }  // namespace
 
 const void* adam_grid_stride_kernel_address() {
@@ -61,10 +58,10 @@ void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op) 
   if (op.out_bf16) acc.push_back(writes(op.out_bf16, n * 2));
   if (op.out_f32) acc.push_back(writes(op.out_f32, n * 4));
   LaunchConfig shape{};
-  if (kernel == AdamKernel::GridStride) {
-    shape = adam_grid_stride_launch(chunks);
+  if (kernel == AdamKernel::GridStride) shape = adam_grid_stride_launch(chunks);
+  auto lock = fakecuda::lock_device();
+  if (kernel == AdamKernel::GridStride)
     fakecuda::set_last_grid_stride_launch({shape.blocks, shape.threads});
-  }
   launch(stream, "adam_update", std::move(acc), [op, kernel, shape, chunks] {
     AdamChunkOp d = op;
     d.step = dev(op.step);
@@ -76,7 +73,7 @@ void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op) 
     d.out_bf16 = dev(op.out_bf16);
     d.out_f32 = dev(op.out_f32);
     if (kernel == AdamKernel::Thrust) {
-      adam_update(omp, d);
+      fakecuda::omp::adam_update(d);
       return;
     }
     const std::size_t stride = grid_stride_stride(shape);
@@ -88,41 +85,47 @@ void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op) 
 
 void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::size_t n) {
   if (n == 0) return;
+  auto lock = fakecuda::lock_device();
   launch(stream, "cast_f32_to_bf16", {reads(src, n * 4), writes(dst, n * 2)},
-         [=] { cast_f32_to_bf16(omp, dev(src), dev(dst), n); });
+         [=] { fakecuda::omp::cast_f32_to_bf16(dev(src), dev(dst), n); });
 }
 
 void cast_bf16_to_f32(cudaStream_t stream, const bf16* src, float* dst, std::size_t n) {
   if (n == 0) return;
+  auto lock = fakecuda::lock_device();
   launch(stream, "cast_bf16_to_f32", {reads(src, n * 2), writes(dst, n * 4)},
-         [=] { cast_bf16_to_f32(omp, dev(src), dev(dst), n); });
+         [=] { fakecuda::omp::cast_bf16_to_f32(dev(src), dev(dst), n); });
 }
 
 void round_through_bf16(cudaStream_t stream, float* buf, std::size_t n) {
   if (n == 0) return;
+  auto lock = fakecuda::lock_device();
   launch(stream, "round_through_bf16", {writes(buf, n * 4)},
-         [=] { round_through_bf16(omp, dev(buf), n); });
+         [=] { fakecuda::omp::round_through_bf16(dev(buf), n); });
 }
 
 void accumulate(cudaStream_t stream, float* dst, const float* src, std::size_t n) {
   if (n == 0) return;
+  auto lock = fakecuda::lock_device();
   launch(stream, "accumulate_f32", {reads(src, n * 4), writes(dst, n * 4)},
-         [=] { accumulate(omp, dev(dst), dev(src), n); });
+         [=] { fakecuda::omp::accumulate(dev(dst), dev(src), n); });
 }
 
 void accumulate(cudaStream_t stream, float* dst, const bf16* src, std::size_t n) {
   if (n == 0) return;
+  auto lock = fakecuda::lock_device();
   launch(stream, "accumulate_bf16", {reads(src, n * 2), writes(dst, n * 4)},
-         [=] { accumulate(omp, dev(dst), dev(src), n); });
+         [=] { fakecuda::omp::accumulate(dev(dst), dev(src), n); });
 }
 
 DevicePartials sum_squares_partials(cudaStream_t stream, const float* x, std::size_t n,
                                     double* scratch) {
   const NormLastLevel last = norm_last_level(n);
+  auto lock = fakecuda::lock_device();
   if (n != 0)
     launch(stream, "sum_squares_partials",
            {reads(x, n * 4), writes(scratch, norm_scratch_count(n) * sizeof(double))},
-           [=] { sum_squares_partials(omp, dev(x), n, dev(scratch)); });
+           [=] { fakecuda::omp::sum_squares_partials(dev(x), n, dev(scratch)); });
   return {scratch + last.offset, last.count};
 }
 
@@ -130,7 +133,7 @@ bool all_finite(cudaStream_t stream, const float* x, std::size_t n) {
   if (n == 0) return true;
   if (cudaStreamSynchronize(stream) != cudaSuccess) throw Error(Status::Cuda, "all_finite: stream");
   if (!fakecuda::is_device(x, n * 4)) fakecuda::problem("all_finite: not device memory");
-  return all_finite(omp, dev(x), n);
+  return fakecuda::omp::all_finite(dev(x), n);
 }
 
 }  // namespace shardopt::dev

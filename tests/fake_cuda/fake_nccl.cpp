@@ -187,6 +187,7 @@ bool overlap(const void* a, std::size_t an, const void* b, std::size_t bn) {
 ncclResult_t collective(const char* name, Kind kind, const void* send, void* recv,
                         std::size_t count, ncclDataType_t type, ncclRedOp_t op, ncclComm* comm,
                         cudaStream_t stream) {
+  auto lock = lock_device();
   if (const ncclResult_t rc = usable(comm, name)) return rc;
   if (kind != Kind::AllGather && (op != ncclSum || !(type == ncclFloat32 || type == ncclFloat64 ||
                                                      type == ncclBfloat16)))
@@ -235,6 +236,7 @@ ncclResult_t collective(const char* name, Kind kind, const void* send, void* rec
 
 namespace fakecuda {
 void nccl_inject_async_error(ncclResult_t error) {
+  auto lock = lock_device();
   for (ncclComm* c : live()) c->injected = error;
 }
 }  // namespace fakecuda
@@ -247,6 +249,7 @@ ncclResult_t ncclGetVersion(int* version) {
 }
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+  auto lock = lock_device();
   std::memset(id, 0, sizeof *id);
   std::snprintf(id->internal, sizeof id->internal, "fake-nccl %u", ++id_counter);
   return ncclSuccess;
@@ -254,6 +257,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
 
 ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id, int rank,
                                     ncclConfig_t* config) {
+  auto lock = lock_device();
   *out = nullptr;
   int world = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
@@ -291,6 +295,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
+  auto lock = lock_device();
   if (comm == nullptr || live().count(comm) == 0) return ncclInvalidArgument;
   if (comm->injected != ncclSuccess) {
     *async_error = comm->injected;
@@ -299,7 +304,7 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
   if (comm->state == ncclInProgress) {
     if (comm->finalizing) {
       bool all = true;
-      for (const OpPtr& o : comm->ops) all = run_until(o, false) && all;
+      for (const OpPtr& o : comm->ops) all = run_until(o, nullptr) && all;
       if (all) comm->state = ncclSuccess;
     } else if (--comm->in_progress_polls <= 0) {
       comm->state = ncclSuccess;
@@ -310,9 +315,10 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
 }
 
 ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  auto lock = lock_device();
   if (const ncclResult_t rc = usable(comm, "ncclCommFinalize")) return rc;
   if (comm->blocking) {
-    for (const OpPtr& o : comm->ops) run_until(o, true);
+    for (const OpPtr& o : comm->ops) run_until(o, &lock);
     return ncclSuccess;
   }
   comm->finalizing = true;
@@ -321,10 +327,11 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  auto lock = lock_device();
   if (comm == nullptr || live().count(comm) == 0)
     return misuse(nullptr, ncclInvalidArgument, "ncclCommDestroy: invalid communicator");
   if (group_depth > 0) return misuse(comm, ncclInvalidUsage, "ncclCommDestroy inside a group");
-  for (const OpPtr& o : comm->ops) run_until(o, true);
+  for (const OpPtr& o : comm->ops) run_until(o, &lock);
   live().erase(comm);
   MPI_Comm_free(&comm->mpi);
   delete comm;
@@ -332,6 +339,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  auto lock = lock_device();
   if (comm == nullptr || live().count(comm) == 0)
     return misuse(nullptr, ncclInvalidArgument, "ncclCommAbort: invalid communicator");
   if (group_depth > 0) return misuse(comm, ncclInvalidUsage, "ncclCommAbort inside a group");
@@ -343,11 +351,13 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
+  auto lock = lock_device();
   if (comm == nullptr) return ncclInvalidArgument;
   *count = comm->size;
   return ncclSuccess;
 }
 ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
+  auto lock = lock_device();
   if (comm == nullptr) return ncclInvalidArgument;
   *rank = comm->rank;
   return ncclSuccess;
@@ -368,6 +378,7 @@ const char* ncclGetErrorString(ncclResult_t r) {
 }
 
 const char* ncclGetLastError(ncclComm_t comm) {
+  auto lock = lock_device();
   if (comm != nullptr && live().count(comm) != 0) return comm->last_error.c_str();
   return global_error.c_str();
 }
@@ -391,10 +402,12 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
 }
 
 ncclResult_t ncclGroupStart(void) {
+  auto lock = lock_device();
   ++group_depth;
   return ncclSuccess;
 }
 ncclResult_t ncclGroupEnd(void) {
+  auto lock = lock_device();
   if (group_depth == 0) return misuse(nullptr, ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
   if (--group_depth == 0) {
     auto work = std::move(deferred);

@@ -11,7 +11,11 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <condition_variable>
+#include <mutex>
 #include <set>
+#include <thread>
+#include <utility>
 
 #include "fake_control.hpp"
 #include "fake_device.hpp"
@@ -43,6 +47,7 @@ struct Op {
   std::unique_ptr<Transfer> transfer;
   enum State { Queued, Posted, Done } state = Queued;
   bool abandoned = false;
+  bool host_visible = false;  // writes pinned host memory: runs only in a host wait
   std::chrono::steady_clock::time_point done_at;
 };
 
@@ -96,6 +101,9 @@ struct State {
   int occupancy_queries = 0;
   Launch last_launch;
 
+  std::mutex mutex;  // every entry point holds it; the device thread too while it runs work
+  std::condition_variable wake;
+
   State() {
     fd = memfd_create("shardopt-fake-device", 0);
     if (fd < 0 || ftruncate(fd, static_cast<off_t>(kArena)) != 0) {
@@ -117,8 +125,16 @@ struct State {
   }
 };
 
+void device_loop();
+
 State& st() {
-  static State* s = new State;  // never destroyed: library destructors may run after main
+  // Never destroyed: library destructors may run after main. The device thread starts once
+  // the state exists.
+  static State* s = [] {
+    auto* state = new State;
+    std::thread(device_loop).detach();
+    return state;
+  }();
   return *s;
 }
 
@@ -128,39 +144,15 @@ CUstream_st* resolve(cudaStream_t s) {
   return s;
 }
 
-CUstream_st* stream_by_id(int id) {
-  for (CUstream_st* s : st().streams)
-    if (s->id == id) return s;
-  return nullptr;
+bool deps_done(const Op& op) {
+  for (const OpPtr& d : op.deps)
+    if (d->state != Op::Done) return false;
+  return true;
 }
 
-void pause_briefly(unsigned& spins) {
-  if (++spins < 100) {
-    sched_yield();
-  } else {
-    usleep(20);
-  }
-}
-
-bool advance(const OpPtr& op, bool blocking);
-
-// Completes `op` by running its stream's earlier ops first.
-bool complete(const OpPtr& op, bool blocking) {
+// Runs or progresses `op` (at its stream's front, dependencies done); true once done.
+bool execute(const OpPtr& op) {
   if (op->state == Op::Done) return true;
-  CUstream_st* s = stream_by_id(op->stream);
-  while (s != nullptr && !s->pending.empty()) {
-    const OpPtr front = s->pending.front();
-    if (!advance(front, blocking)) return false;
-    s->pending.pop_front();
-    if (front == op) return true;
-  }
-  return op->state == Op::Done;
-}
-
-bool advance(const OpPtr& op, bool blocking) {
-  if (op->state == Op::Done) return true;
-  for (const OpPtr& d : op->deps)
-    if (!complete(d, blocking)) return false;
   if (op->abandoned) {
     op->state = Op::Done;
   } else if (op->transfer) {
@@ -168,19 +160,64 @@ bool advance(const OpPtr& op, bool blocking) {
       op->transfer->post();
       op->state = Op::Posted;
     }
-    unsigned spins = 0;
-    while (!op->abandoned && !op->transfer->test()) {
-      if (!blocking) return false;
-      pause_briefly(spins);
-    }
-    if (!op->abandoned) op->transfer->finish();
+    if (!op->transfer->test()) return false;
+    op->transfer->finish();
   } else if (op->run) {
     op->run();
   }
   op->state = Op::Done;
   op->done_at = std::chrono::steady_clock::now();
   op->run = nullptr;
+  op->transfer.reset();
   return true;
+}
+
+// One round over every stream: runs what can run. Copies into pinned host memory run only
+// in a host wait (host_turn): the host sees them only once it has waited for them.
+bool step_all(bool host_turn) {
+  bool progressed = false;
+  for (CUstream_st* s : st().streams) {
+    while (!s->pending.empty()) {
+      const OpPtr op = s->pending.front();
+      if (op->state != Op::Done) {
+        if (!deps_done(*op) || (op->host_visible && !host_turn && !op->abandoned)) break;
+        if (!execute(op)) break;
+      }
+      s->pending.pop_front();
+      progressed = true;
+    }
+  }
+  return progressed;
+}
+
+// The device: runs queued work in the background, as a GPU does, so that a rank blocked in
+// a host MPI call still takes part in the collectives it has queued.
+void device_loop() {
+  std::unique_lock<std::mutex> lock(st().mutex);
+  for (;;) {
+    const bool progressed = step_all(false);
+    if (progressed) continue;
+    bool in_flight = false;
+    for (CUstream_st* s : st().streams)
+      if (!s->pending.empty() && s->pending.front()->state == Op::Posted) in_flight = true;
+    st().wake.wait_for(lock, std::chrono::microseconds(in_flight ? 20 : 2000));
+  }
+}
+
+// Waits (lock held) until `op` is done; without `lock`, one round only. True when done.
+bool complete(const OpPtr& op, std::unique_lock<std::mutex>* lock) {
+  for (unsigned spins = 0;; ++spins) {
+    step_all(true);
+    if (op->state == Op::Done) return true;
+    if (lock == nullptr) return false;
+    lock->unlock();
+    if (spins < 100) {
+      sched_yield();
+    } else {
+      usleep(20);
+    }
+    lock->lock();
+  }
 }
 
 void prune_shadow() {
@@ -261,19 +298,20 @@ const char* error_name(cudaError_t e) {
   }
 }
 
-bool sync_op(const OpPtr& op, const char* why) {
+bool sync_op(const OpPtr& op, const char* why, std::unique_lock<std::mutex>& lock) {
   log(LogEntry::HostSync, why);
-  if (op && !complete(op, true)) return false;
+  if (op && !complete(op, &lock)) return false;
   if (op) host_saw(op->clock);
   return true;
 }
 
-void sync_all(const char* why) {
+void sync_all(const char* why, std::unique_lock<std::mutex>& lock) {
   log(LogEntry::HostSync, why);
-  for (CUstream_st* s : st().streams)
+  for (CUstream_st* s : std::vector<CUstream_st*>(st().streams.begin(), st().streams.end()))
     if (s->last) {
-      complete(s->last, true);
-      host_saw(s->last->clock);
+      const OpPtr last = s->last;
+      complete(last, &lock);
+      host_saw(last->clock);
     }
 }
 
@@ -356,11 +394,14 @@ OpPtr enqueue(cudaStream_t stream, std::string name, std::vector<Access> accesse
   s->pending.push_back(op);
   s->last = op;
   st().ops_by_id[op->id] = op;
+  st().wake.notify_one();
   log(LogEntry::Queued, op->name, op->id, s->id);
   return op;
 }
 
-bool run_until(const OpPtr& op, bool blocking) { return complete(op, blocking); }
+bool run_until(const OpPtr& op, std::unique_lock<std::mutex>* lock) { return complete(op, lock); }
+std::unique_lock<std::mutex> lock_device() { return std::unique_lock<std::mutex>(st().mutex); }
+void mark_host_visible(const OpPtr& op) { op->host_visible = true; }
 bool op_done(const OpPtr& op) { return op->state == Op::Done; }
 
 void abandon(const OpPtr& op) {
@@ -371,20 +412,37 @@ void abandon(const OpPtr& op) {
 
 // ---- control API ------------------------------------------------------------------------------
 
-std::size_t log_mark() { return st().log.size(); }
+std::size_t log_mark() {
+  std::unique_lock<std::mutex> lock(st().mutex);
+  return st().log.size();
+}
 std::vector<LogEntry> log_since(std::size_t mark) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   return {st().log.begin() + static_cast<std::ptrdiff_t>(std::min(mark, st().log.size())),
           st().log.end()};
 }
 bool happens_before(std::uint64_t a, std::uint64_t b) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   const OpPtr& x = st().ops_by_id.at(a);
   const OpPtr& y = st().ops_by_id.at(b);
   return at(x->clock, x->stream) <= at(y->clock, x->stream) && a != b;
 }
-void set_collect_problems(bool collect) { st().collect = collect; }
-std::vector<std::string> take_problems() { return std::exchange(st().problems, {}); }
-int occupancy_queries() { return st().occupancy_queries; }
-Launch last_grid_stride_launch() { return st().last_launch; }
+void set_collect_problems(bool collect) {
+  std::unique_lock<std::mutex> lock(st().mutex);
+  st().collect = collect;
+}
+std::vector<std::string> take_problems() {
+  std::unique_lock<std::mutex> lock(st().mutex);
+  return std::exchange(st().problems, {});
+}
+int occupancy_queries() {
+  std::unique_lock<std::mutex> lock(st().mutex);
+  return st().occupancy_queries;
+}
+Launch last_grid_stride_launch() {
+  std::unique_lock<std::mutex> lock(st().mutex);
+  return st().last_launch;
+}
 void set_last_grid_stride_launch(Launch l) { st().last_launch = l; }
 
 }  // namespace fakecuda
@@ -403,7 +461,7 @@ std::function<void()> copier(void* dst, const void* src, std::size_t n) {
 }
 
 cudaError_t memcpy_async(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
-                         cudaStream_t stream, bool sync) {
+                         cudaStream_t stream, bool sync, std::unique_lock<std::mutex>& lock) {
   if (!valid_stream(stream)) return fail(cudaErrorInvalidResourceHandle, "cudaMemcpy: invalid stream");
   if (n == 0) return ok();
   const bool dd = is_device(dst, n), sd = is_device(src, n);
@@ -431,9 +489,10 @@ cudaError_t memcpy_async(void* dst, const void* src, size_t n, cudaMemcpyKind ki
   if (pinned_dst) std::memset(dst, 0xFF, n);  // in flight: the host must not read it yet
   OpPtr op = enqueue(stream, names[kind], std::move(acc), std::move(run));
   if (!op) return cudaErrorInvalidResourceHandle;
+  if (pinned_dst) mark_host_visible(op);
   // Pageable destinations are written before the call returns (the runtime waits).
   if (sync || (kind == cudaMemcpyDeviceToHost && !pinned_dst))
-    sync_op(op, sync ? "cudaMemcpy" : "cudaMemcpyAsync to pageable memory");
+    sync_op(op, sync ? "cudaMemcpy" : "cudaMemcpyAsync to pageable memory", lock);
   return ok();
 }
 
@@ -442,38 +501,50 @@ cudaError_t memcpy_async(void* dst, const void* src, size_t n, cudaMemcpyKind ki
 extern "C" {
 
 cudaError_t cudaGetDeviceCount(int* count) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   *count = st().device_count;
   if (st().device_count <= 0) return fail(cudaErrorNoDevice, "no fake devices");
   return ok();
 }
 cudaError_t cudaGetDevice(int* device) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   *device = st().device;
   return ok();
 }
 cudaError_t cudaSetDevice(int device) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (device < 0 || device >= st().device_count) return fail(cudaErrorInvalidDevice, "cudaSetDevice");
   st().device = device;
   return ok();
 }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (device < 0 || device >= st().device_count) return fail(cudaErrorInvalidDevice, "attribute");
   if (attr != cudaDevAttrMultiProcessorCount) return fail(cudaErrorInvalidValue, "attribute");
   *value = kFakeSmCount;
   return ok();
 }
 cudaError_t cudaDeviceSynchronize(void) {
-  sync_all("cudaDeviceSynchronize");
+  std::unique_lock<std::mutex> lock(st().mutex);
+  sync_all("cudaDeviceSynchronize", lock);
   return ok();
 }
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* num_blocks, const void* func,
                                                           int block_size, size_t) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (func == nullptr || block_size <= 0) return fail(cudaErrorInvalidValue, "occupancy");
   ++st().occupancy_queries;
   *num_blocks = kFakeBlocksPerSm;
   return ok();
 }
-cudaError_t cudaGetLastError(void) { return std::exchange(st().last_error, cudaSuccess); }
-cudaError_t cudaPeekAtLastError(void) { return st().last_error; }
+cudaError_t cudaGetLastError(void) {
+  std::unique_lock<std::mutex> lock(st().mutex);
+  return std::exchange(st().last_error, cudaSuccess);
+}
+cudaError_t cudaPeekAtLastError(void) {
+  std::unique_lock<std::mutex> lock(st().mutex);
+  return st().last_error;
+}
 const char* cudaGetErrorName(cudaError_t e) { return error_name(e); }
 const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
@@ -490,6 +561,7 @@ const char* cudaGetErrorString(cudaError_t e) {
 }
 
 cudaError_t cudaMalloc(void** ptr, size_t size) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   *ptr = nullptr;
   if (size == 0) return ok();
   const std::size_t bytes = (size + 255) / 256 * 256;
@@ -509,11 +581,12 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
 }
 
 cudaError_t cudaFree(void* ptr) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (ptr == nullptr) return ok();
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
   auto it = st().allocs.find(p);
   if (it == st().allocs.end()) return fail(cudaErrorInvalidValue, "cudaFree of an unknown pointer");
-  sync_all("cudaFree");  // cudaFree synchronizes the device
+  sync_all("cudaFree", lock);  // cudaFree synchronizes the device
   const std::size_t off = p - reinterpret_cast<std::uintptr_t>(st().lib), len = it->second;
   st().allocs.erase(it);
   st().shadow.erase(p);
@@ -538,24 +611,30 @@ cudaError_t cudaFree(void* ptr) {
 }
 
 cudaError_t cudaMallocHost(void** ptr, size_t size) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   *ptr = std::aligned_alloc(4096, (size + 4095) / 4096 * 4096);
   if (*ptr == nullptr) return fail(cudaErrorMemoryAllocation, "cudaMallocHost");
   st().pinned[reinterpret_cast<std::uintptr_t>(*ptr)] = size;
   return ok();
 }
 cudaError_t cudaFreeHost(void* ptr) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (ptr == nullptr) return ok();
   if (st().pinned.erase(reinterpret_cast<std::uintptr_t>(ptr)) == 0)
     return fail(cudaErrorInvalidValue, "cudaFreeHost of an unknown pointer");
-  sync_all("cudaFreeHost");
+  sync_all("cudaFreeHost", lock);
   std::free(ptr);
   return ok();
 }
 cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream) {
-  if (!valid_stream(stream)) return fail(cudaErrorInvalidResourceHandle, "cudaMallocAsync");
+  {
+    std::unique_lock<std::mutex> lock(st().mutex);
+    if (!valid_stream(stream)) return fail(cudaErrorInvalidResourceHandle, "cudaMallocAsync");
+  }
   return cudaMalloc(ptr, size);
 }
 cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (!valid_stream(stream)) return fail(cudaErrorInvalidResourceHandle, "cudaFreeAsync");
   if (ptr == nullptr) return ok();
   if (st().allocs.count(reinterpret_cast<std::uintptr_t>(ptr)) == 0)
@@ -571,13 +650,16 @@ cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
-  return memcpy_async(dst, src, count, kind, nullptr, true);
+  std::unique_lock<std::mutex> lock(st().mutex);
+  return memcpy_async(dst, src, count, kind, nullptr, true, lock);
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
                             cudaStream_t stream) {
-  return memcpy_async(dst, src, count, kind, stream, false);
+  std::unique_lock<std::mutex> lock(st().mutex);
+  return memcpy_async(dst, src, count, kind, stream, false, lock);
 }
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t stream) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (!valid_stream(stream)) return fail(cudaErrorInvalidResourceHandle, "cudaMemsetAsync");
   if (count == 0) return ok();
   if (!is_device(ptr, count)) return fail(cudaErrorInvalidValue, "cudaMemset of non-device memory");
@@ -588,11 +670,13 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t str
 }
 cudaError_t cudaMemset(void* ptr, int value, size_t count) {
   const cudaError_t rc = cudaMemsetAsync(ptr, value, count, nullptr);
-  if (rc == cudaSuccess) sync_op(st().legacy.last, "cudaMemset");
+  std::unique_lock<std::mutex> lock(st().mutex);
+  if (rc == cudaSuccess) sync_op(st().legacy.last, "cudaMemset", lock);
   return rc;
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   auto* s = new CUstream_st;
   s->id = st().next_stream_id++;
   s->blocking = (flags & cudaStreamNonBlocking) == 0;
@@ -605,29 +689,33 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
   return cudaStreamCreateWithFlags(stream, cudaStreamDefault);
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (stream == nullptr || stream == cudaStreamLegacy || st().streams.count(stream) == 0)
     return fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy");
   // Queued work still runs (CUDA completes it); the handle dies now.
-  if (stream->last) complete(stream->last, true);
+  if (stream->last) complete(stream->last, &lock);
   st().streams.erase(stream);
   delete stream;
   return ok();
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   CUstream_st* s = resolve(stream);
   if (s == nullptr) return fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize");
-  sync_op(s->last, "cudaStreamSynchronize");
+  sync_op(s->last, "cudaStreamSynchronize", lock);
   return ok();
 }
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   CUstream_st* s = resolve(stream);
   if (s == nullptr) return fail(cudaErrorInvalidResourceHandle, "cudaStreamQuery");
   log(LogEntry::HostQuery, "cudaStreamQuery");
-  if (s->last && !complete(s->last, false)) return cudaErrorNotReady;
+  if (s->last && !complete(s->last, nullptr)) return cudaErrorNotReady;
   if (s->last) host_saw(s->last->clock);
   return ok();
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   CUstream_st* s = resolve(stream);
   if (s == nullptr || st().events.count(event) == 0)
     return fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent");
@@ -638,6 +726,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   auto* e = new CUevent_st;
   e->flags = flags;
   st().events.insert(e);
@@ -648,11 +737,13 @@ cudaError_t cudaEventCreate(cudaEvent_t* event) {
   return cudaEventCreateWithFlags(event, cudaEventDefault);
 }
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (st().events.erase(event) == 0) return fail(cudaErrorInvalidResourceHandle, "cudaEventDestroy");
   delete event;
   return ok();
 }
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (st().events.count(event) == 0) return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord");
   OpPtr op = enqueue(stream, "event record", {}, nullptr);
   if (!op) return cudaErrorInvalidResourceHandle;
@@ -661,20 +752,23 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   return ok();
 }
 cudaError_t cudaEventQuery(cudaEvent_t event) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (st().events.count(event) == 0) return fail(cudaErrorInvalidResourceHandle, "cudaEventQuery");
   log(LogEntry::HostQuery, "cudaEventQuery");
   if (!event->marker) return ok();
-  if (!complete(event->marker, false)) return cudaErrorNotReady;
+  if (!complete(event->marker, nullptr)) return cudaErrorNotReady;
   host_saw(event->clock);
   return ok();
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (st().events.count(event) == 0)
     return fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize");
-  sync_op(event->marker, "cudaEventSynchronize");
+  sync_op(event->marker, "cudaEventSynchronize", lock);
   return ok();
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  std::unique_lock<std::mutex> lock(st().mutex);
   if (st().events.count(start) == 0 || st().events.count(end) == 0 ||
       ((start->flags | end->flags) & cudaEventDisableTiming) != 0 || !start->marker || !end->marker)
     return fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime");

@@ -11,6 +11,7 @@
 
 #include "gpu_test.hpp"
 #include "gpu_world.hpp"
+#include "shardopt/cuda_comm.hpp"
 #include "shardopt/optimizer.hpp"
 #include "support/reference.hpp"
 
@@ -168,7 +169,7 @@ TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
   AdamConfig cfg;
   cfg.lr = 1e-2;
   for (Stage stage : {Stage::Zero1, Stage::Zero2}) {
-    auto gpu = make(make_single_process_communicator(), Device::Cuda, stage, DType::BF16, cfg);
+    auto gpu = make(make_cuda_single_process_communicator(), Device::Cuda, stage, DType::BF16, cfg);
     auto cpu = make(make_single_process_communicator(), Device::Cpu, stage, DType::BF16, cfg);
     for (int step = 1; step <= 3; ++step) {
       produce_grads(*gpu, 0, step, true);
@@ -186,23 +187,30 @@ TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
   }
 }
 
-#if SHARDOPT_GPU_TEST_MPI
-// Device buffers cannot go through a host MPI communicator: every rank gets the same
-// InvalidArgument before anything is allocated (needs no GPU).
-TEST(CudaDevice, RejectsHostCommunicatorAcrossRanks) {
-  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
-  if (comm->size() == 1) GTEST_SKIP() << "a one-rank host group is accepted for Device::Cuda";
+// Device buffers cannot go through a host communicator, at any size (even one rank runs host
+// code on the data: the bf16 wire's rounding): every rank gets the same InvalidArgument
+// before anything is allocated (needs no GPU).
+void expect_refused(std::shared_ptr<Communicator> comm) {
   OptimizerOptions o;
   o.device = Device::Cuda;
   try {
     ShardedOptimizer opt(comm, o);
-    FAIL() << "expected Error(InvalidArgument)";
+    FAIL() << "expected Error(InvalidArgument) for " << comm->name();
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
     EXPECT_NE(std::string(e.what()).find("Device::Cuda needs a communicator of device buffers"),
               std::string::npos)
         << e.what();
   }
+}
+
+TEST(CudaDevice, RejectsSingleProcessHostCommunicator) {
+  expect_refused(make_single_process_communicator());
+}
+
+#if SHARDOPT_GPU_TEST_MPI
+TEST(CudaDevice, RejectsHostMpiCommunicatorAtEverySize) {
+  expect_refused(make_mpi_communicator(MPI_COMM_WORLD));
 }
 #endif
 
