@@ -213,16 +213,24 @@ class NcclCommunicator final : public Communicator, public dev::Watchdog {
     }));
   }
 
+  // Host collectives refuse to run after an abort too: a rank that has seen the abort must
+  // not wait in MPI for ranks that threw.
   void all_reduce_sum_host(double* buf, std::size_t count) override {
+    require_usable();
     host_->all_reduce_sum_host(buf, count);
   }
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
+    require_usable();
     host_->all_gather_bytes(send, recv, bytes);
   }
   void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
+    require_usable();
     host_->broadcast_bytes(buf, bytes, root);
   }
-  void barrier() override { host_->barrier(); }
+  void barrier() override {
+    require_usable();
+    host_->barrier();
+  }
 
   // ---- watchdog ------------------------------------------------------------------------------
 

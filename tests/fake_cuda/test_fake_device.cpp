@@ -78,6 +78,7 @@ TEST(FakeDevice, ReadBeforeItsWaitIsARace) {
   const auto unordered = fakecuda::take_problems();
   EXPECT_TRUE(mentions(unordered, "race: memcpy DtoD")) << ::testing::PrintToString(unordered);
   // With the event wait, the same pair is ordered.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaEvent_t e;
   ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
   ASSERT_EQ(cudaMemsetAsync(src, 2, 1024, a), cudaSuccess);
@@ -85,9 +86,11 @@ TEST(FakeDevice, ReadBeforeItsWaitIsARace) {
   ASSERT_EQ(cudaStreamWaitEvent(b, e, 0), cudaSuccess);
   ASSERT_EQ(cudaMemcpyAsync(dst, src, 1024, cudaMemcpyDeviceToDevice, b), cudaSuccess);
   EXPECT_TRUE(fakecuda::take_problems().empty());
+  ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);  // b is non-blocking: the copy below would not wait
   std::vector<unsigned char> host(1024);
   ASSERT_EQ(cudaMemcpy(host.data(), dst, 1024, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(host[17], 2);
+  EXPECT_TRUE(fakecuda::take_problems().empty());
   cudaEventDestroy(e);
   cudaFree(src);
   cudaFree(dst);
@@ -212,17 +215,25 @@ std::unique_ptr<ShardedOptimizer> make_optimizer(std::shared_ptr<Communicator> c
 }
 
 // Backward: gradients written with cudaMemcpyAsync from pinned memory on `stream` (nullptr:
-// the compute stream), in backward order; `ordered`: the compute stream waits for `stream`.
+// the compute stream), in backward order. `ordered`: the trainer keeps the stream contract
+// for a stream of its own: the write waits for the compute stream (the buffer grad()
+// returned may have been zeroed or reused there), and the compute stream waits for the
+// write before grad_ready().
 void backward(ShardedOptimizer& opt, int step, cudaStream_t stream, bool ordered,
               std::vector<float*>& pinned) {
-  cudaEvent_t written = nullptr;
+  cudaEvent_t written = nullptr, ready = nullptr;
   cudaEventCreateWithFlags(&written, cudaEventDisableTiming);
+  cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
   for (std::size_t j = kSizes.size(); j-- > 0;) {
     float*& h = pinned[j];
     if (h == nullptr) ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&h), kSizes[j] * 4), cudaSuccess);
     for (std::size_t k = 0; k < kSizes[j]; ++k)
       h[k] = test::synth(static_cast<std::uint64_t>(world_rank()), static_cast<std::uint64_t>(step), j, k);
     const std::span<float> g = opt.grad(j);
+    if (stream != nullptr && ordered) {
+      cudaEventRecord(ready, nullptr);
+      cudaStreamWaitEvent(stream, ready, 0);
+    }
     ASSERT_EQ(cudaMemcpyAsync(g.data(), h, g.size_bytes(), cudaMemcpyHostToDevice, stream), cudaSuccess);
     if (stream != nullptr && ordered) {
       cudaEventRecord(written, stream);
@@ -231,6 +242,7 @@ void backward(ShardedOptimizer& opt, int step, cudaStream_t stream, bool ordered
     opt.grad_ready(j);
   }
   cudaEventDestroy(written);
+  cudaEventDestroy(ready);
 }
 
 TEST(CudaOptimizerOnFake, RefusesHostCommunicatorsAtEverySize) {
@@ -296,8 +308,9 @@ TEST(CudaOptimizerOnFake, StepWaitsOnlyForTheNormAndOverlapsGathersWithUpdates) 
   }
 }
 
-// A trainer that writes gradients on a stream of its own must order the compute stream after
-// it (an event) before grad_ready(); forgetting is a race the fake reports.
+// A trainer that writes gradients on a stream of its own must order that write after the
+// compute stream and the compute stream after the write (events); forgetting is a race the
+// fake reports.
 TEST(CudaOptimizerOnFake, TrainerStreamMustBeOrderedBeforeGradReady) {
   cudaStream_t trainer;
   ASSERT_EQ(cudaStreamCreateWithFlags(&trainer, cudaStreamNonBlocking), cudaSuccess);
