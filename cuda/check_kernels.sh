@@ -44,13 +44,12 @@ while read -r name loose loads stores; do
   [ "$loose" -eq 0 ] || fail "$loose contractable mul/add/sub.f32 (no .rn) in update kernel $name"
   [ "$loads" -ge 4 ] || fail "update kernel $name has $loads 128-bit fp32 loads (want >= 4)"
   [ "$stores" -ge 3 ] || fail "update kernel $name has $stores 128-bit fp32 stores (want >= 3)"
-  echo "update kernel $name: $loads ld.global.v4.f32, $stores st.global.v4.f32, no contractable fp32 ops"
+  echo "update kernel $name: $loads ld.global.v4.f32, $stores st.global.v4.f32, $loose contractable fp32 ops"
 done < "$tmp/kernels.txt"
 [ "$updates" -ge 2 ] || fail "found $updates update kernels in the PTX (want the Thrust one and the grid-stride one)"
 
 spills=$(grep -E '[1-9][0-9]* bytes spill (stores|loads)' "$tmp/ptxas.log" || true)
 [ -z "$spills" ] || fail "register spills reported by ptxas: $spills"
-regs=$(grep -c 'Used [0-9]* registers' "$tmp/ptxas.log" || true)
-echo "ptxas -v: $regs kernels, no spills" | { [ -z "$spills" ] && cat || true; }
+echo "ptxas -v: $(grep -c 'Used [0-9]* registers' "$tmp/ptxas.log" || true) kernels assembled"
 [ "$status" -eq 0 ] && echo "PASS: kernels of device_algorithms.cu for sm_$arch"
 exit "$status"
