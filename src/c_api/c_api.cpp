@@ -2,8 +2,12 @@
 // and pointers, call the C++ API, and let guarded() turn exceptions into status codes.
 #include <cmath>
 #include <span>
+#include <utility>
 
 #include "handle.hpp"
+#if SHARDOPT_WITH_CUDA
+#include "shardopt/cuda_comm.hpp"
+#endif
 #include "shardopt/bf16.hpp"
 
 using namespace shardopt;
@@ -106,7 +110,14 @@ shardopt_status_t shardopt_config_init(shardopt_config_t* config) {
 shardopt_status_t shardopt_create(shardopt_optimizer_t* opt, const shardopt_config_t* config) {
   if (opt != nullptr) *opt = nullptr;
   return guarded("shardopt_create", nullptr,
-                 [&] { capi::create_on(make_single_process_communicator(), opt, config); });
+                 [&] {
+                   std::shared_ptr<Communicator> comm = make_single_process_communicator();
+#if SHARDOPT_WITH_CUDA  // Device::Cuda needs a communicator of device buffers
+                   if (config != nullptr && config->device == SHARDOPT_DEVICE_CUDA)
+                     comm = make_cuda_single_process_communicator();
+#endif
+                   capi::create_on(std::move(comm), opt, config);
+                 });
 }
 
 shardopt_status_t shardopt_add_group(shardopt_optimizer_t opt, double lr_scale, int weight_decay,

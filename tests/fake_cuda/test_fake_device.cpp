@@ -22,6 +22,7 @@
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/nccl_comm.hpp"
 #include "shardopt/optimizer.hpp"
+#include "shardopt/shardopt.h"
 #include "support/reference.hpp"
 
 using namespace shardopt;
@@ -370,6 +371,18 @@ TEST(CudaOptimizerOnFake, NcclErrorsAbortInsteadOfHanging) {
     comm.reset();
     MPI_Barrier(MPI_COMM_WORLD);
   }
+}
+
+// The C API's one-process constructor gives a CUDA optimizer the device communicator.
+TEST(CApiOnFake, CreatesACudaOptimizerInOneProcess) {
+  shardopt_config_t cfg;
+  ASSERT_EQ(shardopt_config_init(&cfg), SHARDOPT_SUCCESS);
+  cfg.device = SHARDOPT_DEVICE_CUDA;
+  shardopt_optimizer_t opt = nullptr;
+  ASSERT_EQ(shardopt_create(&opt, &cfg), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param(opt, "w", 1000, 0, nullptr), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
 }
 
 TEST(CudaBackendOnFake, GridStrideLaunchShapeFromTheOccupancyQueryOnce) {
