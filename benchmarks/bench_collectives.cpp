@@ -1,188 +1,256 @@
-// bench_collectives.cpp: intra-node reduce-scatter, all-gather and the optimizer step on the
-// shared-memory communicator vs plain MPI collectives (and MPI_Allreduce), with the node's
-// in-place memory bandwidth (a += s * b on every rank at once) measured in the same run.
+// bench_collectives.cpp: shardopt's data collectives (in-place reduce-scatter, all-gather,
+// all-reduce over equal per-rank blocks) on each MPI communicator, printed in the
+// nccl-tests convention: one line per size of a -b/-e/-f sweep with the buffer size in
+// bytes, element count, type, reduction, time, algbw, busbw and #wrong, the number of
+// elements that differ from the exact expected result (a correctness check of every size).
 //
-//   mpiexec -n 2 bench_collectives [elements ...]      (default: 16M and 64M fp32)
+//   mpiexec -n 2 bench_collectives -b 1Mi -e 64Mi -f 4 [-o reduce_scatter,all_gather]
+//                                  [-d float|bf16] [--comm mpi,shm] [-n 20] [-w 3] [--csv]
 //
-// Bus bandwidth follows nccl-tests: algbw = buffer bytes / time; reduce-scatter and
-// all-gather busbw = algbw * (n-1)/n, all-reduce busbw = algbw * 2(n-1)/n. Times are the
-// median over iterations of the slowest rank.
+// size = bytes of the whole in-place buffer (all ranks' blocks, as nccl-tests counts it),
+// count = its elements. time = median over iterations of the slowest rank, in microseconds.
+// algbw = size / time; busbw = algbw * (n-1)/n for reduce-scatter and all-gather and
+// algbw * 2(n-1)/n for all-reduce (nccl-tests' bus bandwidth). -d bf16 sends bf16 over the
+// wire: reduce-scatter and all-reduce of fp32 buffers summed as bf16, all-gather of a bf16
+// replica; size then counts 2 bytes per element. Inputs are small integers, so every sum is
+// exact in either type and #wrong must be 0.
 #include <mpi.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
-#include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "cli.hpp"
+#include "shardopt/bf16.hpp"
 #include "shardopt/memory.hpp"
 #include "shardopt/mpi_comm.hpp"
-#include "shardopt/optimizer.hpp"
 
 using namespace shardopt;
 
 namespace {
 
-constexpr int kIters = 7;
+enum class Op { ReduceScatter, AllGather, AllReduce };
+enum class Type { Float, Bf16 };
 
-int g_rank = 0, g_size = 1;
-
-struct Op {
-  std::function<void()> prepare, run;
+struct Args {
+  std::size_t min_bytes = std::size_t{1} << 20, max_bytes = std::size_t{64} << 20;
+  std::size_t factor = 4;
+  std::vector<Op> ops{Op::ReduceScatter, Op::AllGather, Op::AllReduce};
+  std::vector<std::string> comms{"mpi", "shm"};
+  Type type = Type::Float;
+  int iters = 20, warmup = 3;
+  bool csv = false;
 };
 
-// Median over iterations of the slowest rank's time, in seconds, per op. The ops take turns
-// within each iteration, so that they see the same machine load (it is shared and noisy).
-std::vector<double> time_ops(const std::vector<Op>& ops) {
-  std::vector<std::vector<double>> t(ops.size());
-  for (int it = 0; it <= kIters; ++it) {
-    for (std::size_t o = 0; o < ops.size(); ++o) {
-      ops[o].prepare();
-      MPI_Barrier(MPI_COMM_WORLD);
-      const double t0 = MPI_Wtime();
-      ops[o].run();
-      double dt = MPI_Wtime() - t0;
-      MPI_Allreduce(MPI_IN_PLACE, &dt, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-      if (it > 0) t[o].push_back(dt);  // the first round warms up pages and caches
+const char* op_name(Op op) {
+  return op == Op::ReduceScatter ? "reduce_scatter" : op == Op::AllGather ? "all_gather" : "all_reduce";
+}
+
+int parse(int argc, char** argv, bool print, Args& a) {
+  CLI::App app{"shardopt's in-place collectives on the MPI communicators, in the nccl-tests "
+               "output convention (size, count, type, redop, time, algbw, busbw, #wrong); run "
+               "under mpiexec."};
+  cli::init(app, "bench_collectives");
+  app.add_option("-b,--minbytes", a.min_bytes, "smallest buffer (all ranks' blocks)")
+      ->transform(cli::size(cli::Unit::Bytes))->check(CLI::PositiveNumber)->default_str("1MiB");
+  app.add_option("-e,--maxbytes", a.max_bytes, "largest buffer")
+      ->transform(cli::size(cli::Unit::Bytes))->check(CLI::PositiveNumber)->default_str("64MiB");
+  app.add_option("-f,--stepfactor", a.factor, "multiply the size by this from -b to -e")
+      ->check(CLI::Range(2, 1 << 20))->capture_default_str();
+  app.add_option("-o,--op", a.ops, "collectives, comma separated")
+      ->delimiter(',')
+      ->transform(cli::choice<Op>({{"reduce_scatter", Op::ReduceScatter},
+                                   {"all_gather", Op::AllGather},
+                                   {"all_reduce", Op::AllReduce}}))
+      ->default_str("reduce_scatter,all_gather,all_reduce");
+  app.add_option("-d,--datatype", a.type, "float, or bf16 on the wire")
+      ->transform(cli::choice<Type>({{"float", Type::Float}, {"bf16", Type::Bf16}}))
+      ->default_str("float");
+  app.add_option("--comm", a.comms, "communicators, comma separated: mpi (plain MPI), shm "
+                 "(shared memory), default (what the optimizer gets)")
+      ->delimiter(',')->check(CLI::IsMember({"mpi", "shm", "default"}))->default_str("mpi,shm");
+  app.add_option("-n,--iters", a.iters, "timed iterations per size")->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("-w,--warmup_iters", a.warmup, "untimed iterations first")
+      ->check(CLI::Range(0, 1 << 20))->capture_default_str();
+  app.add_flag("--csv", a.csv, "CSV instead of the table");
+  const int rc = cli::parse(app, argc, argv, print);
+  if (rc < 0 && a.min_bytes > a.max_bytes) {
+    if (print) std::fprintf(stderr, "bench_collectives: -b %zu is larger than -e %zu\n", a.min_bytes, a.max_bytes);
+    return 2;
+  }
+  return rc;
+}
+
+// The one place that calls the Communicator's data collectives: blocks of count_per_rank
+// elements, block r at offset r * count_per_rank, in place (NCCL's convention).
+void run_collective(Communicator& c, Op op, Type type, void* buf, std::size_t count_per_rank) {
+  const CommType wire = type == Type::Bf16 ? CommType::BF16 : CommType::F32;
+  const std::size_t n = static_cast<std::size_t>(c.size());
+  switch (op) {
+    case Op::ReduceScatter:
+      c.reduce_scatter_sum_inplace(static_cast<float*>(buf), count_per_rank, wire);
+      return;
+    case Op::AllGather:
+      c.all_gather_inplace(buf, count_per_rank, type == Type::Bf16 ? CommType::U16 : CommType::F32);
+      return;
+    case Op::AllReduce:
+      c.start_all_reduce_sum(static_cast<float*>(buf), count_per_rank * n, wire)->wait();
+      return;
+  }
+}
+
+// Small integers: every partial sum of up to 2^10 ranks is exact in fp32 and in bf16.
+float input(int rank, std::size_t i) { return static_cast<float>((i * 7 + static_cast<std::size_t>(rank) * 3) % 5); }
+
+struct Case {
+  Op op;
+  Type type;
+  int rank, ranks;
+  std::size_t per;  // elements per rank
+  std::size_t total() const { return per * static_cast<std::size_t>(ranks); }
+  std::size_t elem_bytes() const { return type == Type::Bf16 ? 2 : 4; }
+  bool gathers_bf16() const { return op == Op::AllGather && type == Type::Bf16; }
+};
+
+// Fills the in-place input: own block for all-gather (others poisoned), the whole buffer
+// otherwise.
+void prepare(const Case& k, void* buf) {
+  const std::size_t own = static_cast<std::size_t>(k.rank) * k.per;
+  if (k.gathers_bf16()) {
+    auto* p = static_cast<bf16*>(buf);
+    std::fill(p, p + k.total(), to_bf16(-1.0f));
+    for (std::size_t i = 0; i < k.per; ++i) p[own + i] = to_bf16(input(k.rank, own + i));
+    return;
+  }
+  auto* p = static_cast<float*>(buf);
+  if (k.op == Op::AllGather) {
+    std::fill(p, p + k.total(), -1.0f);
+    for (std::size_t i = 0; i < k.per; ++i) p[own + i] = input(k.rank, own + i);
+    return;
+  }
+  for (std::size_t i = 0; i < k.total(); ++i) p[i] = input(k.rank, i);
+}
+
+// Elements of this rank's result that differ from the exact answer.
+std::size_t count_wrong(const Case& k, const void* buf) {
+  const auto sum = [&](std::size_t i) {
+    float s = 0;
+    for (int r = 0; r < k.ranks; ++r) s += input(r, i);
+    return s;
+  };
+  std::size_t wrong = 0;
+  if (k.op == Op::ReduceScatter) {
+    const auto* p = static_cast<const float*>(buf);
+    const std::size_t own = static_cast<std::size_t>(k.rank) * k.per;
+    for (std::size_t i = own; i < own + k.per; ++i) wrong += p[i] != sum(i);
+  } else if (k.op == Op::AllReduce) {
+    const auto* p = static_cast<const float*>(buf);
+    for (std::size_t i = 0; i < k.total(); ++i) wrong += p[i] != sum(i);
+  } else {
+    for (std::size_t i = 0; i < k.total(); ++i) {
+      const int owner = static_cast<int>(i / k.per);
+      const float got = k.gathers_bf16() ? to_float(static_cast<const bf16*>(buf)[i])
+                                         : static_cast<const float*>(buf)[i];
+      wrong += got != input(owner, i);
     }
   }
-  std::vector<double> med;
-  for (auto& v : t) {
-    std::sort(v.begin(), v.end());
-    med.push_back(v[v.size() / 2]);
-  }
-  return med;
+  return wrong;
 }
 
-// Node in-place bandwidth: every rank runs a += s * b over its own arrays at the same time;
-// bytes = 12 per element (read a, read b, write a) over all ranks.
-double inplace_bandwidth(std::size_t per_rank) {
-  Allocation a = allocate_host(nullptr, MemCategory::Scratch, per_rank * sizeof(float));
-  Allocation b = allocate_host(nullptr, MemCategory::Scratch, per_rank * sizeof(float));
-  float* pa = a.as<float>();
-  const float* pb = b.as<float>();
-  std::fill(b.as<float>(), b.as<float>() + per_rank, 1e-7f);
-  const double t = time_ops({{[] {},
-                              [&] {
-                                for (std::size_t i = 0; i < per_rank; ++i) pa[i] += 0.5f * pb[i];
-                              }}})[0];
-  return 12.0 * static_cast<double>(per_rank) * g_size / t;
-}
-
-struct Row {
-  std::string op, path;
-  double seconds, busbw;
+struct Result {
+  double seconds;
+  std::size_t wrong;
 };
 
-void print(const Row& r, std::size_t n, double bw, double plain_busbw) {
-  if (g_rank != 0) return;
-  std::printf(
-      "| %-14s | %-12s | %2d | %5zuM | %9.2f | %7.2f | %6.3f | %s |\n", r.op.c_str(),
-      r.path.c_str(), g_size, n >> 20, r.seconds * 1e3, r.busbw / 1e9, r.busbw / bw,
-      plain_busbw > 0 ? (std::to_string(r.busbw / plain_busbw).substr(0, 5) + "x").c_str() : "");
-}
-
-void fill(float* p, std::size_t n, float v) { std::fill(p, p + n, v); }
-
-void run_size(std::size_t n, Communicator& plain, Communicator& shm) {
-  const double frac = static_cast<double>(g_size - 1) / g_size;
-  const double bytes = 4.0 * static_cast<double>(n);
-  // Measured again for every size (the load changes); arrays of at least 2 x 64 MiB per rank,
-  // far larger than the last-level cache.
-  const double bw = inplace_bandwidth(
-      std::max<std::size_t>(n / static_cast<std::size_t>(g_size), std::size_t{16} << 20));
-  if (g_rank == 0)
-    std::printf("| in-place a+=s*b | all ranks   | %2d | %5zuM |           | %7.2f | 1.000 |  |\n",
-                g_size, n >> 20, bw / 1e9);
-
-  MemoryTracker tracker;
-  Allocation local = allocate_host(&tracker, MemCategory::Scratch, n * sizeof(float));
-  Allocation window =
-      shm.allocate_collective_buffer(&tracker, MemCategory::Scratch, n * sizeof(float));
-  float* pl = local.as<float>();
-  float* pw = window.data() ? window.as<float>() : pl;
-  const std::size_t per = n / static_cast<std::size_t>(g_size);
-
-  // Reduce-scatter. Inputs refilled before each iteration (outside the timing).
-  const std::vector<double> rs = time_ops(
-      {{[&] { fill(pl, n, 1e-3f); }, [&] { plain.reduce_scatter_sum_inplace(pl, per); }},
-       {[&] { fill(pw, n, 1e-3f); }, [&] { shm.reduce_scatter_sum_inplace(pw, per); }}});
-  const double rs_plain = rs[0], rs_shm = rs[1];
-  const Row rsp{"reduce-scatter", "plain MPI", rs_plain, bytes / rs_plain * frac};
-  const Row rss{"reduce-scatter", shm.name(), rs_shm, bytes / rs_shm * frac};
-  print(rsp, n, bw, 0);
-  print(rss, n, bw, rsp.busbw);
-
-  const std::vector<double> ag =
-      time_ops({{[] {}, [&] { plain.all_gather_inplace(pl, per, CommType::F32); }},
-                {[] {}, [&] { shm.all_gather_inplace(pw, per, CommType::F32); }}});
-  const double ag_plain = ag[0], ag_shm = ag[1];
-  const Row agp{"all-gather", "plain MPI", ag_plain, bytes / ag_plain * frac};
-  const Row ags{"all-gather", shm.name(), ag_shm, bytes / ag_shm * frac};
-  print(agp, n, bw, 0);
-  print(ags, n, bw, agp.busbw);
-
-  const double ar = time_ops(
-      {{[&] { fill(pl, n, 1e-3f); }, [&] { plain.all_reduce_sum(pl, n, CommType::F32); }}})[0];
-  print(Row{"all-reduce", "MPI_Allreduce", ar, bytes / ar * 2 * frac}, n, bw, 0);
-}
-
-// The whole step (stage 1, bf16 replica, one parameter of n elements): reduce-scatter,
-// norm, AdamW on the shard, all-gather, zero_grad; plain MPI and shared memory in turns.
-std::vector<double> step_times(std::shared_ptr<Communicator> plain,
-                               std::shared_ptr<Communicator> shm, std::size_t n) {
-  OptimizerOptions o;
-  o.stage = Stage::Zero1;
-  o.param_dtype = DType::BF16;
-  std::vector<std::unique_ptr<ShardedOptimizer>> opts;
-  std::vector<Op> ops;
-  for (auto& comm : {plain, shm}) {
-    opts.push_back(std::make_unique<ShardedOptimizer>(comm, o));
-    ShardedOptimizer* opt = opts.back().get();
-    opt->add_param("w", n);
-    opt->finalize();
-    ops.push_back({[opt, n] { fill(opt->grad(0).data(), n, 1e-3f); }, [opt] { opt->step(); }});
+Result measure(Communicator& c, const Case& k, void* buf, const Args& a) {
+  std::vector<double> times;
+  for (int it = 0; it < a.warmup + a.iters; ++it) {
+    prepare(k, buf);  // outside the timing: in place, the input is consumed
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = MPI_Wtime();
+    run_collective(c, k.op, k.type, buf, k.per);
+    double dt = MPI_Wtime() - t0;
+    MPI_Allreduce(MPI_IN_PLACE, &dt, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    if (it >= a.warmup) times.push_back(dt);
   }
-  return time_ops(ops);
+  unsigned long long wrong = count_wrong(k, buf);  // the last iteration's result
+  MPI_Allreduce(MPI_IN_PLACE, &wrong, 1, MPI_UNSIGNED_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  std::sort(times.begin(), times.end());
+  return {times[times.size() / 2], static_cast<std::size_t>(wrong)};
+}
+
+int run(const Args& a, int rank, int ranks) {
+  const std::map<std::string, MpiCommOptions> kinds{
+      {"mpi", {MpiCommKind::Plain, 0}}, {"shm", {MpiCommKind::SharedMemory, 0}}, {"default", {}}};
+  const double frac = static_cast<double>(ranks - 1) / ranks;
+  std::size_t total_wrong = 0;
+  if (rank == 0 && a.csv)
+    std::printf("comm,collective,ranks,size_bytes,count,type,redop,time_us,algbw_GBs,busbw_GBs,wrong\n");
+  for (const std::string& which : a.comms) {
+    std::shared_ptr<Communicator> comm = make_mpi_communicator(MPI_COMM_WORLD, kinds.at(which));
+    // One buffer of the largest size (fp32: the widest element), from where the communicator
+    // moves data fastest (the shared-memory one: its window).
+    MemoryTracker tracker;
+    const std::size_t max_elems = a.max_bytes / 2;  // bf16 sizes count 2 bytes per element
+    Allocation buffer = comm->allocate_collective_buffer(&tracker, MemCategory::Scratch, max_elems * 4);
+    if (!buffer.data()) buffer = allocate_host(&tracker, MemCategory::Scratch, max_elems * 4);
+    for (Op op : a.ops) {
+      if (rank == 0 && !a.csv) {
+        std::printf("#\n# %s, communicator %s (--comm %s), %d ranks, in place\n", op_name(op),
+                    comm->name().c_str(), which.c_str(), ranks);
+        std::printf("# %12s %12s %8s %6s %10s %8s %8s %7s\n", "size", "count", "type", "redop",
+                    "time", "algbw", "busbw", "#wrong");
+        std::printf("# %12s %12s %8s %6s %10s %8s %8s %7s\n", "(B)", "(elements)", "", "", "(us)",
+                    "(GB/s)", "(GB/s)", "");
+      }
+      for (std::size_t bytes = a.min_bytes; bytes <= a.max_bytes; bytes *= a.factor) {
+        const Case k{op, a.type, rank, ranks, bytes / (a.type == Type::Bf16 ? 2 : 4) / static_cast<std::size_t>(ranks)};
+        if (k.per == 0) continue;
+        const Result r = measure(*comm, k, buffer.data(), a);
+        total_wrong += r.wrong;
+        const double size = static_cast<double>(k.total() * k.elem_bytes());
+        const double algbw = size / r.seconds / 1e9;
+        const double busbw = algbw * (op == Op::AllReduce ? 2 * frac : frac);
+        const char* type = a.type == Type::Bf16 ? "bf16" : "float";
+        const char* redop = op == Op::AllGather ? "none" : "sum";
+        if (rank != 0) continue;
+        if (a.csv)
+          std::printf("%s,%s,%d,%zu,%zu,%s,%s,%.2f,%.3f,%.3f,%zu\n", comm->name().c_str(),
+                      op_name(op), ranks, k.total() * k.elem_bytes(), k.total(), type, redop,
+                      r.seconds * 1e6, algbw, busbw, r.wrong);
+        else
+          std::printf("  %12zu %12zu %8s %6s %10.1f %8.2f %8.2f %7zu\n", k.total() * k.elem_bytes(),
+                      k.total(), type, redop, r.seconds * 1e6, algbw, busbw, r.wrong);
+      }
+    }
+  }
+  if (rank == 0 && !a.csv) std::printf("# out of bounds values: %zu %s\n", total_wrong, total_wrong ? "ERROR" : "OK");
+  return total_wrong == 0 ? 0 : 1;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
-  MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &g_size);
-  std::vector<std::size_t> sizes;
-  for (int i = 1; i < argc; ++i) sizes.push_back(std::strtoull(argv[i], nullptr, 10));
-  if (sizes.empty()) sizes = {std::size_t{16} << 20, std::size_t{64} << 20};
-  int status = 0;
+  int rank = 0, ranks = 1, rc = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   try {
-    auto plain = make_mpi_communicator(MPI_COMM_WORLD, {MpiCommKind::Plain, 0});
-    auto shm = make_mpi_communicator(MPI_COMM_WORLD, {MpiCommKind::SharedMemory, 0});
-    auto fallback = make_mpi_communicator(MPI_COMM_WORLD);  // what the optimizer gets
-    if (g_rank == 0) {
-      std::printf("default communicator: %s; %d ranks\n\n", fallback->name().c_str(), g_size);
-      std::printf(
-          "| op             | path         | np | elems  | time (ms) | busbw GB/s | "
-          "/ in-place bw | vs plain |\n|---|---|---|---|---|---|---|---|\n");
-    }
-    for (std::size_t n : sizes) {
-      n = n / (64 * static_cast<std::size_t>(g_size)) * 64 * static_cast<std::size_t>(g_size);
-      run_size(n, *plain, *shm);
-      const std::vector<double> st = step_times(plain, shm, n);
-      const double sp = st[0], ss = st[1];
-      if (g_rank == 0)
-        std::printf(
-            "| step (zero1, bf16) | plain MPI | %2d | %5zuM | %9.2f | | | |\n"
-            "| step (zero1, bf16) | %s | %2d | %5zuM | %9.2f | | | %.2fx |\n",
-            g_size, n >> 20, sp * 1e3, shm->name().c_str(), g_size, n >> 20, ss * 1e3, sp / ss);
-    }
+    Args a;
+    rc = parse(argc, argv, rank == 0, a);
+    if (rc < 0) rc = run(a, rank, ranks);
   } catch (const Error& e) {
-    std::fprintf(stderr, "rank %d: %s\n", g_rank, e.what());
-    status = 1;
+    std::fprintf(stderr, "bench_collectives: rank %d: %s\n", rank, e.what());
+    rc = 1;
   }
   MPI_Finalize();
-  return status;
+  return rc;
 }

@@ -8,7 +8,7 @@
 // them, and as the straightforward scalar loop (the baseline). After the Google Benchmark
 // output a table gives parameters/s, GB/s and the fraction of the in-place bandwidth.
 //
-//   bench_cpu_kernels [--sizes=1M,16M,64M,256M] [--threads=2] [Google Benchmark flags]
+//   bench_cpu_kernels [--sizes=1Mi,16Mi,64Mi,256Mi] [--threads=2] [Google Benchmark flags]
 #include <benchmark/benchmark.h>
 
 #include <cmath>
@@ -27,6 +27,7 @@
 #include <omp.h>
 #endif
 
+#include "cli.hpp"
 #include "kernels.hpp"
 
 namespace {
@@ -312,42 +313,30 @@ void print_table() {
   }
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::size_t b = 0;
-  while (b <= s.size()) {
-    const std::size_t e = s.find(',', b);
-    out.push_back(s.substr(b, e == std::string::npos ? std::string::npos : e - b));
-    if (e == std::string::npos) break;
-    b = e + 1;
-  }
-  return out;
-}
-
-std::size_t parse_size(const std::string& s) {
-  const std::size_t base = std::stoull(s);
-  if (!s.empty() && (s.back() == 'M' || s.back() == 'm')) return base << 20;
-  if (!s.empty() && (s.back() == 'K' || s.back() == 'k')) return base << 10;
-  return base;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<std::size_t> sizes = {1u << 20, 16u << 20, 64u << 20, 256u << 20};
   std::vector<int> threads = {2};
-  std::vector<char*> rest;
-  for (int i = 0; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--sizes=", 0) == 0) {
-      sizes.clear();
-      for (const std::string& s : split(a.substr(8))) sizes.push_back(parse_size(s));
-    } else if (a.rfind("--threads=", 0) == 0) {
-      threads.clear();
-      for (const std::string& t : split(a.substr(10))) threads.push_back(std::stoi(t));
-    } else {
-      rest.push_back(argv[i]);
+  CLI::App app{"Every CPU kernel of the step against the machine's memory bandwidth. Options "
+               "not listed here (--benchmark_*) are Google Benchmark's (--benchmark_list_tests, "
+               "--benchmark_filter=..., --benchmark_repetitions=...)."};
+  shardopt::cli::init(app, "bench_cpu_kernels");
+  app.add_option("--sizes", sizes, "parameters per kernel call, comma separated")
+      ->delimiter(',')->transform(shardopt::cli::size())->check(CLI::PositiveNumber)
+      ->default_str("1Mi,16Mi,64Mi,256Mi");
+  app.add_option("--threads", threads, "OpenMP thread counts, comma separated")
+      ->delimiter(',')->check(CLI::Range(1, 4096))->default_str("2");
+  app.allow_extras();
+  if (const int rc = shardopt::cli::parse(app, argc, argv); rc >= 0) return rc;
+  std::vector<std::string> extras = app.remaining();
+  std::vector<char*> rest{argv[0]};
+  for (std::string& e : extras) {
+    if (e.rfind("--benchmark_", 0) != 0) {
+      std::fprintf(stderr, "bench_cpu_kernels: unknown option '%s' (see --help)\n", e.c_str());
+      return 2;
     }
+    rest.push_back(e.data());
   }
   int rest_argc = static_cast<int>(rest.size());
   benchmark::Initialize(&rest_argc, rest.data());

@@ -11,6 +11,7 @@
 #include <functional>
 #include <vector>
 
+#include "cli.hpp"
 #include "cuda_check.hpp"
 #include "cuda_ops.hpp"
 #include "sum_squares.hpp"
@@ -46,13 +47,22 @@ void* device_zeros(std::size_t bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"Bandwidth of the fused AdamW update on one GPU against a device-to-device "
+               "cudaMemcpy (Thrust and grid-stride kernels, and the norm tree). Exits 0 with a "
+               "message when no GPU is present."};
+  cli::init(app, "bench_cuda_adam");
+  std::size_t n = std::size_t{1} << 26;
+  int reps = 20;
+  app.add_option("ELEMENTS", n, "parameters")->transform(cli::size())->check(CLI::PositiveNumber)
+      ->default_str("64Mi");
+  app.add_option("REPETITIONS", reps, "timed calls per kernel")->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  if (const int rc = cli::parse(app, argc, argv); rc >= 0) return rc;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("bench_cuda_adam: no CUDA device present; nothing to measure.\n");
     return 0;
   }
-  const std::size_t n = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : std::size_t{1} << 26;
-  const int reps = argc > 2 ? std::atoi(argv[2]) : 20;
   try {
     cudaDeviceProp prop{};
     SHARDOPT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

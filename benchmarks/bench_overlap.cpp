@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/optimizer.hpp"
@@ -38,19 +39,27 @@ struct Args {
   std::string compute = "device";
 };
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--stage") a.stage = v == "1" ? Stage::Zero1 : v == "dp" ? Stage::DataParallel : Stage::Zero2;
-    else if (k == "--params") a.params = std::stoull(v);
-    else if (k == "--tensor-elems") a.tensor_elems = std::stoull(v);
-    else if (k == "--bucket-elems") a.bucket_elems = std::stoull(v);
-    else if (k == "--iterations") a.iterations = std::stoi(v);
-    else if (k == "--compute") a.compute = v;
-    else throw Error(Status::InvalidArgument, "unknown option " + k);
-  }
-  return a;
+// The command line: the exit code after --help, --version or bad input, or -1 to run.
+int parse(int argc, char** argv, bool print, Args& a) {
+  CLI::App app{"How much gradient communication the overlapped path hides behind a synthetic "
+               "backward; run under mpiexec (benchmarks/run_overlap.sh)."};
+  cli::init(app, "bench_overlap");
+  app.add_option("--stage", a.stage, "dp, 1 or 2")
+      ->transform(cli::choice<Stage>({{"dp", Stage::DataParallel}, {"0", Stage::DataParallel},
+                                      {"1", Stage::Zero1}, {"2", Stage::Zero2}}))
+      ->default_str("2");
+  app.add_option("--params", a.params, "tensors in the model")->transform(cli::size())
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--tensor-elems", a.tensor_elems, "fp32 elements per tensor")
+      ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("512Ki");
+  app.add_option("--bucket-elems", a.bucket_elems, "stage-2 bucket size in elements")
+      ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("1Mi");
+  app.add_option("--iterations", a.iterations, "timed iterations per point")
+      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  app.add_option("--compute", a.compute, "what backward's compute does: device (the host waits) "
+                 "or cpu (the host spins)")
+      ->check(CLI::IsMember({"device", "cpu"}))->capture_default_str();
+  return cli::parse(app, argc, argv, print);
 }
 
 double seconds_since(Clock::time_point t) {
@@ -125,7 +134,11 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   try {
-    const Args a = parse(argc, argv);
+    Args a;
+    if (const int exit_code = parse(argc, argv, rank == 0, a); exit_code >= 0) {
+      MPI_Finalize();
+      return exit_code;
+    }
     auto off = make(a, false), on = make(a, true);
     // Communication alone: overlap off, no compute; the reduce phase of step().
     const Run bare = run(*off, a, 0.0);
@@ -139,7 +152,7 @@ int main(int argc, char** argv) {
       std::printf("%-14s %12s %12s %12s %10s\n", "compute/comm", "compute ms", "off ms", "on ms",
                   "hidden");
     }
-    for (double ratio : {0.5, 1.0, 2.0, 4.0}) {
+    for (double ratio : {0.0, 0.5, 1.0, 2.0, 4.0}) {
       const double compute_total = ratio * comm;
       const double per_param = compute_total / static_cast<double>(a.params);
       const Run r_off = run(*off, a, per_param);

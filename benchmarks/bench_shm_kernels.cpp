@@ -1,6 +1,6 @@
 // bench_shm_kernels.cpp: the shared-memory reduce-scatter's summation kernel alone, in one
 // process, against the in-place update a += s * b and memcpy on the same arrays:
-//   bench_shm_kernels [elements]      (default 32M fp32; 4 rounds)
+//   bench_shm_kernels [ELEMENTS]      (default 32Mi fp32; 4 rounds; --help)
 // Bytes counted: 12 per element for a += s*b and both sums (two reads, one write), 8 for
 // memcpy. The in-place sum is the reduce-scatter's block 0; the streaming one writes a third
 // array, as its other blocks do.
@@ -9,13 +9,20 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cli.hpp"
 #include "comm/shm_kernels.hpp"
 #include "shardopt/memory.hpp"
 
 using namespace shardopt;
 
 int main(int argc, char** argv) {
-  const std::size_t n = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : std::size_t{32} << 20;
+  CLI::App app{"The shared-memory reduce-scatter's summation kernel alone, in one process, "
+               "against a += s * b and memcpy on the same arrays (GB/s, 4 rounds)."};
+  cli::init(app, "bench_shm_kernels");
+  std::size_t n = std::size_t{32} << 20;
+  app.add_option("ELEMENTS", n, "fp32 elements per array")->transform(cli::size())
+      ->check(CLI::PositiveNumber)->default_str("32Mi");
+  if (const int rc = cli::parse(app, argc, argv); rc >= 0) return rc;
   Allocation A = allocate_host(nullptr, MemCategory::Scratch, n * 4);
   Allocation B = allocate_host(nullptr, MemCategory::Scratch, n * 4);
   Allocation C = allocate_host(nullptr, MemCategory::Scratch, n * 4);

@@ -1,17 +1,19 @@
 // memory_scaling.cpp: one point of the memory-scaling sweep, run under mpiexec. Builds a
 // model of --psi parameters, runs a few steps of the chosen stage, and appends one CSV row
-// per rank: the library's accounting by category (checked against the planner), the
-// process's resident memory (baseline before the optimizer, and peak), and the mean time of
-// the step's phases. One process per point, so each peak belongs to one configuration.
+// per rank: the library's accounting by category (checked against the planner), what the
+// process holds before the optimizer exists and after the steps (RSS, PSS, anonymous and
+// shared memory) and at peak (VmHWM), and the mean time of the step's phases. One process per point, so each peak belongs to one configuration.
 // benchmarks/run_memory_scaling.sh runs the sweep and draws the plots (docs/memory.md).
 #include <mpi.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "cli.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/optimizer.hpp"
@@ -20,10 +22,6 @@
 using namespace shardopt;
 
 namespace {
-
-constexpr const char* kUsage =
-    "usage: mpiexec -n N memory_scaling --stage dp|1|2 --psi ELEMS [--tensor-elems ELEMS]\n"
-    "       [--bucket-elems ELEMS] [--steps N] [--warmup N] [--csv FILE]\n";
 
 struct Args {
   Stage stage = Stage::Zero1;
@@ -35,36 +33,73 @@ struct Args {
   std::string csv;
 };
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string opt = argv[i];
-    require(i + 1 < argc, Status::InvalidArgument, opt + " needs a value\n" + kUsage);
-    const std::string v = argv[++i];
-    if (opt == "--stage") {
-      if (v == "dp") a.stage = Stage::DataParallel;
-      else if (v == "1") a.stage = Stage::Zero1;
-      else if (v == "2") a.stage = Stage::Zero2;
-      else throw Error(Status::InvalidArgument, "--stage is dp, 1 or 2");
-    } else if (opt == "--psi") a.psi = std::stoull(v);
-    else if (opt == "--tensor-elems") a.tensor_elems = std::stoull(v);
-    else if (opt == "--bucket-elems") a.bucket_elems = std::stoull(v);
-    else if (opt == "--steps") a.steps = std::stoi(v);
-    else if (opt == "--warmup") a.warmup = std::stoi(v);
-    else if (opt == "--csv") a.csv = v;
-    else throw Error(Status::InvalidArgument, "unknown option " + opt + "\n" + kUsage);
-  }
-  require(a.psi > 0 && a.steps > 0 && a.warmup >= 0, Status::InvalidArgument, kUsage);
-  return a;
+// The command line: the exit code after --help, --version or bad input, or -1 to run.
+int parse(int argc, char** argv, bool print, Args& a) {
+  CLI::App app{"One point of the memory-scaling sweep, under mpiexec: per rank, the library's "
+               "accounting (checked against the planner), what the process really holds (RSS, "
+               "PSS, anonymous and shared memory, from /proc/self/smaps_rollup and status) and "
+               "the step's phase times. benchmarks/run_memory_scaling.sh runs the sweep."};
+  cli::init(app, "memory_scaling");
+  app.add_option("--stage", a.stage, "dp, 1, 2 or 3 (stage 3: one unit per tensor, forward "
+                                     "acquires each with the next prefetched)")
+      ->transform(cli::choice<Stage>({{"dp", Stage::DataParallel}, {"0", Stage::DataParallel},
+                                      {"1", Stage::Zero1}, {"2", Stage::Zero2},
+                                      {"3", Stage::Zero3}}))
+      ->default_str("1");
+  app.add_option("--psi", a.psi, "parameters")->transform(cli::size())->check(CLI::PositiveNumber)
+      ->required();
+  app.add_option("--tensor-elems", a.tensor_elems, "elements per tensor")->transform(cli::size())
+      ->check(CLI::PositiveNumber)->default_str("1Mi");
+  app.add_option("--bucket-elems", a.bucket_elems, "stage-2 bucket size in elements")
+      ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("1Mi");
+  app.add_option("--steps", a.steps, "timed steps")->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--warmup", a.warmup, "untimed steps first")->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--csv", a.csv, "append the rows to this file (header when it is new)");
+  return cli::parse(app, argc, argv, print);
 }
 
-// A field of /proc/self/status in bytes (VmRSS: resident now, VmHWM: peak resident).
-std::size_t proc_status_bytes(const char* field) {
-  std::ifstream in("/proc/self/status");
-  const std::string key = std::string(field) + ":";
-  for (std::string line; std::getline(in, line);)
-    if (line.compare(0, key.size(), key) == 0) return std::stoull(line.substr(key.size())) * 1024;
-  throw Error(Status::Io, std::string("no ") + field + " in /proc/self/status");
+// Fields of a /proc/self file ("Key:   123 kB" lines), in bytes.
+std::map<std::string, std::size_t> proc_fields(const char* path) {
+  std::ifstream in(path);
+  std::map<std::string, std::size_t> out;
+  for (std::string line; std::getline(in, line);) {
+    const std::size_t colon = line.find(':');
+    if (colon == std::string::npos || line.find(" kB") == std::string::npos) continue;
+    out[line.substr(0, colon)] = std::stoull(line.substr(colon + 1)) * 1024;
+  }
+  return out;
+}
+
+// What this process holds now. RSS counts every resident page the process maps, a page
+// shared by k processes once in each of them; PSS (proportional set size) counts it 1/k in
+// each, so PSS summed over the ranks of a node is what the node holds. Anonymous: private
+// memory (heap, mmap); shmem: shared memory (MPI-3 shared windows, MPICH's own segments).
+struct Memory {
+  std::size_t rss = 0, hwm = 0, rss_anon = 0, rss_shmem = 0, pss = 0, pss_anon = 0, pss_shmem = 0;
+};
+
+std::size_t field(const std::map<std::string, std::size_t>& f, const char* path, const char* key) {
+  const auto it = f.find(key);
+  if (it == f.end()) throw Error(Status::Io, std::string("no ") + key + " in " + path);
+  return it->second;
+}
+
+Memory measure() {
+  constexpr const char* kStatus = "/proc/self/status";
+  constexpr const char* kRollup = "/proc/self/smaps_rollup";
+  const auto status = proc_fields(kStatus);
+  const auto rollup = proc_fields(kRollup);
+  Memory m;
+  m.rss = field(status, kStatus, "VmRSS");
+  m.hwm = field(status, kStatus, "VmHWM");
+  m.rss_anon = field(status, kStatus, "RssAnon");
+  m.rss_shmem = field(status, kStatus, "RssShmem");
+  m.pss = field(rollup, kRollup, "Pss");
+  m.pss_anon = field(rollup, kRollup, "Pss_Anon");
+  m.pss_shmem = field(rollup, kRollup, "Pss_Shmem");
+  return m;
 }
 
 // Synthetic but varied values; the numbers do not matter, the traffic and passes do.
@@ -76,10 +111,13 @@ float value(std::size_t param, std::size_t k, int salt) {
 constexpr const char* kHeader =
     "ranks,rank,mode,psi,padded_elems,tensor_elems,bucket_elems,params_bytes,grads_bytes,"
     "master_bytes,moments_bytes,scratch_bytes,accounted_bytes,planned_bytes,formula_bytes,"
-    "rss_base_bytes,rss_end_bytes,hwm_bytes,reduce_s,norm_s,update_s,gather_s,step_s,steps";
+    "rss_base_bytes,rss_end_bytes,hwm_bytes,reduce_s,norm_s,update_s,gather_s,step_s,steps,"
+    "pss_base_bytes,pss_end_bytes,anon_base_bytes,anon_end_bytes,shmem_base_bytes,"
+    "shmem_end_bytes,pss_anon_end_bytes,pss_shmem_end_bytes";
 
 int run(const Args& a) {
-  const std::size_t rss_base = proc_status_bytes("VmRSS");
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank's baseline after MPI_Init, before any buffer
+  const Memory base = measure();
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   const int rank = comm->rank();
   const int ranks = comm->size();
@@ -89,8 +127,14 @@ int run(const Args& a) {
   o.param_dtype = DType::BF16;
   o.bucket_elems = a.bucket_elems;
   ShardedOptimizer opt(comm, o);
-  const FlatLayout model = uniform_layout(a.psi, a.tensor_elems);
-  for (const ParamInfo& p : model.params()) opt.add_param(p.name, p.numel, p.group);
+  // Stage 3 gathers one tensor (unit) at a time.
+  const bool zero3 = a.stage == Stage::Zero3;
+  FlatLayout model = uniform_layout(a.psi, a.tensor_elems);
+  if (zero3) model = unit_per_tensor(model);
+  for (const ParamInfo& p : model.params()) {
+    if (zero3) opt.begin_unit();
+    opt.add_param(p.name, p.numel, p.group);
+  }
   opt.finalize();
   const std::size_t n_params = opt.layout().num_params();
   {
@@ -104,6 +148,14 @@ int run(const Args& a) {
 
   StepTimings sum;
   for (int s = 0; s < a.warmup + a.steps; ++s) {
+    if (zero3) {  // a forward pass: each unit acquired with the next prefetched, then released
+      const std::size_t units = opt.layout().num_units();
+      for (std::size_t u = 0; u < units; ++u) {
+        opt.acquire(u);
+        if (u + 1 < units) opt.prefetch(u + 1);
+        opt.release(u);
+      }
+    }
     for (std::size_t i = n_params; i-- > 0;) {  // backward order, as stage 2 requires
       const std::span<float> g = opt.grad(i);
       for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(i, k, s + rank);
@@ -122,19 +174,24 @@ int run(const Args& a) {
   const MemoryPlan plan = plan_memory(model, plan_config(opt.options(), ranks));
   const double formula =
       zero_formula_bytes(a.stage, static_cast<double>(a.psi), ranks, DType::BF16);
-  const std::size_t hwm = proc_status_bytes("VmHWM");
-  const std::size_t rss_end = proc_status_bytes("VmRSS");
+  // All ranks alive and mapping what they share when PSS is read.
+  MPI_Barrier(MPI_COMM_WORLD);
+  const Memory end = measure();
+  MPI_Barrier(MPI_COMM_WORLD);
+  const std::size_t rss_base = base.rss, rss_end = end.rss, hwm = end.hwm;
   const double k = 1.0 / a.steps;
 
   char line[1024];
   std::snprintf(line, sizeof line,
                 "%d,%d,%s,%zu,%zu,%zu,%zu,%zu,%zu,%zu,%zu,%zu,%zu,%zu,%.0f,%zu,%zu,%zu,%.6g,%.6g,"
-                "%.6g,%.6g,%.6g,%d",
+                "%.6g,%.6g,%.6g,%d,%zu,%zu,%zu,%zu,%zu,%zu,%zu,%zu",
                 ranks, rank, stage_name(a.stage), a.psi, opt.layout().padded_size(),
                 a.tensor_elems, a.bucket_elems, rep[MemCategory::Params], rep[MemCategory::Grads],
                 rep[MemCategory::Master], rep[MemCategory::Moments], rep[MemCategory::Scratch],
                 rep.total(), plan.total(), formula, rss_base, rss_end, hwm, sum.reduce * k,
-                sum.norm * k, sum.update * k, sum.gather * k, sum.total * k, a.steps);
+                sum.norm * k, sum.update * k, sum.gather * k, sum.total * k, a.steps, base.pss,
+                end.pss, base.rss_anon, end.rss_anon, base.rss_shmem, end.rss_shmem, end.pss_anon,
+                end.pss_shmem);
   std::vector<char> all(rank == 0 ? sizeof line * static_cast<std::size_t>(ranks) : 1);
   MPI_Gather(line, sizeof line, MPI_CHAR, all.data(), sizeof line, MPI_CHAR, 0, MPI_COMM_WORLD);
 
@@ -149,10 +206,12 @@ int run(const Args& a) {
     if (f == stdout || std::ftell(f) == 0) std::fprintf(f, "%s\n", kHeader);
     for (int r = 0; r < ranks; ++r) std::fprintf(f, "%s\n", &all[sizeof line * r]);
     if (f != stdout) std::fclose(f);
-    std::printf("%-13s ranks %d psi %zu: %.1f MiB/rank accounted (%.1f formula), peak RSS %.1f MiB "
-                "(%.1f before), step %.3f s\n",
+    std::printf("%-13s ranks %d psi %zu: rank 0 %.1f MiB accounted (%.1f formula); PSS growth "
+                "%.1f MiB, RSS growth %.1f MiB, peak RSS growth %.1f MiB; step %.3f s\n",
                 stage_name(a.stage), ranks, a.psi, rep.total() / 1048576.0, formula / 1048576.0,
-                hwm / 1048576.0, rss_base / 1048576.0, sum.total * k);
+                (static_cast<double>(end.pss) - base.pss) / 1048576.0,
+                (static_cast<double>(rss_end) - rss_base) / 1048576.0,
+                (static_cast<double>(hwm) - rss_base) / 1048576.0, sum.total * k);
   }
   return planned_ok ? 0 : 1;
 }
@@ -161,9 +220,12 @@ int run(const Args& a) {
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
-  int rc = 0;
+  int rank = 0, rc = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   try {
-    rc = run(parse(argc, argv));
+    Args a;
+    rc = parse(argc, argv, rank == 0, a);
+    if (rc < 0) rc = run(a);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "memory_scaling: %s\n", e.what());
     rc = 2;

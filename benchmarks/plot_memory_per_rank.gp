@@ -1,10 +1,11 @@
 # plot_memory_per_rank.gp: bytes per parameter per rank against ranks, one panel per mode;
-# the ZeRO formula (bf16 replica, fp32 gradient, K = 12) as a line, the library's accounting
-# and the measured peak-RSS growth as points. Called by run_memory_scaling.sh with dir, out,
-# sizes set.
-set terminal pngcairo size 1500,520 font ",11"
+# the ZeRO formula (bf16 replica, fp32 gradient, K = 12) as a line, the library's accounting,
+# the measured PSS growth (what the process holds, shared pages split between the ranks that
+# map them) and the peak RSS growth as points. Called by run_memory_scaling.sh with dir,
+# out, sizes set. The legend sits below the panels, off the data.
+set terminal pngcairo size 1500,600 font ",11"
 set output out
-set multiplot layout 1,3 title "Per-rank memory / Psi: formula (line), accounting (circles), peak RSS growth (crosses)"
+set multiplot layout 1,3 title "Per-rank memory / Psi: formula (line), accounting (circles), PSS growth (crosses), peak RSS growth (triangles)"
 set logscale x 2
 set xrange [0.8:10]
 set xtics (1, 2, 4, 8)
@@ -12,7 +13,7 @@ set xlabel "ranks N_d"
 set ylabel "bytes per parameter per rank"
 set yrange [0:*]
 set grid
-set key top right
+set key outside below horizontal maxrows 3
 n = words(sizes)
 label(s) = sprintf("%.0fM", s / 1e6)
 do for [mode in "data-parallel zero-1 zero-2"] {
@@ -21,6 +22,7 @@ do for [mode in "data-parallel zero-1 zero-2"] {
   file = dir . "/mem_" . mode . ".dat"
   plot [0.8:10] f(x) lw 2 lc "black" title "formula", \
     for [i = 1:n] file using 1:($2 == word(sizes, i) + 0 ? $3 : 1/0) with points pt 6 ps 1.6 lc i title "accounted ".label(word(sizes, i) + 0), \
-    for [i = 1:n] file using 1:($2 == word(sizes, i) + 0 ? $4 : 1/0) with points pt 2 ps 1.6 lc i title "RSS growth ".label(word(sizes, i) + 0)
+    for [i = 1:n] file using 1:($2 == word(sizes, i) + 0 ? $4 : 1/0) with points pt 2 ps 1.6 lc i title "PSS ".label(word(sizes, i) + 0), \
+    for [i = 1:n] file using 1:($2 == word(sizes, i) + 0 ? $5 : 1/0) with points pt 8 ps 1.2 lc i title "peak RSS ".label(word(sizes, i) + 0)
 }
 unset multiplot

@@ -1,8 +1,9 @@
 # plot_step_phases.gp: mean step time per phase (mean over ranks) of the largest model, for
-# each mode and rank count, stacked. Called by run_memory_scaling.sh with dir, out, psi set.
+# each mode and rank count, stacked. Called by run_memory_scaling.sh with dir, out, psi and
+# cores (of the machine that ran it) set; the legend sits right of the plot, off the data.
 set terminal pngcairo size 1200,520 font ",11"
 set output out
-set title sprintf("Step time by phase, Psi = %.0fM (2-core machine: 4 and 8 ranks oversubscribed)", psi / 1e6)
+set title sprintf("Step time by phase, Psi = %.0fM (%d cores: more ranks than that are oversubscribed)", psi / 1e6, cores)
 set style data histograms
 set style histogram rowstacked title offset 0,-0.5
 set style fill solid 0.85 border -1

@@ -12,7 +12,7 @@ bin="$build/benchmarks/bench_cpu_kernels"
 [[ -x "$bin" ]] || { echo "build first: cmake --build $build --target bench_cpu_kernels" >&2; exit 1; }
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)"
 echo "cores: $(nproc); SIMD: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(sse4_2|avx|avx2|fma|avx512f|avx512bw)$' | tr '\n' ' ')"
-for size in ${SHARDOPT_BENCH_SIZES:-1M 16M 64M 256M}; do
+for size in ${SHARDOPT_BENCH_SIZES:-1Mi 16Mi 64Mi 256Mi}; do
   echo "== $size parameters; load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
   "$bin" --sizes="$size" --threads="${SHARDOPT_BENCH_THREADS:-2}" --benchmark_repetitions=3 \
     --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true \

@@ -16,6 +16,7 @@
 #include "cuda_check.hpp"
 #include "cuda_ops.hpp"
 #include "host_wait.hpp"
+#include "shardopt/cuda_comm.hpp"
 #include "shardopt/error.hpp"
 #include "sum_squares.hpp"
 
@@ -98,6 +99,10 @@ class CudaBackend final : public Backend {
     if (bytes == 0) return;
     SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
     dev::host_wait(stream_);
+  }
+  void copy(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes == 0) return;
+    SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
   }
 
   // The host reads the result: the one wait of the norm.
@@ -206,12 +211,25 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(void* stream) {
+// This library's entry into the core (src/cuda_hook.cpp): registered when the library is
+// loaded, so make_cuda_backend() in the core creates a CudaBackend.
+namespace {
+std::unique_ptr<Backend> make_thrust_backend(void* stream) {
   return std::make_unique<CudaBackend>(dev::AdamKernel::Thrust, static_cast<cudaStream_t>(stream));
 }
+std::shared_ptr<Communicator> make_default_stream_single_process_communicator() {
+  return make_cuda_single_process_communicator(nullptr);
+}
+[[maybe_unused]] const bool registered =
+    (register_cuda({&make_thrust_backend, &make_default_stream_single_process_communicator}), true);
+}  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend_with(dev::AdamKernel kernel, cudaStream_t stream) {
   return std::make_unique<CudaBackend>(kernel, stream);
 }
 
 }  // namespace shardopt
+
+// A static libshardopt_cuda.a is linked with --undefined=shardopt_cuda_link (the target's
+// usage requirement), which pulls this object, and so its registration, into the program.
+extern "C" void shardopt_cuda_link(void) {}

@@ -84,6 +84,14 @@ void BucketSet::finish_op(std::size_t b) {
 // ---- gradients ------------------------------------------------------------------------------
 
 void BucketSet::begin_backward(bool sync) {
+  if (cfg_.stage == Stage::Zero3) {
+    // Stage 3 keeps no full-size gradient: every micro-batch is reduced, and its slice
+    // summed into the owned gradient (Staged) or the reduction is a no-op (one rank). The
+    // first micro-batch of a step has nothing to reduce yet.
+    if (micro_batches_ > 0) finish_grad_sync();
+    next_start_ = 0;
+    sync = true;
+  }
   require(next_start_ == 0, Status::InvalidState,
           "begin_backward: gradients of this step were already reduced (a micro-batch with "
           "sync ran, or buckets were flushed); call step() first");

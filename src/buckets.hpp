@@ -51,6 +51,8 @@ class BucketSet {
 
   // ---- gradients ------------------------------------------------------------------------
   /// Starts one micro-batch's backward; sync = false accumulates locally, no communication.
+  /// Stage 3 ignores sync: the previous micro-batch's buckets are reduced first and every
+  /// micro-batch is reduced (no full-size accumulation buffer).
   void begin_backward(bool sync);
   /// Where backward writes (or adds) parameter i's gradient now.
   std::span<float> grad(std::size_t i);

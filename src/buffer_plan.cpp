@@ -6,14 +6,23 @@
 namespace shardopt {
 
 BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype,
-                        int buckets_in_flight) {
+                        int buckets_in_flight, int units_in_flight) {
   constexpr std::size_t f32 = sizeof(float);
   const std::size_t padded = layout.padded_size();
   BufferPlan p;
   p.local_elems = stage == Stage::DataParallel ? padded : layout.shard_size();
-  p.replica = {MemCategory::Params, padded * dtype_size(param_dtype), false};
+  const std::size_t psize = dtype_size(param_dtype);
+  const bool zero3 = stage == Stage::Zero3;
+  p.replica = {MemCategory::Params, (zero3 ? p.local_elems : padded) * psize, false};
+  if (zero3) {
+    p.unit_elems = layout.max_unit_elems();
+    p.unit_buffers = static_cast<int>(
+        std::min(layout.num_units(), static_cast<std::size_t>(std::max(1, units_in_flight))));
+    p.units = {MemCategory::Params,
+               static_cast<std::size_t>(p.unit_buffers) * p.unit_elems * psize, false};
+  }
 
-  if (stage == Stage::Zero2) {
+  if (stage == Stage::Zero2 || zero3) {
     // Slots hold the largest buckets that can be in flight at once; at most as many as there
     // are buckets.
     std::vector<std::size_t> sizes;
@@ -24,13 +33,14 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
     const std::size_t staging = slots * sizes.front();
     // Staging pays off only if shard + staging stays below the full buffer; otherwise (one
     // rank, or a model of one or two buckets) stage 2 keeps stage 1's full buffer, so it
-    // never needs more memory than stage 1.
-    if (layout.world_size() > 1 && p.local_elems + staging < padded) {
+    // never needs more memory than stage 1. Stage 3 keeps no full-size buffer on more than
+    // one rank (on one, the full buffer is the shard).
+    if (layout.world_size() > 1 && (zero3 || p.local_elems + staging < padded)) {
       p.grads_scheme = GradScheme::Staged;
       p.slots = static_cast<int>(slots);
       p.slot_elems = sizes.front();
       p.staging = {MemCategory::Scratch, staging * f32, false};
-      p.accumulate = {MemCategory::Grads, padded * f32, true};
+      if (!zero3) p.accumulate = {MemCategory::Grads, padded * f32, true};
       std::size_t spill = 0;
       for (const ParamInfo& q : layout.params())
         if (q.buckets.size() > 1) spill = std::max(spill, q.numel);

@@ -18,8 +18,9 @@ enum class GradScheme {
   /// slices of it are the reduced gradient. Data-parallel, stage 1, and stage 2 where the
   /// staging would not save memory (one rank, or one bucket holding most of the model).
   Full,
-  /// Stage 2: backward writes into bucket-sized staging slots; each slot is reduce-scattered
-  /// and this rank's slice added into the owned gradient shard (padded / N elements).
+  /// Stage 2 (and stage 3 on more than one rank): backward writes into bucket-sized staging
+  /// slots; each slot is reduce-scattered and this rank's slice added into the owned
+  /// gradient shard (padded / N elements).
   Staged,
 };
 
@@ -35,24 +36,28 @@ struct BufferPlan {
   std::size_t local_elems = 0;      ///< length of the local arrays (master, m, v)
   std::size_t slot_elems = 0;       ///< Staged: one staging slot (the largest bucket)
   int slots = 0;                    ///< Staged: staging slots
-  BufferSpec replica;               ///< the full replica, param dtype
+  BufferSpec replica;               ///< the full replica (stage 3: this rank's slices), param dtype
+  std::size_t unit_elems = 0;       ///< stage 3: one gathered unit (the largest unit)
+  int unit_buffers = 0;             ///< stage 3: units_in_flight, at most the number of units
+  BufferSpec units;                 ///< stage 3: unit_buffers x unit_elems, param dtype
   BufferSpec grads;                 ///< Full: the full gradient; Staged: the owned shard
   BufferSpec staging;               ///< Staged: slots x slot_elems fp32
   BufferSpec master;                ///< absent (0 bytes) when the fp32 replica is the master
   BufferSpec exp_avg, exp_avg_sq;
-  /// Staged, on demand: micro-batches that accumulate without synchronising (full size).
+  /// Stage 2 staged, on demand: micro-batches that accumulate without synchronising (full
+  /// size). Stage 3 never needs it: every micro-batch is reduce-scattered into the shard.
   BufferSpec accumulate;
   /// Staged, on demand: a grad(i) view of a parameter that spans several buckets (its size).
   BufferSpec spill;
 
   /// Every buffer with its bytes, allocated ones first.
   std::vector<BufferSpec> all() const {
-    return {replica, grads, staging, master, exp_avg, exp_avg_sq, accumulate, spill};
+    return {replica, units, grads, staging, master, exp_avg, exp_avg_sq, accumulate, spill};
   }
 };
 
 /// The plan for `layout` (built for the group's size) under these options.
 BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype,
-                        int buckets_in_flight);
+                        int buckets_in_flight, int units_in_flight);
 
 }  // namespace shardopt

@@ -19,7 +19,7 @@ std::uint64_t fnv1a64(const void* data, std::size_t bytes, std::uint64_t seed) {
   return h;
 }
 
-std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group) {
+std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group, int unit) {
   require(!built(), Status::InvalidState, "add_param: the layout is already finalized");
   require(!name.empty(), Status::InvalidArgument, "add_param: the parameter name is empty");
   require(numel > 0, Status::InvalidArgument,
@@ -30,8 +30,14 @@ std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group)
           "add_param: parameter '" + std::string(name) + "' has a negative group");
   require(find(name) == params_.size(), Status::InvalidArgument,
           "add_param: duplicate parameter name '" + std::string(name) + "'");
+  const int last_unit = params_.empty() ? 0 : params_.back().unit;
+  require(unit == last_unit || (unit == last_unit + 1 && !params_.empty()),
+          Status::InvalidArgument,
+          "add_param: parameter '" + std::string(name) + "' is in unit " + std::to_string(unit) +
+              ", but units are contiguous: the previous parameter is in unit " +
+              std::to_string(last_unit));
   index_.emplace(std::string(name), params_.size());
-  params_.push_back(ParamInfo{std::string(name), numel, group, Range{}, Range{}});
+  params_.push_back(ParamInfo{std::string(name), numel, group, unit, Range{}, Range{}});
   unpadded_ += numel;
   return params_.size() - 1;
 }
@@ -48,8 +54,17 @@ void FlatLayout::build(int world_size, std::size_t bucket_elems) {
   std::vector<Range> cuts;
   std::size_t open = 0;  // start of the bucket being filled
   std::size_t end = 0;   // end of the last parameter placed
+  int unit = 0;
   for (ParamInfo& p : params_) {
     std::size_t start = param_start(end);
+    if (p.unit != unit && end > open) {
+      // A new unit: buckets never straddle units.
+      const std::size_t close = round_up(end, quantum);
+      cuts.push_back(Range{open, close});
+      open = close;
+      start = open;
+    }
+    unit = p.unit;
     if (start + p.numel - open > cap && p.numel <= cap && start > open) {
       // It fits a bucket of its own but not the rest of this one: close at its boundary.
       const std::size_t close = round_up(end, quantum);
@@ -93,6 +108,24 @@ void FlatLayout::build(int world_size, std::size_t bucket_elems) {
       buckets_[b].end_param = std::max(buckets_[b].end_param, i + 1);
     }
   }
+  units_.assign(static_cast<std::size_t>(params_.back().unit) + 1, Unit{});
+  for (std::size_t i = params_.size(); i-- > 0;) {
+    Unit& u = units_[static_cast<std::size_t>(params_[i].unit)];
+    if (u.params.empty()) {  // the unit's last parameter: its lowest bucket
+      u.params = Range{i, i + 1};
+      u.buckets = params_[i].buckets;
+    }
+    u.params.begin = i;
+    u.buckets.end = params_[i].buckets.end;
+  }
+  for (Unit& u : units_)
+    u.flat = Range{buckets_[u.buckets.end - 1].flat.begin, buckets_[u.buckets.begin].flat.end};
+}
+
+std::size_t FlatLayout::max_unit_elems() const {
+  std::size_t m = 0;
+  for (const Unit& u : units_) m = std::max(m, u.flat.size());
+  return m;
 }
 
 const ParamInfo& FlatLayout::param(std::size_t i) const {
@@ -153,7 +186,8 @@ std::uint64_t FlatLayout::fingerprint() const {
   h = fnv1a64(&be, sizeof be, h);
   for (const ParamInfo& p : params_) {
     h = fnv1a64(p.name.data(), p.name.size() + 0, h);
-    const std::uint64_t rec[3] = {p.name.size(), p.numel, static_cast<std::uint64_t>(p.group)};
+    const std::uint64_t rec[4] = {p.name.size(), p.numel, static_cast<std::uint64_t>(p.group),
+                                  static_cast<std::uint64_t>(p.unit)};
     h = fnv1a64(rec, sizeof rec, h);
   }
   return h;

@@ -12,11 +12,13 @@
 #include "backend.hpp"
 #include "buckets.hpp"
 #include "buffer_plan.hpp"
+#include "step_check.hpp"
+#include "units.hpp"
 
 namespace shardopt {
 
 struct ShardedOptimizer::Buffers {
-  Allocation replica;     ///< full parameter replica (param dtype)
+  Allocation replica;     ///< full parameter replica (stage 3: this rank's slices), param dtype
   Allocation master;      ///< local fp32 master (absent when the replica is fp32)
   Allocation exp_avg;     ///< local arrays (see layout.hpp)
   Allocation exp_avg_sq;
@@ -51,13 +53,18 @@ std::unique_ptr<Backend> make_backend(Device d, const Communicator& comm) {
 std::string options_problem(const OptimizerOptions& o) {
   std::string p = validate(o.adam);
   if (!p.empty()) return p;
-  if (o.stage != Stage::DataParallel && o.stage != Stage::Zero1 && o.stage != Stage::Zero2)
+  if (o.stage != Stage::DataParallel && o.stage != Stage::Zero1 && o.stage != Stage::Zero2 &&
+      o.stage != Stage::Zero3)
     return "invalid stage " + std::to_string(static_cast<int>(o.stage));
   if (o.param_dtype != DType::F32 && o.param_dtype != DType::BF16) return "invalid param dtype";
   if (o.device != Device::Cpu && o.device != Device::Cuda) return "invalid device";
   if (o.bucket_elems == 0) return "bucket_elems must be positive";
   if (o.buckets_in_flight < 1) return "buckets_in_flight must be at least 1";
+  if (o.units_in_flight < 1) return "units_in_flight must be at least 1";
   if (o.reduce_dtype != DType::F32 && o.reduce_dtype != DType::BF16) return "invalid reduce dtype";
+  if (!std::isfinite(o.collective_timeout_s) || o.collective_timeout_s < 0)
+    return "collective_timeout_s must be >= 0 seconds (0: no timeout), got " +
+           std::to_string(o.collective_timeout_s);
   return validate(o.loss_scaling);
 }
 
@@ -74,25 +81,44 @@ Allocation collective_buffer(Communicator& comm, Backend& be, Device device,
 }
 
 // Collective constructor check: throws the same error on every rank if any rank's options
-// are invalid, before anything else is communicated.
-std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm,
-                                      const OptimizerOptions& o) {
+// are invalid, before anything else is communicated. Applies the environment overrides to
+// `o`, the collective timeout to the communicator, and returns the communicator the
+// optimizer uses (wrapped by the debug checks when they are on).
+std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm, OptimizerOptions& o) {
   require(comm != nullptr, Status::InvalidArgument, "communicator is null");
-  std::string problem = options_problem(o);
-  // The communicator must accept the buffers where the device puts them, at any size: even
-  // a one-rank host communicator runs host code on the data (the bf16 wire's rounding).
-  const bool cuda = o.device == Device::Cuda;
-  if (problem.empty() && comm->device_buffers() && !cuda)
-    problem = "Device::Cpu needs a communicator of host buffers, not " + comm->name();
-  if (problem.empty() && !comm->device_buffers() && cuda)
-    problem = "Device::Cuda needs a communicator of device buffers (make_nccl_communicator, "
-              "or make_cuda_single_process_communicator for one process), not " + comm->name();
-  agree_or_throw(*comm, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
-  return comm;
+  collective(*comm, "ShardedOptimizer", [&] {
+    std::string problem = apply_environment(o);
+    if (problem.empty()) problem = options_problem(o);
+    // The communicator must accept the buffers where the device puts them, at any size: even
+    // a one-rank host communicator runs host code on the data (the bf16 wire's rounding).
+    const bool cuda = o.device == Device::Cuda;
+    if (problem.empty() && comm->device_buffers() && !cuda)
+      problem = "Device::Cpu needs a communicator of host buffers, not " + comm->name();
+    if (problem.empty() && !comm->device_buffers() && cuda)
+      problem = "Device::Cuda needs a communicator of device buffers (make_nccl_communicator, "
+                "or make_cuda_single_process_communicator for one process), not " + comm->name();
+    require(problem.empty(), Status::InvalidArgument, problem);
+  });
+  // The debug checks add collectives, so every rank must make the same choice.
+  const std::int32_t debug = o.debug_collectives ? 1 : 0;
+  std::vector<std::int32_t> all(static_cast<std::size_t>(comm->size()));
+  comm->all_gather_bytes(&debug, all.data(), sizeof debug);
+  if (std::count(all.begin(), all.end(), debug) != comm->size()) {
+    std::string on;
+    for (std::size_t r = 0; r < all.size(); ++r)
+      if (all[r] != 0) on += (on.empty() ? "" : ", ") + std::to_string(r);
+    throw Error(Status::InvalidArgument,
+                "ShardedOptimizer: debug_collectives (or SHARDOPT_DEBUG_COLLECTIVES=1) is on for "
+                "ranks " + on + " only; it must be the same on every rank");
+  }
+  if (o.collective_timeout_s > 0) comm->set_collective_timeout(o.collective_timeout_s);
+  return o.debug_collectives ? make_checked_communicator(std::move(comm)) : comm;
 }
 
 }  // namespace
 
+// comm_ is initialised first: checked() applies the environment to `options` before options_
+// copies it.
 ShardedOptimizer::ShardedOptimizer(std::shared_ptr<Communicator> comm, OptimizerOptions options)
     : comm_(checked(std::move(comm), options)),
       options_(options),
@@ -139,7 +165,14 @@ std::size_t ShardedOptimizer::add_param(std::string_view name, std::size_t numel
           "add_param: parameter '" + std::string(name) + "' names group " +
               std::to_string(group) + ", but only " + std::to_string(groups_.size()) +
               " groups exist");
-  return layout_.add(name, numel, group);
+  return layout_.add(name, numel, group, current_unit_);
+}
+
+int ShardedOptimizer::begin_unit() {
+  require_registering("begin_unit");
+  const bool empty = layout_.num_params() == 0 || layout_.params().back().unit < current_unit_;
+  if (!empty) ++current_unit_;
+  return current_unit_;
 }
 
 // ---- finalize ---------------------------------------------------------------------------
@@ -150,10 +183,11 @@ namespace {
 std::uint64_t configuration_fingerprint(const FlatLayout& layout, const OptimizerOptions& o,
                                         const std::vector<GroupOptions>& groups) {
   std::uint64_t h = layout.fingerprint();
-  const std::int64_t ints[7] = {static_cast<int>(o.stage), static_cast<int>(o.param_dtype),
+  const std::int64_t ints[8] = {static_cast<int>(o.stage), static_cast<int>(o.param_dtype),
                                 static_cast<int>(o.adam.mode),
                                 static_cast<std::int64_t>(o.bucket_elems), o.overlap ? 1 : 0,
-                                o.buckets_in_flight, static_cast<int>(o.reduce_dtype)};
+                                o.buckets_in_flight, static_cast<int>(o.reduce_dtype),
+                                o.units_in_flight};
   h = fnv1a64(ints, sizeof ints, h);
   const double reals[6] = {o.adam.lr, o.adam.beta1, o.adam.beta2, o.adam.eps,
                            o.adam.weight_decay, o.adam.max_grad_norm};
@@ -176,17 +210,11 @@ struct RankSummary {
 }  // namespace
 
 void ShardedOptimizer::finalize() {
-  require_registering("finalize");
   FlatLayout layout = layout_;
-  Status status = Status::Ok;
-  std::string problem;
-  try {
+  collective(*comm_, "finalize", [&] {
+    require_registering("finalize");
     layout.build(comm_->size(), options_.bucket_elems);
-  } catch (const Error& e) {
-    status = e.status();
-    problem = e.what();
-  }
-  agree_or_throw(*comm_, status, problem);
+  });
 
   // Every rank compares everyone's fingerprint, so all of them detect a mismatch.
   const RankSummary mine{configuration_fingerprint(layout, options_, groups_),
@@ -209,35 +237,35 @@ void ShardedOptimizer::finalize() {
     throw Error(Status::LayoutMismatch, os.str());
   }
 
-  try {
+  collective(*comm_, "finalize", [&] {
     layout_ = std::move(layout);
     const BufferPlan plan = plan_buffers(layout_, options_.stage, options_.param_dtype,
-                                         options_.buckets_in_flight);
+                                         options_.buckets_in_flight, options_.units_in_flight);
     Backend& be = *backend_;
     Buffers& b = *buf_;
     Communicator& comm = *comm_;
     const Device device = options_.device;
     MemoryTracker* tracker = &tracker_;
-    const auto collective = [&comm, &be, device, tracker](const BufferSpec& spec) {
+    const auto shared_buffer = [&comm, &be, device, tracker](const BufferSpec& spec) {
       return collective_buffer(comm, be, device, tracker, spec);
     };
-    b.replica = collective(plan.replica);
+    const bool zero3 = options_.stage == Stage::Zero3;  // its replica slices stay local
+    b.replica = zero3 ? be.allocate(&tracker_, plan.replica.category, plan.replica.bytes)
+                      : shared_buffer(plan.replica);
     const bool f32 = options_.param_dtype == DType::F32;
     buckets_ = std::make_unique<BucketSet>(
         comm, be, tracker_, layout_, plan,
         BucketSet::Config{options_.stage,
                           options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
                           f32 ? CommType::F32 : CommType::U16, options_.overlap},
-        collective, b.replica.data());
+        shared_buffer, b.replica.data());
+    if (zero3)
+      units_ = std::make_unique<UnitSet>(comm, be, layout_, plan, options_.param_dtype, shared_buffer,
+                                         b.replica.data());
     if (plan.master.bytes > 0) b.master = be.allocate(&tracker_, plan.master.category, plan.master.bytes);
     b.exp_avg = be.allocate(&tracker_, plan.exp_avg.category, plan.exp_avg.bytes);
     b.exp_avg_sq = be.allocate(&tracker_, plan.exp_avg_sq.category, plan.exp_avg_sq.bytes);
-    status = Status::Ok;
-  } catch (const Error& e) {
-    status = e.status();
-    problem = e.what();
-  }
-  agree_or_throw(*comm_, status, problem);
+  });
   finalized_ = true;
 }
 
@@ -247,9 +275,16 @@ void* ShardedOptimizer::replica_ptr(std::size_t elem_offset) const {
   return buf_->replica.as<char>() + elem_offset * dtype_size(options_.param_dtype);
 }
 
+void* ShardedOptimizer::replica_at(std::size_t b) const {
+  if (options_.stage == Stage::Zero3)  // only this rank's slices, in local coordinates
+    return buf_->replica.as<char>() +
+           buckets_->window_local(b) * dtype_size(options_.param_dtype);
+  return replica_ptr(buckets_->window(b).begin);
+}
+
 float* ShardedOptimizer::master_at(std::size_t b) const {
   if (options_.param_dtype == DType::F32)  // the fp32 replica is the master
-    return static_cast<float*>(replica_ptr(buckets_->window(b).begin));
+    return static_cast<float*>(replica_at(b));
   return buf_->master.as<float>() + buckets_->window_local(b);
 }
 
@@ -300,18 +335,22 @@ void ShardedOptimizer::set_param(std::size_t i, std::span<const float> values) {
               " elements, got " + std::to_string(values.size()));
   buckets_->wait_params();
   // Host-side cast, then one copy: set_param is not on the hot path.
-  if (options_.param_dtype == DType::BF16) {
-    std::vector<bf16> low(p.numel);
-    for (std::size_t k = 0; k < p.numel; ++k) low[k] = to_bf16(values[k]);
-    backend_->copy_from_host(replica_ptr(p.flat.begin), low.data(), p.numel * sizeof(bf16));
-  } else {
-    backend_->copy_from_host(replica_ptr(p.flat.begin), values.data(), p.numel * sizeof(float));
-    return;  // the fp32 replica is the master
-  }
+  const bool bf = options_.param_dtype == DType::BF16;
+  std::vector<bf16> low(bf ? p.numel : 0);
+  for (std::size_t k = 0; k < low.size(); ++k) low[k] = to_bf16(values[k]);
+  const char* src = bf ? reinterpret_cast<const char*>(low.data())
+                       : reinterpret_cast<const char*>(values.data());
+  const std::size_t elem = dtype_size(options_.param_dtype);
+  const bool zero3 = options_.stage == Stage::Zero3;  // the replica holds this rank's slices
+  if (!zero3) backend_->copy_from_host(replica_ptr(p.flat.begin), src, p.numel * elem);
   for (std::size_t b = p.buckets.begin; b < p.buckets.end; ++b) {
     const Range w = buckets_->window(b);
     const Range mine = p.flat.intersect(w);
-    if (!mine.empty())
+    if (mine.empty()) continue;
+    if (zero3)
+      backend_->copy_from_host(static_cast<char*>(replica_at(b)) + (mine.begin - w.begin) * elem,
+                               src + (mine.begin - p.flat.begin) * elem, mine.size() * elem);
+    if (bf)  // (an fp32 replica is the master)
       backend_->copy_from_host(master_at(b) + (mine.begin - w.begin),
                                values.data() + (mine.begin - p.flat.begin),
                                mine.size() * sizeof(float));
@@ -319,20 +358,29 @@ void ShardedOptimizer::set_param(std::size_t i, std::span<const float> values) {
 }
 
 void ShardedOptimizer::get_master(std::size_t i, std::span<float> out) {
-  require_finalized("get_master");
+  gather_state("get_master", StateArray::Master, i, out);
+}
+
+void ShardedOptimizer::get_state(StateArray a, std::size_t i, std::span<float> out) {
+  gather_state("get_state", a, i, out);
+}
+
+void ShardedOptimizer::gather_state(const char* what, StateArray a, std::size_t i,
+                                    std::span<float> out) {
+  const std::string w = what;
   // Checked on every rank and agreed before any data moves, so that a bad call on one rank
   // is the same error everywhere instead of a hang.
-  std::string problem;
-  if (i >= layout_.num_params())
-    problem = "get_master: parameter index " + std::to_string(i) + " out of range (have " +
-              std::to_string(layout_.num_params()) + ")";
-  else if (out.size() != layout_.param(i).numel)
-    problem = "get_master: parameter '" + layout_.param(i).name + "' has " +
-              std::to_string(layout_.param(i).numel) + " elements, got a buffer of " +
-              std::to_string(out.size());
-  else if (out.data() == nullptr)
-    problem = "get_master: the output buffer is null";
-  agree_or_throw(*comm_, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
+  collective(*comm_, what, [&] {
+    require_finalized(what);
+    require(i < layout_.num_params(), Status::InvalidArgument,
+            w + ": parameter index " + std::to_string(i) + " out of range (have " +
+                std::to_string(layout_.num_params()) + ")");
+    require(out.size() == layout_.param(i).numel, Status::InvalidArgument,
+            w + ": parameter '" + layout_.param(i).name + "' has " +
+                std::to_string(layout_.param(i).numel) + " elements, got a buffer of " +
+                std::to_string(out.size()));
+    require(out.data() != nullptr, Status::InvalidArgument, w + ": the output buffer is null");
+  });
   const ParamInfo& p = layout_.param(i);
   buckets_->wait_params();
   // This rank's pieces of [lo, hi) of the parameter into dst (indexed from lo).
@@ -341,9 +389,11 @@ void ShardedOptimizer::get_master(std::size_t i, std::span<float> out) {
     for (std::size_t b = p.buckets.begin; b < p.buckets.end; ++b) {
       const Range w = buckets_->window(b);
       const Range mine = want.intersect(w);
-      if (!mine.empty())
-        backend_->copy_to_host(dst + (mine.begin - want.begin), master_at(b) + (mine.begin - w.begin),
-                               mine.size() * sizeof(float));
+      if (mine.empty()) continue;
+      const float* src = a == StateArray::Master ? master_at(b)
+                                                 : state_base(a) + buckets_->window_local(b);
+      backend_->copy_to_host(dst + (mine.begin - want.begin), src + (mine.begin - w.begin),
+                             mine.size() * sizeof(float));
     }
   };
   const int world = comm_->size();
@@ -357,7 +407,7 @@ void ShardedOptimizer::get_master(std::size_t i, std::span<float> out) {
   std::vector<float> mine(std::min(kChunk, p.numel));
   std::vector<float> all(mine.size() * static_cast<std::size_t>(world));
   for (std::size_t lo = 0; lo < p.numel; lo += kChunk) {
-    const std::size_t hi = std::min(p.numel, lo + kChunk), n = hi - lo;
+    const std::size_t hi = std::min(p.numel, lo + kChunk);
     std::fill(mine.begin(), mine.end(), 0.0f);
     copy_mine(lo, hi, mine.data());
     comm_->all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(float));
@@ -369,7 +419,6 @@ void ShardedOptimizer::get_master(std::size_t i, std::span<float> out) {
         const float* src = all.data() + static_cast<std::size_t>(r) * mine.size() + (got.begin - want.begin);
         std::copy(src, src + got.size(), out.data() + lo + (got.begin - want.begin));
       }
-    (void)n;
   }
 }
 
@@ -381,6 +430,7 @@ std::span<T> ShardedOptimizer::param(std::size_t i) {
           std::string("param: the replica is ") + dtype_name(options_.param_dtype) +
               ", not " + dtype_name(want));
   const ParamInfo& p = layout_.param(i);
+  if (units_) return {static_cast<T*>(units_->param_data(i)), p.numel};
   wait_param(i);
   return {static_cast<T*>(replica_ptr(p.flat.begin)), p.numel};
 }
@@ -389,6 +439,30 @@ void ShardedOptimizer::wait_param(std::size_t i) {
   require_finalized("wait_param");
   layout_.param(i);  // index check
   buckets_->wait_param(i);
+}
+
+void ShardedOptimizer::acquire(std::size_t unit) {
+  require_finalized("acquire");
+  require_zero3("acquire");
+  units_->acquire(unit);
+}
+
+void ShardedOptimizer::prefetch(std::size_t unit) {
+  require_finalized("prefetch");
+  require_zero3("prefetch");
+  units_->prefetch(unit);
+}
+
+void ShardedOptimizer::release(std::size_t unit) {
+  require_finalized("release");
+  require_zero3("release");
+  units_->release(unit);
+}
+
+void ShardedOptimizer::require_zero3(const char* what) const {
+  require(units_ != nullptr, Status::InvalidState,
+          std::string(what) + ": units are gathered only at stage 3 (this optimizer is " +
+              stage_name(options_.stage) + "; param() reads the full replica)");
 }
 
 void ShardedOptimizer::begin_backward(bool sync) {
@@ -404,21 +478,21 @@ std::span<float> ShardedOptimizer::grad(std::size_t i) {
 }
 
 void ShardedOptimizer::accumulate_grad(std::size_t i, std::span<const float> src) {
-  require_finalized("accumulate_grad");
-  const ParamInfo& p = layout_.param(i);
-  require(src.size() == p.numel, Status::InvalidArgument,
-          "accumulate_grad: parameter '" + p.name + "' has " + std::to_string(p.numel) +
-              " elements, got " + std::to_string(src.size()));
-  buckets_->accumulate_grad(i, src.data(), DType::F32);
+  accumulate_grad_as(i, src.data(), src.size(), DType::F32);
 }
 
 void ShardedOptimizer::accumulate_grad(std::size_t i, std::span<const bf16> src) {
+  accumulate_grad_as(i, src.data(), src.size(), DType::BF16);
+}
+
+void ShardedOptimizer::accumulate_grad_as(std::size_t i, const void* src, std::size_t n,
+                                          DType dtype) {
   require_finalized("accumulate_grad");
   const ParamInfo& p = layout_.param(i);
-  require(src.size() == p.numel, Status::InvalidArgument,
+  require(n == p.numel, Status::InvalidArgument,
           "accumulate_grad: parameter '" + p.name + "' has " + std::to_string(p.numel) +
-              " elements, got " + std::to_string(src.size()));
-  buckets_->accumulate_grad(i, src.data(), DType::BF16);
+              " elements, got " + std::to_string(n));
+  buckets_->accumulate_grad(i, src, dtype);
 }
 
 void ShardedOptimizer::grad_ready(std::size_t i) {
@@ -429,10 +503,11 @@ void ShardedOptimizer::grad_ready(std::size_t i) {
 void ShardedOptimizer::progress() {
   require_finalized("progress");
   buckets_->progress();
+  if (units_) units_->progress();
 }
 
 void ShardedOptimizer::reduce_gradients() {
-  require_finalized("reduce_gradients");
+  collective(*comm_, "reduce_gradients", [&] { require_finalized("reduce_gradients"); });
   buckets_->finish_grad_sync();
 }
 
@@ -483,7 +558,9 @@ std::vector<UpdateSegment> ShardedOptimizer::make_segments(const StepHyper& h,
 
 // Gathers every bucket's updated slices into the replica and waits (blocking form).
 void ShardedOptimizer::all_gather_replica() {
-  if (options_.stage == Stage::DataParallel || comm_->size() == 1) return;
+  if (options_.stage == Stage::DataParallel || options_.stage == Stage::Zero3 ||
+      comm_->size() == 1)
+    return;  // stage 3: the next acquires gather
   for (std::size_t b = layout_.num_buckets(); b-- > 0;) buckets_->start_param_sync(b);
   buckets_->wait_params();
 }
@@ -496,7 +573,8 @@ double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper
                                            bool gather_per_bucket) {
   Buffers& b = *buf_;
   const bool low_precision_copy = options_.param_dtype != DType::F32;
-  const bool gathers = options_.stage != Stage::DataParallel && comm_->size() > 1;
+  const bool gathers = options_.stage != Stage::DataParallel &&
+                       options_.stage != Stage::Zero3 && comm_->size() > 1;
   double update_seconds = 0.0;
   for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
     const Range window = buckets_->window(k);
@@ -504,7 +582,7 @@ double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper
     const Clock::time_point start = Clock::now();
     backend_->adam_update(s, make_segments(h, window), master_at(k), buckets_->reduced_grad(k),
                           b.exp_avg.as<float>() + local, b.exp_avg_sq.as<float>() + local,
-                          low_precision_copy ? replica_ptr(window.begin) : nullptr,
+                          low_precision_copy ? replica_at(k) : nullptr,
                           options_.param_dtype);
     update_seconds += seconds(Clock::now() - start);
     if (gathers && gather_per_bucket) buckets_->start_param_sync(k);
@@ -514,7 +592,18 @@ double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper
 }
 
 StepResult ShardedOptimizer::step() {
-  require_finalized("step");
+  // finalize() is collective, so either every rank is finalized or none: a rank that is not
+  // fails here, together with the others (in this check or in their own finalize()). Stage 3
+  // agrees on its units too: a rank still holding one would otherwise fail alone, before the
+  // reductions its peers wait in (one small all-reduce per stage-3 step).
+  if (!finalized_ || units_)
+    collective(*comm_, "step", [&] {
+      require_finalized("step");
+      // Stage 3: a unit gathered before the update would keep stale parameters.
+      require(!units_ || units_->held() == 0, Status::InvalidState,
+              "step: " + std::to_string(units_ ? units_->held() : 0) +
+                  " units are still acquired or prefetched; release them before the step");
+    });
   buckets_->wait_params();
   const int world = comm_->size();
   StepResult r;
@@ -529,15 +618,23 @@ StepResult ShardedOptimizer::step() {
 
   // 2. Global norm: one all-reduce of the sum of squares (fp64) of every rank's slices.
   // Data-parallel ranks hold every bucket reduced, and each sums its own slices, so the
-  // partial sums (and the norm) are the same as in the sharded stages.
+  // partial sums (and the norm) are the same as in the sharded stages. The same all-reduce
+  // checks that every rank steps with the same settings (step_check.hpp); if not, every rank
+  // throws before anything is updated, and the reduced gradients stay for a retry.
   double sumsq = 0.0;
-  for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
-    const Bucket& bk = layout_.bucket(k);
-    const std::size_t skip =
-        options_.stage == Stage::DataParallel ? static_cast<std::size_t>(comm_->rank()) * bk.slice_elems : 0;
-    sumsq += backend_->sum_squares(buckets_->reduced_grad(k) + skip, bk.slice_elems);
-  }
-  comm_->all_reduce_sum_host(&sumsq, 1);
+  const LocalOutcome local = capture("step", [&] {
+    for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
+      const Bucket& bk = layout_.bucket(k);
+      const std::size_t skip = options_.stage == Stage::DataParallel
+                                   ? static_cast<std::size_t>(comm_->rank()) * bk.slice_elems
+                                   : 0;
+      sumsq += backend_->sum_squares(buckets_->reduced_grad(k) + skip, bk.slice_elems);
+    }
+  });
+  sumsq = sum_over_ranks_checked(
+      *comm_, sumsq, local,
+      StepSettings{options_.adam, groups_, options_.loss_scaling, buckets_->micro_batches(),
+                   step_count_, loss_scale_});
   r.timings.norm = timer.lap();
 
   const double average = 1.0 / (static_cast<double>(world) * buckets_->micro_batches());
@@ -617,11 +714,20 @@ void ShardedOptimizer::set_step_count(std::int64_t s) {
   step_count_ = s;
 }
 
+// An fp32 replica is the master: the replica's all-gathers still in flight after a step read
+// (and, in NCCL's in-place form, may write) this rank's slices of it. Device backends: a
+// stream wait, no host wait.
+void ShardedOptimizer::wait_gathers_of(StateArray a) {
+  if (a == StateArray::Master && options_.param_dtype == DType::F32 && buckets_)
+    buckets_->wait_params();
+}
+
 void ShardedOptimizer::copy_state_to_host(StateArray a, std::size_t offset,
                                           std::span<float> out) {
   require_finalized("copy_state_to_host");
   require(offset <= local_size() && out.size() <= local_size() - offset,
           Status::InvalidArgument, "copy_state_to_host: range outside the local arrays");
+  wait_gathers_of(a);
   for_each_local(offset, out.size(), [&](std::size_t b, std::size_t in_window, std::size_t local, std::size_t n) {
     const float* src = a == StateArray::Master ? master_at(b) + in_window : state_base(a) + local;
     backend_->copy_to_host(out.data() + (local - offset), src, n * sizeof(float));
@@ -633,6 +739,7 @@ void ShardedOptimizer::copy_state_from_host(StateArray a, std::size_t offset,
   require_finalized("copy_state_from_host");
   require(offset <= local_size() && in.size() <= local_size() - offset,
           Status::InvalidArgument, "copy_state_from_host: range outside the local arrays");
+  wait_gathers_of(a);
   for_each_local(offset, in.size(), [&](std::size_t b, std::size_t in_window, std::size_t local, std::size_t n) {
     float* dst = a == StateArray::Master ? master_at(b) + in_window : state_base(a) + local;
     backend_->copy_from_host(dst, in.data() + (local - offset), n * sizeof(float));
@@ -640,14 +747,22 @@ void ShardedOptimizer::copy_state_from_host(StateArray a, std::size_t offset,
 }
 
 void ShardedOptimizer::refresh_replica() {
-  require_finalized("refresh_replica");
+  collective(*comm_, "refresh_replica", [&] { require_finalized("refresh_replica"); });
   buckets_->wait_params();
   if (options_.param_dtype == DType::BF16)
     for (std::size_t k = 0; k < layout_.num_buckets(); ++k) {
       const Range w = buckets_->window(k);
-      backend_->cast_from_f32(master_at(k), replica_ptr(w.begin), DType::BF16, w.size());
+      backend_->cast_from_f32(master_at(k), replica_at(k), DType::BF16, w.size());
     }
   all_gather_replica();
+}
+
+// ---- for the C ABI (issue 13) ---------------------------------------------------------------
+
+void* ShardedOptimizer::replica_data() {
+  require_finalized("replica_data");
+  buckets_->wait_params();
+  return replica_ptr(0);
 }
 
 }  // namespace shardopt

@@ -2,6 +2,7 @@
 #include "shardopt/options.hpp"
 
 #include <cmath>
+#include <cstdlib>
 
 #include "shardopt/error.hpp"
 
@@ -12,6 +13,7 @@ const char* stage_name(Stage s) noexcept {
     case Stage::DataParallel: return "data-parallel";
     case Stage::Zero1: return "zero-1";
     case Stage::Zero2: return "zero-2";
+    case Stage::Zero3: return "zero-3";
   }
   return "?";
 }
@@ -71,6 +73,26 @@ std::string validate(const LossScaling& s) {
     return "loss scaling growth_factor must be >= 1";
   if (!std::isfinite(s.backoff_factor) || s.backoff_factor <= 0 || s.backoff_factor >= 1)
     return "loss scaling backoff_factor must be in (0, 1)";
+  return {};
+}
+
+std::string apply_environment(OptimizerOptions& o) {
+  if (const char* env = std::getenv("SHARDOPT_DEBUG_COLLECTIVES")) {
+    const std::string v = env;
+    if (v == "1")
+      o.debug_collectives = true;
+    else if (!v.empty() && v != "0")
+      return "SHARDOPT_DEBUG_COLLECTIVES='" + v + "': expected 1 (on) or 0 (off)";
+  }
+  if (const char* env = std::getenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+      env != nullptr && *env != '\0' && o.collective_timeout_s == 0) {
+    char* end = nullptr;
+    const double s = std::strtod(env, &end);
+    if (*end != '\0' || !std::isfinite(s) || s < 0)
+      return std::string("SHARDOPT_COLLECTIVE_TIMEOUT='") + env +
+             "': expected seconds >= 0 (0: no timeout)";
+    o.collective_timeout_s = s;
+  }
   return {};
 }
 

@@ -16,6 +16,7 @@ PlanConfig plan_config(const OptimizerOptions& options, int world_size) {
   c.param_dtype = options.param_dtype;
   c.bucket_elems = options.bucket_elems;
   c.buckets_in_flight = options.buckets_in_flight;
+  c.units_in_flight = options.units_in_flight;
   return c;
 }
 
@@ -28,7 +29,8 @@ std::size_t MemoryPlan::total() const {
 namespace {
 
 void check(const PlanConfig& c) {
-  require(c.stage == Stage::DataParallel || c.stage == Stage::Zero1 || c.stage == Stage::Zero2,
+  require(c.stage == Stage::DataParallel || c.stage == Stage::Zero1 || c.stage == Stage::Zero2 ||
+              c.stage == Stage::Zero3,
           Status::InvalidArgument,
           "plan_memory: invalid stage " + std::to_string(static_cast<int>(c.stage)));
   require(c.world_size > 0, Status::InvalidArgument,
@@ -43,9 +45,18 @@ void check(const PlanConfig& c) {
           "plan_memory: bucket_elems must be positive");
   require(c.buckets_in_flight >= 1, Status::InvalidArgument,
           "plan_memory: buckets_in_flight must be at least 1");
+  require(c.units_in_flight >= 1, Status::InvalidArgument,
+          "plan_memory: units_in_flight must be at least 1");
 }
 
 }  // namespace
+
+FlatLayout unit_per_tensor(const FlatLayout& layout) {
+  FlatLayout out;
+  int unit = 0;
+  for (const ParamInfo& p : layout.params()) out.add(p.name, p.numel, p.group, unit++);
+  return out;
+}
 
 MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   check(config);
@@ -64,7 +75,8 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
 
   // The very plan ShardedOptimizer::finalize() allocates from.
   const BufferPlan b =
-      plan_buffers(built, config.stage, config.param_dtype, config.buckets_in_flight);
+      plan_buffers(built, config.stage, config.param_dtype, config.buckets_in_flight,
+                   config.units_in_flight);
   MemoryPlan plan;
   plan.unpadded_elems = built.unpadded_size();
   plan.padded_elems = built.padded_size();
@@ -73,6 +85,8 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   for (const Bucket& bk : built.buckets())
     plan.bucket_elems = std::max(plan.bucket_elems, bk.flat.size());
   plan.staged = b.grads_scheme == GradScheme::Staged;
+  plan.unit_elems = b.unit_elems;
+  plan.unit_buffers = b.unit_buffers;
   for (const BufferSpec& s : b.all())
     if (!s.on_demand) plan.bytes[static_cast<int>(s.category)] += s.bytes;
   if (config.accumulate_without_sync && plan.staged)
@@ -90,6 +104,7 @@ double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dty
     case Stage::DataParallel: return (p + g + k) * psi;
     case Stage::Zero1: return (p + g) * psi + k * psi / ranks;
     case Stage::Zero2: return p * psi + (g + k) * psi / ranks;
+    case Stage::Zero3: return (p + g + k) * psi / ranks;
   }
   throw Error(Status::InvalidArgument, "zero_formula_bytes: invalid stage");
 }
@@ -125,13 +140,18 @@ std::size_t largest_fitting_psi(std::size_t budget_bytes, const PlanConfig& conf
   check(config);
   require(tensor_elems > 0, Status::InvalidArgument, "largest_fitting_psi: tensor size is zero");
   auto fits = [&](std::size_t psi) {
-    const FlatLayout l = uniform_layout(psi, uniform_tensor_elems(psi, tensor_elems));
+    FlatLayout l = uniform_layout(psi, uniform_tensor_elems(psi, tensor_elems));
+    if (config.stage == Stage::Zero3) l = unit_per_tensor(l);
     return plan_memory(l, config).total() <= budget_bytes;
   };
-  // Every rank holds the whole replica (>= 2 bytes per element), so budget/2 + 1 elements
-  // never fit: bisect in [lo, hi) with fits(lo) (or lo == 0) and !fits(hi).
+  // Every rank holds at least 2 bytes per element (the replica; at stage 3 its slice of the
+  // replica, gradient, master and moments: 16 / N), so budget/2 + 1 elements, or
+  // N x (budget/16 + 1) + 1 at stage 3, never fit: bisect in [lo, hi) with fits(lo) (or lo == 0)
+  // and !fits(hi).
   std::size_t lo = 0;
-  std::size_t hi = budget_bytes / 2 + 1;
+  std::size_t hi = config.stage == Stage::Zero3
+                       ? (budget_bytes / 16 + 1) * static_cast<std::size_t>(config.world_size) + 1
+                       : budget_bytes / 2 + 1;
   while (hi - lo > 1) {
     const std::size_t mid = lo + (hi - lo) / 2;
     (fits(mid) ? lo : hi) = mid;

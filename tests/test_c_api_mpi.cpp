@@ -15,6 +15,13 @@
 
 namespace {
 
+// A result struct ready for shardopt_step (struct_size set).
+shardopt_step_result_t step_result() {
+  shardopt_step_result_t r;
+  EXPECT_EQ(shardopt_step_result_init(&r), SHARDOPT_SUCCESS);
+  return r;
+}
+
 int world_rank() {
   int r = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
@@ -103,7 +110,7 @@ void train_both(int stage, int dtype) {
       ASSERT_EQ(shardopt_grad_ready(opt, q), SHARDOPT_SUCCESS);
       ref.grad_ready(q);
     }
-    shardopt_step_result_t r{};
+    shardopt_step_result_t r = step_result();
     ASSERT_EQ(shardopt_step(opt, &r), SHARDOPT_SUCCESS);
     EXPECT_EQ(r.grad_norm, ref.step().grad_norm);
   }

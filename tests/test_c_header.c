@@ -32,6 +32,7 @@ int main(void) {
   cfg.weight_decay = 0.0;
   EXPECT(shardopt_create(&opt, &cfg) == SHARDOPT_SUCCESS);
   EXPECT(shardopt_add_param(opt, "w", 3, 0, &index) == SHARDOPT_SUCCESS && index == 0);
+  EXPECT(shardopt_step_result_init(&r) == SHARDOPT_SUCCESS && r.struct_size == sizeof r);
   EXPECT(shardopt_step(opt, &r) == SHARDOPT_ERROR_INVALID_STATE);
   EXPECT(strstr(shardopt_last_error(opt), "shardopt_step") != NULL);
   EXPECT(shardopt_finalize(opt) == SHARDOPT_SUCCESS);

@@ -2,13 +2,17 @@
 // mpiexec): bit-identical state, training continues identically, and every kind of bad
 // checkpoint is refused on every rank with the optimizer left unchanged.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "checkpoint/crc32c.hpp"
@@ -23,29 +27,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A directory shared by all ranks, removed at the end of the test.
-class SharedDir {
- public:
-  explicit SharedDir(Communicator& comm) : comm_(comm) {
-    char name[256] = {};
-    if (comm.rank() == 0) {
-      std::string tmpl = (fs::temp_directory_path() / "shardopt-ckpt-XXXXXX").string();
-      if (!mkdtemp(tmpl.data())) std::abort();
-      std::snprintf(name, sizeof name, "%s", tmpl.c_str());
-    }
-    comm.broadcast_bytes(name, sizeof name, 0);
-    path_ = name;
-  }
-  ~SharedDir() {
-    comm_.barrier();
-    if (comm_.rank() == 0) fs::remove_all(path_);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  Communicator& comm_;
-  fs::path path_;
-};
+using test::SharedDir;
 
 std::vector<unsigned char> replica_bytes(ShardedOptimizer& opt) {
   std::vector<unsigned char> out;
@@ -201,7 +183,7 @@ TEST(Checkpoint, BadCheckpointsAreRefusedEverywhereAndChangeNothing) {
   // A future format version, with consistent checksums: refused as unsupported.
   on_rank0(*comm, [&] {
     std::vector<unsigned char> bytes = ckpt::read_whole_file(meta_backup, 1 << 20);
-    bytes[8] = 2;  // version field
+    bytes[8] = ckpt::kFormatVersion + 1;  // version field
     const std::uint32_t crc = ckpt::crc32c(bytes.data(), 28);
     std::memcpy(bytes.data() + 28, &crc, 4);
     std::ofstream(meta, std::ios::binary | std::ios::trunc)
@@ -209,6 +191,18 @@ TEST(Checkpoint, BadCheckpointsAreRefusedEverywhereAndChangeNothing) {
   });
   refused(Status::Unsupported, dir.path(), "future version");
   on_rank0(*comm, [&] { fs::copy_file(meta_backup, meta, fs::copy_options::overwrite_existing); });
+
+  // A FIFO in place of a file: refused at once (opening it for reading would wait for a
+  // writer forever). The alarm turns a hang into a failure.
+  alarm(120);
+  on_rank0(*comm, [&] { fs::remove(shard0); ASSERT_EQ(mkfifo(shard0.c_str(), 0644), 0); });
+  refused(Status::Io, dir.path(), "a FIFO in place of a shard file");
+  on_rank0(*comm, [&] { fs::remove(shard0); fs::copy_file(backup, shard0); fs::remove(meta);
+                        ASSERT_EQ(mkfifo(meta.c_str(), 0644), 0); });
+  refused(Status::Io, dir.path(), "a FIFO in place of the metadata");
+  refused(Status::Io, ck, "a FIFO in place of the metadata, checkpoint named");
+  on_rank0(*comm, [&] { fs::remove(meta); fs::copy_file(meta_backup, meta); });
+  alarm(0);
   load_checkpoint(*victim, dir.path());  // repaired: loads
 
   // Another layout and another dtype.
@@ -295,4 +289,170 @@ TEST(Checkpoint, LossScaleStateIsRestored) {
   load_checkpoint(*c, dir.path());
   EXPECT_EQ(c->loss_scale(), 1.0);
   EXPECT_EQ(c->loss_scale_state().skipped_steps, 4);
+}
+
+// ---- LATEST: a corrupted LATEST never loads another checkpoint ---------------------------
+
+namespace {
+void write_text(const fs::path& p, const std::string& text) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << text;
+}
+std::string read_text(const fs::path& p) {
+  const std::vector<unsigned char> b = ckpt::read_whole_file(p, 1 << 10);
+  return std::string(b.begin(), b.end());
+}
+}  // namespace
+
+TEST(Checkpoint, EveryBitFlipInLatestLoadsTheNewestOrIsRefused) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  auto opt = test::make_ckpt_optimizer(comm, {});
+  SaveOptions keep3;
+  keep3.keep = 3;
+  std::vector<test::FullState> states;
+  for (int k = 1; k <= 3; ++k) {
+    test::ckpt_train_step(*opt, k);
+    save_checkpoint(*opt, dir.path(), keep3);
+    states.push_back(test::gather_state(*opt));
+  }
+  const fs::path latest = dir.path() / ckpt::kLatestFile;
+  const std::string good = read_text(latest);
+  ASSERT_EQ(good.rfind("ckpt-00000003", 0), 0u) << good;
+
+  auto victim = test::make_ckpt_optimizer(comm, {});
+  // The flip of the issue: '3' -> '2' names the previous checkpoint, which is complete.
+  on_rank0(*comm, [&] { std::string t = good; t[12] = '2'; write_text(latest, t); });
+  expect_status(Status::CorruptData, [&] { load_checkpoint(*victim, dir.path()); }, "'3' -> '2'");
+  EXPECT_EQ(victim->step_count(), 0);
+
+  // Every single-bit flip (exhaustively in the one-rank run; a flip in the checksum and one
+  // in the separator under MPI, where each load is slow on an oversubscribed machine).
+  std::vector<std::pair<std::size_t, int>> flips;
+  if (comm->size() == 1) {
+    for (std::size_t i = 0; i < good.size(); ++i)
+      for (int bit = 0; bit < 8; ++bit) flips.emplace_back(i, bit);
+  } else {
+    flips = {{15, 0}, {13, 1}};
+  }
+  test::FullState current = test::gather_state(*victim);
+  int refused = 0;
+  for (auto [i, bit] : flips) {
+    on_rank0(*comm, [&, i = i, bit = bit] {
+      std::string t = good;
+      t[i] = static_cast<char>(t[i] ^ (1 << bit));
+      write_text(latest, t);
+    });
+    try {
+      load_checkpoint(*victim, dir.path());
+      current = test::gather_state(*victim);
+      EXPECT_TRUE(current == states[2]) << "byte " << i << " bit " << bit;
+    } catch (const Error& e) {
+      ++refused;
+      EXPECT_TRUE(e.status() == Status::CorruptData || e.status() == Status::Io)
+          << "byte " << i << " bit " << bit << ": " << e.what();
+      EXPECT_TRUE(test::gather_state(*victim) == current) << "byte " << i << " bit " << bit;
+    }
+  }
+  EXPECT_GT(refused, 0);
+
+  // A format-1 LATEST (a bare name) is trusted only when it names the newest checkpoint.
+  auto legacy = test::make_ckpt_optimizer(comm, {});
+  on_rank0(*comm, [&] { write_text(latest, "ckpt-00000003\n"); });
+  load_checkpoint(*legacy, dir.path());
+  EXPECT_TRUE(test::gather_state(*legacy) == states[2]);
+  on_rank0(*comm, [&] { write_text(latest, "ckpt-00000002\n"); });
+  auto other = test::make_ckpt_optimizer(comm, {});
+  expect_status(Status::CorruptData, [&] { load_checkpoint(*other, dir.path()); }, "format-1 LATEST, older");
+  EXPECT_EQ(other->step_count(), 0);
+  on_rank0(*comm, [&] { write_text(latest, good); });
+  load_checkpoint(*other, dir.path());
+  EXPECT_TRUE(test::gather_state(*other) == states[2]);
+}
+
+// ---- removing old checkpoints: after the save is agreed, and a failure is a warning -------
+
+namespace {
+void fail_pruning(const char* point) {
+  if (std::string(point) == "pruning")
+    throw fs::filesystem_error("injected removal failure", std::make_error_code(std::errc::permission_denied));
+}
+}  // namespace
+
+TEST(Checkpoint, AnOldCheckpointThatCannotBeRemovedIsAWarningNotAFailedSave) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  auto opt = test::make_ckpt_optimizer(comm, {});
+  SaveOptions keep1;
+  keep1.keep = 1;
+  test::ckpt_train_step(*opt, 1);
+  save_checkpoint(*opt, dir.path(), keep1);
+
+  ckpt::set_test_hook(&fail_pruning);
+  for (int k = 2; k <= 3; ++k) {  // the old one stays undeletable: every save still succeeds
+    test::ckpt_train_step(*opt, k);
+    if (comm->rank() == 0) testing::internal::CaptureStderr();
+    try {
+      EXPECT_EQ(save_checkpoint(*opt, dir.path(), keep1).filename(), "ckpt-0000000" + std::to_string(k));
+    } catch (const Error& e) {
+      ADD_FAILURE() << "save " << k << " failed: " << e.what();
+    }
+    if (comm->rank() == 0) {
+      const std::string err = testing::internal::GetCapturedStderr();
+      EXPECT_NE(err.find("warning"), std::string::npos) << err;
+      EXPECT_NE(err.find("injected removal failure"), std::string::npos) << err;
+    }
+  }
+  ckpt::set_test_hook(nullptr);
+  const test::FullState third = test::gather_state(*opt);
+  comm->barrier();
+  EXPECT_TRUE(fs::exists(dir.path() / "ckpt-00000001"));
+  EXPECT_EQ(read_text(dir.path() / ckpt::kLatestFile), ckpt::encode_latest("ckpt-00000003"));
+  auto b = test::make_ckpt_optimizer(comm, {});
+  load_checkpoint(*b, dir.path());
+  EXPECT_TRUE(test::gather_state(*b) == third);
+
+  // Once removal works again, the next save removes every old checkpoint beyond `keep`.
+  save_checkpoint(*opt, dir.path(), keep1);
+  comm->barrier();
+  for (const char* old : {"ckpt-00000001", "ckpt-00000002", "ckpt-00000003"})
+    EXPECT_FALSE(fs::exists(dir.path() / old)) << old;
+  EXPECT_TRUE(fs::exists(dir.path() / "ckpt-00000004"));
+}
+
+// ---- durability: every directory a save creates or renames into is fsynced ----------------
+
+namespace {
+std::vector<std::string> g_points;
+void record_point(const char* point) { g_points.emplace_back(point); }
+std::ptrdiff_t position(const std::string& point) {
+  const auto it = std::find(g_points.begin(), g_points.end(), point);
+  return it == g_points.end() ? -1 : it - g_points.begin();
+}
+}  // namespace
+
+TEST(Checkpoint, TheParentOfEveryNewDirectoryIsFsynced) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  auto opt = test::make_ckpt_optimizer(comm, {});
+  test::ckpt_train_step(*opt, 1);
+  const fs::path save_dir = dir.path() / "new" / "deeper" / "ckpt";
+  g_points.clear();
+  ckpt::set_test_hook(&record_point);
+  save_checkpoint(*opt, save_dir);
+  ckpt::set_test_hook(nullptr);
+  if (comm->rank() != 0) return;  // rank 0 creates and publishes
+  const std::ptrdiff_t prepared = position("prepared");
+  ASSERT_GE(prepared, 0);
+  // The save directory and its missing parents: each one's parent, before the save goes on.
+  for (const fs::path& parent : {dir.path(), dir.path() / "new", dir.path() / "new" / "deeper"}) {
+    const std::ptrdiff_t at = position("fsync-dir " + parent.string());
+    EXPECT_GE(at, 0) << parent;
+    EXPECT_LT(at, prepared) << parent;
+  }
+  // The new checkpoint's parent after the rename, before LATEST names it.
+  const std::ptrdiff_t renamed = position("renamed");
+  const std::ptrdiff_t synced = position("fsync-dir " + save_dir.string());
+  EXPECT_GT(synced, position("metadata-written"));
+  EXPECT_LT(synced, renamed);
+  EXPECT_LT(renamed, position("published"));
 }

@@ -1,13 +1,25 @@
-// test_checkpoint_format.cpp: the byte format alone: CRC-32C, metadata round trip, and the
-// decoder's refusal of every truncation, every single-byte corruption and newer versions.
+// test_checkpoint_format.cpp: the byte format alone: CRC-32C, metadata round trip, the
+// decoder's refusal of every truncation, every single-byte corruption, shards that do not
+// cover every element exactly once and newer versions; format 1 (the committed fixture's
+// files) decoded and checked the same way; LATEST's checksum; non-blocking opens; the reader
+// opening only the files and reading only the blocks a range needs.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include "checkpoint/crc32c.hpp"
+#include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
+#include "checkpoint/reader.hpp"
+#include "shardopt/checkpoint.hpp"
 #include "support/reference.hpp"
 
 using namespace shardopt;
@@ -15,10 +27,11 @@ using namespace shardopt::ckpt;
 
 namespace {
 
+// 3 parameters (1103 elements) in 4 shards: one of two blocks, one empty.
 Metadata sample() {
   Metadata m;
   m.step_count = 42;
-  m.world_size = 3;
+  m.world_size = 4;
   m.stage = Stage::Zero2;
   m.param_dtype = DType::BF16;
   m.adam.lr = 3e-4;
@@ -26,13 +39,33 @@ Metadata sample() {
   m.loss_scaling.enabled = true;
   m.loss_state = LossScaleState{1024.0, 17, 3};
   m.groups = {GroupOptions{}, GroupOptions{0.25, false}};
-  m.params = {{"embed", 100, 0, 0}, {"w\"eird name", 1000, 1, 128}, {"b", 3, 0, 1152}};
-  m.padded_size = 1152;
-  while (m.padded_size < 1155) m.padded_size += 64 * 3;
-  const std::uint64_t per = m.padded_size / 3;
-  for (std::uint64_t r = 0; r < 3; ++r)
-    m.shards.push_back({r * per, (r + 1) * per, kShardHeaderBytes + 3 * per * 4, 0x1234u + static_cast<std::uint32_t>(r)});
+  m.params = {{"embed", 100, 0, 0}, {"w\"eird name", 1000, 1, 0}, {"b", 3, 0, 0}};
+  auto shard = [](std::vector<Block> blocks) {
+    MetaShard s;
+    std::uint64_t n = 0;
+    for (const Block& b : blocks) n += b.count;
+    s.blocks = std::move(blocks);
+    s.file_bytes = kShardHeaderBytes + 12 * n;
+    return s;
+  };
+  m.shards = {shard({{0, 400, 0x1234u, 0}}), shard({{400, 300, 0x1235u, 0}, {700, 100, 0x99u, 0}}),
+              shard({}), shard({{800, 303, 0x1236u, 0}})};
   return m;
+}
+
+std::vector<unsigned char> fixture_file(const char* name) {
+  std::ifstream f(std::string(SHARDOPT_TEST_DATA) + "/ckpt_v1/save/ckpt-00000001/" + name,
+                  std::ios::binary);
+  return std::vector<unsigned char>(std::istreambuf_iterator<char>(f), {});
+}
+
+void expect_refused(const Metadata& m, const std::string& why) {
+  try {
+    decode_metadata(encode_metadata(m));
+    ADD_FAILURE() << why << ": accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::CorruptData) << why << ": " << e.what();
+  }
 }
 
 }  // namespace
@@ -57,8 +90,9 @@ TEST(Format, MetadataRoundTrip) {
   const Metadata m = sample();
   const std::vector<unsigned char> bytes = encode_metadata(m);
   const Metadata d = decode_metadata(bytes);
+  EXPECT_EQ(d.version, kFormatVersion);
   EXPECT_EQ(d.step_count, 42);
-  EXPECT_EQ(d.world_size, 3u);
+  EXPECT_EQ(d.world_size, 4u);
   EXPECT_EQ(d.stage, Stage::Zero2);
   EXPECT_EQ(d.adam.lr, 3e-4);
   EXPECT_EQ(d.adam.mode, AdamMode::AdamL2);
@@ -69,10 +103,69 @@ TEST(Format, MetadataRoundTrip) {
   EXPECT_FALSE(d.groups[1].weight_decay);
   ASSERT_EQ(d.params.size(), 3u);
   EXPECT_EQ(d.params[1].name, "w\"eird name");
-  EXPECT_EQ(d.params[2].offset, 1152u);
-  EXPECT_EQ(d.shards[2].crc, 0x1236u);
+  EXPECT_EQ(canonical_offsets(d), (std::vector<std::uint64_t>{0, 100, 1100, 1103}));
+  ASSERT_EQ(d.shards.size(), 4u);
+  ASSERT_EQ(d.shards[1].blocks.size(), 2u);
+  EXPECT_EQ(d.shards[1].blocks[1].crc, 0x99u);
+  EXPECT_EQ(d.shards[1].blocks[1].file_offset, kShardHeaderBytes + 12 * 300);
+  EXPECT_TRUE(d.shards[2].blocks.empty());
+  EXPECT_EQ(shard_extents(d, 3), (std::vector<Range>{{800, 1103}}));
   EXPECT_EQ(layout_hash(d), layout_hash(m));
   EXPECT_EQ(encode_metadata(d), bytes);
+}
+
+TEST(Format, ShardsMustCoverEveryElementExactlyOnce) {
+  Metadata m = sample();
+  m.shards[3].blocks[0].count = 302;
+  m.shards[3].file_bytes -= 12;
+  expect_refused(m, "the last element missing");
+  m = sample();
+  m.shards[1].blocks[1].begin = 699;
+  expect_refused(m, "an element stored twice");
+  m = sample();
+  m.shards[0].blocks[0].begin = 1;
+  expect_refused(m, "the first element missing");
+  m = sample();
+  m.shards[3].blocks[0].count = 304;
+  m.shards[3].file_bytes += 12;
+  expect_refused(m, "past the last element");
+  m = sample();
+  std::swap(m.shards[1].blocks[0], m.shards[1].blocks[1]);
+  expect_refused(m, "blocks out of order in a shard");
+  m = sample();
+  m.shards[0].file_bytes += 4;
+  expect_refused(m, "file size not matching the blocks");
+  m = sample();
+  m.shards[0].blocks[0].count = 0;
+  expect_refused(m, "an empty block");
+  m = sample();
+  m.params[0].numel = std::uint64_t{1} << 50;
+  m.params[1].numel = std::uint64_t{1} << 50;
+  m.params[2].numel = std::uint64_t{1} << 50;
+  m.params.push_back(m.params[0]);
+  m.params.back().name = "d";
+  m.params.push_back(m.params[0]);
+  m.params.back().name = "e";
+  expect_refused(m, "more elements than any machine holds");
+  // Blocks are at most kBlockElems long; longer runs are split into several blocks.
+  auto sized = [](Metadata x) {
+    for (MetaShard& sh : x.shards) {
+      sh.file_bytes = kShardHeaderBytes;
+      for (const Block& b : sh.blocks) sh.file_bytes += 12 * b.count;
+    }
+    return x;
+  };
+  m = sample();
+  m.params[1].numel = kBlockElems + 700;  // 100 + kBlockElems + 700 + 3 elements
+  m.shards[2].blocks = {{800, kBlockElems, 0, 0}};
+  m.shards[3].blocks = {{800 + kBlockElems, 3, 0, 0}};
+  EXPECT_NO_THROW(decode_metadata(encode_metadata(sized(m))));
+  m.shards[2].blocks = {{800, kBlockElems / 2, 0, 0}, {800 + kBlockElems / 2, kBlockElems / 2, 0, 0}};
+  EXPECT_NO_THROW(decode_metadata(encode_metadata(sized(m))));
+  m.shards[2].blocks = {{800, kBlockElems + 1, 0, 0}};
+  m.shards[3].blocks = {{801 + kBlockElems, 2, 0, 0}};
+  m = sized(m);
+  expect_refused(m, "a block longer than kBlockElems");
 }
 
 TEST(Format, EveryTruncationAndEveryByteFlipIsRefused) {
@@ -115,7 +208,7 @@ TEST(Format, HugeCountsAreRefusedBeforeAllocating) {
   const std::size_t prefix = 32 + 8 + 4 * 4 + 6 * 8 + 4 + 4 + 5 * 8 + 8 + 8 + 8 + 4 + 2 * 12;
   std::uint64_t count = 0;
   std::memcpy(&count, bytes.data() + prefix, 8);
-  ASSERT_EQ(count, 3u);
+  ASSERT_EQ(count, 3u);  // the parameter count (same place in formats 1 and 2)
   count = std::uint64_t{1} << 60;
   std::memcpy(bytes.data() + prefix, &count, 8);
   const std::uint32_t body_crc = crc32c(bytes.data() + 32, bytes.size() - 32);
@@ -133,20 +226,166 @@ TEST(Format, HugeCountsAreRefusedBeforeAllocating) {
 
 TEST(Format, ShardHeaderRoundTripAndChecks) {
   const Metadata m = sample();
-  ShardHeader h;
-  h.rank = 1;
-  h.world_size = 3;
-  h.flat_begin = m.shards[1].flat_begin;
-  h.flat_end = m.shards[1].flat_end;
-  h.layout_hash = layout_hash(m);
+  const ShardHeader h = shard_header(m, 1);
+  EXPECT_EQ(h.elements, 400u);
+  EXPECT_EQ(h.blocks, 2u);
   auto bytes = encode_shard_header(h);
   const ShardHeader d = decode_shard_header(bytes);
   EXPECT_NO_THROW(check_shard_matches(d, m, 1));
   EXPECT_THROW(check_shard_matches(d, m, 0), Error);
+  Metadata moved = m;  // the same sizes, other ranges: another checkpoint's shard
+  moved.shards[1].blocks[1].begin = 701;
+  EXPECT_THROW(check_shard_matches(d, moved, 1), Error);
   for (std::size_t i = 0; i < bytes.size(); ++i) {
     auto bad = bytes;
     bad[i] ^= 0x20;
     EXPECT_THROW(decode_shard_header(bad), Error) << i;
   }
   EXPECT_THROW(decode_shard_header(std::span(bytes.data(), 10)), Error);
+}
+
+// ---- format 1: the committed fixture's files ----------------------------------------------
+
+TEST(FormatOne, FixtureMetadataDecodesAndEveryCorruptionIsRefused) {
+  const std::vector<unsigned char> bytes = fixture_file("metadata.bin");
+  ASSERT_GT(bytes.size(), kMetaHeaderBytes);
+  const Metadata m = decode_metadata(bytes);
+  EXPECT_EQ(m.version, 1u);
+  EXPECT_EQ(m.world_size, 2u);
+  EXPECT_EQ(m.step_count, 3);
+  // The shards' canonical extents cover every element exactly once, in order.
+  const std::vector<std::uint64_t> c = canonical_offsets(m);
+  std::uint64_t covered = 0;
+  for (std::size_t s = 0; s < m.shards.size(); ++s)
+    for (const Range& r : shard_extents(m, s)) {
+      EXPECT_EQ(r.begin, covered);
+      covered = r.end;
+    }
+  EXPECT_EQ(covered, c.back());
+  EXPECT_EQ(shard_extents(m, 0).size(), 3u);  // parameters 0, 1 and the first part of 2
+
+  for (std::size_t n = 0; n < bytes.size(); ++n)
+    EXPECT_THROW(decode_metadata(std::span(bytes.data(), n)), Error) << "length " << n;
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    std::vector<unsigned char> bad = bytes;
+    bad[i] ^= 0x04;
+    EXPECT_THROW(decode_metadata(bad), Error) << "flip at byte " << i;
+  }
+}
+
+TEST(FormatOne, FixtureShardHeadersMatchTheirMetadata) {
+  const Metadata m = decode_metadata(fixture_file("metadata.bin"));
+  for (std::size_t s = 0; s < 2; ++s) {
+    const std::vector<unsigned char> file = fixture_file(s == 0 ? "shard-00000.bin" : "shard-00001.bin");
+    ASSERT_EQ(file.size(), m.shards[s].file_bytes);
+    EXPECT_EQ(crc32c(file.data(), file.size()), m.shards[s].crc);
+    const ShardHeader h = decode_shard_header(std::span(file.data(), kShardHeaderBytes));
+    EXPECT_EQ(h.version, 1u);
+    EXPECT_NO_THROW(check_shard_matches(h, m, s));
+    EXPECT_THROW(check_shard_matches(h, m, 1 - s), Error);
+    for (std::size_t i = 0; i < kShardHeaderBytes; ++i) {
+      std::vector<unsigned char> bad(file.begin(), file.begin() + kShardHeaderBytes);
+      bad[i] ^= 0x20;
+      EXPECT_THROW(decode_shard_header(bad), Error) << i;
+    }
+  }
+}
+
+// ---- LATEST -----------------------------------------------------------------------------------
+
+TEST(Latest, CarriesAChecksumThatCatchesEveryBitFlip) {
+  const std::string good = encode_latest("ckpt-00000003");
+  bool legacy = true;
+  EXPECT_EQ(decode_latest(std::span(reinterpret_cast<const unsigned char*>(good.data()), good.size()), legacy),
+            "ckpt-00000003");
+  EXPECT_FALSE(legacy);
+  for (std::size_t i = 0; i < good.size(); ++i)
+    for (int bit = 0; bit < 8; ++bit) {
+      std::string bad = good;
+      bad[i] = static_cast<char>(bad[i] ^ (1 << bit));
+      try {
+        const std::string name =
+            decode_latest(std::span(reinterpret_cast<const unsigned char*>(bad.data()), bad.size()), legacy);
+        // Only a flip that removes the separator can decode: as a bare (format-1) name,
+        // which the reader accepts only if it is the newest checkpoint present.
+        EXPECT_TRUE(legacy) << "byte " << i << " bit " << bit << " decoded as " << name;
+        EXPECT_NE(name, "ckpt-00000002");
+      } catch (const Error& e) {
+        EXPECT_EQ(e.status(), Status::CorruptData);
+      }
+    }
+  const std::string old = "ckpt-00000007\n";  // format 1
+  EXPECT_EQ(decode_latest(std::span(reinterpret_cast<const unsigned char*>(old.data()), old.size()), legacy),
+            "ckpt-00000007");
+  EXPECT_TRUE(legacy);
+}
+
+// ---- files ------------------------------------------------------------------------------------
+
+TEST(Files, AFifoIsRefusedWithoutBlocking) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "shardopt-fifo-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  const std::filesystem::path fifo = std::filesystem::path(tmpl) / "shard-00000.bin";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0644), 0);
+  alarm(60);  // a hang becomes a failure
+  try {
+    InFile f(fifo);  // blocked here forever before the fix
+    ADD_FAILURE() << "a FIFO was opened as a checkpoint file";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Io);
+    EXPECT_NE(std::string(e.what()).find("not a regular file"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(read_whole_file(fifo, 100), Error);
+  alarm(0);
+  std::filesystem::remove_all(tmpl);
+}
+
+// ---- the reader reads what a range needs, nothing else ----------------------------------------
+
+TEST(Reader, ReadsOnlyTheBlocksAndFilesARangeNeeds) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "shardopt-reader-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  const std::filesystem::path root = tmpl;
+  auto counting = [](std::uint64_t& n) {
+    return [&n](std::uint32_t, std::uint64_t, std::span<const float> v) { n += v.size(); };
+  };
+
+  // Format 2, one shard of two blocks (one parameter longer than a block): a corrupted
+  // second block does not stop a read of the first block's range.
+  {
+    OptimizerOptions o;
+    o.param_dtype = DType::F32;
+    ShardedOptimizer opt(make_single_process_communicator(), o);
+    opt.add_param("big", kBlockElems + 1000);
+    opt.finalize();
+    const std::filesystem::path ck = save_checkpoint(opt, root / "v2");
+    const Metadata m = read_metadata(ck);
+    ASSERT_EQ(m.shards[0].blocks.size(), 2u);
+    {
+      std::fstream f(ck / shard_file_name(0), std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(static_cast<std::streamoff>(m.shards[0].blocks[1].file_offset + 8));
+      f.put('\x55');
+    }
+    std::uint64_t n = 0;
+    const Range first{10, 20};
+    read_state(ck, m, std::span(&first, 1), counting(n));
+    EXPECT_EQ(n, 3 * kBlockElems);  // the whole first block, three arrays
+    const Range second{kBlockElems + 5, kBlockElems + 6};
+    EXPECT_THROW(read_state(ck, m, std::span(&second, 1), counting(n)), Error);
+  }
+
+  // Format 1 (the fixture, two shard files): without shard 1, ranges inside shard 0 read.
+  {
+    const std::filesystem::path v1 = root / "v1";
+    std::filesystem::copy(std::string(SHARDOPT_TEST_DATA) + "/ckpt_v1/save/ckpt-00000001", v1);
+    std::filesystem::remove(v1 / shard_file_name(1));
+    const Metadata m = read_metadata(v1);
+    std::uint64_t n = 0;
+    const Range head{0, 305};  // parameters 0 and 1, in shard 0
+    read_state(v1, m, std::span(&head, 1), counting(n));
+    EXPECT_EQ(n, 3 * shard_extents(m, 0).back().end);  // shard 0 streamed, padding left out
+    const Range all{0, canonical_offsets(m).back()};
+    EXPECT_THROW(read_state(v1, m, std::span(&all, 1), counting(n)), Error);
+  }
+  std::filesystem::remove_all(root);
 }

@@ -8,8 +8,10 @@ program test_fortran_api
   type(shardopt_config) :: cfg
   real(c_float) :: v(10), m(2, 5)
   real(c_float), pointer :: p2(:, :), g(:)
-  integer(c_int16_t), pointer :: bits(:)
+  integer(c_int16_t), pointer :: bits(:), flat_bits(:)
   integer(c_int64_t) :: n
+  real(c_double) :: lr_scale
+  logical :: wd
   integer :: status, ia, ib, grp, failures
   character(len=512) :: msg
 
@@ -56,6 +58,22 @@ program test_fortran_api
   if (any(p2 /= m)) call fail('rank-2 view differs', 0)
   call shardopt_param_bf16(opt, 1, bits, status, msg)
   call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'fp32')
+  call shardopt_replica_bf16(opt, flat_bits, status, msg)  ! the replica is fp32
+  call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'shardopt_replica_bf16')
+  if (associated(flat_bits)) call fail('replica pointer set on failure', 0)
+  call shardopt_wait_param(opt, 3, status, msg)
+  call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'shardopt_wait_param')
+  call shardopt_get_group(opt, 3, lr_scale, wd, status, msg)
+  call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'no group 2')
+  call shardopt_get_exp_avg(opt, 1, v(1:4), status, msg)
+  call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'shardopt_get_exp_avg')
+  call shardopt_param_index(opt, 'b', ib, status, msg)
+  if (ib /= 2) call fail('param_index of b', ib)
+  call shardopt_param_index(opt, 'zz', ib, status, msg)
+  call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, "'zz'")
+  if (shardopt_mem_category_name(SHARDOPT_MEM_MOMENTS) /= 'moments') call fail('mem_category_name', 0)
+  call shardopt_save_checkpoint(opt, '', status, errmsg=msg)
+  call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'dir is empty')
   call shardopt_grad(opt, 2, g, status, msg)
   call expect(status, SHARDOPT_SUCCESS, msg, '')
   if (size(g) /= 3) call fail('grad size', size(g))

@@ -113,15 +113,20 @@ TEST(Layout, ExactGeometryOfASmallCase) {
 }
 
 TEST(Layout, RanksWhoseSlicesAreAllPadding) {
-  // One tiny parameter per bucket at 4 ranks: ranks 1-3 own only padding of each bucket.
+  // Two tiny parameters in one bucket of 256 at 4 ranks (slices of 64): x [0, 10) is rank 0's,
+  // y [64, 74) rank 1's, and ranks 2 and 3 own only padding.
   FlatLayout l;
   l.add("x", 10, 0);
   l.add("y", 10, 0);
-  l.build(4, 200);  // capacity 256: x closes... both fit one bucket of 256
+  l.build(4, 200);
   ASSERT_EQ(l.num_buckets(), 1u);
   EXPECT_EQ(l.padded_size(), 256u);
-  EXPECT_EQ(l.owned_pieces(0).size(), 2u);  // x [0,10), y [64,74)
-  for (int r = 1; r < 4; ++r) EXPECT_TRUE(l.owned_pieces(r).empty()) << r;
+  ASSERT_EQ(l.owned_pieces(0).size(), 1u);
+  EXPECT_EQ(l.owned_pieces(0)[0].param, 0u);
+  ASSERT_EQ(l.owned_pieces(1).size(), 1u);
+  EXPECT_EQ(l.owned_pieces(1)[0].param, 1u);
+  EXPECT_EQ(l.owned_pieces(1)[0].local, (Range{0, 10}));
+  for (int r = 2; r < 4; ++r) EXPECT_TRUE(l.owned_pieces(r).empty()) << r;
   check_layout(l);
 }
 

@@ -3,6 +3,7 @@
 // 1-8 ranks for every rank through a communicator that stands for N identical ranks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -120,6 +121,8 @@ std::vector<Config> configs() {
       for (std::size_t bucket : {std::size_t{1}, std::size_t{64}, std::size_t{700},
                                  std::size_t{4096}, std::size_t{1} << 20})
         out.push_back({sizes, Stage::Zero2, dtype, bucket});
+      for (std::size_t bucket : {std::size_t{64}, std::size_t{700}, std::size_t{1} << 20})
+        out.push_back({sizes, Stage::Zero3, dtype, bucket});
     }
   return out;
 }
@@ -167,7 +170,7 @@ TEST(Planner, Zero2NeverPlansMoreThanZero1) {
 }
 
 TEST(Planner, StepsAllocateNothingBeyondThePlan) {
-  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
     const Config c{{1, 7, 300, 5000, 65}, stage, DType::BF16, 700};
     auto opt = finalized(make_single_process_communicator(), c);
     for (int s = 0; s < 3; ++s) {
@@ -259,13 +262,15 @@ TEST(Planner, UniformLayout) {
 
 TEST(Planner, LargestFittingModel) {
   const std::size_t tensor = 5000;
-  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
     for (int world : {1, 3, 8})
       for (std::size_t budget : {std::size_t{100000}, std::size_t{3000000}}) {
         const PlanConfig c{stage, world, DType::BF16, DType::F32, 4096};
         const std::size_t best = largest_fitting_psi(budget, c, tensor);
         auto bytes = [&](std::size_t psi) {
-          return plan_memory(uniform_layout(psi, uniform_tensor_elems(psi, tensor)), c).total();
+          FlatLayout l = uniform_layout(psi, uniform_tensor_elems(psi, tensor));
+          if (stage == Stage::Zero3) l = unit_per_tensor(l);  // as largest_fitting_psi plans it
+          return plan_memory(l, c).total();
         };
         const std::string what = std::string(stage_name(stage)) + " world " +
                                   std::to_string(world) + " budget " + std::to_string(budget);
@@ -296,4 +301,61 @@ TEST(Planner, Stage2AccumulationWithoutSyncAndSlots) {
       EXPECT_EQ(plan.bytes[k], opt.memory_report().bytes[k])
           << mem_category_name(static_cast<MemCategory>(k)) << " with " << slots << " slots";
   }
+}
+
+// Stage 3 with units (one per tensor): accounting == plan on every rank of 1-8 ranks.
+TEST(Planner, Zero3UnitsMatchAccounting) {
+  for (const auto& sizes : layouts())
+    for (int world : {1, 2, 3, 4, 8})
+      for (int in_flight : {1, 2, 3}) {
+        OptimizerOptions o;
+        o.stage = Stage::Zero3;
+        o.bucket_elems = 700;
+        o.units_in_flight = in_flight;
+        ShardedOptimizer opt(std::make_shared<ReplicatedWorld>(world - 1, world), o);
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          opt.begin_unit();
+          opt.add_param("p" + std::to_string(i), sizes[i]);
+        }
+        opt.finalize();
+        const Config c{sizes, Stage::Zero3, DType::BF16, 700};
+        const MemoryPlan plan = plan_memory(unit_per_tensor(layout_of(c)), plan_config(o, world));
+        for (int k = 0; k < kNumMemCategories; ++k)
+          EXPECT_EQ(plan.bytes[k], opt.memory_report().bytes[k])
+              << mem_category_name(static_cast<MemCategory>(k)) << " " << describe(c, world, 0);
+        EXPECT_EQ(plan.unit_buffers,
+                  std::min(in_flight, static_cast<int>(opt.layout().num_units())));
+        EXPECT_EQ(plan.unit_elems, opt.layout().max_unit_elems());
+      }
+}
+
+// Stage 3's per-rank bytes fall as 1/N in every category but the gathered units and the
+// staging slots (each a fixed number of units or buckets); without padding they equal the
+// ZeRO formula (p + 4 + K) Psi / N plus those buffers.
+TEST(Planner, Zero3FallsAsOneOverN) {
+  const std::size_t tensor = 4096, psi = 16 * tensor;  // tensors divisible by 8 x 64
+  const FlatLayout l = unit_per_tensor(uniform_layout(psi, tensor));
+  for (DType dtype : {DType::BF16, DType::F32})
+    for (std::size_t n : {1, 2, 4, 8}) {
+      const MemoryPlan p =
+          plan_memory(l, {Stage::Zero3, static_cast<int>(n), dtype, DType::F32, tensor, 2, 2});
+      const std::size_t ps = dtype_size(dtype);
+      const std::size_t units = 2 * tensor * ps;  // two gathered tensors
+      const std::string what = std::string(dtype_name(dtype)) + " at " + std::to_string(n);
+      EXPECT_EQ(p.padded_elems, psi) << what;
+      EXPECT_EQ(p[MemCategory::Params], ps * psi / n + units) << what;
+      EXPECT_EQ(p[MemCategory::Grads], 4 * psi / n) << what;
+      EXPECT_EQ(p[MemCategory::Master], dtype == DType::F32 ? 0 : 4 * psi / n) << what;
+      EXPECT_EQ(p[MemCategory::Moments], 8 * psi / n) << what;
+      EXPECT_EQ(p[MemCategory::Scratch], n == 1 ? 0 : 2 * 4 * tensor) << what;  // 2 slots
+      EXPECT_EQ(static_cast<double>(p.total() - units - p[MemCategory::Scratch]),
+                zero_formula_bytes(Stage::Zero3, static_cast<double>(psi), static_cast<double>(n),
+                                   dtype))
+          << what;
+    }
+  // Without units the whole model is one unit: every rank gathers all of it.
+  const MemoryPlan one = plan_memory(uniform_layout(psi, tensor),
+                                     {Stage::Zero3, 4, DType::BF16, DType::F32, tensor, 2, 2});
+  EXPECT_EQ(one.unit_buffers, 1);
+  EXPECT_EQ(one.unit_elems, psi);
 }

@@ -6,7 +6,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -161,6 +163,91 @@ TEST_P(ShmCollectives, ForeignBuffersTakeThePlainPath) {
     for (int r = 0; r < shm->size(); ++r) ref += exact_value(r, start + k, 5);
     ASSERT_EQ(static_cast<double>(got[k]), ref);
   }
+}
+
+// Plain MPI starts at most mpi_in_flight non-blocking collectives at once and the rest as
+// earlier ones complete. Whatever the limit and whatever order the caller waits in, every
+// collective must match its peers' (MPI matches by call order) and give the exact result;
+// a blocking collective issued while some are queued must not overtake them.
+TEST(PlainMpiLaunchQueue, CollectivesKeepCallOrderWhateverTheWaitOrder) {
+  for (const int limit : {1, 2, 3, 64}) {
+    auto comm = make_mpi_communicator(MPI_COMM_WORLD, {MpiCommKind::Plain, 0, limit});
+    const int world = comm->size();
+    const int me = comm->rank();
+    constexpr int kOps = 7;
+    const std::size_t count = 1031;  // per rank, not a multiple of 64
+    const auto total = count * static_cast<std::size_t>(world);
+    std::vector<std::vector<float>> bufs(kOps, std::vector<float>(total));
+    std::vector<std::unique_ptr<CommRequest>> reqs;
+    double scalar = 0.0;
+    for (int op = 0; op < kOps; ++op) {
+      auto& b = bufs[static_cast<std::size_t>(op)];
+      if (op % 3 == 2) {  // all-gather: each rank fills its own block
+        for (std::size_t k = 0; k < count; ++k)
+          b[static_cast<std::size_t>(me) * count + k] = exact_value(me, k, op);
+        reqs.push_back(comm->start_all_gather(b.data(), count, CommType::F32));
+      } else {
+        for (std::size_t k = 0; k < total; ++k) b[k] = exact_value(me, k, op);
+        reqs.push_back(comm->start_reduce_scatter_sum(b.data(), count, CommType::F32));
+      }
+      // Rank 0 alone drives progress, so ranks' queues differ in what has started.
+      if (me == 0)
+        for (auto& r : reqs) r->test();
+      if (op == 3) {  // a blocking collective while earlier ones may be queued
+        scalar = me + 1.0;
+        comm->all_reduce_sum(&scalar, 1, CommType::F64);
+      }
+    }
+    // Wait newest first; test() the others on the way.
+    for (int op = kOps; op-- > 0;) {
+      for (int other = 0; other < op; ++other) reqs[static_cast<std::size_t>(other)]->test();
+      reqs[static_cast<std::size_t>(op)]->wait();
+    }
+    EXPECT_EQ(scalar, world * (world + 1) / 2.0) << "limit " << limit;
+    for (int op = 0; op < kOps; ++op) {
+      const auto& b = bufs[static_cast<std::size_t>(op)];
+      if (op % 3 == 2) {
+        for (int r = 0; r < world; ++r)
+          for (std::size_t k = 0; k < count; ++k)
+            ASSERT_EQ(b[static_cast<std::size_t>(r) * count + k], exact_value(r, k, op))
+                << "all-gather " << op << " limit " << limit;
+      } else {
+        for (std::size_t k = 0; k < count; ++k) {
+          const std::size_t at = static_cast<std::size_t>(me) * count + k;
+          double want = 0;
+          for (int r = 0; r < world; ++r) want += exact_value(r, at, op);
+          ASSERT_EQ(static_cast<double>(b[at]), want) << "reduce-scatter " << op << " limit " << limit;
+        }
+      }
+    }
+  }
+}
+
+// A request dropped without a wait completes in its destructor, in order, on every rank.
+TEST(PlainMpiLaunchQueue, DroppedRequestsStillComplete) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD, {MpiCommKind::Plain, 0, 1});
+  const std::size_t count = 100;
+  const auto total = count * static_cast<std::size_t>(comm->size());
+  std::vector<float> a(total, 1.0f), b(total, 2.0f);
+  {
+    auto ra = comm->start_reduce_scatter_sum(a.data(), count, CommType::F32);
+    auto rb = comm->start_reduce_scatter_sum(b.data(), count, CommType::F32);
+  }
+  const std::size_t at = static_cast<std::size_t>(comm->rank()) * count;
+  EXPECT_EQ(a[at], static_cast<float>(comm->size()));
+  EXPECT_EQ(b[at], 2.0f * static_cast<float>(comm->size()));
+}
+
+TEST(PlainMpiLaunchQueue, BadEnvironmentValueIsRejectedOnEveryRank) {
+  setenv("SHARDOPT_MPI_IN_FLIGHT", "0", 1);
+  try {
+    make_mpi_communicator(MPI_COMM_WORLD, {MpiCommKind::Plain, 0});
+    ADD_FAILURE() << "SHARDOPT_MPI_IN_FLIGHT=0 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::InvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("SHARDOPT_MPI_IN_FLIGHT"), std::string::npos);
+  }
+  unsetenv("SHARDOPT_MPI_IN_FLIGHT");
 }
 
 INSTANTIATE_TEST_SUITE_P(Nodes, ShmCollectives, testing::Values(0, 2),

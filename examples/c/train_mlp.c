@@ -5,7 +5,14 @@
  * its final master weights equal the C++ trainer's bit for bit (tested by ctest).
  *
  *   mpiexec -n 2 ./train_mlp_c [--steps N] [--stage 0|1|2] [--dtype bf16|fp32]
- *                              [--params-out FILE]
+ *                              [--params-out FILE] [--save-dir DIR --save-at K]
+ *                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
+ *
+ * Checkpoints: --save-dir DIR --save-at K saves a checkpoint after step K (collective); then
+ * training goes on. --resume DIR loads the latest checkpoint of DIR, at any rank count and
+ * stage, and continues from the step it holds. --loss-out writes "step loss" per step;
+ * --check-loss compares the steps this run made with such a file (same global batch, so the
+ * curves agree up to the order of fp32 gradient sums; tolerance as the C++ trainer's).
  */
 #include <math.h>
 #include <stdint.h>
@@ -51,8 +58,12 @@ static void make_sample(int step, int s, float* x, float* y) {
 }
 
 typedef struct {
-  int steps, stage, dtype;
+  int steps, stage, dtype, save_at;
   const char* params_out;
+  const char* save_dir;
+  const char* resume;
+  const char* loss_out;
+  const char* check_loss;
 } cli_t;
 
 static int parse(int argc, char** argv, cli_t* c) {
@@ -61,6 +72,11 @@ static int parse(int argc, char** argv, cli_t* c) {
   c->stage = SHARDOPT_STAGE_ZERO1;
   c->dtype = SHARDOPT_DTYPE_BF16;
   c->params_out = NULL;
+  c->save_dir = NULL;
+  c->save_at = -1;
+  c->resume = NULL;
+  c->loss_out = NULL;
+  c->check_loss = NULL;
   for (i = 1; i < argc; ++i) {
     const char* a = argv[i];
     if (i + 1 >= argc) {
@@ -71,6 +87,11 @@ static int parse(int argc, char** argv, cli_t* c) {
     else if (strcmp(a, "--stage") == 0) c->stage = atoi(argv[++i]);
     else if (strcmp(a, "--dtype") == 0) c->dtype = strcmp(argv[++i], "fp32") == 0 ? SHARDOPT_DTYPE_F32 : SHARDOPT_DTYPE_BF16;
     else if (strcmp(a, "--params-out") == 0) c->params_out = argv[++i];
+    else if (strcmp(a, "--save-dir") == 0) c->save_dir = argv[++i];
+    else if (strcmp(a, "--save-at") == 0) c->save_at = atoi(argv[++i]);
+    else if (strcmp(a, "--resume") == 0) c->resume = argv[++i];
+    else if (strcmp(a, "--loss-out") == 0) c->loss_out = argv[++i];
+    else if (strcmp(a, "--check-loss") == 0) c->check_loss = argv[++i];
     else {
       fprintf(stderr, "train_mlp_c: unknown option %s\n", a);
       return 1;
@@ -122,6 +143,37 @@ static int write_params(shardopt_optimizer_t opt, const char* path, int rank) {
   return failed;
 }
 
+/* Rank 0 compares losses[first, last) with the "step loss" lines of `path`; returns 1 when a
+ * step is missing there or differs by more than the tolerance, or the loss did not fall. */
+static int check_loss(const char* path, const double* losses, int first, int last, int dtype) {
+  /* Ranks change only the order of fp32 gradient sums; a bf16 replica turns some last-bit
+   * differences into bf16 rounding flips (see examples/cpp/train_mlp.cpp). */
+  const double tol = dtype == SHARDOPT_DTYPE_F32 ? 1e-5 : 5e-3;
+  double worst = 0;
+  int step, matched = 0;
+  double loss;
+  FILE* f = fopen(path, "r");
+  if (f == NULL) {
+    fprintf(stderr, "train_mlp_c: cannot read %s\n", path);
+    return 1;
+  }
+  while (fscanf(f, "%d %lf", &step, &loss) == 2) {
+    double d;
+    if (step < first || step >= last) continue;
+    d = fabs(losses[step] - loss) / (fabs(loss) > 1e-12 ? fabs(loss) : 1e-12);
+    if (d > worst) worst = d;
+    ++matched;
+  }
+  fclose(f);
+  printf("loss curve of steps %d..%d vs %s: max relative difference %.3e (tolerance %.0e)\n",
+         first, last - 1, path, worst, tol);
+  if (matched != last - first) {
+    fprintf(stderr, "train_mlp_c: %s has %d of the %d steps\n", path, matched, last - first);
+    return 1;
+  }
+  return worst > tol || losses[last - 1] >= losses[first] ? 1 : 0;
+}
+
 static int train(shardopt_optimizer_t opt, const cli_t* cli) {
   static float w1[kHidden * kIn], b1[kHidden], w2[kOut * kHidden], b2[kOut];
   static float gw1[kHidden * kIn], gb1[kHidden], gw2[kOut * kHidden], gb2[kOut];
@@ -131,9 +183,11 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
   const size_t sizes[kParams] = {kHidden * kIn, kHidden, kOut * kHidden, kOut};
   const char* names[kParams] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
   size_t W1, B1, W2, B2, index[kParams];
-  int rank = 0, world = 1, no_decay = 0, local, first, step, s, i, j, o, p;
+  int rank = 0, world = 1, no_decay = 0, local, first, step, s, i, j, o, p, start = 0, rc = 0;
   size_t k;
   shardopt_step_result_t r;
+  double* losses = (double*)calloc((size_t)(cli->steps > 0 ? cli->steps : 1), sizeof(double));
+  int64_t done = 0;
 
   CHECK(shardopt_comm_rank(opt, &rank));
   CHECK(shardopt_comm_size(opt, &world));
@@ -152,10 +206,19 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     for (k = 0; k < sizes[p]; ++k) init[k] = scales[p] * uniform((uint64_t)(11 + p), k);
     CHECK(shardopt_set_param(opt, index[p], init, sizes[p]));
   }
+  if (cli->resume != NULL) {
+    /* Collective: state, step count and hyperparameters of the checkpoint, resharded to this
+     * run's ranks and stage; the replica is complete when it returns. */
+    CHECK(shardopt_load_checkpoint(opt, cli->resume));
+    CHECK(shardopt_step_count(opt, &done));
+    start = (int)done;
+    if (rank == 0) printf("resumed from %s at step %d on %d ranks\n", cli->resume, start, world);
+  }
+  CHECK(shardopt_step_result_init(&r));
 
   local = kGlobalBatch / world;
   first = rank * local;
-  for (step = 0; step < cli->steps; ++step) {
+  for (step = start; step < cli->steps; ++step) {
     /* Linear warm-up then cosine decay; set on every rank alike. */
     const double warm = 20, peak = 1e-2;
     const double lr = step < warm ? peak * (step + 1) / warm
@@ -211,6 +274,16 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     CHECK(shardopt_step(opt, &r));
 
     loss = sum_over_ranks(local_sse) / kGlobalBatch;
+    losses[step] = loss;
+    if (r.step != step + 1) {
+      fprintf(stderr, "train_mlp_c: the optimizer counts %lld updates after step %d\n", (long long)r.step, step);
+      return 1;
+    }
+    if (cli->save_dir != NULL && step + 1 == cli->save_at) {
+      const char* where = NULL;
+      CHECK(shardopt_save_checkpoint(opt, cli->save_dir, 2, &where)); /* collective */
+      if (rank == 0) printf("saved %s after step %d\n", where, step);
+    }
     if (rank == 0 && (step % 20 == 0 || step == cli->steps - 1))
       printf("step %4d  loss %.6f  grad_norm %.4f%s%s  lr %.2e\n", step, loss, r.grad_norm,
              r.clipped ? " (clipped)" : "", r.skipped ? " (skipped)" : "", lr);
@@ -221,7 +294,17 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     CHECK(shardopt_memory_usage(opt, SHARDOPT_MEM_TOTAL, &bytes, &peak));
     if (rank == 0) printf("rank 0 optimizer memory: %zu bytes (peak %zu)\n", bytes, peak);
   }
-  return cli->params_out != NULL ? write_params(opt, cli->params_out, rank) : 0;
+  if (rank == 0 && cli->loss_out != NULL) {
+    FILE* f = fopen(cli->loss_out, "w");
+    if (f == NULL) rc = 1;
+    for (step = start; f != NULL && step < cli->steps; ++step) fprintf(f, "%d %.17g\n", step, losses[step]);
+    if (f != NULL && fclose(f) != 0) rc = 1;
+  }
+  if (rank == 0 && cli->check_loss != NULL && start < cli->steps)
+    rc |= check_loss(cli->check_loss, losses, start, cli->steps, cli->dtype);
+  free(losses);
+  if (cli->params_out != NULL) rc |= write_params(opt, cli->params_out, rank);
+  return rc;
 }
 
 int main(int argc, char** argv) {

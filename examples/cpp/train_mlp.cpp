@@ -6,15 +6,19 @@
 // bf16 replica the optimizer keeps; backward writes fp32 gradients into the optimizer; the
 // optimizer reduce-scatters, clips, updates its shard and all-gathers.
 //
-//   mpiexec -n 2 ./train_mlp [--steps N] [--stage 0|1|2] [--dtype bf16|fp32]
+//   mpiexec -n 2 ./train_mlp [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
 //                            [--micro-batches K] [--no-overlap]
 //                            [--loss-out FILE] [--check-against FILE] [--params-out FILE]
+//   ./train_mlp --help
 //
 // Each rank's slice of the batch is split into K micro-batches (default 2): all but the last
 // accumulate gradients locally with no communication; during the last one each bucket's
 // reduction starts as soon as its gradients are ready (overlapped with the rest of
 // backward). --micro-batches 1 --no-overlap is the plain step, for comparison: with the same
 // K, overlap on and off give bit-identical weights.
+//
+// --stage 3 shards the parameters too: each layer is a unit, and the forward pass acquires
+// layer 1 while prefetching layer 2, releases it, then acquires layer 2 (already in flight).
 //
 // --params-out writes the final fp32 master weights of every parameter, in order, as raw
 // floats; the C and Fortran trainers (examples/c, examples/fortran) write the same file.
@@ -27,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "cli.hpp"
 #include "shardopt/optimizer.hpp"
 #ifdef SHARDOPT_WITH_MPI
 #include <mpi.h>
@@ -70,25 +75,32 @@ struct Options {
   std::string loss_out, check_against, params_out;
 };
 
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw Error(Status::InvalidArgument, a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--steps") o.steps = std::stoi(next());
-    else if (a == "--stage") o.stage = static_cast<Stage>(std::stoi(next()));
-    else if (a == "--dtype") o.dtype = next() == "fp32" ? DType::F32 : DType::BF16;
-    else if (a == "--loss-out") o.loss_out = next();
-    else if (a == "--check-against") o.check_against = next();
-    else if (a == "--params-out") o.params_out = next();
-    else if (a == "--micro-batches") o.micro_batches = std::stoi(next());
-    else if (a == "--no-overlap") o.overlap = false;
-    else throw Error(Status::InvalidArgument, "unknown option " + a);
-  }
-  return o;
+// The command line; returns the exit code after --help, --version or bad input (printed on
+// rank 0 only), or -1 to train.
+int parse(int argc, char** argv, bool print, Options& o) {
+  CLI::App app{"A small data-parallel MLP trainer that uses shardopt as its optimizer; run it "
+               "under mpiexec."};
+  cli::init(app, "train_mlp");
+  app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::Range(1, 1 << 30))
+      ->capture_default_str();
+  app.add_option("--stage", o.stage, "0 (data-parallel), 1, 2 or 3")
+      ->transform(cli::choice<Stage>({{"0", Stage::DataParallel}, {"dp", Stage::DataParallel},
+                                      {"1", Stage::Zero1}, {"2", Stage::Zero2},
+                                      {"3", Stage::Zero3}}))
+      ->default_str("1");
+  app.add_option("--dtype", o.dtype, "the parameter replica")
+      ->transform(cli::choice<DType>({{"bf16", DType::BF16}, {"fp32", DType::F32}}))
+      ->default_str("bf16");
+  app.add_option("--micro-batches", o.micro_batches,
+                 "micro-batches per step (all but the last accumulate without communication)")
+      ->check(CLI::Range(1, kGlobalBatch))->capture_default_str();
+  app.add_flag("--no-overlap{false}", o.overlap, "reduce buckets in step(), not during backward");
+  app.add_option("--loss-out", o.loss_out, "write the loss curve (one value per step)");
+  app.add_option("--check-against", o.check_against,
+                 "compare the loss curve with this file; fail beyond the tolerance")
+      ->check(CLI::ExistingFile);
+  app.add_option("--params-out", o.params_out, "write the final fp32 master weights (raw floats)");
+  return cli::parse(app, argc, argv, print);
 }
 
 // Reads parameter p as float, whatever the replica dtype.
@@ -125,8 +137,12 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   o.overlap = cli.overlap;
   ShardedOptimizer opt(comm, o);
   const int no_decay = opt.add_group(GroupOptions{1.0, false});
+  // Stage 3 gathers parameters a unit (here: a layer) at a time. (Units are declared only at
+  // stage 3 so that the other stages keep the C and Fortran trainers' layout.)
+  const bool zero3 = cli.stage == Stage::Zero3;
   const std::size_t W1 = opt.add_param("fc1.weight", kHidden * kIn);
   const std::size_t B1 = opt.add_param("fc1.bias", kHidden, no_decay);
+  const std::size_t layer2 = zero3 ? static_cast<std::size_t>(opt.begin_unit()) : 0;
   const std::size_t W2 = opt.add_param("fc2.weight", kOut * kHidden);
   const std::size_t B2 = opt.add_param("fc2.bias", kOut, no_decay);
   opt.finalize();
@@ -158,8 +174,20 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
     const double lr = step < warm ? peak * (step + 1) / warm
                                   : peak * 0.5 * (1 + std::cos(M_PI * (step - warm) / (cli.steps - warm)));
     opt.set_lr(lr);
-    const std::vector<float> w1 = read_param(opt, W1), b1 = read_param(opt, B1),
-                             w2 = read_param(opt, W2), b2 = read_param(opt, B2);
+    // Forward reads each layer; at stage 3 the layer is acquired (gathered) first, the next
+    // one prefetched so its gather overlaps this layer's use, and released after use.
+    const std::size_t layer1 = 0;
+    if (zero3) {
+      opt.acquire(layer1);
+      opt.prefetch(layer2);
+    }
+    const std::vector<float> w1 = read_param(opt, W1), b1 = read_param(opt, B1);
+    if (zero3) {
+      opt.release(layer1);
+      opt.acquire(layer2);
+    }
+    const std::vector<float> w2 = read_param(opt, W2), b2 = read_param(opt, B2);
+    if (zero3) opt.release(layer2);
     double local_sse = 0;
     for (int mb = 0; mb < cli.micro_batches; ++mb) {
       opt.begin_backward(/*sync=*/mb + 1 == cli.micro_batches);
@@ -282,17 +310,22 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  int rank = 0;
 #ifdef SHARDOPT_WITH_MPI
   MPI_Init(&argc, &argv);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 #endif
   int rc = 0;
   try {
-    const Options cli = parse(argc, argv);
+    Options options;
+    rc = parse(argc, argv, rank == 0, options);
+    if (rc < 0) {
 #ifdef SHARDOPT_WITH_MPI
-    rc = run(make_mpi_communicator(MPI_COMM_WORLD), cli);
+      rc = run(make_mpi_communicator(MPI_COMM_WORLD), options);
 #else
-    rc = run(make_single_process_communicator(), cli);
+      rc = run(make_single_process_communicator(), options);
 #endif
+    }
   } catch (const Error& e) {
     std::fprintf(stderr, "train_mlp: %s: %s\n", status_name(e.status()), e.what());
     rc = 1;

@@ -7,11 +7,17 @@
 ! w(i, j) here is element j * n_in + i of the C++ trainer's row-major w[j][i].
 !
 !   mpiexec -n 2 ./train_mlp_f [--steps N] [--stage 0|1|2] [--dtype bf16|fp32]
-!                              [--params-out FILE]
+!                              [--params-out FILE] [--save-dir DIR --save-at K]
+!                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
+!
+! Checkpoints as in examples/c/train_mlp.c: --save-dir/--save-at save after step K, --resume
+! loads the latest checkpoint of DIR (any rank count and stage) and continues; --loss-out and
+! --check-loss write and compare "step loss" lines. MPI comes from mpi_f08: the library takes
+! the communicator's integer handle, MPI_COMM_WORLD%MPI_VAL.
 program train_mlp_f
   use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int16_t, c_int64_t, c_int
   use, intrinsic :: iso_fortran_env, only: error_unit, int64
-  use mpi
+  use mpi_f08
   use shardopt
   implicit none
 
@@ -21,13 +27,13 @@ program train_mlp_f
   type(shardopt_optimizer) :: opt
   type(shardopt_config) :: cfg
   type(shardopt_step_result) :: r
-  integer :: steps, stage, ierr, status, rank, world, rc
+  integer :: steps, stage, status, rank, world, rc, save_at
   integer(c_int) :: dtype
-  character(len=:), allocatable :: params_out
+  character(len=:), allocatable :: params_out, save_dir, resume, loss_out, check_loss
   character(len=512) :: msg
 
-  call mpi_init(ierr)
-  call parse_arguments(steps, stage, dtype, params_out)
+  call mpi_init()
+  call parse_arguments()
 
   call shardopt_config_init(cfg, status)
   cfg%stage = stage
@@ -36,13 +42,13 @@ program train_mlp_f
   cfg%weight_decay = 0.01_c_double
   cfg%max_grad_norm = 1.0_c_double
   cfg%bucket_elems = 1024  ! several stage-2 buckets even for this small model
-  call shardopt_create(opt, status, config=cfg, comm=MPI_COMM_WORLD, errmsg=msg)
+  call shardopt_create(opt, status, config=cfg, comm=MPI_COMM_WORLD%MPI_VAL, errmsg=msg)
   call check(status, msg)
 
   rc = train()
-  call mpi_allreduce(MPI_IN_PLACE, rc, 1, MPI_INTEGER, MPI_MAX, MPI_COMM_WORLD, ierr)
+  call mpi_allreduce(MPI_IN_PLACE, rc, 1, MPI_INTEGER, MPI_MAX, MPI_COMM_WORLD)
   call shardopt_destroy(opt, status)  ! before mpi_finalize: frees the library's communicator
-  call mpi_finalize(ierr)
+  call mpi_finalize()
   if (rc /= 0) error stop 1
 
 contains
@@ -56,16 +62,18 @@ contains
     error stop 1
   end subroutine check
 
-  subroutine parse_arguments(steps, stage, dtype, params_out)
-    integer, intent(out) :: steps, stage
-    integer(c_int), intent(out) :: dtype
-    character(len=:), allocatable, intent(out) :: params_out
+  subroutine parse_arguments()
     character(len=512) :: flag, value
     integer :: i
     steps = 200
     stage = SHARDOPT_STAGE_ZERO1
     dtype = SHARDOPT_DTYPE_BF16
+    save_at = -1
     params_out = ''
+    save_dir = ''
+    resume = ''
+    loss_out = ''
+    check_loss = ''
     i = 1
     do while (i + 1 <= command_argument_count())
       call get_command_argument(i, flag)
@@ -79,6 +87,16 @@ contains
         dtype = merge(SHARDOPT_DTYPE_F32, SHARDOPT_DTYPE_BF16, trim(value) == 'fp32')
       case ('--params-out')
         params_out = trim(value)
+      case ('--save-dir')
+        save_dir = trim(value)
+      case ('--save-at')
+        read (value, *) save_at
+      case ('--resume')
+        resume = trim(value)
+      case ('--loss-out')
+        loss_out = trim(value)
+      case ('--check-loss')
+        check_loss = trim(value)
       case default
         write (error_unit, '(a,a)') 'train_mlp_f: unknown option ', trim(flag)
         error stop 2
@@ -90,6 +108,38 @@ contains
       error stop 2
     end if
   end subroutine parse_arguments
+
+  !> Rank 0 compares losses(first:last) with the "step loss" lines of `path` (tolerance as the
+  !> C++ trainer's: ranks change only the order of fp32 gradient sums); 1 when they differ,
+  !> a step is missing, or the loss did not fall.
+  integer function compare_losses(path, losses, first, last)
+    character(len=*), intent(in) :: path
+    real(c_double), intent(in) :: losses(0:)
+    integer, intent(in) :: first, last
+    real(c_double) :: tol, worst, loss
+    integer :: unit, step, ios, matched
+    tol = merge(1e-5_c_double, 5e-3_c_double, dtype == SHARDOPT_DTYPE_F32)
+    worst = 0
+    matched = 0
+    open (newunit=unit, file=path, status='old', action='read', iostat=ios)
+    if (ios /= 0) then
+      write (error_unit, '(a,a)') 'train_mlp_f: cannot read ', path
+      compare_losses = 1
+      return
+    end if
+    do
+      read (unit, *, iostat=ios) step, loss
+      if (ios /= 0) exit
+      if (step < first .or. step > last) cycle
+      worst = max(worst, abs(losses(step) - loss) / max(1e-12_c_double, abs(loss)))
+      matched = matched + 1
+    end do
+    close (unit)
+    write (*, '(a,i0,a,i0,a,es10.3,a,es8.1,a)') 'loss curve of steps ', first, '..', last, &
+      ': max relative difference ', worst, ' (tolerance ', tol, ')'
+    compare_losses = 0
+    if (matched /= last - first + 1 .or. worst > tol .or. losses(last) >= losses(first)) compare_losses = 1
+  end function compare_losses
 
   !> Deterministic uniform value in [-1, 1) from integers (splitmix64). The arithmetic wraps
   !> modulo 2**64 like C's uint64_t (built with -fwrapv); shiftr is a logical shift.
@@ -198,8 +248,10 @@ contains
     real(c_float) :: x(n_in), y(n_out), h(n_hidden), dout(n_out), dh(n_hidden), a, e
     real(c_double) :: lr, local_sse, loss
     real(c_double), parameter :: warm = 20, peak = 1e-2_c_double
-    integer :: iw1, ib1, iw2, ib2, no_decay, local, first, step, s, i, j, o
-    integer(c_int64_t) :: bytes, peak_bytes
+    real(c_double), allocatable :: losses(:)
+    integer :: iw1, ib1, iw2, ib2, no_decay, local, first, step, s, i, j, o, start, unit
+    integer(c_int64_t) :: bytes, peak_bytes, done
+    character(len=512) :: where
 
     train = 0
     call shardopt_comm_rank(opt, rank, status)
@@ -226,10 +278,23 @@ contains
     call init_param(ib1, n_hidden, 0.0_c_float, 12)
     call init_param(iw2, n_out * n_hidden, 1.0_c_float / sqrt(real(n_hidden, c_float)), 13)
     call init_param(ib2, n_out, 0.0_c_float, 14)
+    start = 0
+    if (len(resume) > 0) then
+      ! Collective: the checkpoint's state, resharded to this run's ranks and stage.
+      call shardopt_load_checkpoint(opt, resume, status, msg)
+      call check(status, msg)
+      call shardopt_step_count(opt, done, status, msg)
+      call check(status, msg)
+      start = int(done)
+      if (rank == 0) write (*, '(a,a,a,i0,a,i0,a)') 'resumed from ', resume, ' at step ', start, &
+                                                   ' on ', world, ' ranks'
+    end if
+    allocate (losses(0:max(steps, 1) - 1))
+    losses = 0
 
     local = global_batch / world
     first = rank * local
-    do step = 0, steps - 1
+    do step = start, steps - 1
       ! Linear warm-up then cosine decay; set on every rank alike.
       if (step < warm) then
         lr = (peak * real(step + 1, c_double)) / warm
@@ -304,8 +369,19 @@ contains
       call shardopt_step(opt, status, result=r, errmsg=msg)
       call check(status, msg)
 
-      call mpi_allreduce(local_sse, loss, 1, MPI_DOUBLE_PRECISION, MPI_SUM, MPI_COMM_WORLD, ierr)
+      call mpi_allreduce(local_sse, loss, 1, MPI_DOUBLE_PRECISION, MPI_SUM, MPI_COMM_WORLD)
       loss = loss / global_batch
+      losses(step) = loss
+      if (r%step /= step + 1) then
+        write (error_unit, '(a,i0)') 'train_mlp_f: wrong update count after step ', step
+        train = 1
+        return
+      end if
+      if (len(save_dir) > 0 .and. step + 1 == save_at) then
+        call shardopt_save_checkpoint(opt, save_dir, status, keep=2, published=where, errmsg=msg)
+        call check(status, msg)
+        if (rank == 0) write (*, '(a,a,a,i0)') 'saved ', trim(where), ' after step ', step
+      end if
       if (rank == 0 .and. (mod(step, 20) == 0 .or. step == steps - 1)) then
         write (*, '(a,i4,a,f9.6,a,f7.4,a,es9.2)') 'step ', step, '  loss ', loss, &
           '  grad_norm ', r%grad_norm, '  lr ', lr
@@ -316,6 +392,15 @@ contains
     call check(status, 'shardopt_memory_usage')
     if (rank == 0) write (*, '(a,i0,a,i0,a)') 'rank 0 optimizer memory: ', bytes, ' bytes (peak ', &
                                             peak_bytes, ')'
+    if (rank == 0 .and. len(loss_out) > 0) then
+      open (newunit=unit, file=loss_out, status='replace', action='write')
+      do step = start, steps - 1
+        write (unit, '(i0,1x,es25.17)') step, losses(step)
+      end do
+      close (unit)
+    end if
+    if (rank == 0 .and. len(check_loss) > 0 .and. start < steps) &
+      train = compare_losses(check_loss, losses, start, steps - 1)
     if (len(params_out) > 0) call write_params(params_out)
   end function train
 

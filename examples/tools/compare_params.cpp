@@ -8,7 +8,10 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <string>
 #include <vector>
+
+#include "cli.hpp"
 
 namespace {
 
@@ -25,20 +28,26 @@ bool read_floats(const char* path, std::vector<float>& out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 3 || argc > 4) {
-    std::fprintf(stderr, "usage: compare_params REFERENCE CANDIDATE [MAX_ABS_DIFF]\n");
-    return 2;
-  }
-  const double tol = argc == 4 ? std::atof(argv[3]) : 0.0;
+  CLI::App app{"Compares two parameter files written by the trainers' --params-out (raw fp32 "
+               "values); fails when they differ by more than the tolerance."};
+  shardopt::cli::init(app, "compare_params");
+  std::string reference, candidate;
+  double tol = 0.0;
+  app.add_option("REFERENCE", reference, "the reference file")->required();
+  app.add_option("CANDIDATE", candidate, "the file to compare with it")->required();
+  app.add_option("MAX_ABS_DIFF", tol, "largest |difference| allowed; 0: bit-for-bit equal")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  if (const int rc = shardopt::cli::parse(app, argc, argv); rc >= 0) return rc;
   std::vector<float> ref, got;
-  for (auto [path, v] : {std::pair{argv[1], &ref}, std::pair{argv[2], &got}}) {
-    if (!read_floats(path, *v)) {
-      std::fprintf(stderr, "cannot read %s as raw fp32 values\n", path);
+  for (auto [path, v] : {std::pair{&reference, &ref}, std::pair{&candidate, &got}}) {
+    if (!read_floats(path->c_str(), *v)) {
+      std::fprintf(stderr, "cannot read %s as raw fp32 values\n", path->c_str());
       return 1;
     }
   }
   if (ref.size() != got.size() || ref.empty()) {
-    std::fprintf(stderr, "%s has %zu values, %s has %zu\n", argv[1], ref.size(), argv[2], got.size());
+    std::fprintf(stderr, "%s has %zu values, %s has %zu\n", reference.c_str(), ref.size(),
+                 candidate.c_str(), got.size());
     return 1;
   }
   std::size_t bit_differences = 0;

@@ -1,12 +1,14 @@
 // checkpoint.hpp: crash-safe, reshardable checkpoints of the optimizer state.
 //
 // A save directory holds published checkpoints (ckpt-00000001, ckpt-00000002, ...) and a
-// LATEST file naming the newest. Each checkpoint is one metadata file plus one shard file per
-// rank of the saving run; every file is CRC-32C checksummed. A save writes into a temporary
-// directory and publishes it by rename, so a process killed at any moment leaves the
-// previous checkpoint complete. A checkpoint saved at N ranks loads at any M ranks, in any
-// stage, bit for bit. Format and protocol: docs/checkpoint-format.md. All ranks must see the
-// same file system path.
+// checksummed LATEST file naming the newest. Each checkpoint is one metadata file plus one
+// shard file per rank of the saving run, holding the state per parameter without padding
+// (independent of the saving world size and stage); every file and block is CRC-32C
+// checksummed. A save writes into a temporary directory and publishes it by rename, so a
+// process killed at any moment leaves the previous checkpoint complete. A checkpoint saved at
+// N ranks loads at any M ranks, in any stage, bit for bit; checkpoints of the previous format
+// (1) still load. Format and protocol: docs/checkpoint-format.md. All ranks must see the same
+// file system path.
 #pragma once
 
 #include <filesystem>
@@ -16,7 +18,9 @@
 namespace shardopt {
 
 struct SaveOptions {
-  int keep = 2;  ///< published checkpoints kept in the directory (older ones removed); >= 1
+  /// Published checkpoints kept in the directory, >= 1. Older ones are removed once the new
+  /// one is published; a failure to remove one is a warning (stderr), not a failed save.
+  int keep = 2;
 };
 
 /// Collective. Saves the full optimizer state (fp32 master, moments, step count, loss scale,

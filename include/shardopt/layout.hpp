@@ -15,6 +15,11 @@
 // bucket is cut at multiples of N x 64 instead, so it spans several buckets with no padding
 // inside it. Each parameter is therefore one contiguous range of the flat buffer.
 //
+// Units (stage 3's unit of parameter gathering, typically one layer) are runs of
+// consecutively registered parameters. A bucket never straddles units: a unit boundary
+// closes the open bucket (padded up to N x 64), so a unit is a whole number of buckets and
+// one contiguous range of the flat buffer. A layout without units is one unit (unit 0).
+//
 // Coordinates (all half-open Ranges):
 //   flat     position in the flat buffer (the replica, the full gradient buffer)
 //   bucket   the bucket's own range of the flat buffer; slice(b, r) is rank r's part of it
@@ -40,6 +45,7 @@ struct ParamInfo {
   std::string name;
   std::size_t numel = 0;
   int group = 0;
+  int unit = 0;   ///< the unit it belongs to (units are contiguous in registration order)
   Range flat;     ///< where the parameter lives in the flat buffer (valid once built)
   Range buckets;  ///< indices of the buckets it has elements in (valid once built)
 };
@@ -70,6 +76,13 @@ struct Bucket {
   std::size_t num_params() const { return end_param - first_param; }
 };
 
+/// One unit: consecutive parameters whose buckets it alone fills.
+struct Unit {
+  Range params;   ///< parameter indices
+  Range buckets;  ///< bucket indices (backward order: buckets.begin holds its last parameters)
+  Range flat;     ///< its range of the flat buffer: the union of its buckets
+};
+
 class FlatLayout {
  public:
   static constexpr std::size_t kAlignElems = 64;
@@ -92,9 +105,10 @@ class FlatLayout {
     return round_up(bucket_elems == 0 ? 1 : bucket_elems, bucket_quantum(world_size));
   }
 
-  /// Registers a parameter; throws Error(InvalidArgument) for an empty or duplicate name, or
-  /// a zero size. Offsets are assigned by build().
-  std::size_t add(std::string_view name, std::size_t numel, int group);
+  /// Registers a parameter in `unit`; throws Error(InvalidArgument) for an empty or duplicate
+  /// name, a zero size, or a unit other than the last parameter's unit or the next one
+  /// (units are contiguous, numbered from 0). Offsets are assigned by build().
+  std::size_t add(std::string_view name, std::size_t numel, int group, int unit = 0);
 
   /// Places the parameters and cuts the buckets for `world_size` ranks and buckets of about
   /// `bucket_elems` elements. Further add() calls throw.
@@ -116,6 +130,13 @@ class FlatLayout {
   std::size_t bucket_elems() const { return bucket_elems_; }
   std::size_t bucket_capacity() const { return capacity_; }
 
+  /// Units: 1 + the last parameter's unit (valid once built; 1 for a layout without units).
+  std::size_t num_units() const { return units_.size(); }
+  const Unit& unit(std::size_t u) const { return units_[u]; }
+  const std::vector<Unit>& units() const { return units_; }
+  /// The largest unit's flat size: a gathered unit's buffer.
+  std::size_t max_unit_elems() const;
+
   std::size_t num_buckets() const { return buckets_.size(); }
   const Bucket& bucket(std::size_t b) const { return buckets_[b]; }
   /// In backward order (bucket 0 at the end of the flat buffer).
@@ -132,8 +153,8 @@ class FlatLayout {
   /// in its local arrays.
   std::vector<ShardPiece> owned_pieces(int rank) const;
 
-  /// A hash of everything that must agree between ranks (names, sizes, groups, order, world
-  /// size, bucket size).
+  /// A hash of everything that must agree between ranks (names, sizes, groups, units, order,
+  /// world size, bucket size).
   std::uint64_t fingerprint() const;
   /// One line per parameter, for error messages and logs.
   std::string describe(std::size_t max_lines = 16) const;
@@ -142,6 +163,7 @@ class FlatLayout {
   std::vector<ParamInfo> params_;
   std::unordered_map<std::string, std::size_t> index_;  ///< name -> parameter index
   std::vector<Bucket> buckets_;
+  std::vector<Unit> units_;
   std::size_t unpadded_ = 0;
   std::size_t padded_ = 0;
   std::size_t bucket_elems_ = 0;

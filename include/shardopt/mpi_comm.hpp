@@ -24,6 +24,10 @@ struct MpiCommOptions {
   /// as a node (tests of the hierarchical path on one machine). 0: SHARDOPT_SIMULATE_NODES
   /// if set, else the real nodes (MPI_COMM_TYPE_SHARED).
   int simulate_nodes = 0;
+  /// How many non-blocking collectives plain MPI keeps started at once; later ones start, in
+  /// call order, as earlier ones complete. 0: SHARDOPT_MPI_IN_FLIGHT if set, else 1 (MPICH
+  /// 4.0 slows down sharply with several large ones outstanding; docs/performance.md).
+  int mpi_in_flight = 0;
 };
 
 /// Collective. Duplicates `comm` (so the library's traffic never matches the caller's) and

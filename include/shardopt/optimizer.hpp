@@ -9,6 +9,9 @@
 //   loop: forward reads opt.param<bf16>(i); backward writes opt.grad(i) (or
 //         accumulate_grad); stage 2 also calls grad_ready(i) in backward order;
 //         StepResult r = opt.step();                // collective
+// Stage 3 (parameters sharded too): register parameters in units (begin_unit(), typically
+// one per layer); forward and backward acquire(u) a unit before reading param(i) of its
+// parameters and release(u) after, prefetch(u) the next one to overlap its gather.
 #pragma once
 
 #include <cstdint>
@@ -64,11 +67,15 @@ enum class StateArray : int { Master = 0, ExpAvg = 1, ExpAvgSq = 2 };
 
 class Backend;    // buffers and kernels of one device kind (internal)
 class BucketSet;  // per-bucket gradient and parameter synchronisation (internal)
+class UnitSet;    // stage 3's gathered units (internal)
 struct BufferPlan;
 
 class ShardedOptimizer {
  public:
-  /// Validates options on this rank (throws Error(InvalidArgument)); no communication.
+  /// Collective. Validates the options (after applying SHARDOPT_DEBUG_COLLECTIVES and
+  /// SHARDOPT_COLLECTIVE_TIMEOUT, see options.hpp); an invalid option on any rank is the same
+  /// Error(InvalidArgument) on every rank. Sets the collective timeout on `comm` and, with
+  /// debug_collectives, wraps it in make_checked_communicator() (comm() is the wrapper).
   ShardedOptimizer(std::shared_ptr<Communicator> comm, OptimizerOptions options);
   ~ShardedOptimizer();
   ShardedOptimizer(const ShardedOptimizer&) = delete;
@@ -80,6 +87,11 @@ class ShardedOptimizer {
   /// Registers a parameter; returns its index. Throws for an empty/duplicate name, zero
   /// size or unknown group.
   std::size_t add_param(std::string_view name, std::size_t numel, int group = 0);
+  /// Starts a new unit and returns its index: parameters registered from now on belong to it
+  /// (until the next begin_unit()). Unit 0 is open from the start, and a unit with no
+  /// parameters yet is reused, so the first call returns 0. Buckets never straddle units
+  /// (every stage); stage 3 gathers parameters unit by unit (acquire/prefetch/release).
+  int begin_unit();
 
   /// Collective. Builds the padded layout, verifies that every rank registered the same
   /// parameters, groups, dtypes and stage (otherwise every rank throws LayoutMismatch), and
@@ -104,10 +116,31 @@ class ShardedOptimizer {
   /// Waits until parameter i's replica is complete after the last step (see param()).
   void wait_param(std::size_t i);
 
+  // ---- stage 3: gathered units (collective: same calls, same order on every rank) ---------
+  // Each rank keeps only its slice of every bucket of the replica; a unit is gathered into
+  // one of options().units_in_flight pool buffers (accounted as MemCategory::Params) and
+  // param(i) of its parameters views that buffer until the unit is released. At other stages
+  // these calls throw Error(InvalidState). step() throws InvalidState while a unit is held
+  // (acquired or prefetched): the update would leave it stale.
+  /// Gathers unit u if it is not prefetched already and waits; param(i) of its parameters is
+  /// then valid until release(u). Throws InvalidState if u is acquired already, or if every
+  /// pool buffer is held.
+  void acquire(std::size_t unit);
+  /// Starts gathering unit u without waiting (a no-op if it is held already); the next
+  /// acquire(u) waits for it. Throws InvalidState if every pool buffer is held.
+  void prefetch(std::size_t unit);
+  /// Returns unit u's buffer to the pool; its param() views become invalid. Throws
+  /// InvalidState if u is not acquired.
+  void release(std::size_t unit);
+
   /// Starts the backward pass of one micro-batch. sync = false for every micro-batch but the
   /// last of a step: gradients then accumulate locally with no communication. step()
   /// averages over the micro-batches begun since the previous step (one if never called).
   void begin_backward(bool sync = true);
+
+  /// Stage 3 ignores sync = false: every micro-batch's buckets are reduce-scattered and
+  /// summed into this rank's gradient slices (no full-size buffer); with exactly summable
+  /// gradients the result equals stage 2's local accumulation bit for bit.
 
   /// The fp32 gradient of parameter i that backward writes or accumulates into. Stage 0/1:
   /// a view of the full gradient buffer. Stage 2: a view into the staging bucket being
@@ -131,8 +164,16 @@ class ShardedOptimizer {
   void zero_grad();
 
   // ---- the step (collective) ---------------------------------------------------------------
+  /// Collective. Every rank must step with the same hyperparameters, group settings,
+  /// micro-batch count, step count and loss scaling state and options; this is checked in
+  /// the norm's all-reduce. If they differ, every rank throws the same Error(InvalidArgument)
+  /// naming each setting that differs and its value on each rank; nothing is updated (master,
+  /// moments, step count, loss scale), and the reduced gradients are kept: put the setting
+  /// back and call step() again (it reuses them), or zero_grad() to drop them.
   StepResult step();
 
+  /// The setters are local: every rank must make the same change before the next step(),
+  /// which checks it.
   void set_lr(double lr);  ///< local; takes effect at the next step
   double lr() const { return options_.adam.lr; }
   void set_adam_config(const AdamConfig& c);  ///< validated; local
@@ -167,13 +208,28 @@ class ShardedOptimizer {
   /// Rewrites the replica's owned part from the master and all-gathers it (collective).
   void refresh_replica();
 
+  // ---- whole-replica view and per-parameter state copies -------------------------------
+  /// The flat replica: layout().padded_size() elements of options().param_dtype, parameter i
+  /// at element layout().param(i).flat.begin (device memory when the device is CUDA). Waits
+  /// for every gather in flight, as param() does for one parameter. Local; after finalize.
+  void* replica_data();
+  /// Collective: copies parameter i's state array `a` into `out` (numel) on every rank, bit
+  /// for bit (a gather of the owners' pieces, not a sum). A wrong size or index on any rank
+  /// throws the same Error on every rank.
+  void get_state(StateArray a, std::size_t i, std::span<float> out);
+
  private:
   void require_finalized(const char* what) const;
   void require_registering(const char* what) const;
+  void require_zero3(const char* what) const;
+  void gather_state(const char* what, StateArray a, std::size_t i, std::span<float> out);
+  void wait_gathers_of(StateArray a);
   void all_gather_replica();
+  void accumulate_grad_as(std::size_t i, const void* src, std::size_t n, DType dtype);
   double update_and_gather(const StepScalars& s, const StepHyper& h, bool gather_per_bucket);
   std::vector<UpdateSegment> make_segments(const StepHyper& h, Range window) const;
   void* replica_ptr(std::size_t elem_offset) const;
+  void* replica_at(std::size_t b) const;  // the replica over the bucket's window
   float* master_at(std::size_t b) const;  // master over the bucket's window
   float* state_base(StateArray a) const;
   // Calls f(bucket, offset in the window, local offset, n) for the pieces of local range
@@ -186,6 +242,7 @@ class ShardedOptimizer {
   std::unique_ptr<Backend> backend_;
   std::vector<GroupOptions> groups_;
   FlatLayout layout_;
+  int current_unit_ = 0;
   bool finalized_ = false;
   std::int64_t step_count_ = 0;
   LossScaleState loss_scale_;
@@ -195,6 +252,7 @@ class ShardedOptimizer {
   struct Buffers;
   std::unique_ptr<Buffers> buf_;
   std::unique_ptr<BucketSet> buckets_;
+  std::unique_ptr<UnitSet> units_;  // stage 3 only; destroyed first
 };
 
 }  // namespace shardopt

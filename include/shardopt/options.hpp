@@ -13,6 +13,7 @@ enum class Stage : int {
   DataParallel = 0,  ///< baseline: all-reduce, every rank holds and updates everything
   Zero1 = 1,         ///< optimizer state sharded; full fp32 gradient buffer on every rank
   Zero2 = 2,         ///< state and gradients sharded; gradients reduced bucket by bucket
+  Zero3 = 3,         ///< parameters sharded too: units gathered on acquire, released after use
 };
 const char* stage_name(Stage s) noexcept;
 
@@ -68,10 +69,34 @@ struct OptimizerOptions {
   bool overlap = true;
   /// Stage 2: staging buckets that may be in flight at once (memory: this many buckets).
   int buckets_in_flight = 2;
+  /// Stage 3: gathered units that may be held at once (acquired or prefetched); memory: this
+  /// many buffers of the largest unit, in the parameter dtype, accounted as Params.
+  int units_in_flight = 2;
   /// Wire type of the gradient reduction: F32, or BF16 for half the bytes (each partial sum
   /// rounded to bf16: about 3 significant digits; see docs/architecture.md).
   DType reduce_dtype = DType::F32;
   LossScaling loss_scaling;
+
+  // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------
+  /// Debugging: before every collective, every rank checks that all ranks are entering the
+  /// same collective with the same sizes (make_checked_communicator); at the first divergence
+  /// every rank throws the same Error(InvalidState) naming it. The environment variable
+  /// SHARDOPT_DEBUG_COLLECTIVES=1 turns it on too; it must be on on every rank or none. Cost:
+  /// one extra blocking all-gather of 32 bytes per rank before every collective.
+  bool debug_collectives = false;
+  /// Seconds a rank may wait in one collective (Communicator::set_collective_timeout, which
+  /// the constructor calls on the communicator). MPI communicators: the rank prints which
+  /// collective and which ranks have not arrived, and aborts the job. NCCL: the NCCL
+  /// communicator is aborted and every rank that can still answer throws the same
+  /// Error(Communication) (nccl_comm.hpp); its host-side MPI collectives time out as MPI's.
+  /// 0: the environment variable SHARDOPT_COLLECTIVE_TIMEOUT (seconds) if set, else no
+  /// timeout.
+  double collective_timeout_s = 0.0;
 };
+
+/// Applies the environment variables SHARDOPT_DEBUG_COLLECTIVES (1 turns debug_collectives
+/// on; 0 or empty: no change) and SHARDOPT_COLLECTIVE_TIMEOUT (seconds >= 0; used when
+/// collective_timeout_s is 0) to `o`. Returns what is wrong with them, or an empty string.
+std::string apply_environment(OptimizerOptions& o);
 
 }  // namespace shardopt

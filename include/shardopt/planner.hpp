@@ -6,11 +6,15 @@
 // amount: every rank owns an equal slice of every bucket.
 //
 // Per rank, with P = padded elements, S = P / N (N ranks), B = largest bucket, k = staging
-// slots (buckets_in_flight, at most the number of buckets):
+// slots (buckets_in_flight, at most the number of buckets), U = largest unit, u = unit
+// buffers (units_in_flight, at most the number of units), p = sizeof(param):
 //   stage          params            grads   master        moments   scratch
-//   data-parallel  P * sizeof(param) 4P      4P  (0: fp32) 8P        0
-//   zero-1         P * sizeof(param) 4P      4S  (0: fp32) 8S        0
-//   zero-2         P * sizeof(param) 4S      4S  (0: fp32) 8S        4kB
+//   data-parallel  pP                4P      4P  (0: fp32) 8P        0
+//   zero-1         pP                4P      4S  (0: fp32) 8S        0
+//   zero-2         pP                4S      4S  (0: fp32) 8S        4kB
+//   zero-3         pS + puU          4S      4S  (0: fp32) 8S        4kB (0 at N = 1)
+// Stage 3 always stages gradients on more than one rank (on one, its full buffer is S) and
+// never allocates an accumulation buffer (every micro-batch is reduced).
 // Stage 2 stages gradients only when S + kB < P; otherwise (one rank, or a model of one or
 // two buckets) it keeps stage 1's full gradient buffer, so it never plans more than stage 1.
 // Stage 2 buffers allocated on first use: a full-size local accumulation buffer (4P) for
@@ -40,7 +44,8 @@ struct PlanConfig {
   DType param_dtype = DType::BF16;
   DType grad_dtype = DType::F32;  ///< only F32 (see above)
   std::size_t bucket_elems = OptimizerOptions{}.bucket_elems;
-  int buckets_in_flight = OptimizerOptions{}.buckets_in_flight;  ///< stage-2 staging slots
+  int buckets_in_flight = OptimizerOptions{}.buckets_in_flight;  ///< stage-2/3 staging slots
+  int units_in_flight = OptimizerOptions{}.units_in_flight;  ///< stage-3 gathered-unit buffers
   /// Stage 2 with micro-batches that accumulate without synchronising (begin_backward(false))
   /// keeps a full-size local fp32 accumulation buffer.
   bool accumulate_without_sync = false;
@@ -59,14 +64,17 @@ struct MemoryPlan {
   std::size_t owned_elems = 0;     ///< elements whose master and moments one rank holds
   std::size_t bucket_elems = 0;    ///< largest bucket
   std::size_t num_buckets = 0;     ///< buckets (the unit of every collective)
-  bool staged = false;             ///< stage 2 stages gradients in bucket slots
+  bool staged = false;             ///< stage 2 or 3 stages gradients in bucket slots
+  std::size_t unit_elems = 0;      ///< stage 3: largest unit (one gathered-unit buffer)
+  int unit_buffers = 0;            ///< stage 3: gathered-unit buffers
 
   std::size_t operator[](MemCategory c) const { return bytes[static_cast<int>(c)]; }
   std::size_t total() const;
 };
 
 /// Per-rank bytes of `layout` under `config`. The layout may be unbuilt (a copy is built for
-/// config.world_size) or built for exactly that world size. Throws Error(InvalidArgument)
+/// config.world_size) or built for exactly that world size. Stage 3 plans the layout's
+/// units as they are (one unit if it declares none: see unit_per_tensor()). Throws Error(InvalidArgument)
 /// for an invalid configuration or a layout built for another world size, and
 /// Error(Unsupported) for a gradient dtype other than F32.
 MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config);
@@ -75,8 +83,10 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config);
 /// shardopt's byte counts: replica p = dtype_size(param_dtype), gradient 4 (fp32; the paper
 /// has an fp16 gradient, 2), optimizer state K = 12 (fp32 master, m, v) or 8 when the fp32
 /// replica is the master:
-///   data-parallel (p + 4 + K) Psi;  zero-1 (p + 4) Psi + K Psi / N;  zero-2 p Psi + (4 + K) Psi / N.
-/// A continuous curve without padding or stage-2 staging; plan_memory() is the exact figure.
+///   data-parallel (p + 4 + K) Psi;  zero-1 (p + 4) Psi + K Psi / N;  zero-2 p Psi + (4 + K) Psi / N;
+///   zero-3 (p + 4 + K) Psi / N.
+/// A continuous curve without padding, staging or stage-3 gathered units; plan_memory() is
+/// the exact figure.
 double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype);
 
 /// Most tensors uniform_layout() builds, so that a bisection over Psi stays fast.
@@ -87,6 +97,10 @@ inline constexpr std::size_t kMaxUniformTensors = 4096;
 /// tensor_elems == 0 or more than kMaxUniformTensors tensors.
 FlatLayout uniform_layout(std::size_t psi, std::size_t tensor_elems);
 
+/// An unbuilt copy of `layout` with every tensor its own unit: how stage 3 gathers a model
+/// known only by its tensors (shardopt-plan --stage 3, largest_fitting_psi at stage 3).
+FlatLayout unit_per_tensor(const FlatLayout& layout);
+
 /// The tensor size the planner assumes for a model of `psi` elements given only its size:
 /// `tensor_elems`, grown to ceil(psi / kMaxUniformTensors) when psi is that large.
 std::size_t uniform_tensor_elems(std::size_t psi, std::size_t tensor_elems);
@@ -94,7 +108,8 @@ std::size_t uniform_tensor_elems(std::size_t psi, std::size_t tensor_elems);
 /// The largest psi whose uniform layout (tensors of uniform_tensor_elems(psi, tensor_elems))
 /// needs at most `budget_bytes` per rank under `config`; 0 when not even one element fits.
 /// Found by bisection with plan_memory(); bytes grow with psi except for stage-2 bucket
-/// packing, so the answer always fits and is the largest up to that packing.
+/// packing, so the answer always fits and is the largest up to that packing. At stage 3 each
+/// tensor is its own unit (unit_per_tensor()).
 std::size_t largest_fitting_psi(std::size_t budget_bytes, const PlanConfig& config,
                                 std::size_t tensor_elems);
 

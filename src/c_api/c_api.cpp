@@ -1,14 +1,14 @@
 // c_api.cpp: the entry points of shardopt.h. Each one is a thin shell: validate the handle
 // and pointers, call the C++ API, and let guarded() turn exceptions into status codes.
+#include <chrono>
 #include <cmath>
+#include <iterator>
 #include <span>
-#include <utility>
 
+#include "../backend.hpp"  // make_cuda_single_process_communicator_from_core
 #include "handle.hpp"
-#if SHARDOPT_WITH_CUDA
-#include "shardopt/cuda_comm.hpp"
-#endif
 #include "shardopt/bf16.hpp"
+#include "shardopt/checkpoint.hpp"
 
 using namespace shardopt;
 using capi::guarded;
@@ -66,6 +66,62 @@ double& hyper_field(AdamConfig& c, shardopt_hyper_t key) {
   throw Error(Status::InvalidArgument, "unknown hyperparameter key " + std::to_string(static_cast<int>(key)));
 }
 
+// The end of each field of shardopt_step_result_t: the sizes a caller may pass.
+#define SHARDOPT_RESULT_END(f) (offsetof(shardopt_step_result_t, f) + sizeof(shardopt_step_result_t::f))
+constexpr std::size_t kResultEnds[] = {
+    SHARDOPT_RESULT_END(struct_size), SHARDOPT_RESULT_END(grad_norm),
+    SHARDOPT_RESULT_END(clip_coef), SHARDOPT_RESULT_END(clipped),
+    SHARDOPT_RESULT_END(skipped), SHARDOPT_RESULT_END(step),
+    SHARDOPT_RESULT_END(skipped_steps), SHARDOPT_RESULT_END(loss_scale),
+    SHARDOPT_RESULT_END(time_reduce), SHARDOPT_RESULT_END(time_norm),
+    SHARDOPT_RESULT_END(time_update), SHARDOPT_RESULT_END(time_gather),
+    SHARDOPT_RESULT_END(time_total)};
+// The smallest result: the fields of 0.1.0 (grad_norm ... step).
+constexpr std::size_t kResultMinSize = SHARDOPT_RESULT_END(step);
+#undef SHARDOPT_RESULT_END
+static_assert(kResultEnds[std::size(kResultEnds) - 1] == sizeof(shardopt_step_result_t));
+
+// Collective: arguments of a collective call checked on every rank together, so that a bad
+// argument on one rank fails the call everywhere instead of leaving the others waiting.
+void agree_args(ShardedOptimizer& o, Status s, const std::string& problem) {
+  agree_or_throw(o.comm(), problem.empty() ? Status::Ok : s, problem);
+}
+
+// The problem with a (index, out, numel) copy-out request, or "".
+std::string copy_out_problem(const ShardedOptimizer& o, std::size_t index, const float* out,
+                             std::size_t numel) {
+  if (!o.finalized()) return "call shardopt_finalize first";
+  if (index >= o.layout().num_params())
+    return "no parameter index " + std::to_string(index) + " (there are " +
+           std::to_string(o.layout().num_params()) + ")";
+  const ParamInfo& p = o.layout().param(index);
+  if (numel != p.numel)
+    return "parameter '" + p.name + "' has " + std::to_string(p.numel) + " elements, got " +
+           std::to_string(numel);
+  if (out == nullptr) return "out is NULL";
+  return {};
+}
+
+// Collective: copies state array `a` of parameter `index` (every check agreed first).
+void copy_state_out(ShardedOptimizer& o, StateArray a, std::size_t index, float* out,
+                    std::size_t numel) {
+  const std::string problem = copy_out_problem(o, index, out, numel);
+  agree_args(o, o.finalized() ? Status::InvalidArgument : Status::InvalidState, problem);
+  if (a == StateArray::Master)
+    o.get_master(index, {out, numel});
+  else
+    o.get_state(a, index, {out, numel});
+}
+
+// Completes every all-gather of the last step (SHARDOPT_GATHER_EAGER, shardopt_wait_all).
+void wait_all_params(ShardedOptimizer& o) {
+  for (std::size_t i = 0; i < o.layout().num_params(); ++i) o.wait_param(i);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
 }  // namespace
 
 extern "C" {
@@ -88,36 +144,27 @@ uint16_t shardopt_float_to_bf16(float value) { return float_to_bf16_bits(value);
 // ---- lifecycle ----------------------------------------------------------------------------
 
 shardopt_status_t shardopt_config_init(shardopt_config_t* config) {
-  return guarded("shardopt_config_init", nullptr, [&] {
-    non_null(config, "config");
-    const OptimizerOptions d;
-    *config = shardopt_config_t{};
-    config->struct_size = sizeof(shardopt_config_t);
-    config->stage = static_cast<int>(d.stage);
-    config->param_dtype = static_cast<int>(d.param_dtype);
-    config->device = static_cast<int>(d.device);
-    config->adam_mode = static_cast<int>(d.adam.mode);
-    config->lr = d.adam.lr;
-    config->beta1 = d.adam.beta1;
-    config->beta2 = d.adam.beta2;
-    config->eps = d.adam.eps;
-    config->weight_decay = d.adam.weight_decay;
-    config->max_grad_norm = d.adam.max_grad_norm;
-    config->bucket_elems = d.bucket_elems;
+  return guarded("shardopt_config_init", nullptr,
+                 [&] { *non_null(config, "config") = capi::default_config(); });
+}
+
+shardopt_status_t shardopt_step_result_init(shardopt_step_result_t* result) {
+  return guarded("shardopt_step_result_init", nullptr, [&] {
+    *non_null(result, "result") = shardopt_step_result_t{};
+    result->struct_size = sizeof(shardopt_step_result_t);
   });
 }
 
 shardopt_status_t shardopt_create(shardopt_optimizer_t* opt, const shardopt_config_t* config) {
   if (opt != nullptr) *opt = nullptr;
-  return guarded("shardopt_create", nullptr,
-                 [&] {
-                   std::shared_ptr<Communicator> comm = make_single_process_communicator();
-#if SHARDOPT_WITH_CUDA  // Device::Cuda needs a communicator of device buffers
-                   if (config != nullptr && config->device == SHARDOPT_DEVICE_CUDA)
-                     comm = make_cuda_single_process_communicator();
-#endif
-                   capi::create_on(std::move(comm), opt, config);
-                 });
+  return guarded("shardopt_create", nullptr, [&] {
+    const capi::CreateRequest r = capi::read_config(config, opt);
+    // Device::Cuda needs a communicator of device buffers (libshardopt_cuda's).
+    capi::create_on(r.problem.empty() && r.options.device == Device::Cuda
+                        ? make_cuda_single_process_communicator_from_core()
+                        : make_single_process_communicator(),
+                    r, opt);
+  });
 }
 
 shardopt_status_t shardopt_add_group(shardopt_optimizer_t opt, double lr_scale, int weight_decay,
@@ -160,6 +207,37 @@ shardopt_status_t shardopt_comm_size(shardopt_optimizer_t opt, int* size) {
                    [&](ShardedOptimizer& o) { *non_null(size, "size") = o.comm().size(); });
 }
 
+shardopt_status_t shardopt_comm_name(shardopt_optimizer_t opt, const char** name) {
+  return guarded("shardopt_comm_name", capi::find_live(opt), [&] {
+    const capi::Handle& h = capi::require_live(opt);
+    *non_null(name, "name") = h.comm_name.c_str();
+  });
+}
+
+shardopt_status_t shardopt_get_config(shardopt_optimizer_t opt, shardopt_config_t* config) {
+  return guarded("shardopt_get_config", capi::find_live(opt), [&] {
+    capi::write_config(capi::require_live(opt), non_null(config, "config"));
+  });
+}
+
+shardopt_status_t shardopt_num_groups(shardopt_optimizer_t opt, int* count) {
+  return on_handle("shardopt_num_groups", opt, [&](ShardedOptimizer& o) {
+    *non_null(count, "count") = static_cast<int>(o.groups().size());
+  });
+}
+
+shardopt_status_t shardopt_get_group(shardopt_optimizer_t opt, int group, double* lr_scale,
+                                     int* weight_decay) {
+  return on_handle("shardopt_get_group", opt, [&](ShardedOptimizer& o) {
+    const int n = static_cast<int>(o.groups().size());
+    require(group >= 0 && group < n, Status::InvalidArgument,
+            "no group " + std::to_string(group) + " (there are " + std::to_string(n) + ")");
+    const GroupOptions& g = o.groups()[static_cast<std::size_t>(group)];
+    if (lr_scale != nullptr) *lr_scale = g.lr_scale;
+    if (weight_decay != nullptr) *weight_decay = g.weight_decay ? 1 : 0;
+  });
+}
+
 shardopt_status_t shardopt_num_params(shardopt_optimizer_t opt, size_t* count) {
   return on_handle("shardopt_num_params", opt, [&](ShardedOptimizer& o) {
     *non_null(count, "count") = o.layout().num_params();
@@ -200,7 +278,21 @@ shardopt_status_t shardopt_set_param(shardopt_optimizer_t opt, size_t index, con
 shardopt_status_t shardopt_get_master(shardopt_optimizer_t opt, size_t index, float* out,
                                       size_t numel) {
   return on_handle("shardopt_get_master", opt, [&](ShardedOptimizer& o) {
-    o.get_master(index, buffer(out, numel, "out"));
+    copy_state_out(o, StateArray::Master, index, out, numel);
+  });
+}
+
+shardopt_status_t shardopt_get_exp_avg(shardopt_optimizer_t opt, size_t index, float* out,
+                                       size_t numel) {
+  return on_handle("shardopt_get_exp_avg", opt, [&](ShardedOptimizer& o) {
+    copy_state_out(o, StateArray::ExpAvg, index, out, numel);
+  });
+}
+
+shardopt_status_t shardopt_get_exp_avg_sq(shardopt_optimizer_t opt, size_t index, float* out,
+                                          size_t numel) {
+  return on_handle("shardopt_get_exp_avg_sq", opt, [&](ShardedOptimizer& o) {
+    copy_state_out(o, StateArray::ExpAvgSq, index, out, numel);
   });
 }
 
@@ -221,6 +313,35 @@ shardopt_status_t shardopt_param_bf16(shardopt_optimizer_t opt, size_t index,
     const std::span<bf16> v = o.param<bf16>(index);
     *data = reinterpret_cast<const std::uint16_t*>(v.data());
     if (numel != nullptr) *numel = v.size();
+  });
+}
+
+shardopt_status_t shardopt_replica(shardopt_optimizer_t opt, const void** data, size_t* elems) {
+  return on_handle("shardopt_replica", opt, [&](ShardedOptimizer& o) {
+    non_null(data, "data");
+    const void* base = o.replica_data();
+    *data = base;
+    if (elems != nullptr) *elems = o.layout().padded_size();
+  });
+}
+
+shardopt_status_t shardopt_param_offset(shardopt_optimizer_t opt, size_t index, size_t* offset) {
+  return on_handle("shardopt_param_offset", opt, [&](ShardedOptimizer& o) {
+    non_null(offset, "offset");
+    require(o.finalized(), Status::InvalidState,
+            "param_offset: offsets are fixed by shardopt_finalize; call it first");
+    *offset = o.layout().param(index).flat.begin;
+  });
+}
+
+shardopt_status_t shardopt_wait_param(shardopt_optimizer_t opt, size_t index) {
+  return on_handle("shardopt_wait_param", opt, [&](ShardedOptimizer& o) { o.wait_param(index); });
+}
+
+shardopt_status_t shardopt_wait_all(shardopt_optimizer_t opt) {
+  return on_handle("shardopt_wait_all", opt, [&](ShardedOptimizer& o) {
+    require(o.finalized(), Status::InvalidState, "wait_all: call shardopt_finalize first");
+    wait_all_params(o);
   });
 }
 
@@ -253,6 +374,10 @@ shardopt_status_t shardopt_grad_ready(shardopt_optimizer_t opt, size_t index) {
   return on_handle("shardopt_grad_ready", opt, [&](ShardedOptimizer& o) { o.grad_ready(index); });
 }
 
+shardopt_status_t shardopt_progress(shardopt_optimizer_t opt) {
+  return on_handle("shardopt_progress", opt, [&](ShardedOptimizer& o) { o.progress(); });
+}
+
 shardopt_status_t shardopt_begin_backward(shardopt_optimizer_t opt, int sync) {
   return on_handle("shardopt_begin_backward", opt,
                    [&](ShardedOptimizer& o) { o.begin_backward(sync != 0); });
@@ -271,10 +396,39 @@ shardopt_status_t shardopt_zero_grad(shardopt_optimizer_t opt) {
 
 shardopt_status_t shardopt_step(shardopt_optimizer_t opt, shardopt_step_result_t* result) {
   return on_handle("shardopt_step", opt, [&](ShardedOptimizer& o) {
-    const StepResult r = o.step();
-    if (result != nullptr)
-      *result = shardopt_step_result_t{r.grad_norm, r.clip_coef, r.clipped ? 1 : 0,
-                                       r.skipped ? 1 : 0, r.step};
+    const capi::Handle& h = capi::require_live(opt);
+    // Checked first, reported after the step: the step is collective, and a rank that
+    // skipped it would leave the others waiting.
+    const std::string result_problem =
+        result == nullptr ? std::string()
+                          : capi::struct_size_problem("result", result->struct_size,
+                                                      kResultMinSize, kResultEnds, true);
+    StepResult r = o.step();
+    if (!h.lazy_gather) {  // every replica pointer reads the new values on return
+      const auto start = std::chrono::steady_clock::now();
+      wait_all_params(o);
+      const double waited = seconds_since(start);
+      r.timings.gather += waited;
+      r.timings.total += waited;
+    }
+    require(result_problem.empty(), Status::InvalidArgument,
+            result_problem + " (set it with shardopt_step_result_init); the step itself was "
+                             "applied, the result was not written");
+    if (result == nullptr) return;
+    shardopt_step_result_t c{};
+    c.grad_norm = r.grad_norm;
+    c.clip_coef = r.clip_coef;
+    c.clipped = r.clipped ? 1 : 0;
+    c.skipped = r.skipped ? 1 : 0;
+    c.step = r.step;
+    c.skipped_steps = r.skipped_steps;
+    c.loss_scale = r.loss_scale;
+    c.time_reduce = r.timings.reduce;
+    c.time_norm = r.timings.norm;
+    c.time_update = r.timings.update;
+    c.time_gather = r.timings.gather;
+    c.time_total = r.timings.total;
+    capi::write_prefix(result, c);
   });
 }
 
@@ -317,6 +471,45 @@ shardopt_status_t shardopt_set_group(shardopt_optimizer_t opt, int group, double
   });
 }
 
+shardopt_status_t shardopt_get_loss_scale(shardopt_optimizer_t opt, double* scale,
+                                          int64_t* good_steps, int64_t* skipped_steps) {
+  return on_handle("shardopt_get_loss_scale", opt, [&](ShardedOptimizer& o) {
+    const LossScaleState& st = o.loss_scale_state();
+    if (scale != nullptr) *scale = st.scale;
+    if (good_steps != nullptr) *good_steps = st.good_steps;
+    if (skipped_steps != nullptr) *skipped_steps = st.skipped_steps;
+  });
+}
+
+shardopt_status_t shardopt_set_loss_scale(shardopt_optimizer_t opt, double scale,
+                                          int64_t good_steps, int64_t skipped_steps) {
+  return on_handle("shardopt_set_loss_scale", opt, [&](ShardedOptimizer& o) {
+    o.set_loss_scale_state(LossScaleState{scale, good_steps, skipped_steps});
+  });
+}
+
+// ---- checkpoints ------------------------------------------------------------------------------
+
+shardopt_status_t shardopt_save_checkpoint(shardopt_optimizer_t opt, const char* dir, int keep,
+                                           const char** published) {
+  return on_handle("shardopt_save_checkpoint", opt, [&](ShardedOptimizer& o) {
+    capi::Handle& h = capi::require_live(opt);
+    agree_args(o, Status::InvalidArgument,
+               dir == nullptr ? "dir is NULL" : *dir == '\0' ? "dir is empty" : "");
+    const std::filesystem::path path = save_checkpoint(o, dir, SaveOptions{keep});
+    h.published = path.string();
+    if (published != nullptr) *published = h.published.c_str();
+  });
+}
+
+shardopt_status_t shardopt_load_checkpoint(shardopt_optimizer_t opt, const char* path) {
+  return on_handle("shardopt_load_checkpoint", opt, [&](ShardedOptimizer& o) {
+    agree_args(o, Status::InvalidArgument,
+               path == nullptr ? "path is NULL" : *path == '\0' ? "path is empty" : "");
+    load_checkpoint(o, path);
+  });
+}
+
 // ---- memory report ----------------------------------------------------------------------------
 
 shardopt_status_t shardopt_memory_usage(shardopt_optimizer_t opt, shardopt_mem_category_t category,
@@ -340,6 +533,37 @@ const char* shardopt_mem_category_name(shardopt_mem_category_t category) {
   if (category == SHARDOPT_MEM_TOTAL) return "total";
   if (category < SHARDOPT_MEM_PARAMS || category > SHARDOPT_MEM_TOTAL) return "?";
   return mem_category_name(static_cast<MemCategory>(category));
+}
+
+// ---- stage 3: units ----------------------------------------------------------------------
+
+static_assert(SHARDOPT_STAGE_ZERO3 == static_cast<int>(Stage::Zero3));
+
+shardopt_status_t shardopt_begin_unit(shardopt_optimizer_t opt, int* unit) {
+  return on_handle("shardopt_begin_unit", opt, [&](ShardedOptimizer& o) {
+    const int u = o.begin_unit();
+    if (unit != nullptr) *unit = u;
+  });
+}
+
+shardopt_status_t shardopt_num_units(shardopt_optimizer_t opt, size_t* count) {
+  return on_handle("shardopt_num_units", opt, [&](ShardedOptimizer& o) {
+    non_null(count, "count");
+    require(o.finalized(), Status::InvalidState, "shardopt_num_units: call shardopt_finalize first");
+    *count = o.layout().num_units();
+  });
+}
+
+shardopt_status_t shardopt_acquire(shardopt_optimizer_t opt, size_t unit) {
+  return on_handle("shardopt_acquire", opt, [&](ShardedOptimizer& o) { o.acquire(unit); });
+}
+
+shardopt_status_t shardopt_prefetch(shardopt_optimizer_t opt, size_t unit) {
+  return on_handle("shardopt_prefetch", opt, [&](ShardedOptimizer& o) { o.prefetch(unit); });
+}
+
+shardopt_status_t shardopt_release(shardopt_optimizer_t opt, size_t unit) {
+  return on_handle("shardopt_release", opt, [&](ShardedOptimizer& o) { o.release(unit); });
 }
 
 }  // extern "C"

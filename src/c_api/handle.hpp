@@ -2,9 +2,12 @@
 // (argument checks, exception -> status, last-error bookkeeping). Internal to src/c_api/.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <new>
+#include <span>
 #include <string>
 
 #include "shardopt/error.hpp"
@@ -19,6 +22,12 @@ struct shardopt_optimizer_s {
   std::uint64_t magic = kLiveMagic;
   std::unique_ptr<shardopt::ShardedOptimizer> opt;
   std::string last_error;
+  bool lazy_gather = false;   ///< config gather_mode == SHARDOPT_GATHER_LAZY
+  int comm_kind = SHARDOPT_COMM_AUTO;  ///< as requested in the config
+  int simulate_nodes = 0;              ///< as requested in the config
+  int mpi_in_flight = 0;               ///< as requested in the config
+  std::string comm_name;      ///< behind shardopt_comm_name
+  std::string published;      ///< behind shardopt_save_checkpoint's *published
 };
 
 namespace shardopt::capi {
@@ -31,7 +40,7 @@ Handle* find_live(shardopt_optimizer_t h) noexcept;
 /// find_live, throwing Error(InvalidArgument) naming what is wrong.
 Handle& require_live(shardopt_optimizer_t h);
 /// Registers a new handle owning `opt`.
-shardopt_optimizer_t register_handle(std::unique_ptr<ShardedOptimizer> opt);
+shardopt_optimizer_t register_handle(std::unique_ptr<ShardedOptimizer> opt, bool lazy_gather);
 /// Unregisters, zeroes the magic and frees.
 void destroy_handle(Handle& h) noexcept;
 
@@ -74,10 +83,45 @@ T* non_null(T* p, const char* what) {
   return p;
 }
 
-/// Collective creation shared by shardopt_create and shardopt_create_mpi*: checks `out` and
-/// `config` on this rank, agrees with the other ranks (so a bad argument on one rank fails
-/// everywhere instead of leaving the others waiting), then builds the optimizer.
-void create_on(std::shared_ptr<Communicator> comm, shardopt_optimizer_t* out,
-               const shardopt_config_t* config);
+/// Every field of the config at its default, struct_size = sizeof(shardopt_config_t).
+shardopt_config_t default_config();
+
+/// What a caller's config asks for (read with the growable-struct rule), or why it cannot be
+/// used (`problem` non-empty). Local; also checks that `out` is not NULL.
+struct CreateRequest {
+  OptimizerOptions options;
+  int comm_kind = SHARDOPT_COMM_AUTO;
+  int simulate_nodes = 0;
+  int mpi_in_flight = 0;
+  bool lazy_gather = false;
+  std::string problem;
+};
+CreateRequest read_config(const shardopt_config_t* config, const shardopt_optimizer_t* out);
+
+/// The options of `h` as a config: every field within config->struct_size (checked here).
+void write_config(const Handle& h, shardopt_config_t* config);
+
+/// Checks a growable struct's size: at least `min_size`, and on one of the field `ends` when
+/// below sizeof (= ends.back()); `accept_larger`: a larger size (a newer caller) is fine.
+/// Returns what is wrong, or "".
+std::string struct_size_problem(const char* what, std::size_t given, std::size_t min_size,
+                                std::span<const std::size_t> ends, bool accept_larger);
+
+/// Writes the fields of `full` that lie within out->struct_size (already checked) into *out,
+/// leaving struct_size and everything beyond it as they are.
+template <class S>
+void write_prefix(S* out, S full) {
+  full.struct_size = out->struct_size;
+  std::memcpy(out, &full, std::min(out->struct_size, sizeof(S)));
+}
+
+/// Collective over `comm`: every rank's config problem becomes the same error everywhere,
+/// so a bad argument on one rank fails every rank instead of leaving the others waiting.
+void agree_on_request(Communicator& comm, const CreateRequest& request);
+
+/// Collective creation shared by shardopt_create and shardopt_create_mpi*: agrees on the
+/// request over `comm`, then builds the optimizer into *out.
+void create_on(std::shared_ptr<Communicator> comm, const CreateRequest& request,
+               shardopt_optimizer_t* out);
 
 }  // namespace shardopt::capi

@@ -8,8 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "crc32c.hpp"
 #include "files.hpp"
 #include "format.hpp"
+#include "pieces.hpp"
 #include "reader.hpp"
 
 namespace shardopt {
@@ -17,32 +19,17 @@ namespace shardopt {
 namespace fs = std::filesystem;
 using namespace ckpt;
 
-namespace {
+// ---- the layout's one entry point -------------------------------------------------------------
 
-struct Outcome {
-  Status status = Status::Ok;
-  std::string message;
-};
-
-// Runs one rank's local part of a collective operation; its failure becomes an Outcome
-// that agree_or_throw() turns into the same error on every rank.
-template <class F>
-Outcome locally(F&& f) {
-  try {
-    f();
-    return {};
-  } catch (const Error& e) {
-    return {e.status(), e.what()};
-  } catch (const fs::filesystem_error& e) {
-    return {Status::Io, std::string("checkpoint: ") + e.what()};
-  } catch (const std::bad_alloc&) {
-    return {Status::OutOfMemory, "checkpoint: out of host memory"};
-  } catch (const std::exception& e) {
-    return {Status::Internal, std::string("checkpoint: ") + e.what()};
-  }
+std::vector<ShardPiece> ckpt::owned_pieces(const ShardedOptimizer& opt, PieceSet which) {
+  // Every rank saves its slice of every bucket (data-parallel ranks hold everything but save
+  // the same share), and holds what its local arrays cover.
+  return which == PieceSet::Written ? opt.saved_pieces() : opt.local_pieces();
 }
 
-void agree(Communicator& comm, const Outcome& o) { agree_or_throw(comm, o.status, o.message); }
+std::size_t ckpt::owned_state_elems(const ShardedOptimizer& opt) { return opt.local_size(); }
+
+namespace {
 
 constexpr const char* kPrefix = "ckpt-";
 constexpr const char* kTmpPrefix = ".tmp-";
@@ -67,10 +54,10 @@ std::vector<std::pair<std::uint64_t, fs::path>> published(const fs::path& dir) {
   return out;
 }
 
-// Rank 0, before a save: removes what killed saves left (never referenced by LATEST) and
-// returns the name of the next checkpoint.
+// Rank 0, before a save: creates the save directory durably, removes what killed saves
+// left (never referenced by LATEST) and returns the name of the next checkpoint.
 std::string prepare_save_directory(const fs::path& dir) {
-  fs::create_directories(dir);
+  create_directories_durably(dir);
   for (const fs::directory_entry& e : fs::directory_iterator(dir))
     if (e.path().filename().string().rfind(kTmpPrefix, 0) == 0) fs::remove_all(e.path());
   const auto existing = published(dir);
@@ -85,7 +72,7 @@ Metadata describe(ShardedOptimizer& opt) {
   Metadata m;
   const FlatLayout& l = opt.layout();
   m.step_count = opt.step_count();
-  m.world_size = static_cast<std::uint32_t>(l.world_size());
+  m.world_size = static_cast<std::uint32_t>(opt.comm().size());
   m.stage = opt.options().stage;
   m.param_dtype = opt.options().param_dtype;
   m.adam = opt.options().adam;
@@ -93,53 +80,105 @@ Metadata describe(ShardedOptimizer& opt) {
   m.loss_state = opt.loss_scale_state();
   m.groups = opt.groups();
   for (const ParamInfo& p : l.params())
-    m.params.push_back(MetaParam{p.name, p.numel, static_cast<std::uint32_t>(p.group), p.flat.begin});
-  m.padded_size = l.padded_size();
-  for (int r = 0; r < l.world_size(); ++r) {
-    const Range s{l.shard_size() * static_cast<std::size_t>(r), l.shard_size() * static_cast<std::size_t>(r + 1)};  // FIXME(v2 format)
-    m.shards.push_back(MetaShard{s.begin, s.end, kShardHeaderBytes + kNumArrays * s.size() * 4, 0});
-  }
+    m.params.push_back(MetaParam{p.name, p.numel, static_cast<std::uint32_t>(p.group), 0});
+  m.shards.resize(m.world_size);
   return m;
 }
 
-struct ShardRecord {
-  std::uint64_t bytes;
-  std::uint32_t crc;
-  std::uint32_t pad;
+// Where a run of a block's values lies in the state arrays.
+struct Source {
+  std::uint64_t canonical;
+  std::size_t local;
+  std::size_t count;
 };
 
-// Writes this rank's shard file: the state over layout.shard_range(rank), which lies in the
-// owned range in every stage (data-parallel ranks own everything but write one slice each).
-ShardRecord write_shard(ShardedOptimizer& opt, const Metadata& m, const fs::path& tmp_dir) {
-  const int rank = opt.comm().rank();
-  const Range file{opt.layout().shard_size() * static_cast<std::size_t>(rank), opt.layout().shard_size() * static_cast<std::size_t>(rank + 1)};  // FIXME(v2 format)
-  const std::size_t base = 0;
-  ShardHeader h;
-  h.rank = static_cast<std::uint32_t>(rank);
-  h.world_size = m.world_size;
-  h.flat_begin = file.begin;
-  h.flat_end = file.end;
-  h.layout_hash = layout_hash(m);
-  OutFile f(tmp_dir / shard_file_name(static_cast<std::size_t>(rank)));
-  const auto header = encode_shard_header(h);
-  f.write(header.data(), header.size());
-  constexpr std::size_t kChunk = std::size_t{1} << 20;
-  std::vector<float> host(std::min(kChunk, file.size()));
-  for (StateArray a : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
-    for (std::size_t off = 0; off < file.size(); off += kChunk) {
-      const std::size_t n = std::min(kChunk, file.size() - off);
-      opt.copy_state_to_host(a, base + off, std::span<float>(host.data(), n));
-      f.write(host.data(), n * sizeof(float));
+struct PlannedBlock {
+  Block block;
+  std::vector<Source> sources;  // in canonical order, filling the block
+};
+
+// This rank's saved pieces as blocks: in canonical order, canonically adjacent pieces
+// merged, at most kBlockElems elements each.
+std::vector<PlannedBlock> plan_blocks(const ShardedOptimizer& opt, const std::vector<std::uint64_t>& canonical) {
+  std::vector<Source> sources;
+  for (const ShardPiece& p : owned_pieces(opt, PieceSet::Written))
+    if (!p.in_param.empty())
+      sources.push_back(Source{canonical[p.param] + p.in_param.begin, p.local.begin, p.in_param.size()});
+  std::sort(sources.begin(), sources.end(),
+            [](const Source& a, const Source& b) { return a.canonical < b.canonical; });
+  std::vector<PlannedBlock> blocks;
+  for (Source s : sources) {
+    while (s.count > 0) {
+      if (blocks.empty() || blocks.back().block.begin + blocks.back().block.count != s.canonical ||
+          blocks.back().block.count == kBlockElems)
+        blocks.push_back(PlannedBlock{Block{s.canonical, 0, 0, 0}, {}});
+      Block& b = blocks.back().block;
+      const std::size_t take = std::min<std::size_t>(s.count, kBlockElems - b.count);
+      blocks.back().sources.push_back(Source{s.canonical, s.local, take});
+      b.count += take;
+      s.canonical += take;
+      s.local += take;
+      s.count -= take;
     }
-    if (a == StateArray::Master) test_point("shard-partly-written");
+  }
+  return blocks;
+}
+
+// Writes this rank's shard file: a header, then per block the master, exp_avg and exp_avg_sq
+// values of its canonical range. Returns the blocks with their checksums.
+std::vector<Block> write_shard(ShardedOptimizer& opt, Metadata& m, const fs::path& tmp_dir) {
+  const std::size_t rank = static_cast<std::size_t>(opt.comm().rank());
+  std::vector<PlannedBlock> plan = plan_blocks(opt, canonical_offsets(m));
+  std::vector<Block>& blocks = m.shards[rank].blocks;
+  for (const PlannedBlock& p : plan) blocks.push_back(p.block);
+  OutFile f(tmp_dir / shard_file_name(rank));
+  const auto header = encode_shard_header(shard_header(m, rank));
+  f.write(header.data(), header.size());
+  if (plan.empty()) test_point("shard-partly-written");
+  std::vector<float> host(plan.empty() ? 0 : static_cast<std::size_t>(kBlockElems));
+  for (std::size_t k = 0; k < plan.size(); ++k) {
+    const std::size_t n = static_cast<std::size_t>(plan[k].block.count);
+    std::uint32_t crc = 0;
+    for (StateArray a : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
+      std::size_t at = 0;
+      for (const Source& s : plan[k].sources) {
+        opt.copy_state_to_host(a, s.local, std::span<float>(host.data() + at, s.count));
+        at += s.count;
+      }
+      crc = crc32c_update(crc, host.data(), n * sizeof(float));
+      f.write(host.data(), n * sizeof(float));
+      if (k == 0 && a == StateArray::Master) test_point("shard-partly-written");
+    }
+    blocks[k].crc = crc;
+    blocks[k].file_offset = f.bytes() - kNumArrays * sizeof(float) * n;
   }
   f.close();
-  return ShardRecord{f.bytes(), f.crc(), 0};
+  return blocks;
+}
+
+// Gathers every rank's block table into m.shards (their sizes differ: padded to the largest).
+void gather_block_tables(Communicator& comm, Metadata& m, const std::vector<Block>& mine) {
+  const std::uint64_t count = mine.size();
+  std::vector<std::uint64_t> counts(static_cast<std::size_t>(comm.size()));
+  comm.all_gather_bytes(&count, counts.data(), sizeof count);
+  const std::size_t most = static_cast<std::size_t>(*std::max_element(counts.begin(), counts.end()));
+  if (most == 0) return;
+  std::vector<Block> send(most), all(most * counts.size());
+  std::copy(mine.begin(), mine.end(), send.begin());
+  comm.all_gather_bytes(send.data(), all.data(), most * sizeof(Block));
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    MetaShard& s = m.shards[r];
+    s.blocks.assign(all.begin() + static_cast<std::ptrdiff_t>(r * most),
+                    all.begin() + static_cast<std::ptrdiff_t>(r * most + counts[r]));
+    std::uint64_t elements = 0;
+    for (const Block& b : s.blocks) elements += b.count;
+    s.file_bytes = kShardHeaderBytes + kNumArrays * sizeof(float) * elements;
+  }
 }
 
 // Rank 0: metadata into the temporary directory, then publish (see the protocol in
-// docs/checkpoint-format.md), then prune old checkpoints.
-void publish(const Metadata& m, const fs::path& dir, const std::string& name, int keep) {
+// docs/checkpoint-format.md).
+void publish(const Metadata& m, const fs::path& dir, const std::string& name) {
   const fs::path tmp = dir / (std::string(kTmpPrefix) + name);
   const std::vector<unsigned char> bytes = encode_metadata(m);
   OutFile meta(tmp / kMetadataFile);
@@ -150,12 +189,27 @@ void publish(const Metadata& m, const fs::path& dir, const std::string& name, in
   rename_path(tmp, dir / name);
   sync_directory(dir);
   test_point("renamed");
-  write_file_atomically(dir, kLatestFile, name + "\n");
+  write_file_atomically(dir, kLatestFile, encode_latest(name));
   test_point("published");
-  auto all = published(dir);
-  while (all.size() > static_cast<std::size_t>(keep)) {
-    if (all.front().second.filename() != name) fs::remove_all(all.front().second);
-    all.erase(all.begin());
+}
+
+// Rank 0, after the save is agreed: removes published checkpoints beyond `keep`, oldest
+// first, never `name`. A failure is a warning: the new checkpoint is already published.
+void prune(const fs::path& dir, const std::string& name, int keep) {
+  try {
+    auto all = published(dir);
+    while (all.size() > static_cast<std::size_t>(keep)) {
+      if (all.front().second.filename() != name) {
+        test_point("pruning");
+        fs::remove_all(all.front().second);
+      }
+      all.erase(all.begin());
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr,
+                 "shardopt: warning: save_checkpoint: %s/%s was saved, but an old checkpoint "
+                 "could not be removed: %s\n",
+                 dir.c_str(), name.c_str(), e.what());
   }
 }
 
@@ -164,37 +218,37 @@ void publish(const Metadata& m, const fs::path& dir, const std::string& name, in
 fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveOptions& options) {
   Communicator& comm = opt.comm();
   const int rank = comm.rank();
-  agree(comm, locally([&] {
-          require(opt.finalized(), Status::InvalidState, "save_checkpoint: finalize() first");
-          require(options.keep >= 1, Status::InvalidArgument, "save_checkpoint: keep must be >= 1");
-        }));
+  collective(comm, "save_checkpoint", [&] {
+    require(opt.finalized(), Status::InvalidState, "save_checkpoint: finalize() first");
+    require(options.keep >= 1, Status::InvalidArgument, "save_checkpoint: keep must be >= 1");
+  });
 
   // 1. Rank 0 prepares the directory and names the checkpoint; everyone learns the name.
   char name[32] = {};
-  agree(comm, locally([&] {
-          if (rank != 0) return;
-          const std::string n = prepare_save_directory(dir);
-          std::memcpy(name, n.c_str(), n.size() + 1);
-        }));
+  collective(comm, "save_checkpoint: prepare", [&] {
+    if (rank != 0) return;
+    const std::string n = prepare_save_directory(dir);
+    std::memcpy(name, n.c_str(), n.size() + 1);
+  });
   comm.broadcast_bytes(name, sizeof name, 0);
   test_point("prepared");
 
-  // 2. Every rank writes and flushes its shard; rank 0 collects the checksums.
+  // 2. Every rank writes and flushes its shard; everyone learns every block table.
   Metadata m = describe(opt);
-  ShardRecord mine{};
-  const Outcome wrote = locally([&] {
+  std::vector<Block> mine;
+  const LocalOutcome wrote = capture("save_checkpoint", [&] {
     mine = write_shard(opt, m, dir / (std::string(kTmpPrefix) + name));
   });
   test_point("shard-written");
-  std::vector<ShardRecord> all(static_cast<std::size_t>(comm.size()));
-  comm.all_gather_bytes(&mine, all.data(), sizeof(ShardRecord));
-  agree(comm, wrote);
-  for (std::size_t r = 0; r < all.size(); ++r) m.shards[r].crc = all[r].crc;
+  gather_block_tables(comm, m, mine);
+  agree(comm, "save_checkpoint: write", wrote);
 
-  // 3. Rank 0 writes the metadata and publishes atomically.
-  agree(comm, locally([&] {
-          if (rank == 0) publish(m, dir, name, options.keep);
-        }));
+  // 3. Rank 0 writes the metadata and publishes atomically; then, the save being agreed,
+  //    removes old checkpoints.
+  collective(comm, "save_checkpoint: publish", [&] {
+    if (rank == 0) publish(m, dir, name);
+  });
+  if (rank == 0) prune(dir, name, options.keep);
   return dir / name;
 }
 
@@ -241,43 +295,49 @@ LossScaleState adapt_loss_state(LossScaleState s, const LossScaling& now) {
   return s;
 }
 
-// This rank's new state, read from the shard files overlapping its owned range.
+// This rank's new state arrays, staged on the host.
 struct Staged {
   std::vector<float> arrays[kNumArrays];
 };
 
-// One parameter piece of the owned range: where it was in the saving layout.
+// One held piece: its canonical range and where it goes in the state arrays.
 struct Target {
-  std::uint64_t old_begin;  // flat position in the saving layout
-  std::uint64_t old_end;
-  std::size_t local;        // offset in the owned range
+  std::uint64_t begin;
+  std::uint64_t end;
+  std::size_t local;
 };
 
-Staged read_owned_state(const fs::path& dir, const Metadata& m, const ShardedOptimizer& opt) {
-  const Range owned{0, opt.local_size()};
+Staged read_held_state(const fs::path& dir, const Metadata& m, const ShardedOptimizer& opt) {
+  const std::vector<std::uint64_t> canonical = canonical_offsets(m);
   std::vector<Target> targets;
-  for (const ShardPiece& p : opt.local_pieces()) {
-    const std::uint64_t at = m.params[p.param].offset + p.in_param.begin;
-    targets.push_back(Target{at, at + p.in_param.size(), p.local.begin});
+  for (const ShardPiece& p : owned_pieces(opt, PieceSet::Held))
+    if (!p.in_param.empty()) {
+      const std::uint64_t at = canonical[p.param] + p.in_param.begin;
+      targets.push_back(Target{at, at + p.in_param.size(), p.local.begin});
+    }
+  std::sort(targets.begin(), targets.end(),
+            [](const Target& a, const Target& b) { return a.begin < b.begin; });
+  std::vector<Range> wanted;
+  for (const Target& t : targets) {
+    if (!wanted.empty() && wanted.back().end == t.begin)
+      wanted.back().end = t.end;
+    else
+      wanted.push_back(Range{t.begin, t.end});
   }
   Staged st;
-  for (auto& a : st.arrays) a.assign(owned.size(), 0.0f);  // padding stays zero
-  if (targets.empty()) return st;
-  const std::uint64_t lo = targets.front().old_begin, hi = targets.back().old_end;
+  for (auto& a : st.arrays) a.assign(owned_state_elems(opt), 0.0f);  // padding stays zero
   const ChunkSink sink = [&](std::uint32_t a, std::uint64_t begin, std::span<const float> v) {
     const std::uint64_t end = begin + v.size();
-    // Targets are in flat order in both layouts: start at the first that ends after `begin`.
     auto it = std::upper_bound(targets.begin(), targets.end(), begin,
-                               [](std::uint64_t x, const Target& t) { return x < t.old_end; });
-    for (; it != targets.end() && it->old_begin < end; ++it) {
-      const std::uint64_t b = std::max(begin, it->old_begin), e = std::min(end, it->old_end);
+                               [](std::uint64_t x, const Target& t) { return x < t.end; });
+    for (; it != targets.end() && it->begin < end; ++it) {
+      const std::uint64_t b = std::max(begin, it->begin), e = std::min(end, it->end);
       std::copy(v.begin() + static_cast<std::ptrdiff_t>(b - begin),
                 v.begin() + static_cast<std::ptrdiff_t>(e - begin),
-                st.arrays[a].begin() + static_cast<std::ptrdiff_t>(it->local + (b - it->old_begin)));
+                st.arrays[a].begin() + static_cast<std::ptrdiff_t>(it->local + (b - it->begin)));
     }
   };
-  for (std::size_t s = 0; s < m.shards.size(); ++s)
-    if (m.shards[s].flat_begin < hi && m.shards[s].flat_end > lo) stream_shard(dir, m, s, sink);
+  read_state(dir, m, wanted, sink);
   return st;
 }
 
@@ -289,16 +349,15 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
   Staged st;
   LossScaleState loss;
   std::uint64_t identity = 0;  // must agree: every rank loads the same checkpoint
-  agree(comm, locally([&] {
+  collective(comm, "load_checkpoint", [&] {
           require(opt.finalized(), Status::InvalidState, "load_checkpoint: finalize() first");
           const fs::path dir = resolve_checkpoint_dir(path);
           m = read_metadata(dir);
           check_compatible(m, opt);
           loss = adapt_loss_state(m.loss_state, opt.options().loss_scaling);
-          st = read_owned_state(dir, m, opt);
-          identity = layout_hash(m) ^ (static_cast<std::uint64_t>(m.step_count) * 0x9E3779B97F4A7C15ull);
-          for (const MetaShard& s : m.shards) identity = identity * 31 + s.crc;
-        }));
+          st = read_held_state(dir, m, opt);
+          identity = layout_hash(m) ^ (std::uint64_t{m.body_crc} << 32 | m.version);
+        });
   std::vector<std::uint64_t> ids(static_cast<std::size_t>(comm.size()));
   comm.all_gather_bytes(&identity, ids.data(), sizeof identity);
   if (std::any_of(ids.begin(), ids.end(), [&](std::uint64_t x) { return x != ids[0]; }))

@@ -62,11 +62,15 @@ void OutFile::close() {
 // ---- InFile -------------------------------------------------------------------------------
 
 InFile::InFile(const fs::path& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd_ < 0) io_error("cannot open", path, errno);
   struct stat st {};
   if (::fstat(fd_, &st) != 0) io_error("cannot stat", path, errno);
   if (!S_ISREG(st.st_mode)) io_error("not a regular file:", path, EINVAL);
+  // Regular files ignore O_NONBLOCK; cleared anyway so that reads have the usual meaning.
+  const int flags = ::fcntl(fd_, F_GETFL);
+  if (flags < 0 || ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK) != 0) io_error("cannot configure", path, errno);
   size_ = static_cast<std::uint64_t>(st.st_size);
 }
 
@@ -87,6 +91,20 @@ void InFile::read(void* data, std::size_t bytes) {
   }
 }
 
+void InFile::read_at(std::uint64_t offset, void* data, std::size_t bytes) {
+  char* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd_, p, bytes, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) io_error("cannot read", path_, errno);
+    if (n == 0)
+      throw Error(Status::CorruptData, "checkpoint: '" + path_.string() + "' is truncated");
+    p += n;
+    bytes -= static_cast<std::size_t>(n);
+    offset += static_cast<std::uint64_t>(n);
+  }
+}
+
 std::vector<unsigned char> read_whole_file(const fs::path& path, std::size_t max_bytes) {
   InFile f(path);
   if (f.size() > max_bytes)
@@ -100,12 +118,23 @@ std::vector<unsigned char> read_whole_file(const fs::path& path, std::size_t max
 // ---- directories and publishing -------------------------------------------------------------
 
 void sync_directory(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) io_error("cannot open directory", dir, errno);
   const int rc = ::fsync(fd);
   const int err = errno;
   ::close(fd);
   if (rc != 0) io_error("cannot flush directory", dir, err);
+  if (g_hook.load()) test_point(("fsync-dir " + dir.string()).c_str());
+}
+
+void create_directories_durably(const fs::path& dir) {
+  const fs::path parent = dir.parent_path();
+  if (dir.empty() || fs::is_directory(dir)) return;
+  if (!parent.empty() && parent != dir) create_directories_durably(parent);
+  std::error_code ec;
+  if (!fs::create_directory(dir, ec) && !fs::is_directory(dir))
+    io_error("cannot create directory", dir, ec ? ec.value() : ENOTDIR);
+  sync_directory(parent.empty() ? fs::path(".") : parent);
 }
 
 void rename_path(const fs::path& from, const fs::path& to) {

@@ -1,6 +1,7 @@
 // files.hpp: the POSIX file operations a crash-safe checkpoint needs: exclusive creation,
-// full writes, fsync of files and directories, atomic publish by rename. Errors are
-// Error(Status::Io) naming the file and the system's reason.
+// full writes, reads that cannot block on a FIFO or device, fsync of files and directories,
+// atomic publish by rename. Errors are Error(Status::Io) naming the file and the system's
+// reason.
 #pragma once
 
 #include <cstddef>
@@ -33,7 +34,8 @@ class OutFile {
   std::uint64_t bytes_ = 0;
 };
 
-/// A file being read sequentially.
+/// A regular file being read. Opened without blocking (O_NONBLOCK, then fstat): a FIFO,
+/// device or other non-regular file is refused at once instead of hanging in open().
 class InFile {
  public:
   explicit InFile(const fs::path& path);
@@ -43,6 +45,8 @@ class InFile {
   std::uint64_t size() const { return size_; }
   /// Reads exactly `bytes` (Error(CorruptData) if the file ends first).
   void read(void* data, std::size_t bytes);
+  /// Reads exactly `bytes` at `offset` (Error(CorruptData) if the file ends first).
+  void read_at(std::uint64_t offset, void* data, std::size_t bytes);
 
  private:
   fs::path path_;
@@ -56,11 +60,15 @@ std::vector<unsigned char> read_whole_file(const fs::path& path, std::size_t max
 void write_file_atomically(const fs::path& dir, const std::string& name, const std::string& bytes);
 /// fsync of a directory, so that entries created or renamed in it are durable.
 void sync_directory(const fs::path& dir);
+/// Creates `dir` and any missing parents, fsyncing the parent of each directory created, so
+/// that the new entries survive a power loss.
+void create_directories_durably(const fs::path& dir);
 /// rename(2): atomic replacement within one file system.
 void rename_path(const fs::path& from, const fs::path& to);
 
 /// Test-only: called at named points of a save (see checkpoint.cpp), so tests can kill a
-/// process at a known moment. Null (the default) costs one branch.
+/// process or inject a failure at a known moment, and with "fsync-dir PATH" after each
+/// directory fsync. Null (the default) costs one branch.
 using TestHook = void (*)(const char* point);
 void set_test_hook(TestHook hook);
 void test_point(const char* point);

@@ -1,13 +1,16 @@
-// format.cpp: byte-level encoding of checkpoint metadata and shard headers, with a decoder
-// that bounds-checks every field before it is used (it is fuzzed: tests/fuzz/).
+// format.cpp: byte-level encoding of checkpoint metadata, shard headers and LATEST, with
+// decoders (formats 1 and 2) that bounds-check every field before it is used (they are
+// fuzzed: tests/fuzz/).
 #include "format.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <set>
 #include <string_view>
+#include <utility>
 
 #include "crc32c.hpp"
 #include "shardopt/error.hpp"
@@ -83,7 +86,7 @@ class Reader {
 
  private:
   void need(std::size_t n, const char* what) {
-    if (n > remaining()) corrupt(std::string("truncated metadata while reading ") + what);
+    if (n > remaining()) corrupt(std::string("truncated while reading ") + what);
   }
   std::span<const unsigned char> in_;
   std::size_t pos_ = 0;
@@ -99,11 +102,45 @@ std::string shard_file_name(std::size_t rank) {
   return buf;
 }
 
+std::vector<std::uint64_t> canonical_offsets(const Metadata& m) {
+  std::vector<std::uint64_t> c(m.params.size() + 1, 0);
+  for (std::size_t i = 0; i < m.params.size(); ++i) c[i + 1] = c[i] + m.params[i].numel;
+  return c;
+}
+
+std::vector<Range> shard_extents(const Metadata& m, std::size_t index) {
+  const MetaShard& s = m.shards.at(index);
+  std::vector<Range> out;
+  if (m.version >= 2) {
+    for (const Block& b : s.blocks) out.push_back(Range{b.begin, b.begin + b.count});
+    return out;
+  }
+  const std::vector<std::uint64_t> c = canonical_offsets(m);
+  auto it = std::upper_bound(m.params.begin(), m.params.end(), s.flat_begin,
+                             [](std::uint64_t x, const MetaParam& p) { return x < p.offset + p.numel; });
+  for (; it != m.params.end() && it->offset < s.flat_end; ++it) {
+    const std::uint64_t b = std::max(s.flat_begin, it->offset);
+    const std::uint64_t e = std::min(s.flat_end, it->offset + it->numel);
+    const std::uint64_t at = c[static_cast<std::size_t>(it - m.params.begin())] + (b - it->offset);
+    out.push_back(Range{at, at + (e - b)});
+  }
+  return out;
+}
+
 std::uint64_t layout_hash(const Metadata& m) {
-  std::uint64_t h = fnv1a64(&m.padded_size, sizeof m.padded_size);
+  if (m.version == 1) {
+    std::uint64_t h = fnv1a64(&m.padded_size, sizeof m.padded_size);
+    for (const MetaParam& p : m.params) {
+      h = fnv1a64(p.name.data(), p.name.size(), h);
+      const std::uint64_t rec[4] = {p.name.size(), p.numel, p.group, p.offset};
+      h = fnv1a64(rec, sizeof rec, h);
+    }
+    return h;
+  }
+  std::uint64_t h = fnv1a64(kMetaMagic, sizeof kMetaMagic);
   for (const MetaParam& p : m.params) {
     h = fnv1a64(p.name.data(), p.name.size(), h);
-    const std::uint64_t rec[4] = {p.name.size(), p.numel, p.group, p.offset};
+    const std::uint64_t rec[3] = {p.name.size(), p.numel, p.group};
     h = fnv1a64(rec, sizeof rec, h);
   }
   return h;
@@ -111,8 +148,10 @@ std::uint64_t layout_hash(const Metadata& m) {
 
 // ---- metadata -------------------------------------------------------------------------------
 
-std::vector<unsigned char> encode_metadata(const Metadata& m) {
-  Writer w;
+namespace {
+
+// The fields formats 1 and 2 share, from the step count to the groups.
+void encode_common(Writer& w, const Metadata& m) {
   w.put<std::int64_t>(m.step_count);
   w.put<std::uint32_t>(m.world_size);
   w.put<std::uint32_t>(static_cast<std::uint32_t>(m.stage));
@@ -135,66 +174,17 @@ std::vector<unsigned char> encode_metadata(const Metadata& m) {
     w.put<double>(g.lr_scale);
     w.put<std::uint32_t>(g.weight_decay ? 1 : 0);
   }
-  w.put<std::uint64_t>(m.params.size());
-  for (const MetaParam& p : m.params) {
-    w.put<std::uint32_t>(static_cast<std::uint32_t>(p.name.size()));
-    w.bytes(p.name.data(), p.name.size());
-    w.put<std::uint64_t>(p.numel);
-    w.put<std::uint32_t>(p.group);
-    w.put<std::uint64_t>(p.offset);
-  }
-  w.put<std::uint64_t>(m.padded_size);
-  w.put<std::uint32_t>(static_cast<std::uint32_t>(m.shards.size()));
-  for (const MetaShard& s : m.shards) {
-    w.put<std::uint64_t>(s.flat_begin);
-    w.put<std::uint64_t>(s.flat_end);
-    w.put<std::uint64_t>(s.file_bytes);
-    w.put<std::uint32_t>(s.crc);
-  }
-  const std::vector<unsigned char>& body = w.out();
-
-  Writer file;
-  file.bytes(kMetaMagic, 8);
-  file.put<std::uint32_t>(kFormatVersion);
-  file.put<std::uint32_t>(static_cast<std::uint32_t>(kMetaHeaderBytes));
-  file.put<std::uint64_t>(body.size());
-  file.put<std::uint32_t>(crc32c(body.data(), body.size()));
-  file.put<std::uint32_t>(crc32c(file.out().data(), 28));
-  file.bytes(body.data(), body.size());
-  return std::move(file.out());
 }
 
-Metadata decode_metadata(std::span<const unsigned char> in) {
-  if (in.size() < kMetaHeaderBytes)
-    corrupt("metadata file is truncated (" + std::to_string(in.size()) + " bytes)");
-  if (std::memcmp(in.data(), kMetaMagic, 8) != 0)
-    corrupt("metadata file does not start with the shardopt magic");
-  Reader hdr(in.first(kMetaHeaderBytes));
-  hdr.str(8, "magic");
-  Metadata m;
-  m.version = hdr.get<std::uint32_t>("version");
-  const auto header_bytes = hdr.get<std::uint32_t>("header size");
-  const auto body_bytes = hdr.get<std::uint64_t>("body size");
-  const auto body_crc = hdr.get<std::uint32_t>("body checksum");
-  const auto header_crc = hdr.get<std::uint32_t>("header checksum");
-  if (crc32c(in.data(), 28) != header_crc) corrupt("metadata header checksum mismatch");
-  check_version(m.version, "metadata");
-  if (header_bytes != kMetaHeaderBytes) corrupt("metadata header size is wrong");
-  if (body_bytes != in.size() - kMetaHeaderBytes)
-    corrupt("metadata is truncated or has trailing bytes (body " + std::to_string(body_bytes) +
-            " bytes declared, " + std::to_string(in.size() - kMetaHeaderBytes) + " present)");
-  const std::span<const unsigned char> body = in.subspan(kMetaHeaderBytes);
-  if (crc32c(body.data(), body.size()) != body_crc)
-    corrupt("metadata body checksum mismatch (the file is corrupted)");
-
-  Reader r(body);
+void decode_common(Reader& r, Metadata& m) {
   m.step_count = r.get<std::int64_t>("step count");
   m.world_size = r.get<std::uint32_t>("world size");
   const auto stage = r.get<std::uint32_t>("stage");
   const auto dtype = r.get<std::uint32_t>("dtype");
   const auto mode = r.get<std::uint32_t>("adam mode");
   if (m.step_count < 0) corrupt("negative step count");
-  if (stage > 2) corrupt("unknown stage " + std::to_string(stage));
+  if (m.world_size == 0 || m.world_size > (1u << 20)) corrupt("impossible world size");
+  if (stage > 3) corrupt("unknown stage " + std::to_string(stage));
   if (dtype > 1) corrupt("unknown parameter dtype " + std::to_string(dtype));
   if (mode > 1) corrupt("unknown Adam mode " + std::to_string(mode));
   m.stage = static_cast<Stage>(stage);
@@ -238,7 +228,26 @@ Metadata decode_metadata(std::span<const unsigned char> in) {
     if (const std::string p = validate(go); !p.empty()) corrupt("group: " + p);
     m.groups.push_back(go);
   }
+}
 
+// One parameter record's name, size and group (both formats); the caller reads the rest.
+MetaParam decode_param(Reader& r, const Metadata& m, std::set<std::string_view>& names) {
+  MetaParam p;
+  const auto len = r.get<std::uint32_t>("name length");
+  if (len == 0 || len > kMaxNameBytes) corrupt("parameter name length " + std::to_string(len));
+  const std::string_view name = r.str(len, "parameter name");
+  if (!names.insert(name).second) corrupt("duplicate parameter name '" + std::string(name) + "'");
+  p.name = std::string(name);
+  p.numel = r.get<std::uint64_t>("numel");
+  p.group = r.get<std::uint32_t>("group");
+  if (p.numel == 0 || p.numel > (std::uint64_t{1} << 50))
+    corrupt("parameter '" + p.name + "' has an impossible size");
+  if (p.group >= m.groups.size()) corrupt("parameter '" + p.name + "' names an unknown group");
+  return p;
+}
+
+// Format 1: parameters with flat offsets, the padded size, and shards tiling the flat buffer.
+void decode_v1_tail(Reader& r, Metadata& m) {
   constexpr std::size_t kMinParamRecord = 4 + 1 + 8 + 4 + 8;
   const std::uint64_t nparams = r.count(r.get<std::uint64_t>("parameter count"),
                                         kMinParamRecord, "parameter");
@@ -247,18 +256,8 @@ Metadata decode_metadata(std::span<const unsigned char> in) {
   std::set<std::string_view> names;
   std::uint64_t end = 0;  // end of the previous parameter
   for (std::uint64_t i = 0; i < nparams; ++i) {
-    MetaParam p;
-    const auto len = r.get<std::uint32_t>("name length");
-    if (len == 0 || len > kMaxNameBytes) corrupt("parameter name length " + std::to_string(len));
-    const std::string_view name = r.str(len, "parameter name");
-    if (!names.insert(name).second) corrupt("duplicate parameter name '" + std::string(name) + "'");
-    p.name = std::string(name);
-    p.numel = r.get<std::uint64_t>("numel");
-    p.group = r.get<std::uint32_t>("group");
+    MetaParam p = decode_param(r, m, names);
     p.offset = r.get<std::uint64_t>("offset");
-    if (p.numel == 0 || p.numel > (std::uint64_t{1} << 50))
-      corrupt("parameter '" + p.name + "' has an impossible size");
-    if (p.group >= ngroups) corrupt("parameter '" + p.name + "' names an unknown group");
     if (p.offset % FlatLayout::kAlignElems != 0 || p.offset < end ||
         p.offset > (std::uint64_t{1} << 52))
       corrupt("parameter '" + p.name + "' has a misplaced offset");
@@ -266,7 +265,6 @@ Metadata decode_metadata(std::span<const unsigned char> in) {
     m.params.push_back(std::move(p));
   }
   m.padded_size = r.get<std::uint64_t>("padded size");
-  if (m.world_size == 0 || m.world_size > (1u << 20)) corrupt("impossible world size");
   const std::uint64_t quantum = FlatLayout::kAlignElems * std::uint64_t{m.world_size};
   if (m.padded_size < end || m.padded_size % quantum != 0 || m.padded_size - end >= quantum)
     corrupt("padded size " + std::to_string(m.padded_size) +
@@ -285,13 +283,164 @@ Metadata decode_metadata(std::span<const unsigned char> in) {
     if (sh.flat_begin != s * per || sh.flat_end != (s + 1) * per ||
         sh.file_bytes != kShardHeaderBytes + kNumArrays * per * sizeof(float))
       corrupt("shard " + std::to_string(s) + " does not tile the flat buffer");
-    m.shards.push_back(sh);
+    m.shards.push_back(std::move(sh));
   }
+}
+
+// Format 2: parameters (canonical order), and shards of blocks that together cover every
+// canonical element exactly once.
+void decode_v2_tail(Reader& r, Metadata& m) {
+  constexpr std::size_t kMinParamRecord = 4 + 1 + 8 + 4;
+  const std::uint64_t nparams = r.count(r.get<std::uint64_t>("parameter count"),
+                                        kMinParamRecord, "parameter");
+  if (nparams == 0) corrupt("no parameters");
+  m.params.reserve(nparams);
+  std::set<std::string_view> names;
+  std::uint64_t total = 0;
+  for (std::uint64_t i = 0; i < nparams; ++i) {
+    m.params.push_back(decode_param(r, m, names));
+    total += m.params.back().numel;
+    if (total > kMaxElements) corrupt("the parameters hold an impossible number of elements");
+  }
+
+  constexpr std::size_t kBlockRecord = 8 + 8 + 4;
+  const std::uint64_t nshards = r.count(r.get<std::uint32_t>("shard count"), 16, "shard");
+  if (nshards != m.world_size) corrupt("shard count differs from the world size");
+  m.shards.reserve(nshards);
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> all;  // every block: begin, count
+  for (std::uint64_t s = 0; s < nshards; ++s) {
+    MetaShard sh;
+    sh.file_bytes = r.get<std::uint64_t>("shard file size");
+    const std::uint64_t nblocks = r.count(r.get<std::uint64_t>("block count"), kBlockRecord, "block");
+    sh.blocks.reserve(nblocks);
+    std::uint64_t elements = 0, prev_end = 0;
+    for (std::uint64_t b = 0; b < nblocks; ++b) {
+      Block blk;
+      blk.begin = r.get<std::uint64_t>("block begin");
+      blk.count = r.get<std::uint64_t>("block count");
+      blk.crc = r.get<std::uint32_t>("block checksum");
+      if (blk.count == 0 || blk.count > kBlockElems || blk.begin > total ||
+          blk.count > total - blk.begin || (b > 0 && blk.begin < prev_end))
+        corrupt("shard " + std::to_string(s) + " block " + std::to_string(b) +
+                " is not an ascending range of at most " + std::to_string(kBlockElems) +
+                " elements inside the parameters");
+      blk.file_offset = kShardHeaderBytes + kNumArrays * sizeof(float) * elements;
+      elements += blk.count;
+      prev_end = blk.begin + blk.count;
+      all.emplace_back(blk.begin, blk.count);
+      sh.blocks.push_back(blk);
+    }
+    if (sh.file_bytes != kShardHeaderBytes + kNumArrays * sizeof(float) * elements)
+      corrupt("shard " + std::to_string(s) + " file size does not match its blocks");
+    m.shards.push_back(std::move(sh));
+  }
+  std::sort(all.begin(), all.end());
+  std::uint64_t covered = 0;
+  for (const auto& [begin, count] : all) {
+    if (begin != covered)
+      corrupt("the shards " + std::string(begin < covered ? "store element " : "miss element ") +
+              std::to_string(std::min(begin, covered)) + (begin < covered ? " twice" : ""));
+    covered += count;
+  }
+  if (covered != total)
+    corrupt("the shards miss elements " + std::to_string(covered) + " to " + std::to_string(total));
+}
+
+}  // namespace
+
+std::vector<unsigned char> encode_metadata(const Metadata& m) {
+  Writer w;
+  encode_common(w, m);
+  w.put<std::uint64_t>(m.params.size());
+  for (const MetaParam& p : m.params) {
+    w.put<std::uint32_t>(static_cast<std::uint32_t>(p.name.size()));
+    w.bytes(p.name.data(), p.name.size());
+    w.put<std::uint64_t>(p.numel);
+    w.put<std::uint32_t>(p.group);
+  }
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(m.shards.size()));
+  for (const MetaShard& s : m.shards) {
+    w.put<std::uint64_t>(s.file_bytes);
+    w.put<std::uint64_t>(s.blocks.size());
+    for (const Block& b : s.blocks) {
+      w.put<std::uint64_t>(b.begin);
+      w.put<std::uint64_t>(b.count);
+      w.put<std::uint32_t>(b.crc);
+    }
+  }
+  const std::vector<unsigned char>& body = w.out();
+
+  Writer file;
+  file.bytes(kMetaMagic, 8);
+  file.put<std::uint32_t>(kFormatVersion);
+  file.put<std::uint32_t>(static_cast<std::uint32_t>(kMetaHeaderBytes));
+  file.put<std::uint64_t>(body.size());
+  file.put<std::uint32_t>(crc32c(body.data(), body.size()));
+  file.put<std::uint32_t>(crc32c(file.out().data(), 28));
+  file.bytes(body.data(), body.size());
+  return std::move(file.out());
+}
+
+Metadata decode_metadata(std::span<const unsigned char> in) {
+  if (in.size() < kMetaHeaderBytes)
+    corrupt("metadata file is truncated (" + std::to_string(in.size()) + " bytes)");
+  if (std::memcmp(in.data(), kMetaMagic, 8) != 0)
+    corrupt("metadata file does not start with the shardopt magic");
+  Reader hdr(in.first(kMetaHeaderBytes));
+  hdr.str(8, "magic");
+  Metadata m;
+  m.version = hdr.get<std::uint32_t>("version");
+  const auto header_bytes = hdr.get<std::uint32_t>("header size");
+  const auto body_bytes = hdr.get<std::uint64_t>("body size");
+  const auto body_crc = hdr.get<std::uint32_t>("body checksum");
+  const auto header_crc = hdr.get<std::uint32_t>("header checksum");
+  if (crc32c(in.data(), 28) != header_crc) corrupt("metadata header checksum mismatch");
+  check_version(m.version, "metadata");
+  if (header_bytes != kMetaHeaderBytes) corrupt("metadata header size is wrong");
+  if (body_bytes != in.size() - kMetaHeaderBytes)
+    corrupt("metadata is truncated or has trailing bytes (body " + std::to_string(body_bytes) +
+            " bytes declared, " + std::to_string(in.size() - kMetaHeaderBytes) + " present)");
+  const std::span<const unsigned char> body = in.subspan(kMetaHeaderBytes);
+  if (crc32c(body.data(), body.size()) != body_crc)
+    corrupt("metadata body checksum mismatch (the file is corrupted)");
+  m.body_crc = body_crc;
+
+  Reader r(body);
+  decode_common(r, m);
+  if (m.version == 1)
+    decode_v1_tail(r, m);
+  else
+    decode_v2_tail(r, m);
   if (r.remaining() != 0) corrupt("trailing bytes after the shard table");
   return m;
 }
 
 // ---- shard headers ------------------------------------------------------------------------
+
+namespace {
+
+std::uint32_t table_crc(const std::vector<Block>& blocks) {
+  std::uint32_t crc = 0;
+  for (const Block& b : blocks) {
+    const std::uint64_t rec[2] = {b.begin, b.count};
+    crc = crc32c_update(crc, rec, sizeof rec);
+  }
+  return crc;
+}
+
+}  // namespace
+
+ShardHeader shard_header(const Metadata& m, std::size_t index) {
+  const MetaShard& s = m.shards.at(index);
+  ShardHeader h;
+  h.rank = static_cast<std::uint32_t>(index);
+  h.world_size = m.world_size;
+  h.layout_hash = layout_hash(m);
+  for (const Block& b : s.blocks) h.elements += b.count;
+  h.blocks = s.blocks.size();
+  h.table_hash = table_crc(s.blocks);
+  return h;
+}
 
 std::array<unsigned char, kShardHeaderBytes> encode_shard_header(const ShardHeader& h) {
   Writer w;
@@ -300,12 +449,12 @@ std::array<unsigned char, kShardHeaderBytes> encode_shard_header(const ShardHead
   w.put<std::uint32_t>(static_cast<std::uint32_t>(kShardHeaderBytes));
   w.put<std::uint32_t>(h.rank);
   w.put<std::uint32_t>(h.world_size);
-  w.put<std::uint64_t>(h.flat_begin);
-  w.put<std::uint64_t>(h.flat_end);
+  w.put<std::uint64_t>(h.elements);
+  w.put<std::uint64_t>(h.blocks);
   w.put<std::uint32_t>(kNumArrays);
   w.put<std::uint32_t>(sizeof(float));
   w.put<std::uint64_t>(h.layout_hash);
-  w.put<std::uint32_t>(0);
+  w.put<std::uint32_t>(h.table_hash);
   w.put<std::uint32_t>(crc32c(w.out().data(), kShardHeaderBytes - 4));
   std::array<unsigned char, kShardHeaderBytes> out{};
   std::memcpy(out.data(), w.out().data(), kShardHeaderBytes);
@@ -323,26 +472,72 @@ ShardHeader decode_shard_header(std::span<const unsigned char> in) {
   const auto header_bytes = r.get<std::uint32_t>("header size");
   h.rank = r.get<std::uint32_t>("rank");
   h.world_size = r.get<std::uint32_t>("world size");
-  h.flat_begin = r.get<std::uint64_t>("begin");
-  h.flat_end = r.get<std::uint64_t>("end");
+  const auto a = r.get<std::uint64_t>("begin / elements");
+  const auto b = r.get<std::uint64_t>("end / blocks");
   const auto arrays = r.get<std::uint32_t>("array count");
   const auto elem = r.get<std::uint32_t>("element size");
   h.layout_hash = r.get<std::uint64_t>("layout hash");
-  r.get<std::uint32_t>("reserved");
+  const auto table = r.get<std::uint32_t>("table hash");
   const auto crc = r.get<std::uint32_t>("header checksum");
   if (crc32c(in.data(), kShardHeaderBytes - 4) != crc) corrupt("shard header checksum mismatch");
   check_version(h.version, "shard file");
   if (header_bytes != kShardHeaderBytes || arrays != kNumArrays || elem != sizeof(float))
     corrupt("shard header describes an unknown record layout");
-  if (h.flat_end < h.flat_begin || h.rank >= h.world_size) corrupt("shard header is inconsistent");
+  if (h.rank >= h.world_size) corrupt("shard header is inconsistent");
+  if (h.version == 1) {
+    h.flat_begin = a;
+    h.flat_end = b;
+    if (h.flat_end < h.flat_begin || table != 0) corrupt("shard header is inconsistent");
+  } else {
+    h.elements = a;
+    h.blocks = b;
+    h.table_hash = table;
+    if (h.blocks > h.elements || h.elements > h.blocks * kBlockElems)
+      corrupt("shard header is inconsistent");
+  }
   return h;
 }
 
 void check_shard_matches(const ShardHeader& h, const Metadata& m, std::size_t index) {
-  const MetaShard& s = m.shards.at(index);
-  if (h.rank != index || h.world_size != m.world_size || h.flat_begin != s.flat_begin ||
-      h.flat_end != s.flat_end || h.layout_hash != layout_hash(m))
-    corrupt(shard_file_name(index) + " belongs to another checkpoint or rank");
+  bool same = h.version == m.version && h.rank == index && h.world_size == m.world_size &&
+              h.layout_hash == layout_hash(m);
+  if (m.version == 1) {
+    const MetaShard& s = m.shards.at(index);
+    same = same && h.flat_begin == s.flat_begin && h.flat_end == s.flat_end;
+  } else {
+    const ShardHeader want = shard_header(m, index);
+    same = same && h.elements == want.elements && h.blocks == want.blocks &&
+           h.table_hash == want.table_hash;
+  }
+  if (!same) corrupt(shard_file_name(index) + " belongs to another checkpoint or rank");
+}
+
+// ---- LATEST ---------------------------------------------------------------------------------
+
+std::string encode_latest(const std::string& name) {
+  char crc[16];
+  std::snprintf(crc, sizeof crc, "%08x", crc32c(name.data(), name.size()));
+  return name + " " + crc + "\n";
+}
+
+std::string decode_latest(std::span<const unsigned char> bytes, bool& legacy) {
+  std::string text(bytes.begin(), bytes.end());
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  const std::size_t space = text.find(' ');
+  legacy = space == std::string::npos;
+  const std::string name = text.substr(0, space);
+  // LATEST names a sibling directory; anything else is not ours.
+  const bool plain = !name.empty() && name.find('/') == std::string::npos && name != "." &&
+                     name != ".." && name.find('\0') == std::string::npos &&
+                     name.find('\n') == std::string::npos;
+  if (!plain) corrupt("LATEST does not name a checkpoint directory");
+  if (!legacy) {
+    const std::string crc = text.substr(space + 1);
+    const bool hex = crc.size() == 8 && crc.find_first_not_of("0123456789abcdef") == std::string::npos;
+    if (!hex || std::stoul(crc, nullptr, 16) != crc32c(name.data(), name.size()))
+      corrupt("LATEST fails its checksum (the file is corrupted)");
+  }
+  return name;
 }
 
 }  // namespace shardopt::ckpt

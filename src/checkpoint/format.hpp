@@ -1,6 +1,12 @@
-// format.hpp: the on-disk checkpoint format (version 1), as bytes: encoding and validating
-// decoding of the metadata file and of shard headers. No files, no MPI: the fuzzer and the
-// export tool use it alone. docs/checkpoint-format.md describes every field.
+// format.hpp: the on-disk checkpoint format, as bytes: encoding (version 2) and validating
+// decoding (versions 1 and 2) of the metadata file and of shard headers. No files, no MPI:
+// the fuzzer and the export tool use it alone. docs/checkpoint-format.md describes every field.
+//
+// Canonical coordinates: parameter i's element k is at canonical position
+// sum_{j<i} numel_j + k (registration order, no padding). Format 2 stores state by canonical
+// position, so nothing on disk depends on the saving world size, stage or flat layout.
+// Format 1 stored flat ranges of the saving layout; its decoder derives the canonical
+// ranges each shard holds, so readers work in canonical coordinates for both.
 #pragma once
 
 #include <array>
@@ -15,27 +21,43 @@
 
 namespace shardopt::ckpt {
 
-inline constexpr std::uint32_t kFormatVersion = 1;
+inline constexpr std::uint32_t kFormatVersion = 2;  ///< written; versions 1..2 are read
 inline constexpr std::size_t kMetaHeaderBytes = 32;
 inline constexpr std::size_t kShardHeaderBytes = 64;
 inline constexpr std::uint32_t kNumArrays = 3;  ///< master, exp_avg, exp_avg_sq (fp32 each)
+/// Format 2: the most elements in one block (the unit of reading and checksumming: 3 MiB of
+/// state), so a reader needing part of a shard reads at most one block more per boundary.
+inline constexpr std::uint64_t kBlockElems = std::uint64_t{1} << 18;
 /// Limits applied before any allocation from a header field.
 inline constexpr std::size_t kMaxMetadataBytes = std::size_t{1} << 28;  // 256 MiB
 inline constexpr std::size_t kMaxNameBytes = 4096;
+inline constexpr std::uint64_t kMaxElements = std::uint64_t{1} << 52;  ///< canonical size bound
 
 struct MetaParam {
   std::string name;
   std::uint64_t numel = 0;
   std::uint32_t group = 0;
-  std::uint64_t offset = 0;  ///< flat offset in the saving layout
+  std::uint64_t offset = 0;  ///< format 1 only: flat offset in the saving layout
 };
 
-/// One shard file: the arrays over [flat_begin, flat_end) of the saving layout.
+/// Format 2: canonical elements [begin, begin + count) of one shard file, stored as the
+/// master, exp_avg and exp_avg_sq values of that range back to back (12 * count bytes).
+struct Block {
+  std::uint64_t begin = 0;
+  std::uint64_t count = 0;
+  std::uint32_t crc = 0;          ///< CRC-32C of the block's 12 * count bytes
+  std::uint64_t file_offset = 0;  ///< derived on decode: where the block starts in its file
+};
+
+/// One shard file.
 struct MetaShard {
+  std::uint64_t file_bytes = 0;
+  std::vector<Block> blocks;  ///< format 2: ascending, disjoint canonical ranges
+  // Format 1 only: the file holds the flat range [flat_begin, flat_end) of the saving
+  // layout, padding included, and `crc` is the CRC-32C of the whole file.
   std::uint64_t flat_begin = 0;
   std::uint64_t flat_end = 0;
-  std::uint64_t file_bytes = 0;
-  std::uint32_t crc = 0;  ///< CRC-32C of the whole file, header included
+  std::uint32_t crc = 0;
 };
 
 struct Metadata {
@@ -49,33 +71,61 @@ struct Metadata {
   LossScaleState loss_state;
   std::vector<GroupOptions> groups;
   std::vector<MetaParam> params;
-  std::uint64_t padded_size = 0;
+  std::uint64_t padded_size = 0;  ///< format 1 only
   std::vector<MetaShard> shards;
+  std::uint32_t body_crc = 0;  ///< derived on decode: identifies the checkpoint's contents
 };
 
-/// Hash of the parameter table (names, sizes, groups, offsets): ties shards to metadata.
+/// Canonical position of each parameter's first element (size: params + 1; the last entry
+/// is the canonical size).
+std::vector<std::uint64_t> canonical_offsets(const Metadata& m);
+
+/// The canonical ranges shard `index` holds, ascending: its blocks (format 2) or the parts
+/// of parameters inside its flat range (format 1).
+std::vector<Range> shard_extents(const Metadata& m, std::size_t index);
+
+/// Hash of the parameter table (names, sizes, groups; format 1 also offsets and padded
+/// size): ties shards to metadata.
 std::uint64_t layout_hash(const Metadata& m);
 
+/// Encodes `m` in the current format (m.version is ignored).
 std::vector<unsigned char> encode_metadata(const Metadata& m);
-/// Parses and validates a whole metadata file. Throws Error(CorruptData) for anything
-/// inconsistent (truncation, checksum, bounds, impossible layout) and Error(Unsupported) for
-/// a newer format version. Never allocates more than the input's size implies.
+/// Parses and validates a whole metadata file, format 1 or 2. Throws Error(CorruptData) for
+/// anything inconsistent (truncation, checksum, bounds, shards that do not cover every
+/// element exactly once) and Error(Unsupported) for a newer format version. Never allocates
+/// more than the input's size implies.
 Metadata decode_metadata(std::span<const unsigned char> file);
 
 struct ShardHeader {
   std::uint32_t version = kFormatVersion;
   std::uint32_t rank = 0;
   std::uint32_t world_size = 0;
+  std::uint64_t layout_hash = 0;
+  // Format 2: the number of elements and blocks, and a hash of the block table's ranges.
+  std::uint64_t elements = 0;
+  std::uint64_t blocks = 0;
+  std::uint32_t table_hash = 0;
+  // Format 1: the flat range of the saving layout.
   std::uint64_t flat_begin = 0;
   std::uint64_t flat_end = 0;
-  std::uint64_t layout_hash = 0;
 };
 
+/// The header shard `index` of `m` has (current format; needs m.params and the shard's
+/// blocks' ranges, not their checksums).
+ShardHeader shard_header(const Metadata& m, std::size_t index);
 std::array<unsigned char, kShardHeaderBytes> encode_shard_header(const ShardHeader& h);
-/// Validates the header's own fields and checksum (Error(CorruptData) / Error(Unsupported)).
+/// Validates the header's own fields and checksum (Error(CorruptData) / Error(Unsupported)),
+/// format 1 or 2.
 ShardHeader decode_shard_header(std::span<const unsigned char> bytes);
 /// Checks that header `h` is shard `index` of `m` (Error(CorruptData) otherwise).
 void check_shard_matches(const ShardHeader& h, const Metadata& m, std::size_t index);
+
+/// The LATEST file's contents for checkpoint directory `name`: the name and its CRC-32C.
+std::string encode_latest(const std::string& name);
+/// The directory name a LATEST file holds, its checksum verified (Error(CorruptData)).
+/// Format 1 wrote a bare name without checksum: then `legacy` is set and the caller must
+/// cross-check the name.
+std::string decode_latest(std::span<const unsigned char> bytes, bool& legacy);
 
 /// File names inside a checkpoint directory.
 std::string shard_file_name(std::size_t rank);

@@ -1,6 +1,7 @@
-// reader.cpp: resolving, validating and streaming a checkpoint from files.
+// reader.cpp: resolving, validating and reading a checkpoint from files.
 #include "reader.hpp"
 
+#include <algorithm>
 #include <vector>
 
 #include "crc32c.hpp"
@@ -9,20 +10,124 @@
 
 namespace shardopt::ckpt {
 
+namespace {
+
+[[noreturn]] void corrupt_file(const fs::path& p, const std::string& what) {
+  throw Error(Status::CorruptData, "checkpoint: '" + p.string() + "' " + what);
+}
+
+// The newest checkpoint directory name in a save directory (ckpt-NNNNNNNN holding
+// metadata.bin), or "" when there is none.
+std::string newest_checkpoint(const fs::path& save_dir) {
+  std::string best;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(save_dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() == 13 && n.rfind("ckpt-", 0) == 0 &&
+        n.find_first_not_of("0123456789", 5) == std::string::npos &&
+        fs::is_regular_file(e.path() / kMetadataFile, ec) && n > best)
+      best = n;
+  }
+  return best;
+}
+
+// Is some range of `wanted` (ascending, disjoint) overlapping r?
+bool overlaps(std::span<const Range> wanted, Range r) {
+  auto it = std::upper_bound(wanted.begin(), wanted.end(), r.begin,
+                             [](std::size_t x, const Range& w) { return x < w.end; });
+  return it != wanted.end() && it->begin < r.end && !r.empty();
+}
+
+// Checks shard file `index`, opened as f, against the metadata: its size and header.
+void check_shard_file(InFile& f, const fs::path& dir, const Metadata& m, std::size_t index,
+                      std::array<unsigned char, kShardHeaderBytes>& header) {
+  const fs::path path = dir / shard_file_name(index);
+  const MetaShard& s = m.shards[index];
+  if (f.size() != s.file_bytes)
+    corrupt_file(path, "has " + std::to_string(f.size()) + " bytes, expected " +
+                           std::to_string(s.file_bytes) + " (truncated?)");
+  f.read(header.data(), header.size());
+  try {
+    check_shard_matches(decode_shard_header(header), m, index);
+  } catch (const Error& e) {
+    throw Error(e.status(), std::string(e.what()) + " [" + path.string() + "]");
+  }
+}
+
+// Format 2: the blocks of shard `index` that overlap `wanted`, each verified, then passed on.
+void read_blocks(const fs::path& dir, const Metadata& m, std::size_t index,
+                 std::span<const Range> wanted, const ChunkSink& sink) {
+  std::array<unsigned char, kShardHeaderBytes> header{};
+  InFile f(dir / shard_file_name(index));
+  check_shard_file(f, dir, m, index, header);
+  std::vector<float> buf;
+  for (const Block& b : m.shards[index].blocks) {
+    if (!overlaps(wanted, Range{b.begin, b.begin + b.count})) continue;
+    const std::size_t n = static_cast<std::size_t>(b.count);
+    buf.resize(kNumArrays * n);
+    f.read_at(b.file_offset, buf.data(), buf.size() * sizeof(float));
+    if (crc32c(buf.data(), buf.size() * sizeof(float)) != b.crc)
+      corrupt_file(dir / shard_file_name(index),
+                   "fails the checksum of its block at element " + std::to_string(b.begin) +
+                       " (the file is corrupted)");
+    for (std::uint32_t a = 0; a < kNumArrays; ++a)
+      sink(a, b.begin, std::span<const float>(buf.data() + a * n, n));
+  }
+}
+
+// Format 1: the whole shard file streamed, its flat chunks cut at parameter boundaries and
+// passed on in canonical coordinates; the file's checksum is verified at the end.
+void stream_v1_shard(const fs::path& dir, const Metadata& m, std::size_t index,
+                     const std::vector<std::uint64_t>& canonical, const ChunkSink& sink) {
+  std::array<unsigned char, kShardHeaderBytes> header{};
+  InFile f(dir / shard_file_name(index));
+  check_shard_file(f, dir, m, index, header);
+  const MetaShard& s = m.shards[index];
+  std::uint32_t crc = crc32c(header.data(), header.size());
+  const std::uint64_t count = s.flat_end - s.flat_begin;
+  constexpr std::uint64_t kChunk = std::uint64_t{1} << 20;  // elements: 4 MiB reads
+  std::vector<float> buf(static_cast<std::size_t>(std::min(count, kChunk)));
+  for (std::uint32_t a = 0; a < kNumArrays; ++a) {
+    for (std::uint64_t off = 0; off < count; off += kChunk) {
+      const std::size_t n = static_cast<std::size_t>(std::min(kChunk, count - off));
+      f.read(buf.data(), n * sizeof(float));
+      crc = crc32c_update(crc, buf.data(), n * sizeof(float));
+      const std::uint64_t begin = s.flat_begin + off, end = begin + n;
+      auto it = std::upper_bound(m.params.begin(), m.params.end(), begin,
+                                 [](std::uint64_t x, const MetaParam& p) { return x < p.offset + p.numel; });
+      for (; it != m.params.end() && it->offset < end; ++it) {
+        const std::uint64_t b = std::max(begin, it->offset), e = std::min(end, it->offset + it->numel);
+        const std::size_t i = static_cast<std::size_t>(it - m.params.begin());
+        sink(a, canonical[i] + (b - it->offset),
+             std::span<const float>(buf.data() + (b - begin), static_cast<std::size_t>(e - b)));
+      }
+    }
+  }
+  if (crc != s.crc) corrupt_file(dir / shard_file_name(index), "fails its checksum (the file is corrupted)");
+}
+
+}  // namespace
+
 fs::path resolve_checkpoint_dir(const fs::path& path) {
   std::error_code ec;
   if (fs::is_regular_file(path / kMetadataFile, ec)) return path;
-  if (!fs::is_regular_file(path / kLatestFile, ec))
+  const fs::path latest = path / kLatestFile;
+  if (!fs::is_regular_file(latest, ec))
     throw Error(Status::Io, "checkpoint: '" + path.string() +
                                 "' holds neither a checkpoint (metadata.bin) nor a LATEST file");
-  const std::vector<unsigned char> raw = read_whole_file(path / kLatestFile, 256);
-  std::string name(raw.begin(), raw.end());
-  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
-  // LATEST names a sibling directory; anything else is not ours.
-  const bool plain = !name.empty() && name.find('/') == std::string::npos && name != "." &&
-                     name != ".." && name.find('\0') == std::string::npos;
-  if (!plain) throw Error(Status::CorruptData, "checkpoint: '" + (path / kLatestFile).string() +
-                                                   "' does not name a checkpoint directory");
+  const std::vector<unsigned char> raw = read_whole_file(latest, 256);
+  bool legacy = false;
+  std::string name;
+  try {
+    name = decode_latest(raw, legacy);
+  } catch (const Error& e) {
+    throw Error(e.status(), std::string(e.what()) + " [" + latest.string() + "]");
+  }
+  // A LATEST without checksum (format 1) is trusted only if it names the newest checkpoint.
+  if (legacy && name != newest_checkpoint(path))
+    corrupt_file(latest, "names '" + name + "', which is not the newest checkpoint present (" +
+                             newest_checkpoint(path) + "); it has no checksum (format 1), so "
+                             "it may be corrupted: load a checkpoint directory explicitly");
   return path / name;
 }
 
@@ -37,37 +142,18 @@ Metadata read_metadata(const fs::path& checkpoint_dir) {
   }
 }
 
-void stream_shard(const fs::path& checkpoint_dir, const Metadata& m, std::size_t index,
-                  const ChunkSink& sink) {
-  const MetaShard& s = m.shards.at(index);
-  const fs::path path = checkpoint_dir / shard_file_name(index);
-  InFile f(path);
-  if (f.size() != s.file_bytes)
-    throw Error(Status::CorruptData, "checkpoint: '" + path.string() + "' has " +
-                                         std::to_string(f.size()) + " bytes, expected " +
-                                         std::to_string(s.file_bytes) + " (truncated?)");
-  std::array<unsigned char, kShardHeaderBytes> header{};
-  f.read(header.data(), header.size());
-  try {
-    check_shard_matches(decode_shard_header(header), m, index);
-  } catch (const Error& e) {
-    throw Error(e.status(), std::string(e.what()) + " [" + path.string() + "]");
+void read_state(const fs::path& dir, const Metadata& m, std::span<const Range> wanted,
+                const ChunkSink& sink) {
+  const std::vector<std::uint64_t> canonical = canonical_offsets(m);
+  for (std::size_t s = 0; s < m.shards.size(); ++s) {
+    const std::vector<Range> extents = shard_extents(m, s);
+    if (std::none_of(extents.begin(), extents.end(), [&](Range r) { return overlaps(wanted, r); }))
+      continue;
+    if (m.version == 1)
+      stream_v1_shard(dir, m, s, canonical, sink);
+    else
+      read_blocks(dir, m, s, wanted, sink);
   }
-  std::uint32_t crc = crc32c(header.data(), header.size());
-  const std::uint64_t count = s.flat_end - s.flat_begin;
-  constexpr std::uint64_t kChunk = std::uint64_t{1} << 20;  // elements: 4 MiB reads
-  std::vector<float> buf(static_cast<std::size_t>(std::min(count, kChunk)));
-  for (std::uint32_t a = 0; a < kNumArrays; ++a) {
-    for (std::uint64_t off = 0; off < count; off += kChunk) {
-      const std::size_t n = static_cast<std::size_t>(std::min(kChunk, count - off));
-      f.read(buf.data(), n * sizeof(float));
-      crc = crc32c_update(crc, buf.data(), n * sizeof(float));
-      sink(a, s.flat_begin + off, std::span<const float>(buf.data(), n));
-    }
-  }
-  if (crc != s.crc)
-    throw Error(Status::CorruptData,
-                "checkpoint: '" + path.string() + "' fails its checksum (the file is corrupted)");
 }
 
 }  // namespace shardopt::ckpt

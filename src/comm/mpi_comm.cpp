@@ -3,16 +3,20 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "../cpu/kernels.hpp"
 #include "mpi_util.hpp"
+#include "mpi_watchdog.hpp"
 #include "shardopt/bf16.hpp"
 
 namespace shardopt {
 namespace {
+
+using mpi::Watchdog;
 
 // The reduction of the bf16 wire: each partial sum is computed in fp32 and rounded to bf16.
 void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -22,46 +26,144 @@ void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
     b[i] = float_to_bf16_bits(bf16_bits_to_float(a[i]) + bf16_bits_to_float(b[i]));
 }
 
-// One started MPI operation, the arrays MPI reads until it completes, and what to do after.
+class LaunchQueue;
+
+// One MPI operation: how to start it, the arrays MPI reads until it completes, and what to
+// do after. The LaunchQueue decides when it starts.
 class MpiRequest final : public CommRequest {
  public:
   std::vector<MPI_Request> requests;
   std::vector<bf16> wire;
+  std::function<void(MpiRequest&)> launch;  ///< starts the MPI operation(s) into `requests`
   std::function<void()> on_complete;
 
-  ~MpiRequest() override {
-    if (done_) return;
-    try {
-      wait();
-    } catch (...) {  // a destructor cannot report; the next collective will
-    }
-  }
-  bool test() override {
-    if (done_) return true;
-    int flag = 0;
-    SHARDOPT_MPI(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag,
-                             MPI_STATUSES_IGNORE));
-    if (flag) finish();
-    return done_;
-  }
-  void wait() override {
-    if (done_) return;
-    SHARDOPT_MPI(MPI_Waitall(static_cast<int>(requests.size()), requests.data(),
-                             MPI_STATUSES_IGNORE));
-    finish();
-  }
+  MpiRequest(LaunchQueue& queue, std::shared_ptr<Watchdog> dog, const char* name)
+      : queue_(queue), dog_(std::move(dog)), ticket_(dog_->enter(name)) {}
+  ~MpiRequest() override;
+  bool test() override;
+  void wait() override;
 
  private:
+  friend class LaunchQueue;
+  bool test_started();  // MPI_Testall; completes the request when it reports done
+  void wait_started();
   void finish() {
     done_ = true;
     if (on_complete) on_complete();
   }
+  LaunchQueue& queue_;
+  std::shared_ptr<Watchdog> dog_;
+  Watchdog::Ticket ticket_;  // numbered in call order, which is also the order of starts
+  bool started_ = false;
   bool done_ = false;
 };
 
+// Starts a communicator's non-blocking collectives in call order, at most `limit` at a time.
+// MPICH 4.0 (ch4) slows down sharply with several large non-blocking collectives outstanding
+// on one communicator: with 16 started at once the overlapped stage-1 step took 162 ms
+// against 30 ms without overlap; with one at a time, less than without overlap
+// (bench_overlap, SHARDOPT_MPI_IN_FLIGHT=16 against the default; docs/performance.md).
+// Requests over the limit start when an earlier one completes (seen in test or wait of any
+// request of the communicator); a blocking collective first starts every queued one. So MPI
+// sees each rank's collectives in the order that rank called them, as it requires.
+class LaunchQueue {
+ public:
+  explicit LaunchQueue(std::size_t limit) : limit_(limit) {}
+
+  void submit(MpiRequest* r) {
+    waiting_.push_back(r);
+    pump();
+  }
+  // Notices completions at the front and starts what they make room for.
+  void poll() {
+    while (!active_.empty() && active_.front()->test_started()) {
+      active_.pop_front();
+      pump();
+    }
+  }
+  // Waits for earlier requests until r has started.
+  void start(MpiRequest* r) {
+    while (!r->started_) retire_front();
+  }
+  // Starts every queued request (before a blocking collective).
+  void flush() {
+    while (!waiting_.empty()) retire_front();
+  }
+  void completed(MpiRequest* r) {
+    if (auto it = std::find(active_.begin(), active_.end(), r); it != active_.end())
+      active_.erase(it);
+    pump();
+  }
+  // A request going away without completing (its wait failed): the queue must not keep it.
+  void forget(MpiRequest* r) {
+    std::erase(waiting_, r);
+    std::erase(active_, r);
+  }
+
+ private:
+  void retire_front() {
+    MpiRequest* r = active_.front();  // non-empty whenever something waits (limit >= 1)
+    r->wait_started();
+    active_.pop_front();
+    pump();
+  }
+  void pump() {
+    while (!waiting_.empty() && active_.size() < limit_) {
+      MpiRequest* r = waiting_.front();
+      waiting_.pop_front();
+      r->started_ = true;
+      active_.push_back(r);
+      r->launch(*r);
+    }
+  }
+  std::size_t limit_;
+  std::deque<MpiRequest*> waiting_;  // submitted, not started
+  std::deque<MpiRequest*> active_;   // started, completion not seen yet
+};
+
+MpiRequest::~MpiRequest() {
+  if (done_) return;
+  try {
+    wait();
+  } catch (...) {  // a destructor cannot report; the next collective will
+  }
+  queue_.forget(this);
+}
+
+bool MpiRequest::test() {
+  if (done_) return true;
+  queue_.poll();
+  if (!started_ || done_) return done_;
+  if (test_started()) queue_.completed(this);
+  return done_;
+}
+
+void MpiRequest::wait() {
+  if (done_) return;
+  queue_.start(this);
+  wait_started();
+  queue_.completed(this);
+}
+
+bool MpiRequest::test_started() {
+  if (done_) return true;
+  int flag = 0;
+  SHARDOPT_MPI(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag,
+                           MPI_STATUSES_IGNORE));
+  if (flag) finish();
+  return done_;
+}
+
+void MpiRequest::wait_started() {
+  if (done_) return;
+  dog_->wait(ticket_, static_cast<int>(requests.size()), requests.data());
+  finish();
+}
+
 class MpiCommunicator final : public Communicator {
  public:
-  explicit MpiCommunicator(MPI_Comm parent) {
+  MpiCommunicator(MPI_Comm parent, std::size_t in_flight, std::shared_ptr<Watchdog> dog)
+      : queue_(in_flight), dog_(std::move(dog)) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     require(initialized != 0, Status::InvalidState, "MPI is not initialised");
@@ -70,6 +172,7 @@ class MpiCommunicator final : public Communicator {
     SHARDOPT_MPI(MPI_Comm_rank(comm_, &rank_));
     SHARDOPT_MPI(MPI_Comm_size(comm_, &size_));
     SHARDOPT_MPI(MPI_Op_create(&bf16_sum, 1, &bf16_sum_op_));
+    dog_->attach(comm_);
   }
   ~MpiCommunicator() override {
     int finalized = 0;
@@ -82,53 +185,68 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return "mpi"; }
+  void set_collective_timeout(double seconds) override { dog_->set_timeout(seconds); }
 
   // MPI's in-place reduce-scatter leaves the result at the start of the buffer; it is moved
   // to the rank's own block when the request completes (NCCL's convention), so no temporary
   // is needed with an fp32 wire.
   std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
                                                         CommType wire) override {
-    auto req = std::make_unique<MpiRequest>();
-    req->requests.resize(1);
     const int n = mpi::checked_int(count, "MPI_Ireduce_scatter_block");
     mpi::checked_int(count * static_cast<std::size_t>(size_), "MPI_Ireduce_scatter_block");
+    require(wire == CommType::F32 || wire == CommType::BF16, Status::InvalidArgument,
+            "reduce_scatter: wire F32 or BF16");
+    auto req = std::make_unique<MpiRequest>(queue_, dog_, "reduce_scatter_sum");
     float* own = buf + static_cast<std::size_t>(rank_) * count;
     if (wire == CommType::BF16) {
       // Send bf16: convert, reduce the bf16 values, convert this rank's block back in place.
-      const std::size_t total = count * static_cast<std::size_t>(size_);
-      req->wire.resize(total);
-      cpu::cast_f32_to_bf16(buf, req->wire.data(), total);
-      SHARDOPT_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, req->wire.data(), n, MPI_UINT16_T,
-                                             bf16_sum_op_, comm_, &req->requests[0]));
+      req->launch = [this, buf, n, count](MpiRequest& r) {
+        const std::size_t total = count * static_cast<std::size_t>(size_);
+        r.wire.resize(total);
+        cpu::cast_f32_to_bf16(buf, r.wire.data(), total);
+        r.requests.resize(1);
+        SHARDOPT_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, r.wire.data(), n, MPI_UINT16_T,
+                                               bf16_sum_op_, comm_, &r.requests[0]));
+      };
       MpiRequest* r = req.get();
       req->on_complete = [r, own, count] { cpu::cast_bf16_to_f32(r->wire.data(), own, count); };
     } else {
-      require(wire == CommType::F32, Status::InvalidArgument, "reduce_scatter: wire F32 or BF16");
-      SHARDOPT_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, comm_,
-                                             &req->requests[0]));
+      req->launch = [this, buf, n](MpiRequest& r) {
+        r.requests.resize(1);
+        SHARDOPT_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, comm_,
+                                               &r.requests[0]));
+      };
       if (rank_ != 0)
         req->on_complete = [buf, own, count] { std::memcpy(own, buf, count * sizeof(float)); };
     }
+    queue_.submit(req.get());
     return req;
   }
 
   std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
                                                     CommType wire) override {
-    auto req = std::make_unique<MpiRequest>();
-    req->requests.resize(1);
     const int n = mpi::checked_int(count, "MPI_Iallreduce");
+    require(wire == CommType::F32 || wire == CommType::BF16, Status::InvalidArgument,
+            "all_reduce: wire F32 or BF16");
+    auto req = std::make_unique<MpiRequest>(queue_, dog_, "start_all_reduce_sum");
     if (wire == CommType::BF16) {
-      req->wire.resize(count);
-      cpu::cast_f32_to_bf16(buf, req->wire.data(), count);
-      SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, req->wire.data(), n, MPI_UINT16_T, bf16_sum_op_,
-                                  comm_, &req->requests[0]));
+      req->launch = [this, buf, n, count](MpiRequest& r) {
+        r.wire.resize(count);
+        cpu::cast_f32_to_bf16(buf, r.wire.data(), count);
+        r.requests.resize(1);
+        SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, r.wire.data(), n, MPI_UINT16_T, bf16_sum_op_,
+                                    comm_, &r.requests[0]));
+      };
       MpiRequest* r = req.get();
       req->on_complete = [r, buf, count] { cpu::cast_bf16_to_f32(r->wire.data(), buf, count); };
     } else {
-      require(wire == CommType::F32, Status::InvalidArgument, "all_reduce: wire F32 or BF16");
-      SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, comm_,
-                                  &req->requests[0]));
+      req->launch = [this, buf, n](MpiRequest& r) {
+        r.requests.resize(1);
+        SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, comm_,
+                                    &r.requests[0]));
+      };
     }
+    queue_.submit(req.get());
     return req;
   }
 
@@ -139,17 +257,20 @@ class MpiCommunicator final : public Communicator {
     const std::size_t unit = count % 64 == 0 ? 64 : 1;
     const int n = mpi::checked_int(count / unit, "MPI_Iallgather");
     mpi::checked_int(count / unit * static_cast<std::size_t>(size_), "MPI_Iallgather");
-    auto req = std::make_unique<MpiRequest>();
-    MPI_Datatype elem = mpi::datatype(type);
-    if (unit > 1) {
-      SHARDOPT_MPI(MPI_Type_contiguous(static_cast<int>(unit), elem, &elem));
-      SHARDOPT_MPI(MPI_Type_commit(&elem));
-    }
-    req->requests.resize(1);
-    const int rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, n, elem, comm_,
-                                  &req->requests[0]);
-    if (unit > 1) MPI_Type_free(&elem);  // MPI keeps it alive until the operation completes
-    mpi::check(rc, "MPI_Iallgather");
+    auto req = std::make_unique<MpiRequest>(queue_, dog_, "all_gather");
+    req->launch = [this, buf, n, unit, type](MpiRequest& r) {
+      MPI_Datatype elem = mpi::datatype(type);
+      if (unit > 1) {
+        SHARDOPT_MPI(MPI_Type_contiguous(static_cast<int>(unit), elem, &elem));
+        SHARDOPT_MPI(MPI_Type_commit(&elem));
+      }
+      r.requests.resize(1);
+      const int rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, n, elem, comm_,
+                                    &r.requests[0]);
+      if (unit > 1) MPI_Type_free(&elem);  // MPI keeps it alive until the operation completes
+      mpi::check(rc, "MPI_Iallgather");
+    };
+    queue_.submit(req.get());
     return req;
   }
 
@@ -158,25 +279,51 @@ class MpiCommunicator final : public Communicator {
             "all_reduce_sum: type F32 or F64");
     const std::size_t elem = mpi::type_size(type);
     constexpr std::size_t kChunk = std::size_t{1} << 30;
+    const Watchdog::Ticket t = dog_->enter("all_reduce_sum");
+    queue_.flush();  // MPI must see the collectives in call order
     for (std::size_t off = 0; off < count; off += kChunk) {
-      const std::size_t n = std::min(kChunk, count - off);
-      SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(buf) + off * elem,
-                                 static_cast<int>(n), mpi::datatype(type), MPI_SUM, comm_));
+      const int n = static_cast<int>(std::min(kChunk, count - off));
+      void* at = static_cast<char*>(buf) + off * elem;
+      const MPI_Datatype dt = mpi::datatype(type);
+      dog_->run(
+          t, [&] { SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, at, n, dt, MPI_SUM, comm_)); },
+          [&](MPI_Request* r) {
+            SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, at, n, dt, MPI_SUM, comm_, r));
+          });
     }
   }
 
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
     const int n = mpi::checked_int(bytes, "MPI_Allgather");
-    SHARDOPT_MPI(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_));
+    const Watchdog::Ticket t = dog_->enter("all_gather_bytes");
+    queue_.flush();
+    dog_->run(
+        t, [&] { SHARDOPT_MPI(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_)); },
+        [&](MPI_Request* r) {
+          SHARDOPT_MPI(MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, r));
+        });
   }
 
   void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
-    SHARDOPT_MPI(MPI_Bcast(buf, mpi::checked_int(bytes, "MPI_Bcast"), MPI_BYTE, root, comm_));
+    const int n = mpi::checked_int(bytes, "MPI_Bcast");
+    const Watchdog::Ticket t = dog_->enter("broadcast_bytes");
+    queue_.flush();
+    dog_->run(
+        t, [&] { SHARDOPT_MPI(MPI_Bcast(buf, n, MPI_BYTE, root, comm_)); },
+        [&](MPI_Request* r) { SHARDOPT_MPI(MPI_Ibcast(buf, n, MPI_BYTE, root, comm_, r)); });
   }
 
-  void barrier() override { SHARDOPT_MPI(MPI_Barrier(comm_)); }
+  void barrier() override {
+    const Watchdog::Ticket t = dog_->enter("barrier");
+    queue_.flush();
+    dog_->run(
+        t, [&] { SHARDOPT_MPI(MPI_Barrier(comm_)); },
+        [&](MPI_Request* r) { SHARDOPT_MPI(MPI_Ibarrier(comm_, r)); });
+  }
 
  private:
+  LaunchQueue queue_;
+  std::shared_ptr<Watchdog> dog_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Op bf16_sum_op_ = MPI_OP_NULL;
   int rank_ = 0;
@@ -185,8 +332,9 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> mpi::make_plain_communicator(MPI_Comm comm) {
-  return std::make_shared<MpiCommunicator>(comm);
+std::shared_ptr<Communicator> mpi::make_plain_communicator(MPI_Comm comm, std::size_t in_flight,
+                                                           std::shared_ptr<Watchdog> watchdog) {
+  return std::make_shared<MpiCommunicator>(comm, in_flight, std::move(watchdog));
 }
 
 }  // namespace shardopt

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "mpi_util.hpp"
+#include "mpi_watchdog.hpp"
 #include "shardopt/mpi_comm.hpp"
 #include "shm_comm.hpp"
 
@@ -34,14 +35,27 @@ std::string resolve(MpiCommOptions& o) {
     }
   }
   if (o.simulate_nodes < 0) return "simulate_nodes must be >= 0";
+  if (o.mpi_in_flight == 0) {
+    o.mpi_in_flight = 1;
+    if (const char* env = std::getenv("SHARDOPT_MPI_IN_FLIGHT"); env && *env) {
+      char* end = nullptr;
+      const long n = std::strtol(env, &end, 10);
+      if (*end != '\0' || n < 1 || n > 1 << 20)
+        return std::string("SHARDOPT_MPI_IN_FLIGHT='") + env + "': expected a count >= 1";
+      o.mpi_in_flight = static_cast<int>(n);
+    }
+  }
+  if (o.mpi_in_flight < 0) return "mpi_in_flight must be >= 0";
   return {};
 }
 
 }  // namespace
 
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOptions options) {
-  std::shared_ptr<Communicator> plain = mpi::make_plain_communicator(comm);
+  auto watchdog = std::make_shared<mpi::Watchdog>();
   const std::string problem = resolve(options);
+  std::shared_ptr<Communicator> plain =
+      mpi::make_plain_communicator(comm, problem.empty() ? options.mpi_in_flight : 1, watchdog);
   agree_or_throw(*plain, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
 
   // A rank that chose differently would wait in other collectives than its peers.
@@ -56,7 +70,7 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOption
   if (options.kind == MpiCommKind::Plain) return plain;
   auto topo = shm::NodeTopology::create(comm, options.simulate_nodes);
   if (options.kind == MpiCommKind::Auto && topo->max_node_size < 2) return plain;
-  return shm::make_shm_communicator(std::move(plain), std::move(topo));
+  return shm::make_shm_communicator(std::move(plain), std::move(topo), std::move(watchdog));
 }
 
 }  // namespace shardopt

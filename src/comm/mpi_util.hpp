@@ -50,8 +50,13 @@ inline int checked_int(std::size_t n, const char* what) {
   return static_cast<int>(n);
 }
 
-/// The plain communicator: MPI collectives on a duplicate of `comm` (mpi_comm.cpp).
-std::shared_ptr<Communicator> make_plain_communicator(MPI_Comm comm);
+class Watchdog;  // mpi_watchdog.hpp
+
+/// The plain communicator: MPI collectives on a duplicate of `comm` (mpi_comm.cpp), at most
+/// `in_flight` non-blocking ones started at once, waiting under `watchdog` (which it attaches
+/// to its duplicate).
+std::shared_ptr<Communicator> make_plain_communicator(MPI_Comm comm, std::size_t in_flight,
+                                                      std::shared_ptr<Watchdog> watchdog);
 
 }  // namespace shardopt::mpi
 

@@ -46,8 +46,9 @@ bool shm_has_room(std::size_t bytes) {
 
 class ShmCommunicator final : public Communicator {
  public:
-  ShmCommunicator(std::shared_ptr<Communicator> plain, std::shared_ptr<NodeTopology> topo)
-      : plain_(std::move(plain)), topo_(std::move(topo)) {}
+  ShmCommunicator(std::shared_ptr<Communicator> plain, std::shared_ptr<NodeTopology> topo,
+                  std::shared_ptr<mpi::Watchdog> dog)
+      : plain_(std::move(plain)), topo_(std::move(topo)), dog_(std::move(dog)) {}
 
   int rank() const override { return topo_->world_rank; }
   int size() const override { return topo_->world_size; }
@@ -69,6 +70,7 @@ class ShmCommunicator final : public Communicator {
     plain_->broadcast_bytes(buf, bytes, root);
   }
   void barrier() override { plain_->barrier(); }
+  void set_collective_timeout(double seconds) override { plain_->set_collective_timeout(seconds); }
 
   Allocation allocate_collective_buffer(MemoryTracker* tracker, MemCategory category,
                                         std::size_t bytes) override {
@@ -80,7 +82,8 @@ class ShmCommunicator final : public Communicator {
     double short_of_room = shm_has_room(node_bytes) ? 0 : 1;
     plain_->all_reduce_sum_host(&short_of_room, 1);
     if (short_of_room != 0) return {};
-    auto win = std::make_shared<ShmWindow>(topo_, bytes);
+    dog_->enter("allocate_collective_buffer");
+    auto win = std::make_shared<ShmWindow>(topo_, bytes, dog_);
     std::erase_if(windows_, [](const std::weak_ptr<ShmWindow>& w) { return w.expired(); });
     windows_.push_back(win);
     char* data = win->mine();
@@ -95,6 +98,7 @@ class ShmCommunicator final : public Communicator {
     const WindowView v = find(buf, start.back() * sizeof(float));
     if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32)
       return plain_->start_reduce_scatter_sum(buf, count, wire);
+    dog_->enter("reduce_scatter_sum (shared memory)");
     reduce_scatter(v, count, start);
     return completed_request();
   }
@@ -104,6 +108,7 @@ class ShmCommunicator final : public Communicator {
     const std::vector<std::size_t> start = offsets(count, mpi::type_size(type));  // bytes
     const WindowView v = find(buf, start.back());
     if (v.win == nullptr || !hierarchy_usable()) return plain_->start_all_gather(buf, count, type);
+    dog_->enter("all_gather (shared memory)");
     all_gather(v, start);
     return completed_request();
   }
@@ -117,6 +122,7 @@ class ShmCommunicator final : public Communicator {
     const WindowView v = find(buf, count * sizeof(float));
     if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32 || count % n != 0)
       return plain_->start_all_reduce_sum(buf, count, wire);
+    dog_->enter("all_reduce_sum (shared memory)");
     reduce_scatter(v, count / n, offsets(count / n, 1));
     all_gather(v, offsets(count / n, sizeof(float)));
     return completed_request();
@@ -222,8 +228,16 @@ class ShmCommunicator final : public Communicator {
       for (std::size_t n = 0; n < node_count.size(); ++n)
         icounts[n] = mpi::checked_int(node_count[n], "MPI_Reduce_scatter");
       std::vector<float> mine(node_count[static_cast<std::size_t>(t.node_index)]);
-      SHARDOPT_MPI(MPI_Reduce_scatter(v.f32(0), mine.data(), icounts.data(), MPI_FLOAT, MPI_SUM,
-                                      t.leaders));
+      dog_->run(
+          dog_->current(),
+          [&] {
+            SHARDOPT_MPI(MPI_Reduce_scatter(v.f32(0), mine.data(), icounts.data(), MPI_FLOAT,
+                                            MPI_SUM, t.leaders));
+          },
+          [&](MPI_Request* r) {
+            SHARDOPT_MPI(MPI_Ireduce_scatter(v.f32(0), mine.data(), icounts.data(), MPI_FLOAT,
+                                             MPI_SUM, t.leaders, r));
+          });
       if (!mine.empty())
         std::memcpy(v.f32(0) + node_begin, mine.data(), mine.size() * sizeof(float));
     }
@@ -251,8 +265,16 @@ class ShmCommunicator final : public Communicator {
         recv[n] = mpi::checked_int(start[last] - start[first], "MPI_Allgatherv");
         displ[n] = mpi::checked_int(start[first], "MPI_Allgatherv");
       }
-      SHARDOPT_MPI(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, v.at(0), recv.data(),
-                                  displ.data(), MPI_BYTE, t.leaders));
+      dog_->run(
+          dog_->current(),
+          [&] {
+            SHARDOPT_MPI(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, v.at(0), recv.data(),
+                                        displ.data(), MPI_BYTE, t.leaders));
+          },
+          [&](MPI_Request* r) {
+            SHARDOPT_MPI(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, v.at(0), recv.data(),
+                                         displ.data(), MPI_BYTE, t.leaders, r));
+          });
     }
     v.win->sync();
     if (t.node_rank != 0) {
@@ -272,14 +294,17 @@ class ShmCommunicator final : public Communicator {
 
   std::shared_ptr<Communicator> plain_;
   std::shared_ptr<NodeTopology> topo_;
+  std::shared_ptr<mpi::Watchdog> dog_;
   std::vector<std::weak_ptr<ShmWindow>> windows_;
 };
 
 }  // namespace
 
 std::shared_ptr<Communicator> make_shm_communicator(std::shared_ptr<Communicator> plain,
-                                                    std::shared_ptr<NodeTopology> topo) {
-  return std::make_shared<ShmCommunicator>(std::move(plain), std::move(topo));
+                                                    std::shared_ptr<NodeTopology> topo,
+                                                    std::shared_ptr<mpi::Watchdog> watchdog) {
+  return std::make_shared<ShmCommunicator>(std::move(plain), std::move(topo),
+                                           std::move(watchdog));
 }
 
 }  // namespace shardopt::shm

@@ -4,14 +4,17 @@
 
 #include <memory>
 
+#include "mpi_watchdog.hpp"
 #include "shardopt/comm.hpp"
 #include "shm_node.hpp"
 
 namespace shardopt::shm {
 
 /// `plain` carries everything that is not a data collective on a window buffer (metadata,
-/// all-reduce, foreign buffers, non-consecutive multi-node placements).
+/// all-reduce, foreign buffers, non-consecutive multi-node placements); `watchdog` is the one
+/// `plain` waits under.
 std::shared_ptr<Communicator> make_shm_communicator(std::shared_ptr<Communicator> plain,
-                                                    std::shared_ptr<NodeTopology> topo);
+                                                    std::shared_ptr<NodeTopology> topo,
+                                                    std::shared_ptr<mpi::Watchdog> watchdog);
 
 }  // namespace shardopt::shm

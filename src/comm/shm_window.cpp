@@ -10,8 +10,9 @@
 
 namespace shardopt::shm {
 
-ShmWindow::ShmWindow(std::shared_ptr<const NodeTopology> topo, std::size_t bytes)
-    : topo_(std::move(topo)), bytes_(bytes) {
+ShmWindow::ShmWindow(std::shared_ptr<const NodeTopology> topo, std::size_t bytes,
+                     std::shared_ptr<mpi::Watchdog> watchdog)
+    : topo_(std::move(topo)), dog_(std::move(watchdog)), bytes_(bytes) {
   // Equal segments on every node rank: the collectives address peers by the same offset.
   long long range[2] = {static_cast<long long>(bytes), -static_cast<long long>(bytes)};
   SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_LONG_LONG, MPI_MAX, topo_->node));
@@ -60,7 +61,9 @@ ShmWindow::~ShmWindow() {
 
 void ShmWindow::sync() const {
   SHARDOPT_MPI(MPI_Win_sync(win_));
-  SHARDOPT_MPI(MPI_Barrier(topo_->node));
+  dog_->run(
+      dog_->current(), [&] { SHARDOPT_MPI(MPI_Barrier(topo_->node)); },
+      [&](MPI_Request* r) { SHARDOPT_MPI(MPI_Ibarrier(topo_->node, r)); });
   SHARDOPT_MPI(MPI_Win_sync(win_));
 }
 

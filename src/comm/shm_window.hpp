@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "mpi_watchdog.hpp"
 #include "shm_node.hpp"
 
 namespace shardopt::shm {
@@ -15,8 +16,9 @@ namespace shardopt::shm {
 class ShmWindow {
  public:
   /// Collective over the node: every node rank contributes a zeroed segment of `bytes`
-  /// (which must be equal on all of them).
-  ShmWindow(std::shared_ptr<const NodeTopology> topo, std::size_t bytes);
+  /// (which must be equal on all of them). sync() waits under `watchdog`.
+  ShmWindow(std::shared_ptr<const NodeTopology> topo, std::size_t bytes,
+            std::shared_ptr<mpi::Watchdog> watchdog);
   /// Collective over the node (MPI_Win_free).
   ~ShmWindow();
   ShmWindow(const ShmWindow&) = delete;
@@ -34,6 +36,7 @@ class ShmWindow {
 
  private:
   std::shared_ptr<const NodeTopology> topo_;
+  std::shared_ptr<mpi::Watchdog> dog_;
   MPI_Win win_ = MPI_WIN_NULL;
   std::size_t bytes_ = 0;
   std::vector<char*> bases_;

@@ -26,6 +26,9 @@ class CpuBackend final : public Backend {
   void copy_to_host(void* dst, const void* src, std::size_t bytes) override {
     if (bytes) std::memcpy(dst, src, bytes);
   }
+  void copy(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
   double sum_squares(const float* x, std::size_t n) override { return cpu::sum_squares(x, n); }
   void accumulate(float* dst, const void* src, DType t, std::size_t n) override {
     if (t == DType::F32) {

@@ -4,8 +4,11 @@
 ! one of the SHARDOPT_ERROR_* codes of shardopt.h) and an optional `errmsg` that receives the
 ! failing call and the reason ('' on success). Indices of parameters and groups are 1-based
 ! here (the C ABI's are 0-based): add_param returns 1, 2, ...; the default group is 1.
-! Arrays cross without copies where the C side keeps them: shardopt_param and shardopt_grad
-! return Fortran pointers (rank 1, or rank 2 with a `shape`) into the optimizer's buffers.
+! Arrays cross without copies where the C side keeps them: shardopt_param, shardopt_replica and
+! shardopt_grad return Fortran pointers (rank 1, or rank 2 with a `shape`) into the optimizer's
+! buffers; their contracts (lifetime, when they read new values) are those of shardopt.h.
+! Communicators are integers: MPI_COMM_WORLD from `use mpi`, or comm%MPI_VAL of a
+! type(MPI_Comm) from `use mpi_f08` (docs/c_api.md).
 module shardopt
   use, intrinsic :: iso_c_binding, only: c_ptr, c_null_ptr, c_associated, c_f_pointer, &
                                          c_int, c_int16_t, c_int64_t, c_size_t, c_float, &
@@ -37,6 +40,11 @@ module shardopt
   integer(c_int), parameter, public :: SHARDOPT_DEVICE_CUDA = 1
   integer(c_int), parameter, public :: SHARDOPT_ADAMW = 0
   integer(c_int), parameter, public :: SHARDOPT_ADAM_L2 = 1
+  integer(c_int), parameter, public :: SHARDOPT_COMM_AUTO = 0
+  integer(c_int), parameter, public :: SHARDOPT_COMM_MPI = 1
+  integer(c_int), parameter, public :: SHARDOPT_COMM_SHM = 2
+  integer(c_int), parameter, public :: SHARDOPT_GATHER_EAGER = 0
+  integer(c_int), parameter, public :: SHARDOPT_GATHER_LAZY = 1
   integer(c_int), parameter, public :: SHARDOPT_HYPER_LR = 0
   integer(c_int), parameter, public :: SHARDOPT_HYPER_BETA1 = 1
   integer(c_int), parameter, public :: SHARDOPT_HYPER_BETA2 = 2
@@ -60,7 +68,8 @@ module shardopt
     type(c_ptr) :: ptr = c_null_ptr
   end type shardopt_optimizer
 
-  !> Creation options (shardopt_config_t). Fill with shardopt_config_init, then change fields.
+  !> Creation options (shardopt_config_t, field for field). Fill with shardopt_config_init,
+  !> then change fields; the meaning and defaults of each are in shardopt.h.
   type, bind(c), public :: shardopt_config
     integer(c_size_t) :: struct_size
     integer(c_int) :: stage
@@ -74,15 +83,41 @@ module shardopt
     real(c_double) :: weight_decay
     real(c_double) :: max_grad_norm
     integer(c_size_t) :: bucket_elems
+    integer(c_int) :: overlap
+    integer(c_int) :: buckets_in_flight
+    integer(c_int) :: reduce_dtype
+    integer(c_int) :: comm_kind
+    integer(c_int) :: comm_simulate_nodes
+    integer(c_int) :: gather_mode
+    integer(c_int) :: loss_scaling
+    integer(c_int) :: loss_scale_growth_interval
+    real(c_double) :: loss_scale_initial
+    real(c_double) :: loss_scale_growth_factor
+    real(c_double) :: loss_scale_backoff_factor
+    real(c_double) :: loss_scale_min
+    real(c_double) :: loss_scale_max
+    integer(c_size_t) :: units_in_flight
+    real(c_double) :: collective_timeout_s
+    integer(c_int) :: debug_collectives
+    integer(c_int) :: comm_mpi_in_flight
   end type shardopt_config
 
-  !> What one step did (shardopt_step_result_t); clipped and skipped are 0 or 1.
+  !> What one step did (shardopt_step_result_t); clipped and skipped are 0 or 1, times are
+  !> seconds on this rank. shardopt_step sets struct_size itself.
   type, bind(c), public :: shardopt_step_result
+    integer(c_size_t) :: struct_size
     real(c_double) :: grad_norm
     real(c_double) :: clip_coef
     integer(c_int) :: clipped
     integer(c_int) :: skipped
     integer(c_int64_t) :: step
+    integer(c_int64_t) :: skipped_steps
+    real(c_double) :: loss_scale
+    real(c_double) :: time_reduce
+    real(c_double) :: time_norm
+    real(c_double) :: time_update
+    real(c_double) :: time_gather
+    real(c_double) :: time_total
   end type shardopt_step_result
 
   ! ---- public procedures -----------------------------------------------------------------------
@@ -97,6 +132,12 @@ module shardopt
   public :: shardopt_begin_backward, shardopt_reduce_gradients, shardopt_zero_grad
   public :: shardopt_step, shardopt_set_lr, shardopt_get_lr, shardopt_set_hyper, shardopt_get_hyper
   public :: shardopt_set_group, shardopt_memory_usage
+  public :: shardopt_comm_name, shardopt_get_config, shardopt_num_groups, shardopt_get_group
+  public :: shardopt_get_exp_avg, shardopt_get_exp_avg_sq, shardopt_replica, shardopt_replica_bf16
+  public :: shardopt_param_offset, shardopt_wait_param, shardopt_wait_all, shardopt_progress
+  public :: shardopt_get_loss_scale, shardopt_set_loss_scale
+  public :: shardopt_save_checkpoint, shardopt_load_checkpoint
+  public :: shardopt_param_index, shardopt_mem_category_name
 
   !> Registers a parameter; numel may be a default or a 64-bit integer.
   interface shardopt_add_param
@@ -110,6 +151,14 @@ module shardopt
   interface shardopt_get_master
     module procedure get_master_r1, get_master_r2
   end interface shardopt_get_master
+  !> Collective: the Adam first moment (m) of a parameter into a rank-1 or rank-2 array.
+  interface shardopt_get_exp_avg
+    module procedure get_exp_avg_r1, get_exp_avg_r2
+  end interface shardopt_get_exp_avg
+  !> Collective: the Adam second moment (v) of a parameter into a rank-1 or rank-2 array.
+  interface shardopt_get_exp_avg_sq
+    module procedure get_exp_avg_sq_r1, get_exp_avg_sq_r2
+  end interface shardopt_get_exp_avg_sq
   !> A pointer to the fp32 replica: rank 1 (numel), or rank 2 with `shape`.
   interface shardopt_param
     module procedure param_f32_r1, param_f32_r2
@@ -362,6 +411,123 @@ module shardopt
       integer(c_int), value :: cat
       integer(c_size_t), intent(out) :: bytes, peak
       integer(c_int) :: c_memory_usage
+    end function
+    function c_param_index(opt, name, idx) bind(c, name="shardopt_param_index")
+      import :: c_int, c_ptr, c_char, c_size_t
+      type(c_ptr), value :: opt
+      character(kind=c_char), intent(in) :: name(*)
+      integer(c_size_t), intent(out) :: idx
+      integer(c_int) :: c_param_index
+    end function
+    function c_mem_category_name(cat) bind(c, name="shardopt_mem_category_name")
+      import :: c_int, c_ptr
+      integer(c_int), value :: cat
+      type(c_ptr) :: c_mem_category_name
+    end function
+    function c_step_result_init(r) bind(c, name="shardopt_step_result_init")
+      import :: c_int, shardopt_step_result
+      type(shardopt_step_result), intent(out) :: r
+      integer(c_int) :: c_step_result_init
+    end function
+    function c_comm_name(opt, name) bind(c, name="shardopt_comm_name")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      type(c_ptr), intent(out) :: name
+      integer(c_int) :: c_comm_name
+    end function
+    function c_get_config(opt, cfg) bind(c, name="shardopt_get_config")
+      import :: c_int, c_ptr, shardopt_config
+      type(c_ptr), value :: opt
+      type(shardopt_config), intent(inout) :: cfg
+      integer(c_int) :: c_get_config
+    end function
+    function c_num_groups(opt, n) bind(c, name="shardopt_num_groups")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int), intent(out) :: n
+      integer(c_int) :: c_num_groups
+    end function
+    function c_get_group(opt, group, lr_scale, wd) bind(c, name="shardopt_get_group")
+      import :: c_int, c_ptr, c_double
+      type(c_ptr), value :: opt
+      integer(c_int), value :: group
+      real(c_double), intent(out) :: lr_scale
+      integer(c_int), intent(out) :: wd
+      integer(c_int) :: c_get_group
+    end function
+    function c_get_exp_avg(opt, idx, v, n) bind(c, name="shardopt_get_exp_avg")
+      import :: c_int, c_ptr, c_size_t, c_float
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      real(c_float), intent(inout) :: v(*)
+      integer(c_size_t), value :: n
+      integer(c_int) :: c_get_exp_avg
+    end function
+    function c_get_exp_avg_sq(opt, idx, v, n) bind(c, name="shardopt_get_exp_avg_sq")
+      import :: c_int, c_ptr, c_size_t, c_float
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      real(c_float), intent(inout) :: v(*)
+      integer(c_size_t), value :: n
+      integer(c_int) :: c_get_exp_avg_sq
+    end function
+    function c_replica(opt, p, n) bind(c, name="shardopt_replica")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      type(c_ptr), intent(out) :: p
+      integer(c_size_t), intent(out) :: n
+      integer(c_int) :: c_replica
+    end function
+    function c_param_offset(opt, idx, off) bind(c, name="shardopt_param_offset")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      integer(c_size_t), intent(out) :: off
+      integer(c_int) :: c_param_offset
+    end function
+    function c_wait_param(opt, idx) bind(c, name="shardopt_wait_param")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      integer(c_int) :: c_wait_param
+    end function
+    function c_wait_all(opt) bind(c, name="shardopt_wait_all")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int) :: c_wait_all
+    end function
+    function c_progress(opt) bind(c, name="shardopt_progress")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int) :: c_progress
+    end function
+    function c_get_loss_scale(opt, scale, good, skipped) bind(c, name="shardopt_get_loss_scale")
+      import :: c_int, c_ptr, c_double, c_int64_t
+      type(c_ptr), value :: opt
+      real(c_double), intent(out) :: scale
+      integer(c_int64_t), intent(out) :: good, skipped
+      integer(c_int) :: c_get_loss_scale
+    end function
+    function c_set_loss_scale(opt, scale, good, skipped) bind(c, name="shardopt_set_loss_scale")
+      import :: c_int, c_ptr, c_double, c_int64_t
+      type(c_ptr), value :: opt
+      real(c_double), value :: scale
+      integer(c_int64_t), value :: good, skipped
+      integer(c_int) :: c_set_loss_scale
+    end function
+    function c_save_checkpoint(opt, dir, keep, published) bind(c, name="shardopt_save_checkpoint")
+      import :: c_int, c_ptr, c_char
+      type(c_ptr), value :: opt
+      character(kind=c_char), intent(in) :: dir(*)
+      integer(c_int), value :: keep
+      type(c_ptr), intent(out) :: published
+      integer(c_int) :: c_save_checkpoint
+    end function
+    function c_load_checkpoint(opt, path) bind(c, name="shardopt_load_checkpoint")
+      import :: c_int, c_ptr, c_char
+      type(c_ptr), value :: opt
+      character(kind=c_char), intent(in) :: path(*)
+      integer(c_int) :: c_load_checkpoint
     end function
   end interface
 
@@ -848,13 +1014,17 @@ contains
 
   ! ---- the step and hyperparameters --------------------------------------------------------------
 
-  !> Collective: one optimizer step; result (optional) says what it did.
+  !> Collective: one optimizer step; result (optional) says what it did. With the default
+  !> SHARDOPT_GATHER_EAGER every replica pointer reads the new values when it returns; with
+  !> SHARDOPT_GATHER_LAZY call shardopt_wait_param / shardopt_wait_all first.
   subroutine shardopt_step(opt, status, result, errmsg)
     type(shardopt_optimizer), intent(in) :: opt
     integer, intent(out) :: status
     type(shardopt_step_result), intent(out), optional :: result
     character(len=*), intent(out), optional :: errmsg
     type(shardopt_step_result) :: r
+    integer(c_int) :: code
+    code = c_step_result_init(r)
     call finish(opt%ptr, c_step(opt%ptr, r), status, errmsg)
     if (present(result)) result = r
   end subroutine shardopt_step
@@ -922,5 +1092,260 @@ contains
     bytes = int(b, c_int64_t)
     if (present(peak)) peak = int(p, c_int64_t)
   end subroutine shardopt_memory_usage
+
+  !> The 1-based index of the parameter called `name`. Local.
+  subroutine shardopt_param_index(opt, name, index, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    character(len=*), intent(in) :: name
+    integer, intent(out) :: index
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_size_t) :: idx
+    idx = 0
+    call finish(opt%ptr, c_param_index(opt%ptr, trim(name)//c_null_char, idx), status, errmsg)
+    index = 0
+    if (status == SHARDOPT_SUCCESS) index = int(idx) + 1
+  end subroutine shardopt_param_index
+
+  !> The name of a SHARDOPT_MEM_* category ("params", ..., "total"; "?" if unknown).
+  function shardopt_mem_category_name(category) result(s)
+    integer(c_int), intent(in) :: category
+    character(len=:), allocatable :: s
+    s = from_c(c_mem_category_name(category))
+  end function shardopt_mem_category_name
+
+  ! ---- introspection ---------------------------------------------------------------------------
+
+  !> The communicator in use ("single-process", "mpi", "mpi-shm", ...). Local.
+  subroutine shardopt_comm_name(opt, name, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    character(len=:), allocatable, intent(out) :: name
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    type(c_ptr) :: p
+    p = c_null_ptr
+    call finish(opt%ptr, c_comm_name(opt%ptr, p), status, errmsg)
+    name = from_c(p)
+  end subroutine shardopt_comm_name
+
+  !> The options in effect (current hyperparameters included). Local.
+  subroutine shardopt_get_config(opt, cfg, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    type(shardopt_config), intent(out) :: cfg
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_int) :: code
+    code = c_config_init(cfg)  ! sets struct_size to this module's (= the C header's) size
+    call finish(opt%ptr, c_get_config(opt%ptr, cfg), status, errmsg)
+  end subroutine shardopt_get_config
+
+  !> The number of parameter groups (the default group included). Local.
+  subroutine shardopt_num_groups(opt, count, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: count
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_int) :: n
+    n = 0
+    call finish(opt%ptr, c_num_groups(opt%ptr, n), status, errmsg)
+    count = int(n)
+  end subroutine shardopt_num_groups
+
+  !> Group `group`'s (1-based) options. Local.
+  subroutine shardopt_get_group(opt, group, lr_scale, weight_decay, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: group
+    real(c_double), intent(out) :: lr_scale
+    logical, intent(out) :: weight_decay
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_int) :: wd
+    lr_scale = 0
+    wd = 0
+    call finish(opt%ptr, c_get_group(opt%ptr, int(group - 1, c_int), lr_scale, wd), status, errmsg)
+    weight_decay = wd == 1
+  end subroutine shardopt_get_group
+
+  ! ---- optimizer state -------------------------------------------------------------------------
+
+  subroutine get_exp_avg_r1(opt, index, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(inout) :: values(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_get_exp_avg(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine get_exp_avg_r1
+
+  subroutine get_exp_avg_r2(opt, index, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(inout) :: values(:, :)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_get_exp_avg(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine get_exp_avg_r2
+
+  subroutine get_exp_avg_sq_r1(opt, index, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(inout) :: values(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_get_exp_avg_sq(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine get_exp_avg_sq_r1
+
+  subroutine get_exp_avg_sq_r2(opt, index, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(inout) :: values(:, :)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_get_exp_avg_sq(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                status, errmsg)
+  end subroutine get_exp_avg_sq_r2
+
+  !> The dynamic loss-scaling state. Local.
+  subroutine shardopt_get_loss_scale(opt, scale, good_steps, skipped_steps, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    real(c_double), intent(out) :: scale
+    integer(c_int64_t), intent(out) :: good_steps, skipped_steps
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    scale = 0
+    good_steps = 0
+    skipped_steps = 0
+    call finish(opt%ptr, c_get_loss_scale(opt%ptr, scale, good_steps, skipped_steps), status, errmsg)
+  end subroutine shardopt_get_loss_scale
+
+  !> Sets the loss-scaling state (the same on every rank). Local.
+  subroutine shardopt_set_loss_scale(opt, scale, good_steps, skipped_steps, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    real(c_double), intent(in) :: scale
+    integer(c_int64_t), intent(in) :: good_steps, skipped_steps
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_set_loss_scale(opt%ptr, scale, good_steps, skipped_steps), status, errmsg)
+  end subroutine shardopt_set_loss_scale
+
+  ! ---- the flat replica and waiting for it ------------------------------------------------------
+
+  !> Checks that the replica's dtype is `want` (for the typed pointers of shardopt_replica*).
+  subroutine require_dtype(opt, want, what, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer(c_int), intent(in) :: want
+    character(len=*), intent(in) :: what
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    type(shardopt_config) :: cfg
+    call shardopt_get_config(opt, cfg, status, errmsg)
+    if (status /= SHARDOPT_SUCCESS) return
+    if (cfg%param_dtype == want) return
+    status = SHARDOPT_ERROR_INVALID_ARGUMENT
+    if (present(errmsg)) errmsg = what//': the replica''s dtype is not the one this pointer needs'
+  end subroutine require_dtype
+
+  !> A pointer to the whole fp32 flat replica (parameter i at values(offset+1:offset+numel),
+  !> offset from shardopt_param_offset). Local; waits for every gather of the last step.
+  subroutine shardopt_replica(opt, values, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    real(c_float), pointer, intent(out) :: values(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    type(c_ptr) :: p
+    integer(c_size_t) :: n
+    nullify (values)
+    call require_dtype(opt, SHARDOPT_DTYPE_F32, 'shardopt_replica', status, errmsg)
+    if (status /= SHARDOPT_SUCCESS) return
+    call finish(opt%ptr, c_replica(opt%ptr, p, n), status, errmsg)
+    if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, values, [n])
+  end subroutine shardopt_replica
+
+  !> As shardopt_replica, for a bf16 replica (integer(c_int16_t) bit patterns).
+  subroutine shardopt_replica_bf16(opt, bits, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer(c_int16_t), pointer, intent(out) :: bits(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    type(c_ptr) :: p
+    integer(c_size_t) :: n
+    nullify (bits)
+    call require_dtype(opt, SHARDOPT_DTYPE_BF16, 'shardopt_replica_bf16', status, errmsg)
+    if (status /= SHARDOPT_SUCCESS) return
+    call finish(opt%ptr, c_replica(opt%ptr, p, n), status, errmsg)
+    if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, bits, [n])
+  end subroutine shardopt_replica_bf16
+
+  !> The number of replica elements before parameter `index` (0-based offset, as in C). Local.
+  subroutine shardopt_param_offset(opt, index, offset, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    integer(c_int64_t), intent(out) :: offset
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_size_t) :: off
+    off = 0
+    call finish(opt%ptr, c_param_offset(opt%ptr, c_index(index), off), status, errmsg)
+    offset = int(off, c_int64_t)
+  end subroutine shardopt_param_offset
+
+  !> Waits until parameter `index` holds the last step's values (SHARDOPT_GATHER_LAZY). Local.
+  subroutine shardopt_wait_param(opt, index, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_wait_param(opt%ptr, c_index(index)), status, errmsg)
+  end subroutine shardopt_wait_param
+
+  !> Waits until every parameter holds the last step's values (SHARDOPT_GATHER_LAZY). Local.
+  subroutine shardopt_wait_all(opt, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_wait_all(opt%ptr), status, errmsg)
+  end subroutine shardopt_wait_all
+
+  !> Drives collectives in flight (e.g. once per layer of a long backward). Local.
+  subroutine shardopt_progress(opt, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_progress(opt%ptr), status, errmsg)
+  end subroutine shardopt_progress
+
+  ! ---- checkpoints -------------------------------------------------------------------------------
+
+  !> Collective: saves a checkpoint under directory `dir`, keeping the newest `keep` (default
+  !> 2); `published` (optional) receives the new checkpoint's directory.
+  subroutine shardopt_save_checkpoint(opt, dir, status, keep, published, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    character(len=*), intent(in) :: dir
+    integer, intent(out) :: status
+    integer, intent(in), optional :: keep
+    character(len=*), intent(out), optional :: published
+    character(len=*), intent(out), optional :: errmsg
+    type(c_ptr) :: p
+    integer(c_int) :: k
+    k = 2
+    if (present(keep)) k = int(keep, c_int)
+    p = c_null_ptr
+    call finish(opt%ptr, c_save_checkpoint(opt%ptr, trim(dir)//c_null_char, k, p), status, errmsg)
+    if (present(published)) published = from_c(p)
+  end subroutine shardopt_save_checkpoint
+
+  !> Collective: loads the checkpoint `path` names (a save directory or one checkpoint), at
+  !> any rank count and stage. IO, CORRUPT_DATA, LAYOUT_MISMATCH or UNSUPPORTED on every rank
+  !> leave the optimizer unchanged.
+  subroutine shardopt_load_checkpoint(opt, path, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    character(len=*), intent(in) :: path
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_load_checkpoint(opt%ptr, trim(path)//c_null_char), status, errmsg)
+  end subroutine shardopt_load_checkpoint
 
 end module shardopt

@@ -2,31 +2,25 @@
 // as one safetensors file (names, shapes, fp32 data), reading files only: no MPI, any
 // number of saving ranks. Usage in docs/checkpoint-format.md.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "checkpoint/reader.hpp"
+#include "cli.hpp"
 #include "shardopt/error.hpp"
 
 namespace {
 
 using namespace shardopt;
 using namespace shardopt::ckpt;
-
-void usage() {
-  std::fprintf(stderr,
-               "usage: shardopt-export CHECKPOINT OUTPUT.safetensors\n"
-               "       shardopt-export --list CHECKPOINT\n"
-               "CHECKPOINT is a save directory (its LATEST checkpoint is used) or one\n"
-               "checkpoint directory. Writes the fp32 master weights, one tensor per\n"
-               "parameter (shape [numel]); --list prints the parameters instead.\n");
-}
 
 std::string json_string(const std::string& s) {
   std::string out = "\"";
@@ -45,13 +39,80 @@ std::string json_string(const std::string& s) {
   return out + "\"";
 }
 
+// Is s well-formed UTF-8 (no overlong forms, surrogates or code points above U+10FFFF)?
+bool valid_utf8(const std::string& s) {
+  std::size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    std::size_t len = 0;
+    std::uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + len > s.size()) return false;
+    for (std::size_t k = 1; k < len; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d & 0xC0) != 0x80) return false;
+      cp = cp << 6 | (d & 0x3F);
+    }
+    if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) ||
+        (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
+      return false;
+    i += len;
+  }
+  return true;
+}
+
+// A parameter name for messages: bytes outside printable ASCII as \xNN.
+std::string printable(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (c >= 0x20 && c < 0x7F) {
+      out += static_cast<char>(c);
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02X", c);
+      out += buf;
+    }
+  }
+  return out;
+}
+
+// The safetensors header is UTF-8 JSON whose key "__metadata__" is reserved: a parameter
+// name that is not UTF-8 or is that key cannot be a tensor name. Refused, naming it.
+void check_tensor_names(const Metadata& m) {
+  for (std::size_t i = 0; i < m.params.size(); ++i) {
+    const std::string& n = m.params[i].name;
+    if (n == "__metadata__")
+      throw Error(Status::Unsupported, "parameter " + std::to_string(i) +
+                                           " is named '__metadata__', the key safetensors reserves "
+                                           "for its metadata; it cannot be exported as a tensor");
+    if (!valid_utf8(n))
+      throw Error(Status::Unsupported, "parameter " + std::to_string(i) + " '" + printable(n) +
+                                           "' has a name that is not valid UTF-8, which a "
+                                           "safetensors header cannot hold");
+  }
+}
+
 // The safetensors header: a JSON object, padded with spaces to a multiple of 8 bytes.
-std::string safetensors_header(const Metadata& m, const std::vector<std::uint64_t>& out_offset) {
+std::string safetensors_header(const Metadata& m, const std::vector<std::uint64_t>& canonical) {
   std::string h = "{\"__metadata__\":{\"producer\":\"shardopt-export\",\"step\":\"" +
                   std::to_string(m.step_count) + "\",\"saved_world_size\":\"" +
                   std::to_string(m.world_size) + "\"}";
   for (std::size_t i = 0; i < m.params.size(); ++i) {
-    const std::uint64_t b = out_offset[i] * 4, e = b + m.params[i].numel * 4;
+    const std::uint64_t b = canonical[i] * 4, e = b + m.params[i].numel * 4;
     h += ',';
     h += json_string(m.params[i].name);
     h += ":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(m.params[i].numel);
@@ -79,61 +140,75 @@ void pwrite_all(int fd, const void* data, std::size_t bytes, std::uint64_t at, c
 }
 
 void export_master(const fs::path& dir, const Metadata& m, const std::string& out_path) {
-  // Tensors are stored back to back in parameter order (no padding).
-  std::vector<std::uint64_t> out_offset(m.params.size());
-  std::uint64_t total = 0;
-  for (std::size_t i = 0; i < m.params.size(); ++i) {
-    out_offset[i] = total;
-    total += m.params[i].numel;
-  }
-  const std::string header = safetensors_header(m, out_offset);
+  check_tensor_names(m);
+  // Tensors are stored back to back in parameter order (no padding): a tensor's data offset
+  // is its canonical position.
+  const std::vector<std::uint64_t> canonical = canonical_offsets(m);
+  const std::uint64_t total = canonical.back();
+  const std::string header = safetensors_header(m, canonical);
   const std::uint64_t data_start = 8 + header.size();
 
-  // Written to a temporary and renamed, so a failed export leaves no partial output.
-  const std::string tmp = out_path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) io_fail("cannot create", tmp);
+  // Written to a new temporary file of our own (never an existing one) and renamed over
+  // OUTPUT, so a failed export leaves no partial output and touches nothing else.
+  std::string tmp = out_path + ".tmp-XXXXXX";
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) io_fail("cannot create a temporary file like", tmp);
   try {
+    const mode_t mask = ::umask(0);
+    ::umask(mask);
+    if (::fchmod(fd, 0666 & ~mask) != 0) io_fail("cannot set the mode of", tmp);
     const std::uint64_t header_len = header.size();  // little-endian u64, then the JSON
     pwrite_all(fd, &header_len, 8, 0, tmp);
     pwrite_all(fd, header.data(), header.size(), 8, tmp);
     const ChunkSink sink = [&](std::uint32_t array, std::uint64_t begin, std::span<const float> v) {
-      if (array != 0) return;  // master weights only; moments are read for the checksum
-      const std::uint64_t end = begin + v.size();
-      auto it = std::upper_bound(m.params.begin(), m.params.end(), begin,
-                                 [](std::uint64_t x, const MetaParam& p) { return x < p.offset + p.numel; });
-      for (; it != m.params.end() && it->offset < end; ++it) {
-        const std::uint64_t b = std::max(begin, it->offset), e = std::min(end, it->offset + it->numel);
-        if (b >= e) continue;
-        const std::size_t i = static_cast<std::size_t>(it - m.params.begin());
-        pwrite_all(fd, v.data() + (b - begin), (e - b) * 4,
-                   data_start + (out_offset[i] + (b - it->offset)) * 4, tmp);
-      }
+      if (array == 0) pwrite_all(fd, v.data(), v.size() * 4, data_start + begin * 4, tmp);
     };
-    for (std::size_t s = 0; s < m.shards.size(); ++s) stream_shard(dir, m, s, sink);
+    const Range everything{0, static_cast<std::size_t>(total)};
+    read_state(dir, m, std::span<const Range>(&everything, 1), sink);
     if (::fsync(fd) != 0) io_fail("cannot flush", tmp);
   } catch (...) {
     ::close(fd);
     ::unlink(tmp.c_str());
     throw;
   }
-  if (::close(fd) != 0) io_fail("cannot close", tmp);
-  if (::rename(tmp.c_str(), out_path.c_str()) != 0) io_fail("cannot rename", tmp);
-  std::printf("wrote %s: %zu tensors, %llu fp32 values, step %lld (saved at %u ranks)\n",
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    errno = err;
+    io_fail("cannot close", tmp);
+  }
+  if (::rename(tmp.c_str(), out_path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    errno = err;
+    io_fail("cannot rename to " + out_path + ":", tmp);
+  }
+  std::printf("wrote %s: %zu tensors, %llu fp32 values, step %lld (saved at %u ranks, format %u)\n",
               out_path.c_str(), m.params.size(), static_cast<unsigned long long>(total),
-              static_cast<long long>(m.step_count), m.world_size);
+              static_cast<long long>(m.step_count), m.world_size, m.version);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool list = argc == 3 && std::strcmp(argv[1], "--list") == 0;
-  if (!list && (argc != 3 || argv[1][0] == '-')) {
-    usage();
+  CLI::App app{"Writes the fp32 master weights of a shardopt checkpoint as one safetensors file, "
+               "one tensor per parameter (shape [numel]), reading files only (no MPI). "
+               "CHECKPOINT is a save directory (its LATEST checkpoint is used) or one "
+               "checkpoint directory. See docs/checkpoint-format.md."};
+  shardopt::cli::init(app, "shardopt-export");
+  std::string checkpoint, output;
+  bool list = false;
+  app.add_option("CHECKPOINT", checkpoint, "save directory or checkpoint directory")->required();
+  auto* out = app.add_option("OUTPUT", output, "the .safetensors file to write");
+  app.add_flag("--list", list, "print the checkpoint's parameters instead of exporting")
+      ->excludes(out);
+  if (const int rc = shardopt::cli::parse(app, argc, argv); rc >= 0) return rc;
+  if (!list && output.empty()) {
+    std::fprintf(stderr, "shardopt-export: give OUTPUT, or --list (see --help)\n");
     return 2;
   }
   try {
-    const fs::path dir = resolve_checkpoint_dir(argv[list ? 2 : 1]);
+    const fs::path dir = resolve_checkpoint_dir(checkpoint);
     const Metadata m = read_metadata(dir);
     if (list) {
       std::printf("checkpoint %s: format %u, step %lld, %u shards, stage %s, replica %s\n",
@@ -144,7 +219,7 @@ int main(int argc, char** argv) {
                     p.group);
       return 0;
     }
-    export_master(dir, m, argv[2]);
+    export_master(dir, m, output);
     return 0;
   } catch (const Error& e) {
     std::fprintf(stderr, "shardopt-export: %s (%s)\n", e.what(), status_name(e.status()));

@@ -10,9 +10,11 @@
 #include <mpi.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda_backend.hpp"
@@ -333,44 +335,97 @@ TEST(CudaOptimizerOnFake, TrainerStreamMustBeOrderedBeforeGradReady) {
   cudaStreamDestroy(trainer);
 }
 
-// An asynchronous NCCL error on one rank, or a rank that stops calling collectives: the
-// communicator is aborted and every rank that can answer throws Error(Communication); later
-// calls throw it again instead of hanging.
-TEST(CudaOptimizerOnFake, NcclErrorsAbortInsteadOfHanging) {
+// Every rank's message, gathered on every rank ("" from a rank that has none).
+std::vector<std::string> all_messages(const std::string& mine) {
+  char buf[1024] = {};
+  std::strncpy(buf, mine.c_str(), sizeof buf - 1);
+  std::vector<char> all(sizeof buf * static_cast<std::size_t>(world_size()));
+  MPI_Allgather(buf, sizeof buf, MPI_CHAR, all.data(), sizeof buf, MPI_CHAR, MPI_COMM_WORLD);
+  std::vector<std::string> out;
+  for (int r = 0; r < world_size(); ++r) out.emplace_back(all.data() + r * sizeof buf);
+  return out;
+}
+
+// An asynchronous NCCL error on one rank, with no collective timeout: the communicator is
+// aborted on every rank, wherever each one is (rank 0 in its first NCCL call; at 3 ranks,
+// rank 1 waiting in step()'s agreement, a host MPI collective; the last rank busy outside
+// shardopt for longer than the grace period, which finds the notices when it comes back),
+// and every rank throws the same Error(Communication) naming rank 0's cause; later calls
+// throw it again instead of hanging.
+TEST(CudaOptimizerOnFake, NcclAsyncErrorIsTheSameErrorOnEveryRank) {
   const int world = world_size(), rank = world_rank();
-  for (int scenario : {0, 1}) {  // 0: async error on rank 0; 1: the last rank stops
-    if (scenario == 1 && world == 1) continue;
-    SCOPED_TRACE(scenario == 0 ? "async error" : "a rank stops");
-    NcclOptions o;
-    o.timeout_seconds = 2.0;
-    auto comm = make_nccl_communicator(MPI_COMM_WORLD, o);
-    auto opt = make_optimizer(comm, Stage::Zero1);
-    const bool stops = scenario == 1 && rank == world - 1;
-    if (scenario == 0 && rank == 0) fakecuda::nccl_inject_async_error(ncclRemoteError);
-    if (!stops) {
-      std::vector<float*> pinned(kSizes.size(), nullptr);
-      try {
-        backward(*opt, 1, nullptr, false, pinned);
-        opt->step();
-        FAIL() << "expected Error(Communication)";
-      } catch (const Error& e) {
-        EXPECT_EQ(e.status(), Status::Communication) << e.what();
-        EXPECT_EQ(std::string(e.what()).rfind("NCCL communicator aborted: ", 0), 0u) << e.what();
-        if (scenario == 1 || rank != 0)
-          EXPECT_NE(std::string(e.what()).find("did not complete within 2 s"), std::string::npos) << e.what();
-      }
-      try {
-        opt->step();
-        FAIL() << "a step after the abort must throw";
-      } catch (const Error& e) {
-        EXPECT_EQ(e.status(), Status::Communication) << e.what();
-      }
-      for (float* h : pinned) cudaFreeHost(h);
-    }
-    opt.reset();
-    comm.reset();
-    MPI_Barrier(MPI_COMM_WORLD);
+  auto comm = make_nccl_communicator(MPI_COMM_WORLD);
+  auto opt = make_optimizer(comm, Stage::Zero1);
+  if (rank == 0) fakecuda::nccl_inject_async_error(ncclRemoteError);
+  if (world > 1 && rank == world - 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  std::vector<float*> pinned(kSizes.size(), nullptr);
+  std::string message;
+  try {
+    backward(*opt, 1, nullptr, false, pinned);
+    opt->step();
+    ADD_FAILURE() << "expected Error(Communication)";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Communication) << e.what();
+    message = e.what();
   }
+  EXPECT_EQ(message, "NCCL communicator aborted: rank 0: asynchronous error: remote process "
+                     "exited or there was a network error");
+  for (const std::string& m : all_messages(message)) EXPECT_EQ(m, message);
+  try {
+    opt->step();
+    ADD_FAILURE() << "a step after the abort must throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Communication) << e.what();
+    EXPECT_EQ(std::string(e.what()), message);
+  }
+  for (float* h : pinned) cudaFreeHost(h);
+  opt.reset();
+  comm.reset();
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// The last rank stops calling collectives: the others' NCCL all-reduce does not complete,
+// the collective timeout (set_collective_timeout, as ShardedOptimizer sets it from
+// collective_timeout_s) aborts the communicator, and every rank that waits throws the same
+// Error(Communication) naming the collective and the timeout, within the timeout plus the
+// grace period.
+TEST(NcclCommunicatorOnFake, TimeoutAbortsWithTheSameErrorOnEveryWaitingRank) {
+  const int world = world_size(), rank = world_rank();
+  if (world == 1) GTEST_SKIP() << "needs a second rank to stop";
+  auto comm = make_nccl_communicator(MPI_COMM_WORLD);
+  comm->set_collective_timeout(2.0);
+  float* buf = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&buf), 64 * sizeof(float)), cudaSuccess);
+  const bool stops = rank == world - 1;
+  std::string message;
+  if (!stops) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm->all_reduce_sum(buf, 64, CommType::F32);
+      ADD_FAILURE() << "expected Error(Communication)";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::Communication) << e.what();
+      message = e.what();
+    }
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_GE(took, 2.0);
+    EXPECT_LT(took, 2.0 + 0.5 + 10.0);  // timeout + grace + slack for a loaded machine
+    EXPECT_EQ(message.rfind("NCCL communicator aborted: rank ", 0), 0u) << message;
+    EXPECT_NE(message.find("ncclAllReduce (collective #0) did not complete within 2 s"),
+              std::string::npos) << message;
+    try {
+      comm->barrier();
+      ADD_FAILURE() << "a host collective after the abort must throw";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), message);
+    }
+  }
+  const std::vector<std::string> all = all_messages(message);
+  for (int r = 0; r + 1 < world; ++r) EXPECT_EQ(all[static_cast<std::size_t>(r)], all[0]) << "rank " << r;
+  // The stopped rank drains the notices sent to it before its communicator goes away.
+  cudaFree(buf);
+  comm.reset();
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // The C API's one-process constructor gives a CUDA optimizer the device communicator.

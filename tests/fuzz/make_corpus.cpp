@@ -1,18 +1,36 @@
 // make_corpus.cpp: seeds for fuzz_checkpoint_reader from real checkpoints: the metadata
-// files and shard headers of saves in a few configurations.
+// files, shard headers and LATEST files of saves in a few configurations (current format),
+// and the committed format-1 fixture's (tests/data/ckpt_v1).
 //   fuzz_make_corpus OUTPUT_DIR
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <string>
 #include <vector>
 
 #include "checkpoint/format.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "support/ckpt_model.hpp"
 
+namespace {
+
+namespace fs = std::filesystem;
+
+// Copies a checkpoint's metadata, first shard header and the save directory's LATEST.
+void seeds_from(const fs::path& save_dir, const fs::path& ck, const fs::path& out, const std::string& tag) {
+  fs::copy_file(ck / shardopt::ckpt::kMetadataFile, out / ("metadata-" + tag),
+                fs::copy_options::overwrite_existing);
+  std::vector<char> header(shardopt::ckpt::kShardHeaderBytes);
+  std::ifstream(ck / shardopt::ckpt::shard_file_name(0), std::ios::binary).read(header.data(), header.size());
+  std::ofstream(out / ("shard-header-" + tag), std::ios::binary).write(header.data(), header.size());
+  fs::copy_file(save_dir / shardopt::ckpt::kLatestFile, out / ("latest-" + tag),
+                fs::copy_options::overwrite_existing);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace shardopt;
-  namespace fs = std::filesystem;
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s OUTPUT_DIR\n", argv[0]);
     return 2;
@@ -29,15 +47,12 @@ int main(int argc, char** argv) {
     const fs::path dir = out / ("save-" + std::to_string(n));
     auto opt = test::make_ckpt_optimizer(make_single_process_communicator(), s);
     for (int step = 1; step <= 2; ++step) test::ckpt_train_step(*opt, step);
-    const fs::path ck = save_checkpoint(*opt, dir);
-    fs::copy_file(ck / ckpt::kMetadataFile, out / ("metadata-" + std::to_string(n)));
-    std::vector<char> header(ckpt::kShardHeaderBytes);
-    std::ifstream(ck / ckpt::shard_file_name(0), std::ios::binary).read(header.data(), 64);
-    std::ofstream(out / ("shard-header-" + std::to_string(n)), std::ios::binary)
-        .write(header.data(), 64);
+    seeds_from(dir, save_checkpoint(*opt, dir), out, std::to_string(n));
     fs::remove_all(dir);
     ++n;
   }
-  std::printf("wrote %d metadata and %d shard-header seeds to %s\n", n, n, out.c_str());
+  const fs::path v1 = fs::path(SHARDOPT_TEST_DATA) / "ckpt_v1" / "save";
+  seeds_from(v1, v1 / "ckpt-00000001", out, "v1");
+  std::printf("wrote %d sets of metadata, shard-header and LATEST seeds to %s\n", n + 1, out.c_str());
   return 0;
 }

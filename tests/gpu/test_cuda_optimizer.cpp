@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -41,8 +43,10 @@ void to_device(std::span<float> dst, const std::vector<float>& src) {
             cudaSuccess);
 }
 
+// `in_units`: units {p0 p1} {p2 p3} {p4 p5} {p6} (the same layout at every stage); else one.
 std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Device device,
-                                       Stage stage, DType dtype, const AdamConfig& cfg) {
+                                       Stage stage, DType dtype, const AdamConfig& cfg,
+                                       bool in_units = false) {
   OptimizerOptions o;
   o.device = device;
   o.stage = stage;
@@ -51,8 +55,10 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Devic
   o.bucket_elems = 700;
   auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
   opt->add_group(kGroups[1]);
-  for (std::size_t i = 0; i < kSizes.size(); ++i)
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    if (in_units && (i == 2 || i == 4 || i == 6)) opt->begin_unit();
     opt->add_param("p" + std::to_string(i), kSizes[i], group_of(i));
+  }
   opt->finalize();
   for (std::size_t i = 0; i < kSizes.size(); ++i) {
     std::vector<float> init(kSizes[i]);
@@ -63,8 +69,11 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Devic
 }
 
 // Writes this rank's gradients for `step` (backward order, with grad_ready for stage 2).
-void produce_grads(ShardedOptimizer& opt, int rank, int step, bool device) {
+// `around(j, before)` runs before and after parameter j's gradient (stage 3's acquires).
+void produce_grads(ShardedOptimizer& opt, int rank, int step, bool device,
+                   const std::function<void(std::size_t, bool)>& around = {}) {
   for (std::size_t j = kSizes.size(); j-- > 0;) {
+    if (around) around(j, true);
     std::vector<float> g(kSizes[j]);
     for (std::size_t k = 0; k < g.size(); ++k) g[k] = grad_value(rank, step, j, k);
     const std::span<float> dst = opt.grad(j);
@@ -74,6 +83,7 @@ void produce_grads(ShardedOptimizer& opt, int rank, int step, bool device) {
       std::copy(g.begin(), g.end(), dst.begin());
     }
     opt.grad_ready(j);
+    if (around) around(j, false);
   }
 }
 
@@ -183,6 +193,74 @@ TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
       cpu->get_master(i, b);
       for (std::size_t k = 0; k < a.size(); ++k)
         ASSERT_EQ(float_bits(a[k]), float_bits(b[k])) << stage_name(stage) << " " << i << " " << k;
+    }
+  }
+}
+
+// ---- stage 3 -------------------------------------------------------------------------------
+
+// Parameter i's replica bytes (device memory; the compute stream is the legacy default one,
+// which cudaMemcpy waits for).
+std::vector<unsigned char> replica_bytes(ShardedOptimizer& opt, std::size_t i) {
+  const std::size_t n = kSizes[i] * dtype_size(opt.options().param_dtype);
+  const void* p = opt.options().param_dtype == DType::BF16
+                      ? static_cast<const void*>(opt.param<bf16>(i).data())
+                      : static_cast<const void*>(opt.param<float>(i).data());
+  std::vector<unsigned char> out(n);
+  EXPECT_EQ(cudaMemcpy(out.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+// Stage 3 on the device (units gathered on acquire/prefetch over the device communicator,
+// released to a pool of units_in_flight buffers) against stage 2 on the same layout: every
+// gathered unit equals stage 2's replica and the master weights, m and v are the same bits
+// after every step, with clipping, at every rank count of the GPU world.
+TEST(CudaZero3, MatchesZero2Bitwise) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  for (DType dtype : {DType::BF16, DType::F32}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    AdamConfig cfg;
+    cfg.lr = 1e-2;
+    cfg.max_grad_norm = 1.0;
+    auto z2 = make(test::gpu_world(), Device::Cuda, Stage::Zero2, dtype, cfg, true);
+    auto z3 = make(test::gpu_world(), Device::Cuda, Stage::Zero3, dtype, cfg, true);
+    ASSERT_EQ(z2->layout().fingerprint(), z3->layout().fingerprint());
+    const int rank = z3->comm().rank();
+    const std::size_t units = z3->layout().num_units();
+    ASSERT_EQ(units, 4u);
+    for (int step = 1; step <= 3; ++step) {
+      // Forward: acquire u, prefetch u + 1, read u's parameters, release u.
+      z3->acquire(0);
+      for (std::size_t u = 0; u < units; ++u) {
+        if (u + 1 < units) z3->prefetch(u + 1);
+        const Unit& unit = z3->layout().unit(u);
+        for (std::size_t i = unit.params.begin; i < unit.params.end; ++i)
+          ASSERT_EQ(replica_bytes(*z3, i), replica_bytes(*z2, i)) << "step " << step << " p" << i;
+        z3->release(u);
+        if (u + 1 < units) z3->acquire(u + 1);
+      }
+      // Backward, each unit acquired while its gradients are written (the one before it
+      // prefetched), as a trainer that recomputes activations does.
+      produce_grads(*z2, rank, step, true);
+      produce_grads(*z3, rank, step, true, [&](std::size_t j, bool before) {
+        const std::size_t u = static_cast<std::size_t>(z3->layout().param(j).unit);
+        const Unit& unit = z3->layout().unit(u);
+        if (before && j + 1 == unit.params.end) {
+          z3->acquire(u);
+          if (u > 0) z3->prefetch(u - 1);
+        }
+        if (!before && j == unit.params.begin) z3->release(u);
+      });
+      const StepResult a = z2->step(), b = z3->step();
+      EXPECT_EQ(a.grad_norm, b.grad_norm);
+      EXPECT_EQ(a.clipped, b.clipped);
+      for (StateArray s : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
+        std::vector<float> x(z2->local_size()), y(z3->local_size());
+        z2->copy_state_to_host(s, 0, x);
+        z3->copy_state_to_host(s, 0, y);
+        ASSERT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0)
+            << "step " << step << " state array " << static_cast<int>(s);
+      }
     }
   }
 }

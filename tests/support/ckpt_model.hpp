@@ -1,18 +1,24 @@
 // ckpt_model.hpp: a small deterministic training setup for checkpoint tests: an optimizer
 // over odd-sized parameters, gradients that do not depend on the rank (so the averaged
-// gradient is exact at world sizes 1, 2 and 4), and the full state gathered for bitwise
-// comparisons.
+// gradient is exact at world sizes 1, 2 and 4), the full state gathered for bitwise
+// comparisons, and the model of the committed format-1 fixture.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "shardopt/optimizer.hpp"
 #include "support/reference.hpp"
+// Which state a rank holds, from the one function the checkpoint code asks too (internal
+// header, by path: not every user of this file has src/ on its include path).
+#include "../../src/checkpoint/pieces.hpp"
 
 namespace shardopt::test {
 
@@ -53,8 +59,7 @@ inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Com
 /// One training step with rank-independent gradients (multiples of 2^-10), given in
 /// backward order so that stage 2 works too.
 inline StepResult ckpt_train_step(ShardedOptimizer& opt, int step) {
-  const auto& sizes = ckpt_sizes();
-  for (std::size_t i = sizes.size(); i-- > 0;) {
+  for (std::size_t i = opt.layout().num_params(); i-- > 0;) {
     std::span<float> g = opt.grad(i);
     for (std::size_t k = 0; k < g.size(); ++k)
       g[k] = std::round(synth(11, static_cast<std::uint64_t>(step), i, k) * 1024.0f) / 1024.0f;
@@ -62,6 +67,64 @@ inline StepResult ckpt_train_step(ShardedOptimizer& opt, int step) {
   }
   return opt.step();
 }
+
+/// The model of the committed format-1 fixture (tests/data/ckpt_v1, written by
+/// tests/data/make_ckpt_fixture.cpp): its parameters must never change. Parameter 2 straddles
+/// the boundary of the two shards the fixture was saved with.
+inline const std::vector<std::size_t>& fixture_sizes() {
+  static const std::vector<std::size_t> s = {5, 300, 1000, 64, 129, 1, 77};
+  return s;
+}
+
+inline std::unique_ptr<ShardedOptimizer> make_fixture_optimizer(std::shared_ptr<Communicator> comm,
+                                                                Stage stage) {
+  OptimizerOptions o;
+  o.stage = stage;
+  o.param_dtype = DType::BF16;
+  o.adam.lr = 1e-2;
+  o.adam.weight_decay = 0.05;
+  o.bucket_elems = 500;
+  o.loss_scaling.enabled = true;
+  o.loss_scaling.initial_scale = 4096.0;
+  auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
+  opt->add_group(GroupOptions{0.5, false});
+  const auto& sizes = fixture_sizes();
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    opt->add_param("fixture.p" + std::to_string(i), sizes[i], static_cast<int>(i % 2));
+  opt->finalize();
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    std::vector<float> init(sizes[i]);
+    for (std::size_t k = 0; k < init.size(); ++k) init[k] = synth(5, 0, i, k);
+    opt->set_param(i, init);
+  }
+  return opt;
+}
+
+/// A fresh directory every rank sees at the same path, removed at the end (collective).
+class SharedDir {
+ public:
+  explicit SharedDir(Communicator& comm) : comm_(comm) {
+    char name[256] = {};
+    if (comm.rank() == 0) {
+      std::string tmpl = (std::filesystem::temp_directory_path() / "shardopt-ckpt-XXXXXX").string();
+      if (!mkdtemp(tmpl.data())) std::abort();
+      std::snprintf(name, sizeof name, "%s", tmpl.c_str());
+    }
+    comm.broadcast_bytes(name, sizeof name, 0);
+    path_ = name;
+  }
+  ~SharedDir() {
+    comm_.barrier();
+    if (comm_.rank() == 0) std::filesystem::remove_all(path_);
+  }
+  SharedDir(const SharedDir&) = delete;
+  SharedDir& operator=(const SharedDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  Communicator& comm_;
+  std::filesystem::path path_;
+};
 
 /// The full state (master, exp_avg, exp_avg_sq, each per parameter, concatenated in
 /// parameter order) on every rank. Collective.
@@ -79,7 +142,6 @@ struct FullState {
 
 inline FullState gather_state(ShardedOptimizer& opt) {
   const FlatLayout& l = opt.layout();
-  const Range owned{0, opt.local_size()};
   std::vector<std::size_t> out_offset;
   std::size_t total = 0;
   for (const ParamInfo& p : l.params()) {
@@ -90,10 +152,10 @@ inline FullState gather_state(ShardedOptimizer& opt) {
   st.step = opt.step_count();
   const bool everyone_owns_all = opt.options().stage == Stage::DataParallel;
   for (int a = 0; a < 3; ++a) {
-    std::vector<float> mine(owned.size());
+    std::vector<float> mine(ckpt::owned_state_elems(opt));
     opt.copy_state_to_host(static_cast<StateArray>(a), 0, mine);
     std::vector<double> full(total, 0.0);
-    for (const ShardPiece& p : opt.local_pieces())
+    for (const ShardPiece& p : ckpt::owned_pieces(opt, ckpt::PieceSet::Held))
       for (std::size_t k = 0; k < p.in_param.size(); ++k)
         full[out_offset[p.param] + p.in_param.begin + k] = mine[p.local.begin + k];
     // One owner per element: the sum is exact (data-parallel ranks all hold everything).

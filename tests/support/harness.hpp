@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@ inline const std::vector<std::size_t> kSizes = {1, 7, 300, 5000, 65, 129, 3, 100
 struct Model {
   std::vector<std::size_t> sizes = kSizes;
   std::vector<int> groups;  // per parameter
+  std::vector<int> units;   // per parameter (contiguous from 0); empty: one unit
 };
 
 inline Model make_model() {
@@ -63,11 +65,16 @@ struct Harness {
           return o;
         }()) {}
 
-  explicit Harness(const OptimizerOptions& o) : cfg(o.adam) {
-    opt = std::make_unique<ShardedOptimizer>(world(), o);
+  explicit Harness(const OptimizerOptions& o, Model m = make_model(),
+                   std::shared_ptr<Communicator> comm = world())
+      : cfg(o.adam), model(std::move(m)) {
+    opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
     EXPECT_EQ(opt->add_group(groups[1]), 1);
-    for (std::size_t i = 0; i < model.sizes.size(); ++i)
+    for (std::size_t i = 0; i < model.sizes.size(); ++i) {
+      if (!model.units.empty() && i > 0 && model.units[i] != model.units[i - 1])
+        EXPECT_EQ(opt->begin_unit(), model.units[i]);
       opt->add_param("p" + std::to_string(i), model.sizes[i], model.groups[i]);
+    }
     opt->finalize();
     for (std::size_t i = 0; i < model.sizes.size(); ++i) {
       std::vector<float> init(model.sizes[i]);
@@ -85,11 +92,15 @@ struct Harness {
   }
 
   // Backward in reverse registration order, as stage 2 requires. `value` gives each rank's
-  // gradient; by default grad_value (exactly summable).
+  // gradient; by default grad_value (exactly summable). `around(i, before)`, if given, runs
+  // before parameter i's gradient is written and after it is marked ready (stage 3 acquires
+  // and releases units there).
   void write_grads(int step, int poison_rank = -1,
-                   float (*value)(int, int, std::size_t, std::size_t) = grad_value) {
+                   float (*value)(int, int, std::size_t, std::size_t) = grad_value,
+                   const std::function<void(std::size_t, bool)>& around = {}) {
     const int rank = opt->comm().rank();
     for (std::size_t i = model.sizes.size(); i-- > 0;) {
+      if (around) around(i, true);
       std::vector<float> g(model.sizes[i]);
       for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(rank, step, i, k);
       if (rank == poison_rank && i == 3) g[17] = std::numeric_limits<float>::quiet_NaN();
@@ -102,6 +113,7 @@ struct Harness {
         for (std::size_t k = 0; k < g.size(); ++k) dst[k] += g[k];
       }
       opt->grad_ready(i);
+      if (around) around(i, false);
     }
   }
 

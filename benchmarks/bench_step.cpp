@@ -1,0 +1,176 @@
+// bench_step.cpp: the optimizer step against its memory-traffic floor, per stage, under
+// mpiexec. For every stage it runs a few steps of a model of --psi parameters (bf16 replica,
+// tensors of --tensor-elems) and reports the mean time of each phase (slowest rank), the
+// bytes each phase must move per rank, and the floor: those bytes over the in-place
+// bandwidth of a += s*b measured by this run with the same rank count.
+//
+//   OMP_NUM_THREADS=1 mpiexec -n 2 bench_step [--psi 64M] [--tensor-elems 1M]
+//        [--bucket-elems 1M] [--steps 5] [--stages dp,1,2] [--no-overlap]
+//   SHARDOPT_COMM=mpi selects plain MPI instead of shared memory.
+//
+// Floor bytes per rank (P padded elements, N ranks, bf16 replica):
+//   reduce-scatter  4P read + 4P/N written      (every rank sums its 1/N over N inputs)
+//   norm            4P/N read
+//   update          30 B x P/N                  (master, m, v read+written, grad read, bf16 out)
+//   all-gather      2P (N-1)/N read + written   (stages 1/2; data-parallel needs none)
+//   data-parallel   all-reduce = 4P read + 4P/N + 2 x 4P (N-1)/N, update 30 B x P
+// The gradient buffers' clearing for the next step is reported apart (4P or 4P/N written).
+#include <mpi.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "shardopt/error.hpp"
+#include "shardopt/mpi_comm.hpp"
+#include "shardopt/optimizer.hpp"
+#include "shardopt/planner.hpp"
+#include "support/timing.hpp"
+#include "cli.hpp"
+
+using namespace shardopt;
+
+namespace {
+
+struct Args {
+  std::size_t psi = std::size_t{64} << 20;
+  std::size_t tensor_elems = std::size_t{1} << 20;
+  std::size_t bucket_elems = std::size_t{1} << 20;
+  int steps = 5;
+  bool overlap = true;
+  std::vector<Stage> stages{Stage::DataParallel, Stage::Zero1, Stage::Zero2};
+};
+
+// The command line: the exit code after --help, --version or bad input, or -1 to run.
+int parse(int argc, char** argv, bool print, Args& a) {
+  CLI::App app{"The optimizer step of every stage against its memory-traffic floor; run "
+               "under mpiexec (SHARDOPT_COMM=mpi for plain MPI)."};
+  cli::init(app, "bench_step");
+  app.add_option("--psi", a.psi, "parameters")->transform(cli::size())
+      ->check(CLI::PositiveNumber)->default_str("64Mi");
+  app.add_option("--tensor-elems", a.tensor_elems, "elements per tensor")
+      ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("1Mi");
+  app.add_option("--bucket-elems", a.bucket_elems, "bucket size in elements")
+      ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("1Mi");
+  app.add_option("--steps", a.steps, "timed steps per stage (after one warm-up step)")
+      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  app.add_option("--stages", a.stages, "stages, comma separated: dp (or 0), 1, 2")
+      ->delimiter(',')
+      ->transform(cli::choice<Stage>({{"dp", Stage::DataParallel}, {"0", Stage::DataParallel},
+                                      {"1", Stage::Zero1}, {"2", Stage::Zero2}}))
+      ->default_str("dp,1,2");
+  bool no_overlap = false;
+  app.add_flag("--no-overlap", no_overlap, "issue every collective inside step()");
+  const int rc = cli::parse(app, argc, argv, print);
+  a.overlap = !no_overlap;
+  return rc;
+}
+
+float value(std::size_t param, std::size_t k, int salt) {
+  return static_cast<float>(static_cast<int>((param * 7919 + k * 104729 + salt * 31) % 2001) - 1000) *
+         1e-4f;
+}
+
+double max_over_ranks(double x) {
+  MPI_Allreduce(MPI_IN_PLACE, &x, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return x;
+}
+
+struct Phases {
+  double reduce = 0, norm = 0, update = 0, gather = 0, total = 0;
+};
+
+Phases run_stage(const Args& a, Stage stage, std::string& comm_name, std::size_t& padded) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  comm_name = comm->name();
+  OptimizerOptions o;
+  o.stage = stage;
+  o.bucket_elems = a.bucket_elems;
+  o.overlap = a.overlap;
+  ShardedOptimizer opt(comm, o);
+  const FlatLayout model = uniform_layout(a.psi, a.tensor_elems);
+  for (const ParamInfo& p : model.params()) opt.add_param(p.name, p.numel, p.group);
+  opt.finalize();
+  padded = opt.layout().padded_size();
+  const std::size_t n = opt.layout().num_params();
+  Phases sum;
+  for (int s = 0; s <= a.steps; ++s) {  // step 0 warms up
+    for (std::size_t i = n; i-- > 0;) {  // backward order
+      const std::span<float> g = opt.grad(i);
+      for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(i, k, s);
+      opt.grad_ready(i);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    const StepTimings t = opt.step().timings;
+    // The step ends when the replica is complete: with overlap the last gathers finish here.
+    // Its time: step() (which counts the time blocked in reductions during backward too),
+    // plus these waits.
+    const double t0 = MPI_Wtime();
+    for (std::size_t i = 0; i < n; ++i) opt.wait_param(i);
+    const double wall = t.total + (MPI_Wtime() - t0);
+    if (s == 0) continue;
+    sum.reduce += max_over_ranks(t.reduce);
+    sum.norm += max_over_ranks(t.norm);
+    sum.update += max_over_ranks(t.update);
+    sum.gather += max_over_ranks(t.gather);
+    sum.total += max_over_ranks(wall);
+  }
+  const double k = 1.0 / a.steps;
+  return {sum.reduce * k, sum.norm * k, sum.update * k, sum.gather * k, sum.total * k};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, ranks = 1, rc = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  try {
+    Args a;
+    if (const int exit_code = parse(argc, argv, rank == 0, a); exit_code >= 0) {
+      MPI_Finalize();
+      return exit_code;
+    }
+    const double N = ranks;
+    // Arrays of at least 2 x 64 MiB per rank, far larger than the last-level cache.
+    const double bw = bench::inplace_bandwidth_per_rank(
+        std::max<std::size_t>(a.psi / static_cast<std::size_t>(ranks), std::size_t{16} << 20));
+    if (rank == 0) {
+      const char* threads = std::getenv("OMP_NUM_THREADS");
+      std::printf("cpu: %s; ranks %d; OMP_NUM_THREADS=%s; psi %zu, tensors of %zu, buckets of "
+                  "%zu, overlap %s\n",
+                  bench::cpu_model_name().c_str(), ranks, threads ? threads : "(unset)", a.psi,
+                  a.tensor_elems, a.bucket_elems, a.overlap ? "on" : "off");
+      std::printf("in-place a+=s*b bandwidth per rank (all ranks at once): %.2f GB/s\n\n", bw / 1e9);
+      std::printf("| stage | comm | reduce s | norm s | update s | gather s | step s | floor s "
+                  "| step/floor | clear s (not in floor) |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    }
+    for (Stage stage : a.stages) {
+      std::string comm_name;
+      std::size_t padded = 0;
+      const Phases ph = run_stage(a, stage, comm_name, padded);
+      const double P = static_cast<double>(padded);
+      double bytes = 0, clear = 0;
+      if (stage == Stage::DataParallel) {
+        bytes = 4 * P + 4 * P / N + 2 * 4 * P * (N - 1) / N + 30 * P;
+        clear = 4 * P;
+      } else {
+        bytes = 4 * P + 4 * P / N + 4 * P / N + 30 * P / N + 2 * 2 * P * (N - 1) / N;
+        clear = 4 * P;  // stage 1: the full buffer; stage 2: the slots once each + 4P/N
+      }
+      const double floor = bytes / bw;
+      if (rank == 0)
+        std::printf("| %s | %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.2f | %.4f |\n",
+                    stage_name(stage), comm_name.c_str(), ph.reduce, ph.norm, ph.update,
+                    ph.gather, ph.total, floor, ph.total / floor, clear / bw);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_step: %s\n", e.what());
+    rc = 2;
+  }
+  MPI_Finalize();
+  return rc;
+}

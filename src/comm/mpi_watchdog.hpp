@@ -1,0 +1,89 @@
+// mpi_watchdog.hpp: the collective timeout of the MPI communicators
+// (Communicator::set_collective_timeout). Without a timeout, waits are plain blocking MPI
+// calls. With one, every wait polls MPI_Test: it spins for the first kSpinSeconds, then
+// sleeps between polls (up to kMaxSleepSeconds), and once it has waited longer than the
+// timeout it asks every rank which collective it has reached, prints the collective and the
+// ranks that have not arrived to stderr, and calls MPI_Abort. Internal.
+//
+// Arrival. Every Communicator-level collective a rank enters gets the next number (enter());
+// all ranks enter the same collectives in the same order, so a number names the same
+// collective everywhere. A timed-out rank sends a question to every other rank (point to
+// point, on the communicator's private duplicate, which carries no other point-to-point
+// traffic); a rank that is itself waiting under the watchdog answers with how many
+// collectives it has entered. A rank that does not answer within the grace period is stopped,
+// busy outside the library, or waiting without a timeout: it is reported as not arrived.
+//
+// Interrupt. A communicator built on this one (the NCCL communicator's host side) can ask
+// every wait to call a function between polls (set_interrupt): it may throw to end the wait.
+// A wait ended that way leaves its MPI requests unfinished, so the communicator must not be
+// used for collectives again; the NCCL communicator throws on every call after an abort.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "mpi_util.hpp"
+
+namespace shardopt::mpi {
+
+class Watchdog {
+ public:
+  static constexpr double kSpinSeconds = 0.05;
+  static constexpr double kMaxSleepSeconds = 0.001;
+
+  /// A collective as numbered on this rank: the same number on every rank.
+  struct Ticket {
+    std::uint64_t seq = 0;
+    const char* name = "";  ///< a string literal
+  };
+
+  /// The communicator whose ranks the questions go to (the plain communicator's private
+  /// duplicate); set once, before the first wait.
+  void attach(MPI_Comm comm);
+  void set_timeout(double seconds) { timeout_ = seconds; }
+  /// Called between the polls of every wait, which polls even without a timeout once set.
+  void set_interrupt(std::function<void()> interrupt) { interrupt_ = std::move(interrupt); }
+  /// Waits poll (a timeout or an interrupt is set) instead of blocking in MPI.
+  bool active() const { return timeout_ > 0 || interrupt_ != nullptr; }
+  /// How long a rank that gave up waiting collects the other ranks' answers: timeout/4,
+  /// clamped to 0.5-5 s (0.5 s without a timeout).
+  static double grace_seconds(double timeout);
+
+  /// Numbers the collective this rank enters now; `name` must be a string literal.
+  Ticket enter(const char* name);
+  /// The collective entered last (for waits inside it, e.g. the shared-memory barriers).
+  const Ticket& current() const { return current_; }
+
+  /// Waits for `n` requests of collective `t` (MPI_Waitall without a timeout).
+  void wait(const Ticket& t, int n, MPI_Request* requests);
+
+  /// Runs a blocking MPI collective: blocking() without a timeout; with one, its
+  /// non-blocking form start(&request), then wait(). Both throw through SHARDOPT_MPI.
+  template <class Blocking, class Start>
+  void run(const Ticket& t, Blocking&& blocking, Start&& start) {
+    if (!active()) {
+      blocking();
+      return;
+    }
+    MPI_Request request = MPI_REQUEST_NULL;
+    start(&request);
+    wait(t, 1, &request);
+  }
+
+ private:
+  void answer_questions();
+  [[noreturn]] void report_and_abort(const Ticket& t, double waited);
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+  double timeout_ = 0.0;
+  std::function<void()> interrupt_;
+  std::uint64_t entered_ = 0;
+  Ticket current_;
+};
+
+}  // namespace shardopt::mpi

@@ -1,0 +1,112 @@
+// units.cpp: stage 3's pool of gathered units.
+#include "units.hpp"
+
+#include <string>
+
+namespace shardopt {
+
+UnitSet::UnitSet(Communicator& comm, Backend& backend, const FlatLayout& layout,
+                 const BufferPlan& plan, DType param_dtype,
+                 const CollectiveAllocator& allocate_collective, const void* replica)
+    : comm_(comm), backend_(backend), layout_(layout), plan_(plan), dtype_(param_dtype),
+      replica_(static_cast<const char*>(replica)) {
+  pool_ = allocate_collective(plan_.units);
+  for (int b = plan_.unit_buffers - 1; b >= 0; --b) free_buffers_.push_back(b);
+  state_.resize(layout_.num_units());
+}
+
+UnitSet::~UnitSet() {
+  for (State& s : state_)
+    for (auto& r : s.gathers) {
+      try {
+        r->wait();
+      } catch (...) {  // nothing to report to from a destructor
+      }
+    }
+}
+
+void UnitSet::require_unit(std::size_t u, const char* what) const {
+  require(u < state_.size(), Status::InvalidArgument,
+          std::string(what) + ": unit " + std::to_string(u) + " out of range (have " +
+              std::to_string(state_.size()) + ")");
+}
+
+void UnitSet::prefetch(std::size_t u) {
+  require_unit(u, "prefetch");
+  State& s = state_[u];
+  if (s.hold != Hold::None) return;
+  require(!free_buffers_.empty(), Status::InvalidState,
+          "prefetch/acquire of unit " + std::to_string(u) + ": all " +
+              std::to_string(plan_.unit_buffers) +
+              " unit buffers are held (units_in_flight); release a unit first");
+  s.buffer = free_buffers_.back();
+  free_buffers_.pop_back();
+  s.hold = Hold::Prefetched;
+  const Unit& unit = layout_.unit(u);
+  const std::size_t elem = dtype_size(dtype_);
+  char* buf = pool_.as<char>() + static_cast<std::size_t>(s.buffer) * plan_.unit_elems * elem;
+  const CommType type = dtype_ == DType::F32 ? CommType::F32 : CommType::U16;
+  const int rank = comm_.rank();
+  for (std::size_t b = unit.buckets.begin; b < unit.buckets.end; ++b) {
+    const Bucket& bk = layout_.bucket(b);
+    char* bucket = buf + (bk.flat.begin - unit.flat.begin) * elem;
+    backend_.copy(bucket + (bk.slice(rank).begin - bk.flat.begin) * elem,
+                  replica_ + bk.local_begin * elem, bk.slice_elems * elem);
+    s.gathers.push_back(comm_.start_all_gather(bucket, bk.slice_elems, type));
+  }
+}
+
+void UnitSet::wait(State& s) {
+  for (auto& r : s.gathers) r->wait();
+  s.gathers.clear();
+}
+
+void UnitSet::acquire(std::size_t u) {
+  require_unit(u, "acquire");
+  State& s = state_[u];
+  require(s.hold != Hold::Acquired, Status::InvalidState,
+          "acquire: unit " + std::to_string(u) + " is already acquired; release it first");
+  prefetch(u);
+  wait(s);
+  s.hold = Hold::Acquired;
+}
+
+void UnitSet::release(std::size_t u) {
+  require_unit(u, "release");
+  State& s = state_[u];
+  require(s.hold == Hold::Acquired, Status::InvalidState,
+          "release: unit " + std::to_string(u) + " is not acquired");
+  free_buffers_.push_back(s.buffer);
+  s.buffer = -1;
+  s.hold = Hold::None;
+}
+
+void* UnitSet::param_data(std::size_t i) const {
+  const ParamInfo& p = layout_.param(i);
+  const State& s = state_[static_cast<std::size_t>(p.unit)];
+  require(s.hold == Hold::Acquired, Status::InvalidState,
+          "param: parameter '" + p.name + "' is in unit " + std::to_string(p.unit) +
+              ", which is not acquired (stage 3 gathers parameters per unit: acquire it)");
+  const Unit& unit = layout_.unit(static_cast<std::size_t>(p.unit));
+  const std::size_t elem = dtype_size(dtype_);
+  return pool_.as<char>() +
+         (static_cast<std::size_t>(s.buffer) * plan_.unit_elems + p.flat.begin - unit.flat.begin) *
+             elem;
+}
+
+std::size_t UnitSet::held() const {
+  std::size_t n = 0;
+  for (const State& s : state_) n += s.hold != Hold::None;
+  return n;
+}
+
+void UnitSet::progress() {
+  for (State& s : state_) {
+    if (s.gathers.empty()) continue;
+    bool done = true;
+    for (auto& r : s.gathers) done = r->test() && done;
+    if (done) s.gathers.clear();
+  }
+}
+
+}  // namespace shardopt

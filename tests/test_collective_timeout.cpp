@@ -1,0 +1,196 @@
+// test_collective_timeout.cpp: a frozen rank (SIGSTOP) ends the job. collective_timeout_driver
+// runs under mpiexec with a 3 s collective timeout; one rank stops itself, the others wait in
+// a collective. The job must end, with a message on stderr naming the collective and the
+// stopped rank as not arrived, within the timeout plus a bound, and the waiting ranks must
+// not spin meanwhile.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shardopt/comm.hpp"
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr double kTimeout = 3.0;
+// Past the timeout: the watchdog's grace for answers (0.75 s here), MPI_Abort, and mpiexec
+// taking the job down, on a loaded machine.
+constexpr double kBound = 15.0;
+
+struct Frozen {
+  int ranks;
+  int stop_rank;
+  const char* comm;   // SHARDOPT_COMM: mpi or shm
+  const char* where;  // what the others are in: step or get_master
+  const char* collective;  // the name the message must give
+};
+
+std::string frozen_name(const testing::TestParamInfo<Frozen>& i) {
+  return std::string(i.param.where) + "_np" + std::to_string(i.param.ranks) + "_" +
+         i.param.comm + "_stop" + std::to_string(i.param.stop_rank);
+}
+
+void PrintTo(const Frozen& f, std::ostream* os) { *os << f.where << " np" << f.ranks; }
+
+// Starts argv in its own process group, stdout and stderr to `log`; returns its pid.
+pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);
+  posix_spawn_file_actions_t files;
+  posix_spawn_file_actions_init(&files);
+  posix_spawn_file_actions_addopen(&files, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&files, 1, 2);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0], &files, &attr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&files);
+  posix_spawnattr_destroy(&attr);
+  return rc == 0 ? pid : -1;
+}
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// The pid in `file`, or -1 while it is not there.
+pid_t read_pid(const fs::path& file) {
+  pid_t pid = -1;
+  std::ifstream f(file);
+  if (!(f >> pid)) return -1;
+  return pid;
+}
+
+// CPU seconds (user + system) a process has used, from /proc; -1 when unreadable.
+double cpu_seconds(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(f, line)) return -1;
+  std::istringstream rest(line.substr(line.rfind(')') + 2));
+  std::string field;
+  double utime = 0, stime = 0;
+  for (int k = 3; k <= 15 && rest >> field; ++k) {
+    if (k == 14) utime = std::stod(field);
+    if (k == 15) stime = std::stod(field);
+  }
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+std::string contents(const fs::path& p) {
+  std::ifstream f(p);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+class FrozenRank : public testing::TestWithParam<Frozen> {};
+
+}  // namespace
+
+TEST_P(FrozenRank, JobEndsWithTheMessageWithinTheTimeoutPlusABound) {
+  const Frozen c = GetParam();
+  std::string tmpl = (fs::temp_directory_path() / "shardopt-frozen-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+  const fs::path work = tmpl;
+  std::vector<std::string> args = {SHARDOPT_MPIEXEC, "-n", std::to_string(c.ranks)};
+  for (const char* f : {SHARDOPT_MPIEXEC_EXTRA})
+    if (*f) args.push_back(f);
+  for (const std::string& a : {std::string(SHARDOPT_TIMEOUT_DRIVER), work.string(),
+                               std::to_string(c.stop_rank), std::to_string(kTimeout),
+                               std::string(c.where)})
+    args.push_back(a);
+  setenv("SHARDOPT_COMM", c.comm, 1);
+  unsetenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+  const fs::path log = work / "job.log";
+  const pid_t job = spawn(args, log);
+  unsetenv("SHARDOPT_COMM");
+  ASSERT_GT(job, 0);
+
+  // Wait for the stop.
+  const Clock::time_point launched = Clock::now();
+  int status = 0;
+  bool exited = false;
+  while (read_pid(work / "stopped") < 0 && seconds_since(launched) < 180) {
+    if (waitpid(job, &status, WNOHANG) == job) {
+      exited = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const Clock::time_point stopped = Clock::now();
+  ASSERT_FALSE(exited) << "the job ended before a rank stopped:\n" << contents(log);
+  ASSERT_GT(read_pid(work / "stopped"), 0) << "no rank stopped:\n" << contents(log);
+
+  // A waiting rank's CPU use between 1 s after the stop and 0.5 s before the timeout.
+  const int waiter = c.stop_rank == 0 ? 1 : 0;
+  pid_t waiter_pid = -1;
+  double cpu0 = -1, cpu1 = -1;
+  Clock::time_point t0, t1;
+  while (!exited && seconds_since(stopped) < kTimeout + kBound) {
+    if (waitpid(job, &status, WNOHANG) == job) {
+      exited = true;
+      break;
+    }
+    if (waiter_pid < 0) waiter_pid = read_pid(work / ("rank" + std::to_string(waiter) + ".pid"));
+    const double since = seconds_since(stopped);
+    if (waiter_pid > 0 && cpu0 < 0 && since >= 1.0) {
+      cpu0 = cpu_seconds(waiter_pid);
+      t0 = Clock::now();
+    }
+    if (waiter_pid > 0 && cpu0 >= 0 && cpu1 < 0 && since >= kTimeout - 0.5) {
+      cpu1 = cpu_seconds(waiter_pid);
+      t1 = Clock::now();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const double elapsed = seconds_since(stopped);
+  // Whatever is left (the stopped rank, if mpiexec left it) goes with the group.
+  kill(-job, SIGKILL);
+  kill(-job, SIGCONT);
+  if (!exited) waitpid(job, &status, 0);
+  const std::string out = contents(log);
+
+  ASSERT_TRUE(exited) << "the job still ran " << elapsed << " s after the stop:\n" << out;
+  EXPECT_GE(elapsed, 0.8 * kTimeout) << out;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << "status " << status << "\n" << out;
+  for (const std::string& needle :
+       {std::string("collective timeout: waited"), std::string(c.collective),
+        "ranks not arrived: rank " + std::to_string(c.stop_rank) + " (no answer",
+        std::string("aborting the job (MPI_Abort, error code ") +
+            std::to_string(shardopt::kCollectiveTimeoutExitCode)})
+    EXPECT_NE(out.find(needle), std::string::npos) << "'" << needle << "' not in:\n" << out;
+  EXPECT_EQ(out.find("the collective completed"), std::string::npos) << out;
+  ASSERT_GE(cpu0, 0) << "the waiting rank's CPU time was not sampled";
+  ASSERT_GE(cpu1, 0);
+  const double fraction = (cpu1 - cpu0) / std::chrono::duration<double>(t1 - t0).count();
+  EXPECT_LT(fraction, 0.1) << "the waiting rank used " << fraction << " of a core";
+  std::printf("stop -> job end: %.2f s (timeout %.1f s); waiting rank's CPU: %.3f of a core\n",
+              elapsed, kTimeout, fraction);
+  fs::remove_all(work);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ranks, FrozenRank,
+    testing::Values(Frozen{2, 1, "mpi", "step", "in collective #"},
+                    Frozen{3, 1, "shm", "step", "reduce_scatter_sum (shared memory)"},
+                    Frozen{3, 0, "mpi", "get_master", "all_reduce_sum"},
+                    Frozen{2, 0, "shm", "get_master", "all_reduce_sum"}),
+    frozen_name);
