@@ -8,8 +8,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -18,6 +16,7 @@
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
+#include "support/proc_memory.hpp"
 
 using namespace shardopt;
 
@@ -60,48 +59,6 @@ int parse(int argc, char** argv, bool print, Args& a) {
   return cli::parse(app, argc, argv, print);
 }
 
-// Fields of a /proc/self file ("Key:   123 kB" lines), in bytes.
-std::map<std::string, std::size_t> proc_fields(const char* path) {
-  std::ifstream in(path);
-  std::map<std::string, std::size_t> out;
-  for (std::string line; std::getline(in, line);) {
-    const std::size_t colon = line.find(':');
-    if (colon == std::string::npos || line.find(" kB") == std::string::npos) continue;
-    out[line.substr(0, colon)] = std::stoull(line.substr(colon + 1)) * 1024;
-  }
-  return out;
-}
-
-// What this process holds now. RSS counts every resident page the process maps, a page
-// shared by k processes once in each of them; PSS (proportional set size) counts it 1/k in
-// each, so PSS summed over the ranks of a node is what the node holds. Anonymous: private
-// memory (heap, mmap); shmem: shared memory (MPI-3 shared windows, MPICH's own segments).
-struct Memory {
-  std::size_t rss = 0, hwm = 0, rss_anon = 0, rss_shmem = 0, pss = 0, pss_anon = 0, pss_shmem = 0;
-};
-
-std::size_t field(const std::map<std::string, std::size_t>& f, const char* path, const char* key) {
-  const auto it = f.find(key);
-  if (it == f.end()) throw Error(Status::Io, std::string("no ") + key + " in " + path);
-  return it->second;
-}
-
-Memory measure() {
-  constexpr const char* kStatus = "/proc/self/status";
-  constexpr const char* kRollup = "/proc/self/smaps_rollup";
-  const auto status = proc_fields(kStatus);
-  const auto rollup = proc_fields(kRollup);
-  Memory m;
-  m.rss = field(status, kStatus, "VmRSS");
-  m.hwm = field(status, kStatus, "VmHWM");
-  m.rss_anon = field(status, kStatus, "RssAnon");
-  m.rss_shmem = field(status, kStatus, "RssShmem");
-  m.pss = field(rollup, kRollup, "Pss");
-  m.pss_anon = field(rollup, kRollup, "Pss_Anon");
-  m.pss_shmem = field(rollup, kRollup, "Pss_Shmem");
-  return m;
-}
-
 // Synthetic but varied values; the numbers do not matter, the traffic and passes do.
 float value(std::size_t param, std::size_t k, int salt) {
   return static_cast<float>(static_cast<int>((param * 7919 + k * 104729 + salt * 31) % 2001) - 1000) *
@@ -117,7 +74,7 @@ constexpr const char* kHeader =
 
 int run(const Args& a) {
   MPI_Barrier(MPI_COMM_WORLD);  // every rank's baseline after MPI_Init, before any buffer
-  const Memory base = measure();
+  const bench::ProcMemory base = bench::measure_process_memory();
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   const int rank = comm->rank();
   const int ranks = comm->size();
@@ -176,7 +133,7 @@ int run(const Args& a) {
       zero_formula_bytes(a.stage, static_cast<double>(a.psi), ranks, DType::BF16);
   // All ranks alive and mapping what they share when PSS is read.
   MPI_Barrier(MPI_COMM_WORLD);
-  const Memory end = measure();
+  const bench::ProcMemory end = bench::measure_process_memory();
   MPI_Barrier(MPI_COMM_WORLD);
   const std::size_t rss_base = base.rss, rss_end = end.rss, hwm = end.hwm;
   const double k = 1.0 / a.steps;

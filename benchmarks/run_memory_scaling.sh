@@ -2,24 +2,27 @@
 # run_memory_scaling.sh: the memory-scaling sweep of docs/memory.md in one command.
 #   benchmarks/run_memory_scaling.sh [BUILD_DIR] [OUT_DIR]   (defaults: build, BUILD_DIR/memory_scaling)
 # Runs BUILD_DIR/benchmarks/memory_scaling under mpiexec for each rank count x model size x
-# (data-parallel, zero-1, zero-2), one process group per point, and writes into OUT_DIR
+# (data-parallel, zero-1, zero-2, zero-3), one process group per point, and writes into OUT_DIR
 #   memory_scaling.csv     one row per rank and point (accounting, RSS, PSS, anonymous and
 #                          shared memory, peak RSS, phase times)
 #   memory_table.md        the table of docs/memory.md (largest model, mean over ranks)
-#   memory_per_rank.png    bytes per parameter per rank vs ranks (needs gnuplot)
+#   memory_per_rank.png    bytes per parameter per rank vs ranks, one panel per stage, against
+#                          the stage's formula (needs gnuplot)
 #   step_phases.png        step time split by phase, largest model (needs gnuplot)
 # It never writes under docs/ unless asked to (OUT_DIR=docs/memory) and installs nothing:
 # without gnuplot (Debian: apt-get install gnuplot-nox) it skips the plots and says so.
-# Tensors and stage-2 buckets are 256Ki elements (1 MiB of staging). Ranks beyond the core
-# count are oversubscribed: the memory figures are unaffected, the times are not.
-# Environment: SIZES (elements, default "2M 8M 16M"), RANKS (default "1 2 4 8"), STEPS (3).
+# Tensors and stage-2 buckets are 256Ki elements (1 MiB of staging); at zero-3 every tensor is
+# a unit. Ranks beyond the core count are oversubscribed: the memory figures are unaffected,
+# the times are not.
+# Environment: SIZES (elements, default "2M 8M 16M"), RANKS (default "1 2 3 4 8"), STEPS (3).
+# The sweep of docs/memory.md: SIZES="2M 8M 16M" RANKS="1 2 3 4 8", OUT_DIR docs/memory.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 build=$(realpath -m "${1:-$root/build}")
 out=$(realpath -m "${2:-$build/memory_scaling}")
 sizes=${SIZES:-"2M 8M 16M"}
-ranks=${RANKS:-"1 2 4 8"}
+ranks=${RANKS:-"1 2 3 4 8"}
 steps=${STEPS:-3}
 
 if [ ! -f "$build/CMakeCache.txt" ]; then
@@ -35,7 +38,7 @@ csv="$out/memory_scaling.csv"
 rm -f "$csv"
 for np in $ranks; do
   for psi in $sizes; do
-    for stage in dp 1 2; do
+    for stage in dp 1 2 3; do
       OMP_NUM_THREADS=1 "$mpiexec" -n "$np" "$bench" --stage "$stage" --psi "$psi" \
         --steps "$steps" --warmup 1 --bucket-elems 256Ki --tensor-elems 256Ki --csv "$csv"
     done
@@ -56,8 +59,8 @@ END {
   printf "Psi = %d, mean over the ranks of each run; MiB per rank\n\n", largest
   print "| mode | N_d | accounted | PSS growth | anonymous growth | shared (PSS) | RSS growth | peak RSS growth | transient (peak - end RSS) | step s |"
   print "|---|---|---|---|---|---|---|---|---|---|"
-  split("data-parallel zero-1 zero-2", modes, " ")
-  for (r = 1; r <= 1024; r *= 2) for (m = 1; m <= 3; m++) {
+  split("data-parallel zero-1 zero-2 zero-3", modes, " ")
+  for (r = 1; r <= 1024; r++) for (m = 1; m <= 4; m++) {
     k = modes[m] "," r; if (!(k in n)) continue; c = n[k]
     printf "| %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f |\n", modes[m], r,
       acc[k]/c/M, pss[k]/c/M, anon[k]/c/M, shm[k]/c/M, rss[k]/c/M, peak[k]/c/M, trans[k]/c/M, step[k]/c
@@ -94,6 +97,8 @@ END {
 for f in "$tmp"/*.dat; do sort -n -k1,1 -k2,2 "$f" -o "$f"; done
 psis=$(awk -F, 'NR > 1 { print $4 }' "$csv" | sort -n -u | tr '\n' ' ')
 cores=$(nproc 2>/dev/null || echo 0)
-gnuplot -e "dir='$tmp'; out='$out/memory_per_rank.png'; sizes='$psis'" "$here/plot_memory_per_rank.gp"
+rank_list=$(awk -F, 'NR > 1 { print $1 }' "$csv" | sort -n -u | tr '\n' ' ')
+gnuplot -e "dir='$tmp'; out='$out/memory_per_rank.png'; sizes='$psis'; ranks='$rank_list'" \
+  "$here/plot_memory_per_rank.gp"
 gnuplot -e "dir='$tmp'; out='$out/step_phases.png'; psi='$largest'; cores=$cores" "$here/plot_step_phases.gp"
 echo "wrote $csv, $out/memory_table.md, $out/memory_per_rank.png, $out/step_phases.png"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# run_overlap.sh [build-dir]: the overlap benchmark at 2 ranks, stages 1 and 2, both compute
-# models (see bench_overlap.cpp). Prints one table per configuration.
+# run_overlap.sh [build-dir]: the overlap benchmark at 2 ranks, stages 1 and 2 (gradient
+# reduction hidden behind backward) and stage 3 (gathers hidden by prefetching the next unit
+# in a forward pass), both compute models (see bench_overlap.cpp). Prints one table per
+# configuration.
 set -euo pipefail
 build=${1:-build}
 launcher=$(sed -n 's/^MPIEXEC_EXECUTABLE:FILEPATH=//p' "$build/CMakeCache.txt")
@@ -10,7 +12,7 @@ export OMP_NUM_THREADS=1
 # (the default on one node) complete inside the call. SHARDOPT_COMM=shm measures those.
 export SHARDOPT_COMM=${SHARDOPT_COMM:-mpi}
 for compute in device cpu; do
-  for stage in 1 2; do
+  for stage in 1 2 3; do
     "${launcher:-mpiexec}" -n 2 $flags "$build/benchmarks/bench_overlap" --stage "$stage" \
       --compute "$compute" --params 32 --tensor-elems 524288 --bucket-elems 1048576 \
       --iterations 9

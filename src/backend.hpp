@@ -19,6 +19,13 @@ namespace shardopt {
 
 class Communicator;
 
+/// Test-only: consulted by every host buffer allocation (allocate_host) with its category
+/// and size; returning true makes that allocation fail with Error(OutOfMemory) as a real
+/// out-of-memory would, so tests can fail one rank's allocation of one buffer. Null (the
+/// default) costs one branch.
+using AllocationTestHook = bool (*)(MemCategory category, std::size_t bytes);
+void set_allocation_test_hook(AllocationTestHook hook);
+
 class Backend {
  public:
   virtual ~Backend() = default;

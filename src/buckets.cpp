@@ -28,18 +28,14 @@ class ScopedSeconds {
 
 BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracker,
                      const FlatLayout& layout, const BufferPlan& plan, Config config,
-                     const CollectiveAllocator& allocate_collective, void* replica)
+                     Storage storage, void* replica)
     : comm_(comm), backend_(backend), tracker_(tracker), layout_(layout), plan_(plan),
-      cfg_(config), replica_(static_cast<char*>(replica)), spill_param_(kNone) {
+      cfg_(config), replica_(static_cast<char*>(replica)), grads_(std::move(storage.grads)),
+      staging_(std::move(storage.staging)), spill_param_(kNone) {
   state_.resize(layout_.num_buckets());
   param_ready_.assign(layout_.num_params(), 0);
-  if (staged()) {
-    staging_ = allocate_collective(plan_.staging);
-    grads_ = backend_.allocate(&tracker_, plan_.grads.category, plan_.grads.bytes);
+  if (staged())
     for (int s = plan_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
-  } else {
-    grads_ = allocate_collective(plan_.grads);
-  }
 }
 
 BucketSet::~BucketSet() {

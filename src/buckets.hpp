@@ -38,13 +38,17 @@ class BucketSet {
     CommType param_type;  ///< replica: F32 or U16 (bf16 bits)
     bool overlap;
   };
-  /// Allocates a buffer that goes through collectives (collective: same calls on every
-  /// rank); the communicator may place it where it moves fastest (shared-memory windows).
-  using CollectiveAllocator = std::function<Allocation(const BufferSpec&)>;
-
+  /// The gradient buffers, allocated by the caller (the constructor allocates nothing, so
+  /// that the caller can make the collective allocations first on every rank): plan.grads,
+  /// and plan.staging when the plan is staged. Whichever goes through the collectives
+  /// (staging when staged, else grads) is allocated collectively.
+  struct Storage {
+    Allocation grads;
+    Allocation staging;
+  };
   BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracker,
-            const FlatLayout& layout, const BufferPlan& plan, Config config,
-            const CollectiveAllocator& allocate_collective, void* replica);
+            const FlatLayout& layout, const BufferPlan& plan, Config config, Storage storage,
+            void* replica);
   ~BucketSet();  // completes collectives still in flight (they are collective)
   BucketSet(const BucketSet&) = delete;
   BucketSet& operator=(const BucketSet&) = delete;

@@ -2,11 +2,13 @@
 #include "shardopt/memory.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <utility>
 
+#include "backend.hpp"  // set_allocation_test_hook
 #include "shardopt/error.hpp"
 
 namespace shardopt {
@@ -67,11 +69,18 @@ void Allocation::swap(Allocation& o) noexcept {
   std::swap(category_, o.category_);
 }
 
+namespace {
+std::atomic<AllocationTestHook> g_allocation_test_hook{nullptr};
+}  // namespace
+
+void set_allocation_test_hook(AllocationTestHook hook) { g_allocation_test_hook = hook; }
+
 Allocation allocate_host(MemoryTracker* tracker, MemCategory category, std::size_t bytes) {
   if (bytes == 0) return Allocation{};
   constexpr std::size_t kAlign = 64;
   const std::size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
-  void* p = std::aligned_alloc(kAlign, rounded);
+  const AllocationTestHook hook = g_allocation_test_hook.load(std::memory_order_relaxed);
+  void* p = hook != nullptr && hook(category, bytes) ? nullptr : std::aligned_alloc(kAlign, rounded);
   if (p == nullptr)
     throw Error(Status::OutOfMemory, "cannot allocate " + std::to_string(bytes) +
                                          " bytes of host memory for " +

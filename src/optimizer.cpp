@@ -237,35 +237,54 @@ void ShardedOptimizer::finalize() {
     throw Error(Status::LayoutMismatch, os.str());
   }
 
+  // The allocations. Those that go through collectives come first, one agreement each: the
+  // communicator's allocation is itself collective (shared-memory windows: the room check and
+  // the window allocation fail on every rank of a node or on none) and its fallback to local
+  // memory is local, so a rank that fails it must not skip the next collective allocation
+  // while the others make it. The local allocations follow in one agreed part. Every rank
+  // then holds the same shared buffers, so on an error they are freed (MPI_Win_free is
+  // collective) in the same order everywhere; nothing is kept unless every rank has every
+  // buffer.
+  const BufferPlan plan = plan_buffers(layout, options_.stage, options_.param_dtype,
+                                       options_.buckets_in_flight, options_.units_in_flight);
+  Backend& be = *backend_;
+  const auto shared_buffer = [&](const BufferSpec& spec) {
+    return collective(*comm_, "finalize", [&] {
+      return collective_buffer(*comm_, be, options_.device, &tracker_, spec);
+    });
+  };
+  const auto local_buffer = [&](const BufferSpec& spec) {
+    return be.allocate(&tracker_, spec.category, spec.bytes);
+  };
+  const bool zero3 = options_.stage == Stage::Zero3;  // its replica slices stay local
+  const bool staged = plan.grads_scheme == GradScheme::Staged;
+  Buffers b;
+  BucketSet::Storage grads;
+  Allocation unit_pool;
+  if (!zero3) b.replica = shared_buffer(plan.replica);
+  if (staged) grads.staging = shared_buffer(plan.staging);
+  else grads.grads = shared_buffer(plan.grads);
+  if (zero3) unit_pool = shared_buffer(plan.units);
   collective(*comm_, "finalize", [&] {
-    layout_ = std::move(layout);
-    const BufferPlan plan = plan_buffers(layout_, options_.stage, options_.param_dtype,
-                                         options_.buckets_in_flight, options_.units_in_flight);
-    Backend& be = *backend_;
-    Buffers& b = *buf_;
-    Communicator& comm = *comm_;
-    const Device device = options_.device;
-    MemoryTracker* tracker = &tracker_;
-    const auto shared_buffer = [&comm, &be, device, tracker](const BufferSpec& spec) {
-      return collective_buffer(comm, be, device, tracker, spec);
-    };
-    const bool zero3 = options_.stage == Stage::Zero3;  // its replica slices stay local
-    b.replica = zero3 ? be.allocate(&tracker_, plan.replica.category, plan.replica.bytes)
-                      : shared_buffer(plan.replica);
-    const bool f32 = options_.param_dtype == DType::F32;
-    buckets_ = std::make_unique<BucketSet>(
-        comm, be, tracker_, layout_, plan,
-        BucketSet::Config{options_.stage,
-                          options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
-                          f32 ? CommType::F32 : CommType::U16, options_.overlap},
-        shared_buffer, b.replica.data());
-    if (zero3)
-      units_ = std::make_unique<UnitSet>(comm, be, layout_, plan, options_.param_dtype, shared_buffer,
-                                         b.replica.data());
-    if (plan.master.bytes > 0) b.master = be.allocate(&tracker_, plan.master.category, plan.master.bytes);
-    b.exp_avg = be.allocate(&tracker_, plan.exp_avg.category, plan.exp_avg.bytes);
-    b.exp_avg_sq = be.allocate(&tracker_, plan.exp_avg_sq.category, plan.exp_avg_sq.bytes);
+    if (zero3) b.replica = local_buffer(plan.replica);
+    if (staged) grads.grads = local_buffer(plan.grads);
+    if (plan.master.bytes > 0) b.master = local_buffer(plan.master);
+    b.exp_avg = local_buffer(plan.exp_avg);
+    b.exp_avg_sq = local_buffer(plan.exp_avg_sq);
   });
+
+  layout_ = std::move(layout);  // BucketSet and UnitSet keep a reference to it
+  const bool f32 = options_.param_dtype == DType::F32;
+  buckets_ = std::make_unique<BucketSet>(
+      *comm_, be, tracker_, layout_, plan,
+      BucketSet::Config{options_.stage,
+                        options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
+                        f32 ? CommType::F32 : CommType::U16, options_.overlap},
+      std::move(grads), b.replica.data());
+  if (zero3)
+    units_ = std::make_unique<UnitSet>(*comm_, be, layout_, plan, options_.param_dtype,
+                                       std::move(unit_pool), b.replica.data());
+  *buf_ = std::move(b);
   finalized_ = true;
 }
 
@@ -441,15 +460,23 @@ void ShardedOptimizer::wait_param(std::size_t i) {
   buckets_->wait_param(i);
 }
 
+// acquire and prefetch agree before they gather (the unit index is part of the call's name,
+// so ranks that ask for different units fail too): one small all-reduce per call.
 void ShardedOptimizer::acquire(std::size_t unit) {
-  require_finalized("acquire");
-  require_zero3("acquire");
+  collective(*comm_, "acquire(unit " + std::to_string(unit) + ")", [&] {
+    require_finalized("acquire");
+    require_zero3("acquire");
+    units_->check_acquire(unit);
+  });
   units_->acquire(unit);
 }
 
 void ShardedOptimizer::prefetch(std::size_t unit) {
-  require_finalized("prefetch");
-  require_zero3("prefetch");
+  collective(*comm_, "prefetch(unit " + std::to_string(unit) + ")", [&] {
+    require_finalized("prefetch");
+    require_zero3("prefetch");
+    units_->check_prefetch(unit);
+  });
   units_->prefetch(unit);
 }
 

@@ -7,10 +7,9 @@ namespace shardopt {
 
 UnitSet::UnitSet(Communicator& comm, Backend& backend, const FlatLayout& layout,
                  const BufferPlan& plan, DType param_dtype,
-                 const CollectiveAllocator& allocate_collective, const void* replica)
+                 Allocation pool, const void* replica)
     : comm_(comm), backend_(backend), layout_(layout), plan_(plan), dtype_(param_dtype),
-      replica_(static_cast<const char*>(replica)) {
-  pool_ = allocate_collective(plan_.units);
+      replica_(static_cast<const char*>(replica)), pool_(std::move(pool)) {
   for (int b = plan_.unit_buffers - 1; b >= 0; --b) free_buffers_.push_back(b);
   state_.resize(layout_.num_units());
 }
@@ -31,14 +30,25 @@ void UnitSet::require_unit(std::size_t u, const char* what) const {
               std::to_string(state_.size()) + ")");
 }
 
-void UnitSet::prefetch(std::size_t u) {
+void UnitSet::check_prefetch(std::size_t u) const {
   require_unit(u, "prefetch");
-  State& s = state_[u];
-  if (s.hold != Hold::None) return;
-  require(!free_buffers_.empty(), Status::InvalidState,
+  require(state_[u].hold != Hold::None || !free_buffers_.empty(), Status::InvalidState,
           "prefetch/acquire of unit " + std::to_string(u) + ": all " +
               std::to_string(plan_.unit_buffers) +
               " unit buffers are held (units_in_flight); release a unit first");
+}
+
+void UnitSet::check_acquire(std::size_t u) const {
+  require_unit(u, "acquire");
+  require(state_[u].hold != Hold::Acquired, Status::InvalidState,
+          "acquire: unit " + std::to_string(u) + " is already acquired; release it first");
+  check_prefetch(u);
+}
+
+void UnitSet::prefetch(std::size_t u) {
+  check_prefetch(u);
+  State& s = state_[u];
+  if (s.hold != Hold::None) return;
   s.buffer = free_buffers_.back();
   free_buffers_.pop_back();
   s.hold = Hold::Prefetched;
@@ -62,10 +72,8 @@ void UnitSet::wait(State& s) {
 }
 
 void UnitSet::acquire(std::size_t u) {
-  require_unit(u, "acquire");
+  check_acquire(u);
   State& s = state_[u];
-  require(s.hold != Hold::Acquired, Status::InvalidState,
-          "acquire: unit " + std::to_string(u) + " is already acquired; release it first");
   prefetch(u);
   wait(s);
   s.hold = Hold::Acquired;

@@ -6,12 +6,12 @@
 // A gather copies this rank's slice of each of the unit's buckets into its block of the
 // buffer and starts one in-place equal-count all-gather per bucket, in bucket order. The
 // gathers are collectives: every rank must make the same prefetch/acquire/release calls in
-// the same order. The checks below are local and made before any collective starts, so
-// ranks that make the same calls fail alike and none is left waiting.
+// the same order. The checks are local (check_prefetch, check_acquire) and made before any
+// collective starts; ShardedOptimizer agrees on their outcome across ranks first, so a bad
+// call on one rank is an error on every rank and none is left waiting.
 #pragma once
 
 #include <cstddef>
-#include <functional>
 #include <memory>
 #include <vector>
 
@@ -24,15 +24,17 @@ namespace shardopt {
 
 class UnitSet {
  public:
-  using CollectiveAllocator = std::function<Allocation(const BufferSpec&)>;
-
-  /// `replica` is this rank's local replica (plan.replica: its slices, param dtype).
+  /// `replica` is this rank's local replica (plan.replica: its slices, param dtype); `pool`
+  /// the unit buffers (plan.units), allocated collectively by the caller.
   UnitSet(Communicator& comm, Backend& backend, const FlatLayout& layout, const BufferPlan& plan,
-          DType param_dtype, const CollectiveAllocator& allocate_collective, const void* replica);
+          DType param_dtype, Allocation pool, const void* replica);
   ~UnitSet();  // completes gathers still in flight (they are collective)
   UnitSet(const UnitSet&) = delete;
   UnitSet& operator=(const UnitSet&) = delete;
 
+  /// Throws what prefetch(u) / acquire(u) would throw, before either communicates. Local.
+  void check_prefetch(std::size_t u) const;
+  void check_acquire(std::size_t u) const;
   /// Starts gathering unit u into a free buffer, unless it is held already (prefetched or
   /// acquired). Throws InvalidState when every buffer is held.
   void prefetch(std::size_t u);

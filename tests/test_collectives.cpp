@@ -7,10 +7,12 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "backend.hpp"  // set_allocation_test_hook
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "support/harness.hpp"
@@ -151,6 +153,108 @@ TEST(OneRankBadInput, CollectiveCallOnARankThatSkippedFinalize) {
          "in '" + std::string(name) + "'", "rank 0 in 'finalize'"},
         name);
   }
+}
+
+// finalize's allocations: an out-of-memory on one rank (the test hook fails one buffer's
+// host allocation there) is the same error on every rank, wherever it strikes, and leaves
+// every optimizer as registered: finalize() succeeds once the memory is back. Before the
+// collective allocations came first, the stage-3 Params case broke the group: the last rank
+// failed its local replica slices while the others entered the shared-memory allocations.
+namespace {
+MemCategory g_fail_category = MemCategory::Params;
+bool g_failed = false;
+bool fail_category(MemCategory c, std::size_t) {
+  if (c != g_fail_category) return false;
+  g_failed = true;
+  return true;
+}
+}  // namespace
+
+TEST(OneRankBadInput, FinalizeOutOfMemoryOnOneRank) {
+  for (const Stage stage : {Stage::Zero1, Stage::Zero2, Stage::Zero3})
+    for (const MemCategory category : {MemCategory::Params, MemCategory::Grads,
+                                       MemCategory::Master, MemCategory::Moments}) {
+      const std::string what = std::string(stage_name(stage)) + ", " +
+                               mem_category_name(category) + " fails on the last rank";
+      ShardedOptimizer opt(test::world(), small_options(stage));
+      opt.add_param("w", 1000);
+      if (stage == Stage::Zero3) opt.begin_unit();
+      opt.add_param("v", 1000);
+      g_fail_category = category;
+      g_failed = false;
+      if (is_last()) set_allocation_test_hook(fail_category);
+      std::exception_ptr error;
+      try {
+        opt.finalize();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      set_allocation_test_hook(nullptr);
+      // Buffers of the category may all be shared-memory windows (not host allocations):
+      // then nothing failed. The moments, and stage 3's replica slices, are always local.
+      std::int32_t failed = g_failed ? 1 : 0;
+      std::vector<std::int32_t> all(static_cast<std::size_t>(test::world()->size()));
+      test::world()->all_gather_bytes(&failed, all.data(), sizeof failed);
+      if (category == MemCategory::Moments || (stage == Stage::Zero3 && category == MemCategory::Params))
+        ASSERT_EQ(all.back(), 1) << what << ": the hook was not consulted";
+      if (all.back() != 0) {
+        expect_same_error(Status::OutOfMemory, [&] { std::rethrow_exception(error); },
+                          {last_tag() + ": cannot allocate"}, what);
+        opt.finalize();  // the memory is back: finalize as registered
+      } else {
+        EXPECT_FALSE(error) << what << ": failed although no allocation failed";
+      }
+      std::vector<float> w(1000);
+      opt.get_master(1, w);
+      EXPECT_EQ(w[0], 0.0f) << what;
+    }
+}
+
+// ---- stage 3: acquire and prefetch agree before they gather ----------------------------------
+
+TEST(OneRankBadInput, AcquireAndPrefetch) {
+  OptimizerOptions o = small_options(Stage::Zero3);
+  o.units_in_flight = 2;
+  test::Model m = test::make_model();
+  m.units = {0, 0, 1, 1, 2, 2, 2, 3};
+  Harness h(o, m);
+  ShardedOptimizer& opt = *h.opt;
+  expect_same_error(Status::InvalidArgument, [&] { opt.acquire(is_last() ? 9 : 0); },
+                    {last_tag() + ": acquire: unit 9 out of range (have 4)"}, "acquire: bad unit");
+  expect_same_error(Status::InvalidArgument, [&] { opt.prefetch(is_last() ? 4 : 1); },
+                    {last_tag() + ": prefetch: unit 4 out of range"}, "prefetch: bad unit");
+  if (test::world()->size() > 1)
+    expect_same_error(
+        Status::InvalidState, [&] { opt.acquire(is_last() ? 1 : 0); },
+        {"ranks entered different collective calls", "rank 0 in 'acquire(unit 0)'",
+         last_tag() + " in 'acquire(unit 1)'"},
+        "acquire: different units");
+  opt.acquire(0);
+  expect_same_error(Status::InvalidState, [&] { opt.acquire(0); },
+                    {"acquire: unit 0 is already acquired"}, "acquire twice");
+  opt.acquire(1);
+  if (!is_last()) opt.release(1);  // local: the last rank keeps both pool buffers
+  expect_same_error(Status::InvalidState, [&] { opt.prefetch(2); },
+                    {last_tag() + ": prefetch/acquire of unit 2: all 2 unit buffers are held"},
+                    "prefetch: pool full on the last rank");
+  if (is_last()) opt.release(1);
+  opt.release(0);
+  // Nothing was gathered by the failed calls: every unit still gathers, on every rank alike.
+  std::vector<std::vector<float>> seen;
+  for (std::size_t u = 0; u < 4; ++u) {
+    opt.acquire(u);
+    if (u + 1 < 4) opt.prefetch(u + 1);
+    for (std::size_t i = 0; i < m.units.size(); ++i)
+      if (static_cast<std::size_t>(m.units[i]) == u) {
+        const auto v = opt.param<bf16>(i);
+        seen.emplace_back(v.size());
+        for (std::size_t k = 0; k < v.size(); ++k) seen.back()[k] = to_float(v[k]);
+      }
+    opt.release(u);
+  }
+  for (std::size_t i = 0; i < seen.size(); ++i)
+    for (std::size_t k = 0; k < seen[i].size(); ++k)
+      ASSERT_EQ(seen[i][k], to_float(to_bf16(test::init_value(i, k)))) << "p" << i << "[" << k << "]";
 }
 
 // ---- get_master ----------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 ! (issue 13), under mpiexec with an mpi_f08 communicator: the config layout and every new
 ! field, the communicator kind, groups, kept replica pointers with lazy gathering and the
 ! documented waits, the flat replica and offsets, m and v, loss scaling, progress, and
-! checkpoints (save, load, IO and CORRUPT_DATA on every rank).
+! checkpoints (save, load, IO and CORRUPT_DATA on every rank); and stage 3's unit calls
+! (issue 17): begin_unit, num_units, acquire / prefetch / release, their errors, and training
+! at stage 3 equal to stage 2 on the same units bit for bit (exactly summable gradients).
 program test_fortran_mpi
-  use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int, c_int64_t, c_sizeof
+  use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int, c_int16_t, c_int64_t, c_sizeof
   use mpi_f08
   use shardopt
   implicit none
@@ -163,12 +165,169 @@ program test_fortran_mpi
   call expect(status, SHARDOPT_SUCCESS, msg, '')
   if (rank == 0) call execute_command_line('rm -rf '//trim(dir))
 
+  call check_stage3()
+
   call mpi_allreduce(failures, total, 1, MPI_INTEGER, MPI_SUM, MPI_COMM_WORLD)
   call mpi_finalize()
   if (total > 0) error stop 1
   if (rank == 0) print '(a)', 'test_fortran_mpi: all checks passed'
 
 contains
+
+  !> Stage 3 next to stage 2 on the same layout: three units {a b} {c} {d}. The forward
+  !> acquires unit u with u + 1 prefetched and reads its parameters (equal to stage 2's replica
+  !> bit for bit); the backward acquires units in reverse order with u - 1 prefetched and hands
+  !> over their gradients, multiples of 2**-10 (exact sums in any order). After three steps
+  !> the master weights are equal bit for bit.
+  subroutine check_stage3()
+    type(shardopt_optimizer) :: z2, z3
+    type(shardopt_config) :: c
+    integer(c_int16_t), pointer :: p2(:), p3(:)
+    real(c_float), allocatable :: g(:), m2(:), m3(:)
+    integer, parameter :: n_params = 4
+    integer, parameter :: sizes(n_params) = [300, 70, 1200, 5], unit_of(n_params) = [1, 1, 2, 3]
+    integer :: idx(n_params), first(3), last(3), u, nu, p, k, s
+    call shardopt_config_init(c, status)
+    c%stage = SHARDOPT_STAGE_ZERO2
+    c%bucket_elems = 256
+    c%lr = 1e-2_c_double
+    call shardopt_create(z2, status, config=c, comm=MPI_COMM_WORLD%MPI_VAL, errmsg=msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    c%stage = SHARDOPT_STAGE_ZERO3
+    call shardopt_create(z3, status, config=c, comm=MPI_COMM_WORLD%MPI_VAL, errmsg=msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    first = 0
+    do p = 1, n_params
+      if (p == 1 .or. unit_of(max(p - 1, 1)) /= unit_of(p)) then
+        ! A unit without parameters yet is reused: the first call gives unit 1.
+        call shardopt_begin_unit(z2, status, errmsg=msg)
+        call expect(status, SHARDOPT_SUCCESS, msg, '')
+        call shardopt_begin_unit(z3, status, unit=u, errmsg=msg)
+        call expect(status, SHARDOPT_SUCCESS, msg, '')
+        if (u /= unit_of(p)) call fail('begin_unit returned unit', u)
+        first(u) = p
+      end if
+      last(unit_of(p)) = p
+      call shardopt_add_param(z2, 'p'//achar(iachar('0') + p), sizes(p), idx(p), status, errmsg=msg)
+      call shardopt_add_param(z3, 'p'//achar(iachar('0') + p), sizes(p), idx(p), status, errmsg=msg)
+      call expect(status, SHARDOPT_SUCCESS, msg, '')
+    end do
+    call shardopt_num_units(z3, nu, status, msg)
+    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'finalize')
+    call shardopt_finalize(z2, status, msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_finalize(z3, status, msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_num_units(z3, nu, status, msg)
+    if (status /= SHARDOPT_SUCCESS .or. nu /= 3) call fail('num_units', nu)
+    call shardopt_begin_unit(z3, status, errmsg=msg)
+    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, '')
+    do p = 1, n_params
+      allocate (g(sizes(p)))
+      do k = 1, sizes(p)
+        g(k) = real(mod(k * 13 + p * 5, 17) - 8, c_float) / 32
+      end do
+      call shardopt_set_param(z2, idx(p), g, status, msg)
+      call shardopt_set_param(z3, idx(p), g, status, msg)
+      call expect(status, SHARDOPT_SUCCESS, msg, '')
+      deallocate (g)
+    end do
+
+    ! ---- the unit calls' errors (the same calls on every rank, so no rank waits) ----
+    call shardopt_param_bf16(z3, idx(3), p3, status, msg)
+    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'not acquired')
+    call shardopt_release(z3, 2, status, msg)  ! messages name units by their C index
+    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'unit 1 is not acquired')
+    call shardopt_acquire(z3, 1, status, msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_acquire(z3, 1, status, msg)
+    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'already acquired')
+    call shardopt_prefetch(z3, 2, status, msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_release(z3, 2, status, msg)  ! prefetched, not acquired
+    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'not acquired')
+    call shardopt_prefetch(z3, 3, status, msg)  ! both buffers (units_in_flight = 2) held
+    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'units_in_flight')
+    call shardopt_step(z3, status, errmsg=msg)
+    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, '')
+    call shardopt_acquire(z3, 0, status, msg)
+    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'out of range')
+    call shardopt_acquire(z3, 4, status, msg)
+    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'out of range')
+    call shardopt_release(z3, 1, status, msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_acquire(z3, 2, status, msg)  ! in flight since the prefetch
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_release(z3, 2, status, msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_acquire(z2, 1, status, msg)
+    call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, '')
+
+    ! ---- training: stage 3 equals stage 2 ----
+    do s = 1, 3
+      call shardopt_acquire(z3, 1, status, msg)
+      call expect(status, SHARDOPT_SUCCESS, msg, '')
+      do u = 1, 3
+        if (u < 3) then
+          call shardopt_prefetch(z3, u + 1, status, msg)
+          call expect(status, SHARDOPT_SUCCESS, msg, '')
+        end if
+        do p = first(u), last(u)
+          call shardopt_param_bf16(z2, idx(p), p2, status, msg)
+          call shardopt_param_bf16(z3, idx(p), p3, status, msg)
+          call expect(status, SHARDOPT_SUCCESS, msg, '')
+          if (status == SHARDOPT_SUCCESS) then
+            if (size(p3) /= sizes(p) .or. any(p2 /= p3)) call fail('stage-3 parameter differs', p)
+          end if
+        end do
+        call shardopt_release(z3, u, status, msg)
+        call expect(status, SHARDOPT_SUCCESS, msg, '')
+        if (u < 3) then
+          call shardopt_acquire(z3, u + 1, status, msg)
+          call expect(status, SHARDOPT_SUCCESS, msg, '')
+        end if
+      end do
+      do u = 3, 1, -1
+        call shardopt_acquire(z3, u, status, msg)
+        call expect(status, SHARDOPT_SUCCESS, msg, '')
+        if (u > 1) then
+          call shardopt_prefetch(z3, u - 1, status, msg)
+          call expect(status, SHARDOPT_SUCCESS, msg, '')
+        end if
+        do p = last(u), first(u), -1
+          allocate (g(sizes(p)))
+          do k = 1, sizes(p)
+            g(k) = real(mod(k * 7 + p * 3 + s * 5 + rank * 11, 23) - 11, c_float) / 1024
+          end do
+          call shardopt_accumulate_grad(z2, idx(p), g, status, msg)
+          call shardopt_grad_ready(z2, idx(p), status, msg)
+          call shardopt_accumulate_grad(z3, idx(p), g, status, msg)
+          call expect(status, SHARDOPT_SUCCESS, msg, '')
+          call shardopt_grad_ready(z3, idx(p), status, msg)
+          call expect(status, SHARDOPT_SUCCESS, msg, '')
+          deallocate (g)
+        end do
+        call shardopt_release(z3, u, status, msg)
+        call expect(status, SHARDOPT_SUCCESS, msg, '')
+      end do
+      call shardopt_step(z2, status, errmsg=msg)
+      call expect(status, SHARDOPT_SUCCESS, msg, '')
+      call shardopt_step(z3, status, errmsg=msg)
+      call expect(status, SHARDOPT_SUCCESS, msg, '')
+    end do
+    do p = 1, n_params
+      allocate (m2(sizes(p)), m3(sizes(p)))
+      call shardopt_get_master(z2, idx(p), m2, status, msg)
+      call shardopt_get_master(z3, idx(p), m3, status, msg)
+      call expect(status, SHARDOPT_SUCCESS, msg, '')
+      if (any(transfer(m2, [0_c_int]) /= transfer(m3, [0_c_int]))) &
+        call fail('stage-3 master differs', p)
+      deallocate (m2, m3)
+    end do
+    call shardopt_destroy(z3, status, msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_destroy(z2, status, msg)
+  end subroutine check_stage3
 
   !> A number that makes the scratch directory unique to this run (rank 0's process id).
   integer function getpid_of_rank0()

@@ -4,9 +4,16 @@
  * schedule, parameter order and groups, and the same float arithmetic in the same order, so
  * its final master weights equal the C++ trainer's bit for bit (tested by ctest).
  *
- *   mpiexec -n 2 ./train_mlp_c [--steps N] [--stage 0|1|2] [--dtype bf16|fp32]
+ *   mpiexec -n 2 ./train_mlp_c [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
  *                              [--params-out FILE] [--save-dir DIR --save-at K]
  *                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
+ *
+ * Each layer is a unit (shardopt_begin_unit before its parameters, at every stage, so that all
+ * stages share one layout). The step runs layer by layer over this rank's samples: forward
+ * layer 1, forward layer 2, backward layer 2, backward layer 1. --stage 3 shards the
+ * parameters too: forward acquires layer 1 while prefetching layer 2 and releases each layer
+ * after use; backward acquires layer 2 while prefetching layer 1, and hands each layer's
+ * gradients over before releasing it. Stage 3 gives stage 2's weights bit for bit (ctest).
  *
  * Checkpoints: --save-dir DIR --save-at K saves a checkpoint after step K (collective); then
  * training goes on. --resume DIR loads the latest checkpoint of DIR, at any rank count and
@@ -123,6 +130,21 @@ static shardopt_status_t read_param(shardopt_optimizer_t opt, int dtype, size_t 
   return st;
 }
 
+/* Stage 3: gathers layer `unit` and waits, then starts gathering layer `next` (none if < 0)
+ * so that its gather overlaps this layer's compute. Nothing at stages 0-2. */
+static shardopt_status_t acquire_layer(shardopt_optimizer_t opt, int stage, size_t unit, int next) {
+  shardopt_status_t st;
+  if (stage != SHARDOPT_STAGE_ZERO3) return SHARDOPT_SUCCESS;
+  st = shardopt_acquire(opt, unit);
+  if (st == SHARDOPT_SUCCESS && next >= 0) st = shardopt_prefetch(opt, (size_t)next);
+  return st;
+}
+
+/* Stage 3: returns the layer's gathered buffer to the pool. Nothing at stages 0-2. */
+static shardopt_status_t release_layer(shardopt_optimizer_t opt, int stage, size_t unit) {
+  return stage == SHARDOPT_STAGE_ZERO3 ? shardopt_release(opt, unit) : SHARDOPT_SUCCESS;
+}
+
 /* Rank 0 writes every parameter's fp32 master weights, in order, as raw floats. */
 static int write_params(shardopt_optimizer_t opt, const char* path, int rank) {
   static float buf[kHidden * kIn];
@@ -178,7 +200,9 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
   static float w1[kHidden * kIn], b1[kHidden], w2[kOut * kHidden], b2[kOut];
   static float gw1[kHidden * kIn], gb1[kHidden], gw2[kOut * kHidden], gb2[kOut];
   static float init[kHidden * kIn];
-  float x[kIn], y[kOut], h[kHidden], dout[kOut], dh[kHidden];
+  /* Per sample of this rank's batch: inputs, targets, activations, output and hidden grads. */
+  static float xs[kGlobalBatch][kIn], ys[kGlobalBatch][kOut], hs[kGlobalBatch][kHidden];
+  static float douts[kGlobalBatch][kOut], dhs[kGlobalBatch][kHidden];
   const float scales[kParams] = {1.0f / sqrtf((float)kIn), 0.0f, 1.0f / sqrtf((float)kHidden), 0.0f};
   const size_t sizes[kParams] = {kHidden * kIn, kHidden, kOut * kHidden, kOut};
   const char* names[kParams] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
@@ -196,8 +220,10 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     return 2;
   }
   CHECK(shardopt_add_group(opt, 1.0, 0, &no_decay));
-  for (p = 0; p < kParams; ++p)
+  for (p = 0; p < kParams; ++p) {
+    if (p % 2 == 0) CHECK(shardopt_begin_unit(opt, NULL)); /* layer p / 2: units 0 and 1 */
     CHECK(shardopt_add_param(opt, names[p], sizes[p], p % 2 == 1 ? no_decay : 0, &index[p]));
+  }
   W1 = index[0], B1 = index[1], W2 = index[2], B2 = index[3];
   CHECK(shardopt_finalize(opt));
 
@@ -225,52 +251,71 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
                                   : peak * 0.5 * (1 + cos(kPi * (step - warm) / (cli->steps - warm)));
     double local_sse = 0, loss;
     CHECK(shardopt_set_lr(opt, lr));
-    CHECK(read_param(opt, cli->dtype, W1, w1));
-    CHECK(read_param(opt, cli->dtype, B1, b1));
-    CHECK(read_param(opt, cli->dtype, W2, w2));
-    CHECK(read_param(opt, cli->dtype, B2, b2));
     memset(gw1, 0, sizeof gw1);
     memset(gb1, 0, sizeof gb1);
     memset(gw2, 0, sizeof gw2);
     memset(gb2, 0, sizeof gb2);
-    for (s = first; s < first + local; ++s) {
-      make_sample(step, s, x, y);
+    /* Forward, layer 1 (layer 2's gather in flight meanwhile at stage 3). */
+    CHECK(acquire_layer(opt, cli->stage, 0, 1));
+    CHECK(read_param(opt, cli->dtype, W1, w1));
+    CHECK(read_param(opt, cli->dtype, B1, b1));
+    for (s = 0; s < local; ++s) {
+      make_sample(step, first + s, xs[s], ys[s]);
       for (j = 0; j < kHidden; ++j) {
         float a = b1[j];
-        for (i = 0; i < kIn; ++i) a += w1[j * kIn + i] * x[i];
-        h[j] = a > 0 ? a : 0;
-      }
-      for (o = 0; o < kOut; ++o) {
-        float a = b2[o], e;
-        for (j = 0; j < kHidden; ++j) a += w2[o * kHidden + j] * h[j];
-        e = a - y[o];
-        local_sse += (double)e * e;
-        dout[o] = 2.0f * e / (float)local; /* d(mean over local batch)/d out */
-      }
-      /* Backward, layer 2 then layer 1. */
-      for (j = 0; j < kHidden; ++j) dh[j] = 0;
-      for (o = 0; o < kOut; ++o) {
-        gb2[o] += dout[o];
-        for (j = 0; j < kHidden; ++j) {
-          gw2[o * kHidden + j] += dout[o] * h[j];
-          dh[j] += dout[o] * w2[o * kHidden + j];
-        }
-      }
-      for (j = 0; j < kHidden; ++j) {
-        if (h[j] <= 0) continue;
-        gb1[j] += dh[j];
-        for (i = 0; i < kIn; ++i) gw1[j * kIn + i] += dh[j] * x[i];
+        for (i = 0; i < kIn; ++i) a += w1[j * kIn + i] * xs[s][i];
+        hs[s][j] = a > 0 ? a : 0;
       }
     }
-    /* Hand the gradients over in backward order (stage 2 reduces bucket by bucket). */
+    CHECK(release_layer(opt, cli->stage, 0));
+    /* Forward, layer 2, and the loss. */
+    CHECK(acquire_layer(opt, cli->stage, 1, -1));
+    CHECK(read_param(opt, cli->dtype, W2, w2));
+    CHECK(read_param(opt, cli->dtype, B2, b2));
+    for (s = 0; s < local; ++s) {
+      for (o = 0; o < kOut; ++o) {
+        float a = b2[o], e;
+        for (j = 0; j < kHidden; ++j) a += w2[o * kHidden + j] * hs[s][j];
+        e = a - ys[s][o];
+        local_sse += (double)e * e;
+        douts[s][o] = 2.0f * e / (float)local; /* d(mean over local batch)/d out */
+      }
+    }
+    CHECK(release_layer(opt, cli->stage, 1));
+    /* Backward, layer 2 (layer 1 prefetched), then layer 1; each layer's gradients are handed
+     * over as soon as they are complete (stages 2 and 3 reduce bucket by bucket). */
+    CHECK(acquire_layer(opt, cli->stage, 1, 0));
+    CHECK(read_param(opt, cli->dtype, W2, w2)); /* dh needs W2 */
+    for (s = 0; s < local; ++s) {
+      for (j = 0; j < kHidden; ++j) dhs[s][j] = 0;
+      for (o = 0; o < kOut; ++o) {
+        gb2[o] += douts[s][o];
+        for (j = 0; j < kHidden; ++j) {
+          gw2[o * kHidden + j] += douts[s][o] * hs[s][j];
+          dhs[s][j] += douts[s][o] * w2[o * kHidden + j];
+        }
+      }
+    }
     CHECK(shardopt_accumulate_grad_f32(opt, B2, gb2, kOut));
     CHECK(shardopt_grad_ready(opt, B2));
     CHECK(shardopt_accumulate_grad_f32(opt, W2, gw2, kOut * kHidden));
     CHECK(shardopt_grad_ready(opt, W2));
+    CHECK(release_layer(opt, cli->stage, 1));
+    /* Layer 1 computes no input gradient, so it reads no parameter here; a deeper model's
+     * layers would (the acquire keeps the pattern). */
+    CHECK(acquire_layer(opt, cli->stage, 0, -1));
+    for (s = 0; s < local; ++s) {
+      for (j = 0; j < kHidden; ++j) {
+        if (hs[s][j] <= 0) continue;
+        gb1[j] += dhs[s][j];
+        for (i = 0; i < kIn; ++i) gw1[j * kIn + i] += dhs[s][j] * xs[s][i];
+      }
+    }
     CHECK(shardopt_accumulate_grad_f32(opt, B1, gb1, kHidden));
     CHECK(shardopt_grad_ready(opt, B1));
     CHECK(shardopt_accumulate_grad_f32(opt, W1, gw1, kHidden * kIn));
     CHECK(shardopt_grad_ready(opt, W1));
+    CHECK(release_layer(opt, cli->stage, 0));
     CHECK(shardopt_step(opt, &r));
 
     loss = sum_over_ranks(local_sse) / kGlobalBatch;

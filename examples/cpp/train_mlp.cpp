@@ -137,12 +137,13 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   o.overlap = cli.overlap;
   ShardedOptimizer opt(comm, o);
   const int no_decay = opt.add_group(GroupOptions{1.0, false});
-  // Stage 3 gathers parameters a unit (here: a layer) at a time. (Units are declared only at
-  // stage 3 so that the other stages keep the C and Fortran trainers' layout.)
+  // Stage 3 gathers parameters a unit (here: a layer) at a time. Units are declared at every
+  // stage, as the C and Fortran trainers do, so that all stages share one layout.
   const bool zero3 = cli.stage == Stage::Zero3;
+  const std::size_t layer1 = static_cast<std::size_t>(opt.begin_unit());
   const std::size_t W1 = opt.add_param("fc1.weight", kHidden * kIn);
   const std::size_t B1 = opt.add_param("fc1.bias", kHidden, no_decay);
-  const std::size_t layer2 = zero3 ? static_cast<std::size_t>(opt.begin_unit()) : 0;
+  const std::size_t layer2 = static_cast<std::size_t>(opt.begin_unit());
   const std::size_t W2 = opt.add_param("fc2.weight", kOut * kHidden);
   const std::size_t B2 = opt.add_param("fc2.bias", kOut, no_decay);
   opt.finalize();
@@ -176,7 +177,6 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
     opt.set_lr(lr);
     // Forward reads each layer; at stage 3 the layer is acquired (gathered) first, the next
     // one prefetched so its gather overlaps this layer's use, and released after use.
-    const std::size_t layer1 = 0;
     if (zero3) {
       opt.acquire(layer1);
       opt.prefetch(layer2);

@@ -6,9 +6,15 @@
 ! final master weights equal the C++ trainer's bit for bit (tested by ctest). A weight matrix
 ! w(i, j) here is element j * n_in + i of the C++ trainer's row-major w[j][i].
 !
-!   mpiexec -n 2 ./train_mlp_f [--steps N] [--stage 0|1|2] [--dtype bf16|fp32]
+!   mpiexec -n 2 ./train_mlp_f [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
 !                              [--params-out FILE] [--save-dir DIR --save-at K]
 !                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
+!
+! Each layer is a unit (shardopt_begin_unit before its parameters, at every stage, so that all
+! stages share one layout), and the step runs layer by layer as in examples/c/train_mlp.c:
+! --stage 3 acquires layer 1 with layer 2 prefetched in forward, layer 2 with layer 1
+! prefetched in backward, and releases each layer after use; it gives stage 2's weights bit
+! for bit (ctest).
 !
 ! Checkpoints as in examples/c/train_mlp.c: --save-dir/--save-at save after step K, --resume
 ! loads the latest checkpoint of DIR (any rank count and stage) and continues; --loss-out and
@@ -221,6 +227,26 @@ contains
     end if
   end subroutine read_vector
 
+  !> Stage 3: gathers layer `unit` and waits, then starts gathering layer `next` (none if 0)
+  !> so that its gather overlaps this layer's compute. Nothing at stages 0-2.
+  subroutine acquire_layer(unit, next)
+    integer, intent(in) :: unit, next
+    if (stage /= SHARDOPT_STAGE_ZERO3) return
+    call shardopt_acquire(opt, unit, status, msg)
+    call check(status, msg)
+    if (next < 1) return
+    call shardopt_prefetch(opt, next, status, msg)
+    call check(status, msg)
+  end subroutine acquire_layer
+
+  !> Stage 3: returns the layer's gathered buffer to the pool. Nothing at stages 0-2.
+  subroutine release_layer(unit)
+    integer, intent(in) :: unit
+    if (stage /= SHARDOPT_STAGE_ZERO3) return
+    call shardopt_release(opt, unit, status, msg)
+    call check(status, msg)
+  end subroutine release_layer
+
   !> Rank 0 writes every parameter's fp32 master weights, in order, as raw floats.
   subroutine write_params(path)
     character(len=*), intent(in) :: path
@@ -245,7 +271,9 @@ contains
   integer function train()
     real(c_float) :: w1(n_in, n_hidden), b1(n_hidden), w2(n_hidden, n_out), b2(n_out)
     real(c_float) :: gw1(n_in, n_hidden), gb1(n_hidden), gw2(n_hidden, n_out), gb2(n_out)
-    real(c_float) :: x(n_in), y(n_out), h(n_hidden), dout(n_out), dh(n_hidden), a, e
+    ! Per sample of this rank's batch: inputs, targets, activations, output and hidden grads.
+    real(c_float) :: xs(n_in, global_batch), ys(n_out, global_batch), hs(n_hidden, global_batch)
+    real(c_float) :: douts(n_out, global_batch), dhs(n_hidden, global_batch), a, e
     real(c_double) :: lr, local_sse, loss
     real(c_double), parameter :: warm = 20, peak = 1e-2_c_double
     real(c_double), allocatable :: losses(:)
@@ -263,9 +291,13 @@ contains
     end if
     call shardopt_add_group(opt, 1.0_c_double, .false., no_decay, status, msg)
     call check(status, msg)
+    call shardopt_begin_unit(opt, status, errmsg=msg)  ! layer 1: unit 1
+    call check(status, msg)
     call shardopt_add_param(opt, 'fc1.weight', n_hidden * n_in, iw1, status, errmsg=msg)
     call check(status, msg)
     call shardopt_add_param(opt, 'fc1.bias', n_hidden, ib1, status, group=no_decay, errmsg=msg)
+    call check(status, msg)
+    call shardopt_begin_unit(opt, status, errmsg=msg)  ! layer 2: unit 2
     call check(status, msg)
     call shardopt_add_param(opt, 'fc2.weight', n_out * n_hidden, iw2, status, errmsg=msg)
     call check(status, msg)
@@ -304,52 +336,57 @@ contains
       end if
       call shardopt_set_lr(opt, lr, status, msg)
       call check(status, msg)
-      call read_matrix(iw1, w1)
-      call read_vector(ib1, b1)
-      call read_matrix(iw2, w2)
-      call read_vector(ib2, b2)
       gw1 = 0
       gb1 = 0
       gw2 = 0
       gb2 = 0
       local_sse = 0
-      do s = first, first + local - 1
-        call make_sample(step, s, x, y)
+      ! Forward, layer 1 (layer 2's gather in flight meanwhile at stage 3).
+      call acquire_layer(1, 2)
+      call read_matrix(iw1, w1)
+      call read_vector(ib1, b1)
+      do s = 1, local
+        call make_sample(step, first + s - 1, xs(:, s), ys(:, s))
         do j = 1, n_hidden
           a = b1(j)
           do i = 1, n_in
-            a = a + w1(i, j) * x(i)
+            a = a + w1(i, j) * xs(i, s)
           end do
-          h(j) = 0
-          if (a > 0) h(j) = a
+          hs(j, s) = 0
+          if (a > 0) hs(j, s) = a
         end do
+      end do
+      call release_layer(1)
+      ! Forward, layer 2, and the loss.
+      call acquire_layer(2, 0)
+      call read_matrix(iw2, w2)
+      call read_vector(ib2, b2)
+      do s = 1, local
         do o = 1, n_out
           a = b2(o)
           do j = 1, n_hidden
-            a = a + w2(j, o) * h(j)
+            a = a + w2(j, o) * hs(j, s)
           end do
-          e = a - y(o)
+          e = a - ys(o, s)
           local_sse = local_sse + real(e, c_double) * real(e, c_double)
-          dout(o) = (2.0_c_float * e) / real(local, c_float)  ! d(mean over local batch)/d out
+          douts(o, s) = (2.0_c_float * e) / real(local, c_float)  ! d(mean over local batch)/d out
         end do
-        ! Backward, layer 2 then layer 1.
-        dh = 0
+      end do
+      call release_layer(2)
+      ! Backward, layer 2 (layer 1 prefetched), then layer 1; each layer's gradients are handed
+      ! over as soon as they are complete (stages 2 and 3 reduce bucket by bucket).
+      call acquire_layer(2, 1)
+      call read_matrix(iw2, w2)  ! dh needs W2
+      do s = 1, local
+        dhs(:, s) = 0
         do o = 1, n_out
-          gb2(o) = gb2(o) + dout(o)
+          gb2(o) = gb2(o) + douts(o, s)
           do j = 1, n_hidden
-            gw2(j, o) = gw2(j, o) + dout(o) * h(j)
-            dh(j) = dh(j) + dout(o) * w2(j, o)
-          end do
-        end do
-        do j = 1, n_hidden
-          if (h(j) <= 0) cycle
-          gb1(j) = gb1(j) + dh(j)
-          do i = 1, n_in
-            gw1(i, j) = gw1(i, j) + dh(j) * x(i)
+            gw2(j, o) = gw2(j, o) + douts(o, s) * hs(j, s)
+            dhs(j, s) = dhs(j, s) + douts(o, s) * w2(j, o)
           end do
         end do
       end do
-      ! Hand the gradients over in backward order (stage 2 reduces bucket by bucket).
       call shardopt_accumulate_grad(opt, ib2, gb2, status, msg)
       call check(status, msg)
       call shardopt_grad_ready(opt, ib2, status, msg)
@@ -358,6 +395,19 @@ contains
       call check(status, msg)
       call shardopt_grad_ready(opt, iw2, status, msg)
       call check(status, msg)
+      call release_layer(2)
+      ! Layer 1 computes no input gradient, so it reads no parameter here; a deeper model's
+      ! layers would (the acquire keeps the pattern).
+      call acquire_layer(1, 0)
+      do s = 1, local
+        do j = 1, n_hidden
+          if (hs(j, s) <= 0) cycle
+          gb1(j) = gb1(j) + dhs(j, s)
+          do i = 1, n_in
+            gw1(i, j) = gw1(i, j) + dhs(j, s) * xs(i, s)
+          end do
+        end do
+      end do
       call shardopt_accumulate_grad(opt, ib1, gb1, status, msg)
       call check(status, msg)
       call shardopt_grad_ready(opt, ib1, status, msg)
@@ -366,6 +416,7 @@ contains
       call check(status, msg)
       call shardopt_grad_ready(opt, iw1, status, msg)
       call check(status, msg)
+      call release_layer(1)
       call shardopt_step(opt, status, result=r, errmsg=msg)
       call check(status, msg)
 

@@ -31,6 +31,14 @@ ShmWindow::ShmWindow(std::shared_ptr<const NodeTopology> topo, std::size_t bytes
   const int rc =
       MPI_Win_allocate_shared(static_cast<MPI_Aint>(rounded), 1, info, topo_->node, &base, &win_);
   MPI_Info_free(&info);
+  // Every rank of the node learns whether any failed, so that all throw (and none waits in
+  // the barrier below). A rank whose allocation succeeded while another's failed cannot free
+  // its window (MPI_Win_free is collective): it is left to MPI_Finalize.
+  int failed = rc != MPI_SUCCESS ? 1 : 0;
+  SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, topo_->node));
+  if (failed != 0 && rc == MPI_SUCCESS)
+    throw Error(Status::OutOfMemory, "MPI_Win_allocate_shared of " + std::to_string(bytes) +
+                                         " bytes failed on another rank of this node");
   if (rc != MPI_SUCCESS) {
     // An allocation failure is an out-of-memory condition, whatever MPI calls it.
     char text[MPI_MAX_ERROR_STRING];

@@ -2,8 +2,9 @@
 !
 ! Every procedure is a subroutine with a mandatory integer `status` (SHARDOPT_SUCCESS == 0 or
 ! one of the SHARDOPT_ERROR_* codes of shardopt.h) and an optional `errmsg` that receives the
-! failing call and the reason ('' on success). Indices of parameters and groups are 1-based
-! here (the C ABI's are 0-based): add_param returns 1, 2, ...; the default group is 1.
+! failing call and the reason ('' on success). Indices of parameters, groups and stage-3
+! units are 1-based here (the C ABI's are 0-based): add_param returns 1, 2, ...; the default
+! group is 1; the first unit is 1.
 ! Arrays cross without copies where the C side keeps them: shardopt_param, shardopt_replica and
 ! shardopt_grad return Fortran pointers (rank 1, or rank 2 with a `shape`) into the optimizer's
 ! buffers; their contracts (lifetime, when they read new values) are those of shardopt.h.
@@ -34,6 +35,7 @@ module shardopt
   integer(c_int), parameter, public :: SHARDOPT_STAGE_DATA_PARALLEL = 0
   integer(c_int), parameter, public :: SHARDOPT_STAGE_ZERO1 = 1
   integer(c_int), parameter, public :: SHARDOPT_STAGE_ZERO2 = 2
+  integer(c_int), parameter, public :: SHARDOPT_STAGE_ZERO3 = 3
   integer(c_int), parameter, public :: SHARDOPT_DTYPE_F32 = 0
   integer(c_int), parameter, public :: SHARDOPT_DTYPE_BF16 = 1
   integer(c_int), parameter, public :: SHARDOPT_DEVICE_CPU = 0
@@ -138,6 +140,8 @@ module shardopt
   public :: shardopt_get_loss_scale, shardopt_set_loss_scale
   public :: shardopt_save_checkpoint, shardopt_load_checkpoint
   public :: shardopt_param_index, shardopt_mem_category_name
+  public :: shardopt_begin_unit, shardopt_num_units, shardopt_acquire, shardopt_prefetch
+  public :: shardopt_release
 
   !> Registers a parameter; numel may be a default or a 64-bit integer.
   interface shardopt_add_param
@@ -528,6 +532,36 @@ module shardopt
       type(c_ptr), value :: opt
       character(kind=c_char), intent(in) :: path(*)
       integer(c_int) :: c_load_checkpoint
+    end function
+    function c_begin_unit(opt, unit) bind(c, name="shardopt_begin_unit")
+      import :: c_int, c_ptr
+      type(c_ptr), value :: opt
+      integer(c_int), intent(out) :: unit
+      integer(c_int) :: c_begin_unit
+    end function
+    function c_num_units(opt, n) bind(c, name="shardopt_num_units")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), intent(out) :: n
+      integer(c_int) :: c_num_units
+    end function
+    function c_acquire(opt, unit) bind(c, name="shardopt_acquire")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: unit
+      integer(c_int) :: c_acquire
+    end function
+    function c_prefetch(opt, unit) bind(c, name="shardopt_prefetch")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: unit
+      integer(c_int) :: c_prefetch
+    end function
+    function c_release(opt, unit) bind(c, name="shardopt_release")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: unit
+      integer(c_int) :: c_release
     end function
   end interface
 
@@ -1347,5 +1381,69 @@ contains
     character(len=*), intent(out), optional :: errmsg
     call finish(opt%ptr, c_load_checkpoint(opt%ptr, trim(path)//c_null_char), status, errmsg)
   end subroutine shardopt_load_checkpoint
+
+  ! ---- stage 3: parameters sharded, gathered per unit ----------------------------------------
+  ! With config%stage = SHARDOPT_STAGE_ZERO3 each rank keeps only its slice of the replica; a
+  ! unit (typically one layer) is gathered before its parameters are read (shardopt_param*
+  ! point into the gathered unit until it is released). acquire and prefetch are collective
+  ! (they start the unit's all-gathers): every rank makes the same unit calls in the same
+  ! order (shardopt.h, "stage 3").
+
+  !> Starts a new unit: parameters added from now on belong to it; `unit` (optional) receives
+  !> its 1-based index. A unit without parameters yet is reused, so the first call gives 1.
+  !> Before shardopt_finalize. Local.
+  subroutine shardopt_begin_unit(opt, status, unit, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: status
+    integer, intent(out), optional :: unit
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_int) :: u
+    u = -1
+    call finish(opt%ptr, c_begin_unit(opt%ptr, u), status, errmsg)
+    if (present(unit)) unit = int(u) + 1
+  end subroutine shardopt_begin_unit
+
+  !> The number of units (after shardopt_finalize; 1 when the trainer declared none). Local.
+  subroutine shardopt_num_units(opt, count, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(out) :: count
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_size_t) :: n
+    n = 0
+    call finish(opt%ptr, c_num_units(opt%ptr, n), status, errmsg)
+    count = int(n)
+  end subroutine shardopt_num_units
+
+  !> Collective: gathers unit `unit` (unless prefetched) and waits; the parameter pointers of
+  !> its parameters are then valid until shardopt_release(unit). INVALID_STATE if the unit is
+  !> acquired already, if every unit buffer (config%units_in_flight) is held, or at stages 0-2.
+  subroutine shardopt_acquire(opt, unit, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: unit
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_acquire(opt%ptr, c_index(unit)), status, errmsg)
+  end subroutine shardopt_acquire
+
+  !> Collective: starts gathering unit `unit` without waiting (nothing if it is held already).
+  !> INVALID_STATE if every unit buffer is held, or at stages 0-2.
+  subroutine shardopt_prefetch(opt, unit, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: unit
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_prefetch(opt%ptr, c_index(unit)), status, errmsg)
+  end subroutine shardopt_prefetch
+
+  !> Returns the unit's buffer to the pool; pointers into it become invalid. INVALID_STATE if
+  !> the unit is not acquired; shardopt_step fails with INVALID_STATE while a unit is held.
+  subroutine shardopt_release(opt, unit, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: unit
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish(opt%ptr, c_release(opt%ptr, c_index(unit)), status, errmsg)
+  end subroutine shardopt_release
 
 end module shardopt
