@@ -26,21 +26,14 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/shardopt.h"
 #include "support/reference.hpp"
+#include "support/mpi_world.hpp"
 
 using namespace shardopt;
 
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using shardopt::test::world_rank;
+using shardopt::test::world_size;
 
 // Collects the fake's problems for the scope of a test that provokes them.
 struct Collecting {
