@@ -85,9 +85,8 @@ SHARDOPT_HD void store_vec(T* p, const V& x) {
 
 // ---- the work item ---------------------------------------------------------------------------
 
-/// Chunk c of the update. `step` and `segments` point into the device's memory, so the step
-/// number, lr and bias corrections reach the kernel as data, not as launch arguments: a
-/// captured CUDA graph replays correctly after the caller rewrites them.
+/// Chunk c of the update. `step` and `segments` point into the device's memory: the step
+/// number, lr and bias corrections reach the kernel as data, not as launch arguments.
 struct AdamChunkOp {
   const StepScalars* step = nullptr;
   const UpdateSegment* segments = nullptr;

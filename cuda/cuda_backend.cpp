@@ -1,10 +1,13 @@
 // cuda_backend.cpp: the Backend of device memory: cudaMalloc'd buffers and the device
-// algorithms of cuda_ops.hpp, all on the legacy default stream.
+// algorithms of cuda_ops.hpp, all on one compute stream.
 //
-// Why the legacy default stream: the optimizer's step interleaves backend kernels with
-// communicator collectives, and the legacy stream is ordered with every blocking stream, so
-// the NCCL communicator (which also orders a caller's stream against it with events) and a
-// trainer's own blocking streams see the kernels in program order without host waits.
+// The stream is the communicator's device_stream() (the trainer's choice when it built the
+// communicator; default the legacy default stream). Collectives run on the communicator's
+// own stream and are ordered against this one with events, so kernels here overlap with
+// communication. The host waits only where it reads device data (copies to host memory,
+// the norm) or must keep a host buffer alive (copies from host memory), and then through
+// dev::host_wait, which watches the NCCL communicators for errors while it polls.
+#include <array>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -12,6 +15,8 @@
 #include "cuda_backend.hpp"
 #include "cuda_check.hpp"
 #include "cuda_ops.hpp"
+#include "host_wait.hpp"
+#include "shardopt/cuda_comm.hpp"
 #include "shardopt/error.hpp"
 #include "sum_squares.hpp"
 
@@ -22,7 +27,7 @@ void free_device(void* p) noexcept { cudaFree(p); }
 void free_pinned(void* p) noexcept { cudaFreeHost(p); }
 
 /// The update's per-step data as it lies in device memory: the step scalars, then the
-/// segments. One upload per step; the kernel reads it through pointers (graph-capturable).
+/// segments. One upload per call; the kernel reads it through pointers.
 struct StepBlockLayout {
   static std::size_t segments_offset() {
     return (sizeof(StepScalars) + alignof(UpdateSegment) - 1) / alignof(UpdateSegment) *
@@ -33,9 +38,16 @@ struct StepBlockLayout {
   }
 };
 
+/// Uploads of the step block go through a ring of pinned staging slots. The host rewrites a
+/// slot only after the upload that last read it has completed (its event); with one slot per
+/// bucket of a typical model in the ring, that wait is normally already over, so
+/// adam_update() does not wait on the host.
+constexpr std::size_t kStagingSlots = 64;
+
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(dev::AdamKernel kernel) : kernel_(kernel) {
+  CudaBackend(dev::AdamKernel kernel, cudaStream_t stream)
+      : kernel_(kernel), stream_(stream != nullptr ? stream : cudaStreamLegacy) {
     int count = 0;
     const cudaError_t rc = cudaGetDeviceCount(&count);
     if (rc != cudaSuccess || count == 0) {
@@ -45,11 +57,15 @@ class CudaBackend final : public Backend {
                                     (rc == cudaSuccess ? "0 devices" : cudaGetErrorString(rc)) +
                                     ")");
     }
-    SHARDOPT_CUDA_CHECK(cudaEventCreateWithFlags(&upload_done_, cudaEventDisableTiming));
+    for (Slot& s : slots_)
+      SHARDOPT_CUDA_CHECK(cudaEventCreateWithFlags(&s.uploaded, cudaEventDisableTiming));
   }
   ~CudaBackend() override {
-    cudaStreamSynchronize(stream_);
-    cudaEventDestroy(upload_done_);
+    try {
+      dev::host_wait(stream_);  // our buffers may still be read by queued work
+    } catch (...) {           // nothing to report to from a destructor
+    }
+    for (Slot& s : slots_) cudaEventDestroy(s.uploaded);
   }
 
   const char* name() const override { return "cuda"; }
@@ -77,19 +93,19 @@ class CudaBackend final : public Backend {
   void copy_from_host(void* dst, const void* host_src, std::size_t bytes) override {
     if (bytes == 0) return;
     SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
-    SHARDOPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    dev::host_wait(stream_);
   }
   void copy_to_host(void* host_dst, const void* src, std::size_t bytes) override {
     if (bytes == 0) return;
     SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-    SHARDOPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    dev::host_wait(stream_);
   }
   void copy(void* dst, const void* src, std::size_t bytes) override {
     if (bytes == 0) return;
     SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
-    SHARDOPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
+  // The host reads the result: the one wait of the norm.
   double sum_squares(const float* x, std::size_t n) override {
     if (n == 0) return 0.0;
     double* scratch = reserve(norm_scratch_, dev::norm_scratch_count(n) * sizeof(double),
@@ -101,7 +117,7 @@ class CudaBackend final : public Backend {
                        .as<double>();
     SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(host, p.data, p.count * sizeof(double),
                                         cudaMemcpyDeviceToHost, stream_));
-    SHARDOPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    dev::host_wait(stream_);
     return dev::combine_in_order(host, p.count);
   }
 
@@ -129,17 +145,20 @@ class CudaBackend final : public Backend {
     require(!segments.empty(), Status::Internal, "adam_update: no segments");
     const std::size_t n = segments.back().end;
     if (n == 0) return;
-    // Stage the step block in pinned memory (after the previous upload has read it) and
-    // upload it in stream order, ahead of the kernel that reads it.
+    // Stage the step block in the next pinned slot (once the upload that last read it is
+    // done) and upload it in stream order, ahead of the kernel that reads it.
+    Slot& slot = slots_[next_slot_];
+    next_slot_ = (next_slot_ + 1) % kStagingSlots;
     const std::size_t bytes = StepBlockLayout::bytes(segments.size());
-    char* host = reserve(step_host_, bytes, MemCategory::Scratch, true).as<char>();
-    char* device = reserve(step_device_, bytes, MemCategory::Scratch, false).as<char>();
-    SHARDOPT_CUDA_CHECK(cudaEventSynchronize(upload_done_));
+    if (slot.used) dev::host_wait(slot.uploaded);
+    char* host = reserve(slot.host, bytes, MemCategory::Scratch, true).as<char>();
+    char* device = reserve(slot.device, bytes, MemCategory::Scratch, false).as<char>();
     std::memcpy(host, &s, sizeof s);
     std::memcpy(host + StepBlockLayout::segments_offset(), segments.data(),
                 segments.size() * sizeof(UpdateSegment));
     SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream_));
-    SHARDOPT_CUDA_CHECK(cudaEventRecord(upload_done_, stream_));
+    SHARDOPT_CUDA_CHECK(cudaEventRecord(slot.uploaded, stream_));
+    slot.used = true;
 
     dev::AdamChunkOp op;
     op.step = reinterpret_cast<const StepScalars*>(device);
@@ -156,15 +175,21 @@ class CudaBackend final : public Backend {
     dev::adam_update(stream_, kernel_, op);
   }
 
-  void synchronize() override { SHARDOPT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void synchronize() override { dev::host_wait(stream_); }
 
  private:
+  struct Slot {
+    Allocation host, device;
+    cudaEvent_t uploaded = nullptr;
+    bool used = false;
+  };
+
   /// Grows a scratch buffer to at least `bytes` (device, or pinned host when `pinned`).
   /// Not in the memory report: the optimizer's tracker dies before its backend, and the
   /// largest of these (the norm tree, n/256 doubles) is under 1% of the gradient shard.
   Allocation& reserve(Allocation& a, std::size_t bytes, MemCategory category, bool pinned) {
     if (a.bytes() >= bytes) return a;
-    SHARDOPT_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffer may be in use
+    if (a.data() != nullptr) dev::host_wait(stream_);  // the old buffer may be in use
     a = Allocation{};
     void* p = nullptr;
     if (pinned) {
@@ -178,9 +203,10 @@ class CudaBackend final : public Backend {
   }
 
   dev::AdamKernel kernel_;
-  cudaStream_t stream_ = nullptr;  // legacy default stream
-  cudaEvent_t upload_done_ = nullptr;
-  Allocation norm_scratch_, norm_host_, step_host_, step_device_;
+  cudaStream_t stream_;
+  std::array<Slot, kStagingSlots> slots_;
+  std::size_t next_slot_ = 0;
+  Allocation norm_scratch_, norm_host_;
 };
 
 }  // namespace
@@ -188,14 +214,18 @@ class CudaBackend final : public Backend {
 // This library's entry into the core (src/cuda_hook.cpp): registered when the library is
 // loaded, so make_cuda_backend() in the core creates a CudaBackend.
 namespace {
-std::unique_ptr<Backend> make_thrust_backend() {
-  return std::make_unique<CudaBackend>(dev::AdamKernel::Thrust);
+std::unique_ptr<Backend> make_thrust_backend(void* stream) {
+  return std::make_unique<CudaBackend>(dev::AdamKernel::Thrust, static_cast<cudaStream_t>(stream));
 }
-[[maybe_unused]] const bool registered = (register_cuda_backend(&make_thrust_backend), true);
+std::shared_ptr<Communicator> make_default_stream_single_process_communicator() {
+  return make_cuda_single_process_communicator(nullptr);
+}
+[[maybe_unused]] const bool registered =
+    (register_cuda({&make_thrust_backend, &make_default_stream_single_process_communicator}), true);
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend_with(dev::AdamKernel kernel) {
-  return std::make_unique<CudaBackend>(kernel);
+std::unique_ptr<Backend> make_cuda_backend_with(dev::AdamKernel kernel, cudaStream_t stream) {
+  return std::make_unique<CudaBackend>(kernel, stream);
 }
 
 }  // namespace shardopt

@@ -8,7 +8,9 @@
 
 namespace shardopt {
 
-/// make_cuda_backend() uses AdamKernel::Thrust. Throws Error(Cuda) when no device is usable.
-std::unique_ptr<Backend> make_cuda_backend_with(dev::AdamKernel kernel);
+/// make_cuda_backend() uses AdamKernel::Thrust. Computes on `stream` (nullptr: the legacy
+/// default stream). Throws Error(Cuda) when no device is usable.
+std::unique_ptr<Backend> make_cuda_backend_with(dev::AdamKernel kernel,
+                                                cudaStream_t stream = nullptr);
 
 }  // namespace shardopt

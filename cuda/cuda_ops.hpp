@@ -17,8 +17,12 @@ namespace shardopt::dev {
 enum class AdamKernel { Thrust, GridStride };
 
 void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op);
+/// The grid-stride kernel, for the occupancy query (launch_config.cpp).
+const void* adam_grid_stride_kernel_address();
 void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::size_t n);
 void cast_bf16_to_f32(cudaStream_t stream, const bf16* src, float* dst, std::size_t n);
+/// buf[i] = to_float(to_bf16(buf[i])): the bf16 wire of a one-rank group.
+void round_through_bf16(cudaStream_t stream, float* buf, std::size_t n);
 void accumulate(cudaStream_t stream, float* dst, const float* src, std::size_t n);
 void accumulate(cudaStream_t stream, float* dst, const bf16* src, std::size_t n);
 

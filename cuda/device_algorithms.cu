@@ -1,5 +1,7 @@
 // device_algorithms.cu: the CUDA instantiations of device_algorithms.hpp, on a caller's
-// stream, without a host synchronisation after each algorithm (par_nosync).
+// stream, without a host synchronisation after each algorithm (par_nosync). Compiled with
+// --fmad=false (cuda/CMakeLists.txt): no multiply-add is contracted, so every element rounds
+// as on the CPU (checked in the PTX by cuda/check_kernels.sh).
 #include <thrust/system/cuda/execution_policy.h>
 #include <thrust/system_error.h>
 
@@ -31,7 +33,7 @@ auto guarded(const char* what, F&& f) {
 }
 
 /// The hand-written twin of thrust::for_each: a grid-stride loop over the chunks, sized by
-/// grid_stride_config() so every SM stays busy without oversubscribing the grid.
+/// adam_grid_stride_launch() (the occupancy calculator's resident blocks per SM).
 __global__ void adam_grid_stride_kernel(AdamChunkOp op, std::size_t chunks) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t c = grid_stride_first(blockIdx.x, blockDim.x, threadIdx.x); c < chunks;
@@ -39,14 +41,11 @@ __global__ void adam_grid_stride_kernel(AdamChunkOp op, std::size_t chunks) {
     op(c);
 }
 
-int sm_count_of_current_device() {
-  int device = 0, sms = 0;
-  SHARDOPT_CUDA_CHECK(cudaGetDevice(&device));
-  SHARDOPT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 }  // namespace
+
+const void* adam_grid_stride_kernel_address() {
+  return reinterpret_cast<const void*>(&adam_grid_stride_kernel);
+}
 
 void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op) {
   if (kernel == AdamKernel::Thrust) {
@@ -54,7 +53,7 @@ void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op) 
   } else {
     const std::size_t chunks = adam_chunk_count(op.n);
     if (chunks == 0) return;
-    const LaunchConfig c = grid_stride_config(chunks, sm_count_of_current_device());
+    const LaunchConfig c = adam_grid_stride_launch(chunks);
     adam_grid_stride_kernel<<<c.blocks, c.threads, 0, stream>>>(op, chunks);
   }
   SHARDOPT_CUDA_CHECK(cudaGetLastError());
@@ -68,6 +67,11 @@ void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::siz
 void cast_bf16_to_f32(cudaStream_t stream, const bf16* src, float* dst, std::size_t n) {
   guarded("thrust::transform (bf16 -> fp32)",
           [&] { cast_bf16_to_f32(on(stream), src, dst, n); });
+}
+
+void round_through_bf16(cudaStream_t stream, float* buf, std::size_t n) {
+  guarded("thrust::transform (round through bf16)",
+          [&] { round_through_bf16(on(stream), buf, n); });
 }
 
 void accumulate(cudaStream_t stream, float* dst, const float* src, std::size_t n) {

@@ -42,6 +42,16 @@ void cast_bf16_to_f32(Policy&& exec, const bf16* src, float* dst, std::size_t n)
   if (n) thrust::transform(exec, src, src + n, dst, ops::Bf16ToF32{});
 }
 
+/// x rounded to bf16 and widened back (the bf16 wire of a group of one).
+struct RoundThroughBf16 {
+  SHARDOPT_HD float operator()(float x) const { return to_float(to_bf16(x)); }
+};
+
+template <class Policy>
+void round_through_bf16(Policy&& exec, float* buf, std::size_t n) {
+  if (n) thrust::transform(exec, buf, buf + n, buf, RoundThroughBf16{});
+}
+
 /// dst[i] += src[i]; Src is float or bf16.
 template <class Policy, class Src>
 void accumulate(Policy&& exec, float* dst, const Src* src, std::size_t n) {
@@ -68,7 +78,7 @@ Partials sum_squares_partials(Policy&& exec, const float* x, std::size_t n, doub
     in += count;
     count = groups;
   }
-  return {in, count};
+  return {in, count};  // == scratch + norm_last_level(n).offset, norm_last_level(n).count
 }
 
 /// True when no element is NaN or Inf (an integer max, so exact in any order).

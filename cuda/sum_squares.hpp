@@ -42,18 +42,46 @@ constexpr std::size_t norm_scratch_count(std::size_t n) {
   return total;
 }
 
+/// Values a lane loads before it adds them: independent loads in flight per thread, so the
+/// kernel is not bound by the latency of one load at a time. The additions stay in element
+/// order, so the result is the same as one load per iteration.
+inline constexpr std::size_t kNormLoadsInFlight = 8;
+
 /// Level 1: work item t is lane t % kNormLanes of block t / kNormLanes.
 struct LaneSquares {
   const float* x;
   std::size_t n;
   SHARDOPT_HD double operator()(std::size_t t) const {
+    constexpr std::size_t L = kNormLanes, K = kNormLoadsInFlight;
     const std::size_t first = (t / kNormLanes) * kNormBlock + t % kNormLanes;
+    const std::size_t block_end = first - t % kNormLanes + kNormBlock;
+    const std::size_t end = block_end < n ? block_end : n;
     double acc = 0.0;
-    for (std::size_t i = first; i < first + kNormBlock && i < n; i += kNormLanes)
-      acc += ops::SquareF64{}(x[i]);
+    std::size_t i = first;
+    for (; i + (K - 1) * L < end; i += K * L) {
+      float v[K];
+      for (std::size_t j = 0; j < K; ++j) v[j] = x[i + j * L];
+      for (std::size_t j = 0; j < K; ++j) acc += ops::SquareF64{}(v[j]);
+    }
+    for (; i < end; i += L) acc += ops::SquareF64{}(x[i]);
     return acc;
   }
 };
+
+/// Where the last level lies in the scratch (offset in doubles) and how many partials it
+/// has (<= kNormFanIn): the caller adds those with combine_in_order().
+struct NormLastLevel {
+  std::size_t offset;
+  std::size_t count;
+};
+constexpr NormLastLevel norm_last_level(std::size_t n) {
+  std::size_t count = norm_lane_count(n), offset = 0;
+  while (count > kNormFanIn) {
+    offset += count;
+    count = ceil_div(count, kNormFanIn);
+  }
+  return {offset, count};
+}
 
 /// Level 2+: work item g sums in[g*F, min((g+1)*F, count)) in order.
 struct GroupSum {

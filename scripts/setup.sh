@@ -4,7 +4,8 @@
 set -euo pipefail
 
 packages=(build-essential cmake gfortran pkg-config mpich libmpich-dev
-          libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev)
+          libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
+          libthrust-dev)  # Thrust/CUB headers: the OpenMP device tests and the fake device
 packages+=("$@")  # extra packages a caller needs (e.g. clang for the fuzzer)
 
 missing=()

@@ -17,6 +17,8 @@
 
 namespace shardopt {
 
+class Communicator;
+
 /// Test-only: consulted by every host buffer allocation (allocate_host) with its category
 /// and size; returning true makes that allocation fail with Error(OutOfMemory) as a real
 /// out-of-memory would, so tests can fail one rank's allocation of one buffer. Null (the
@@ -35,7 +37,8 @@ class Backend {
   virtual void fill_zero(void* p, std::size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, std::size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, std::size_t bytes) = 0;
-  /// Copies between two of the backend's own buffers (they do not overlap).
+  /// Copies between two of the backend's own buffers (they do not overlap). Device backends
+  /// queue it in stream order and return without waiting, like the kernels below.
   virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
 
   /// Sum of squares in double, with an order fixed by n alone (not by threads or timing).
@@ -56,11 +59,19 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
-/// The CUDA backend (libshardopt_cuda; src/cuda_hook.cpp). Throws Error(Unsupported) when
+/// The CUDA backend (libshardopt_cuda; src/cuda_hook.cpp), computing on `stream` (a
+/// cudaStream_t; nullptr: the legacy default stream). Throws Error(Unsupported) when
 /// shardopt was built without CUDA or that library can be neither found nor loaded.
-std::unique_ptr<Backend> make_cuda_backend();
-/// Called by libshardopt_cuda when it is loaded.
-using CudaBackendFactory = std::unique_ptr<Backend> (*)();
-void register_cuda_backend(CudaBackendFactory factory);
+std::unique_ptr<Backend> make_cuda_backend(void* stream = nullptr);
+/// make_cuda_single_process_communicator() of libshardopt_cuda (shardopt/cuda_comm.hpp) on
+/// the legacy default stream, for callers in the core (the C ABI's shardopt_create); throws
+/// as make_cuda_backend() when that library is not there.
+std::shared_ptr<Communicator> make_cuda_single_process_communicator_from_core();
+/// What libshardopt_cuda registers when it is loaded.
+struct CudaEntryPoints {
+  std::unique_ptr<Backend> (*make_backend)(void* stream) = nullptr;
+  std::shared_ptr<Communicator> (*make_single_process_communicator)() = nullptr;
+};
+void register_cuda(const CudaEntryPoints& entry);
 
 }  // namespace shardopt

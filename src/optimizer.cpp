@@ -46,8 +46,8 @@ class LapTimer {
   Clock::time_point last_ = start_;
 };
 
-std::unique_ptr<Backend> make_backend(Device d) {
-  return d == Device::Cuda ? make_cuda_backend() : make_cpu_backend();
+std::unique_ptr<Backend> make_backend(Device d, const Communicator& comm) {
+  return d == Device::Cuda ? make_cuda_backend(comm.device_stream()) : make_cpu_backend();
 }
 
 std::string options_problem(const OptimizerOptions& o) {
@@ -89,13 +89,14 @@ std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm, Optimi
   collective(*comm, "ShardedOptimizer", [&] {
     std::string problem = apply_environment(o);
     if (problem.empty()) problem = options_problem(o);
-    // The communicator must accept the buffers where the device puts them. A host
-    // communicator of one rank moves no data, so it also serves Device::Cuda.
+    // The communicator must accept the buffers where the device puts them, at any size: even
+    // a one-rank host communicator runs host code on the data (the bf16 wire's rounding).
     const bool cuda = o.device == Device::Cuda;
     if (problem.empty() && comm->device_buffers() && !cuda)
       problem = "Device::Cpu needs a communicator of host buffers, not " + comm->name();
-    if (problem.empty() && !comm->device_buffers() && cuda && comm->size() > 1)
-      problem = "Device::Cuda needs a communicator of device buffers (NCCL), not " + comm->name();
+    if (problem.empty() && !comm->device_buffers() && cuda)
+      problem = "Device::Cuda needs a communicator of device buffers (make_nccl_communicator, "
+                "or make_cuda_single_process_communicator for one process), not " + comm->name();
     require(problem.empty(), Status::InvalidArgument, problem);
   });
   // The debug checks add collectives, so every rank must make the same choice.
@@ -121,7 +122,7 @@ std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm, Optimi
 ShardedOptimizer::ShardedOptimizer(std::shared_ptr<Communicator> comm, OptimizerOptions options)
     : comm_(checked(std::move(comm), options)),
       options_(options),
-      backend_(make_backend(options.device)),
+      backend_(make_backend(options.device, *comm_)),
       groups_{GroupOptions{}},
       buf_(std::make_unique<Buffers>()) {
   if (options_.loss_scaling.enabled) loss_scale_.scale = options_.loss_scaling.initial_scale;
@@ -740,11 +741,20 @@ void ShardedOptimizer::set_step_count(std::int64_t s) {
   step_count_ = s;
 }
 
+// An fp32 replica is the master: the replica's all-gathers still in flight after a step read
+// (and, in NCCL's in-place form, may write) this rank's slices of it. Device backends: a
+// stream wait, no host wait.
+void ShardedOptimizer::wait_gathers_of(StateArray a) {
+  if (a == StateArray::Master && options_.param_dtype == DType::F32 && buckets_)
+    buckets_->wait_params();
+}
+
 void ShardedOptimizer::copy_state_to_host(StateArray a, std::size_t offset,
                                           std::span<float> out) {
   require_finalized("copy_state_to_host");
   require(offset <= local_size() && out.size() <= local_size() - offset,
           Status::InvalidArgument, "copy_state_to_host: range outside the local arrays");
+  wait_gathers_of(a);
   for_each_local(offset, out.size(), [&](std::size_t b, std::size_t in_window, std::size_t local, std::size_t n) {
     const float* src = a == StateArray::Master ? master_at(b) + in_window : state_base(a) + local;
     backend_->copy_to_host(out.data() + (local - offset), src, n * sizeof(float));
@@ -756,6 +766,7 @@ void ShardedOptimizer::copy_state_from_host(StateArray a, std::size_t offset,
   require_finalized("copy_state_from_host");
   require(offset <= local_size() && in.size() <= local_size() - offset,
           Status::InvalidArgument, "copy_state_from_host: range outside the local arrays");
+  wait_gathers_of(a);
   for_each_local(offset, in.size(), [&](std::size_t b, std::size_t in_window, std::size_t local, std::size_t n) {
     float* dst = a == StateArray::Master ? master_at(b) + in_window : state_base(a) + local;
     backend_->copy_from_host(dst, in.data() + (local - offset), n * sizeof(float));

@@ -11,6 +11,7 @@
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/shardopt.h"
+#include "support/mpi_world.hpp"
 #include "support/reference.hpp"
 
 namespace {
@@ -22,16 +23,8 @@ shardopt_step_result_t step_result() {
   return r;
 }
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using shardopt::test::world_rank;
+using shardopt::test::world_size;
 
 TEST(CApiMpi, CreateFromCAndFortranCommunicators) {
   shardopt_optimizer_t a = nullptr, b = nullptr;

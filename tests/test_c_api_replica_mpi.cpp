@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "shardopt/shardopt.h"
+#include "support/mpi_world.hpp"
 #include "support/reference.hpp"
 
 namespace {
@@ -26,16 +27,8 @@ namespace {
 namespace fs = std::filesystem;
 using shardopt::test::synth;
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using shardopt::test::world_rank;
+using shardopt::test::world_size;
 
 shardopt_step_result_t step_result() {
   shardopt_step_result_t r;

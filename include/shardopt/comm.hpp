@@ -29,6 +29,10 @@ class CommRequest {
   virtual ~CommRequest() = default;
   /// Drives progress; returns true once the operation has completed.
   virtual bool test() = 0;
+  /// Completes the operation for its consumers. Host communicators return once it is done.
+  /// Device communicators (device_buffers()) do not wait on the host: work queued on
+  /// device_stream() after wait() sees the result; the host must wait on that stream before
+  /// it reads the result.
   virtual void wait() = 0;
 };
 
@@ -41,6 +45,11 @@ class Communicator {
   virtual std::string name() const = 0;
   /// True when buffers passed to the data collectives must be device memory.
   virtual bool device_buffers() const { return false; }
+  /// Device communicators: the CUDA stream (a cudaStream_t; nullptr: the legacy default
+  /// stream) that data collectives are ordered with: a collective starts after the work
+  /// queued there before it, and CommRequest::wait() orders that stream after it. A CUDA
+  /// optimizer computes on this stream.
+  virtual void* device_stream() const { return nullptr; }
 
   // ---- data collectives (device memory when device_buffers()) --------------------------------
 
@@ -102,8 +111,10 @@ class Communicator {
   /// aborts the job (MPI_Abort on MPI_COMM_WORLD, error code kCollectiveTimeoutExitCode): an
   /// MPI collective cannot be cancelled. While it waits it polls, sleeping between polls
   /// after the first 50 ms instead of spinning. 0 (the default) waits forever with plain
-  /// blocking calls. The MPI communicators implement it (NCCL: its host-side MPI collectives
-  /// only); the others never wait.
+  /// blocking calls. The MPI communicators implement it. The NCCL communicator applies it to
+  /// its host-side MPI collectives as above and to its NCCL collectives, where a timeout
+  /// aborts the NCCL communicator and throws the same Error(Communication) on every rank
+  /// that can still answer instead (nccl_comm.hpp). The others never wait.
   virtual void set_collective_timeout(double /*seconds*/) {}
 };
 

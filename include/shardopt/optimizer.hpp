@@ -223,6 +223,7 @@ class ShardedOptimizer {
   void require_registering(const char* what) const;
   void require_zero3(const char* what) const;
   void gather_state(const char* what, StateArray a, std::size_t i, std::span<float> out);
+  void wait_gathers_of(StateArray a);
   void all_gather_replica();
   void accumulate_grad_as(std::size_t i, const void* src, std::size_t n, DType dtype);
   double update_and_gather(const StepScalars& s, const StepHyper& h, bool gather_per_bucket);

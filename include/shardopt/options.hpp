@@ -84,10 +84,13 @@ struct OptimizerOptions {
   /// SHARDOPT_DEBUG_COLLECTIVES=1 turns it on too; it must be on on every rank or none. Cost:
   /// one extra blocking all-gather of 32 bytes per rank before every collective.
   bool debug_collectives = false;
-  /// Seconds a rank may wait in one collective before it prints which collective and which
-  /// ranks have not arrived, and aborts the job (Communicator::set_collective_timeout, which
-  /// the constructor calls on the communicator). 0: the environment variable
-  /// SHARDOPT_COLLECTIVE_TIMEOUT (seconds) if set, else no timeout.
+  /// Seconds a rank may wait in one collective (Communicator::set_collective_timeout, which
+  /// the constructor calls on the communicator). MPI communicators: the rank prints which
+  /// collective and which ranks have not arrived, and aborts the job. NCCL: the NCCL
+  /// communicator is aborted and every rank that can still answer throws the same
+  /// Error(Communication) (nccl_comm.hpp); its host-side MPI collectives time out as MPI's.
+  /// 0: the environment variable SHARDOPT_COLLECTIVE_TIMEOUT (seconds) if set, else no
+  /// timeout.
   double collective_timeout_s = 0.0;
 };
 

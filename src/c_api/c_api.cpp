@@ -5,6 +5,7 @@
 #include <iterator>
 #include <span>
 
+#include "../backend.hpp"  // make_cuda_single_process_communicator_from_core
 #include "handle.hpp"
 #include "shardopt/bf16.hpp"
 #include "shardopt/checkpoint.hpp"
@@ -157,7 +158,12 @@ shardopt_status_t shardopt_step_result_init(shardopt_step_result_t* result) {
 shardopt_status_t shardopt_create(shardopt_optimizer_t* opt, const shardopt_config_t* config) {
   if (opt != nullptr) *opt = nullptr;
   return guarded("shardopt_create", nullptr, [&] {
-    capi::create_on(make_single_process_communicator(), capi::read_config(config, opt), opt);
+    const capi::CreateRequest r = capi::read_config(config, opt);
+    // Device::Cuda needs a communicator of device buffers (libshardopt_cuda's).
+    capi::create_on(r.problem.empty() && r.options.device == Device::Cuda
+                        ? make_cuda_single_process_communicator_from_core()
+                        : make_single_process_communicator(),
+                    r, opt);
   });
 }
 

@@ -80,6 +80,7 @@ class CheckedCommunicator final : public Communicator {
   int size() const override { return in_->size(); }
   std::string name() const override { return in_->name() + " (checked)"; }
   bool device_buffers() const override { return in_->device_buffers(); }
+  void* device_stream() const override { return in_->device_stream(); }
   void set_collective_timeout(double seconds) override { in_->set_collective_timeout(seconds); }
 
   std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,

@@ -30,10 +30,9 @@ double since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// How long the timed-out rank collects answers.
-double grace_seconds(double timeout) { return std::clamp(timeout / 4, 0.5, 5.0); }
-
 }  // namespace
+
+double Watchdog::grace_seconds(double timeout) { return std::clamp(timeout / 4, 0.5, 5.0); }
 
 void Watchdog::attach(MPI_Comm comm) {
   comm_ = comm;
@@ -57,8 +56,9 @@ void Watchdog::wait(const Ticket& t, int n, MPI_Request* requests) {
     int done = 0;
     SHARDOPT_MPI(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE));
     if (done) return;
+    if (interrupt_) interrupt_();
     const double waited = since(start);
-    if (waited > timeout_) report_and_abort(t, waited);
+    if (timeout_ > 0 && waited > timeout_) report_and_abort(t, waited);
     if (waited < kSpinSeconds) continue;
     answer_questions();
     std::this_thread::sleep_for(std::chrono::duration<double>(sleep));

@@ -12,12 +12,19 @@
 // traffic); a rank that is itself waiting under the watchdog answers with how many
 // collectives it has entered. A rank that does not answer within the grace period is stopped,
 // busy outside the library, or waiting without a timeout: it is reported as not arrived.
+//
+// Interrupt. A communicator built on this one (the NCCL communicator's host side) can ask
+// every wait to call a function between polls (set_interrupt): it may throw to end the wait.
+// A wait ended that way leaves its MPI requests unfinished, so the communicator must not be
+// used for collectives again; the NCCL communicator throws on every call after an abort.
 #pragma once
 
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 
 #include "mpi_util.hpp"
 
@@ -38,7 +45,13 @@ class Watchdog {
   /// duplicate); set once, before the first wait.
   void attach(MPI_Comm comm);
   void set_timeout(double seconds) { timeout_ = seconds; }
-  bool active() const { return timeout_ > 0; }
+  /// Called between the polls of every wait, which polls even without a timeout once set.
+  void set_interrupt(std::function<void()> interrupt) { interrupt_ = std::move(interrupt); }
+  /// Waits poll (a timeout or an interrupt is set) instead of blocking in MPI.
+  bool active() const { return timeout_ > 0 || interrupt_ != nullptr; }
+  /// How long a rank that gave up waiting collects the other ranks' answers: timeout/4,
+  /// clamped to 0.5-5 s (0.5 s without a timeout).
+  static double grace_seconds(double timeout);
 
   /// Numbers the collective this rank enters now; `name` must be a string literal.
   Ticket enter(const char* name);
@@ -68,6 +81,7 @@ class Watchdog {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   double timeout_ = 0.0;
+  std::function<void()> interrupt_;
   std::uint64_t entered_ = 0;
   Ticket current_;
 };

@@ -5,12 +5,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "gpu_test.hpp"
 #include "gpu_world.hpp"
+#include "shardopt/cuda_comm.hpp"
 #include "shardopt/optimizer.hpp"
 #include "support/reference.hpp"
 
@@ -40,8 +43,10 @@ void to_device(std::span<float> dst, const std::vector<float>& src) {
             cudaSuccess);
 }
 
+// `in_units`: units {p0 p1} {p2 p3} {p4 p5} {p6} (the same layout at every stage); else one.
 std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Device device,
-                                       Stage stage, DType dtype, const AdamConfig& cfg) {
+                                       Stage stage, DType dtype, const AdamConfig& cfg,
+                                       bool in_units = false) {
   OptimizerOptions o;
   o.device = device;
   o.stage = stage;
@@ -50,8 +55,10 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Devic
   o.bucket_elems = 700;
   auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
   opt->add_group(kGroups[1]);
-  for (std::size_t i = 0; i < kSizes.size(); ++i)
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    if (in_units && (i == 2 || i == 4 || i == 6)) opt->begin_unit();
     opt->add_param("p" + std::to_string(i), kSizes[i], group_of(i));
+  }
   opt->finalize();
   for (std::size_t i = 0; i < kSizes.size(); ++i) {
     std::vector<float> init(kSizes[i]);
@@ -62,8 +69,11 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Devic
 }
 
 // Writes this rank's gradients for `step` (backward order, with grad_ready for stage 2).
-void produce_grads(ShardedOptimizer& opt, int rank, int step, bool device) {
+// `around(j, before)` runs before and after parameter j's gradient (stage 3's acquires).
+void produce_grads(ShardedOptimizer& opt, int rank, int step, bool device,
+                   const std::function<void(std::size_t, bool)>& around = {}) {
   for (std::size_t j = kSizes.size(); j-- > 0;) {
+    if (around) around(j, true);
     std::vector<float> g(kSizes[j]);
     for (std::size_t k = 0; k < g.size(); ++k) g[k] = grad_value(rank, step, j, k);
     const std::span<float> dst = opt.grad(j);
@@ -73,6 +83,7 @@ void produce_grads(ShardedOptimizer& opt, int rank, int step, bool device) {
       std::copy(g.begin(), g.end(), dst.begin());
     }
     opt.grad_ready(j);
+    if (around) around(j, false);
   }
 }
 
@@ -168,7 +179,7 @@ TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
   AdamConfig cfg;
   cfg.lr = 1e-2;
   for (Stage stage : {Stage::Zero1, Stage::Zero2}) {
-    auto gpu = make(make_single_process_communicator(), Device::Cuda, stage, DType::BF16, cfg);
+    auto gpu = make(make_cuda_single_process_communicator(), Device::Cuda, stage, DType::BF16, cfg);
     auto cpu = make(make_single_process_communicator(), Device::Cpu, stage, DType::BF16, cfg);
     for (int step = 1; step <= 3; ++step) {
       produce_grads(*gpu, 0, step, true);
@@ -186,23 +197,98 @@ TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
   }
 }
 
-#if SHARDOPT_GPU_TEST_MPI
-// Device buffers cannot go through a host MPI communicator: every rank gets the same
-// InvalidArgument before anything is allocated (needs no GPU).
-TEST(CudaDevice, RejectsHostCommunicatorAcrossRanks) {
-  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
-  if (comm->size() == 1) GTEST_SKIP() << "a one-rank host group is accepted for Device::Cuda";
+// ---- stage 3 -------------------------------------------------------------------------------
+
+// Parameter i's replica bytes (device memory; the compute stream is the legacy default one,
+// which cudaMemcpy waits for).
+std::vector<unsigned char> replica_bytes(ShardedOptimizer& opt, std::size_t i) {
+  const std::size_t n = kSizes[i] * dtype_size(opt.options().param_dtype);
+  const void* p = opt.options().param_dtype == DType::BF16
+                      ? static_cast<const void*>(opt.param<bf16>(i).data())
+                      : static_cast<const void*>(opt.param<float>(i).data());
+  std::vector<unsigned char> out(n);
+  EXPECT_EQ(cudaMemcpy(out.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+// Stage 3 on the device (units gathered on acquire/prefetch over the device communicator,
+// released to a pool of units_in_flight buffers) against stage 2 on the same layout: every
+// gathered unit equals stage 2's replica and the master weights, m and v are the same bits
+// after every step, with clipping, at every rank count of the GPU world.
+TEST(CudaZero3, MatchesZero2Bitwise) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  for (DType dtype : {DType::BF16, DType::F32}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    AdamConfig cfg;
+    cfg.lr = 1e-2;
+    cfg.max_grad_norm = 1.0;
+    auto z2 = make(test::gpu_world(), Device::Cuda, Stage::Zero2, dtype, cfg, true);
+    auto z3 = make(test::gpu_world(), Device::Cuda, Stage::Zero3, dtype, cfg, true);
+    ASSERT_EQ(z2->layout().fingerprint(), z3->layout().fingerprint());
+    const int rank = z3->comm().rank();
+    const std::size_t units = z3->layout().num_units();
+    ASSERT_EQ(units, 4u);
+    for (int step = 1; step <= 3; ++step) {
+      // Forward: acquire u, prefetch u + 1, read u's parameters, release u.
+      z3->acquire(0);
+      for (std::size_t u = 0; u < units; ++u) {
+        if (u + 1 < units) z3->prefetch(u + 1);
+        const Unit& unit = z3->layout().unit(u);
+        for (std::size_t i = unit.params.begin; i < unit.params.end; ++i)
+          ASSERT_EQ(replica_bytes(*z3, i), replica_bytes(*z2, i)) << "step " << step << " p" << i;
+        z3->release(u);
+        if (u + 1 < units) z3->acquire(u + 1);
+      }
+      // Backward, each unit acquired while its gradients are written (the one before it
+      // prefetched), as a trainer that recomputes activations does.
+      produce_grads(*z2, rank, step, true);
+      produce_grads(*z3, rank, step, true, [&](std::size_t j, bool before) {
+        const std::size_t u = static_cast<std::size_t>(z3->layout().param(j).unit);
+        const Unit& unit = z3->layout().unit(u);
+        if (before && j + 1 == unit.params.end) {
+          z3->acquire(u);
+          if (u > 0) z3->prefetch(u - 1);
+        }
+        if (!before && j == unit.params.begin) z3->release(u);
+      });
+      const StepResult a = z2->step(), b = z3->step();
+      EXPECT_EQ(a.grad_norm, b.grad_norm);
+      EXPECT_EQ(a.clipped, b.clipped);
+      for (StateArray s : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
+        std::vector<float> x(z2->local_size()), y(z3->local_size());
+        z2->copy_state_to_host(s, 0, x);
+        z3->copy_state_to_host(s, 0, y);
+        ASSERT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0)
+            << "step " << step << " state array " << static_cast<int>(s);
+      }
+    }
+  }
+}
+
+// Device buffers cannot go through a host communicator, at any size (even one rank runs host
+// code on the data: the bf16 wire's rounding): every rank gets the same InvalidArgument
+// before anything is allocated (needs no GPU).
+void expect_refused(std::shared_ptr<Communicator> comm) {
   OptimizerOptions o;
   o.device = Device::Cuda;
   try {
     ShardedOptimizer opt(comm, o);
-    FAIL() << "expected Error(InvalidArgument)";
+    FAIL() << "expected Error(InvalidArgument) for " << comm->name();
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
     EXPECT_NE(std::string(e.what()).find("Device::Cuda needs a communicator of device buffers"),
               std::string::npos)
         << e.what();
   }
+}
+
+TEST(CudaDevice, RejectsSingleProcessHostCommunicator) {
+  expect_refused(make_single_process_communicator());
+}
+
+#if SHARDOPT_GPU_TEST_MPI
+TEST(CudaDevice, RejectsHostMpiCommunicatorAtEverySize) {
+  expect_refused(make_mpi_communicator(MPI_COMM_WORLD));
 }
 #endif
 

@@ -4,13 +4,15 @@
 // (Status::Unsupported).
 #include <cstdio>
 
+#include <shardopt/cuda_comm.hpp>
 #include <shardopt/optimizer.hpp>
 
 int main() {
   try {
     shardopt::OptimizerOptions o;
     o.device = shardopt::Device::Cuda;
-    shardopt::ShardedOptimizer opt(shardopt::make_single_process_communicator(), o);
+    // Device::Cuda needs a communicator of device buffers (a host one is refused).
+    shardopt::ShardedOptimizer opt(shardopt::make_cuda_single_process_communicator(), o);
     opt.add_param("w", 2);
     opt.finalize();
     std::printf("consumer_cuda: CUDA backend works\n");

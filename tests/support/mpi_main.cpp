@@ -23,7 +23,16 @@ class RankFailurePrinter : public testing::EmptyTestEventListener {
 }  // namespace
 
 int main(int argc, char** argv) {
+#if SHARDOPT_MPI_THREAD_MULTIPLE  // the fake device's thread takes part in MPI (tests/fake_cuda)
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  if (provided < MPI_THREAD_MULTIPLE) {
+    std::fprintf(stderr, "this test needs MPI_THREAD_MULTIPLE, MPI provides level %d\n", provided);
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+#else
   MPI_Init(&argc, &argv);
+#endif
   testing::InitGoogleTest(&argc, argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# check_kernels.sh NVCC SOURCE_DIR ARCH [NVCC FLAGS...]: compiles cuda/device_algorithms.cu
+# to PTX for compute_ARCH with the library's flags, assembles it with ptxas -v for sm_ARCH,
+# and fails (exit 1, naming what) when
+#   - any fma.rn.f32 / fma.rn.f64 is in the PTX: a contracted multiply-add rounds differently
+#     from the CPU kernels (built with -ffp-contract=off), so the bitwise tests would fail;
+#   - an update kernel (a kernel over AdamChunkOp) has a contractable mul/add/sub.f32 (no .rn):
+#     ptxas may fuse those even when the PTX has no fma;
+#   - an update kernel lacks 128-bit global loads (4: master, grad, m, v) or stores (3:
+#     master, m, v) of fp32;
+#   - ptxas reports spill stores or loads in any kernel.
+# SASS is not inspected (this toolkit install has no cuobjdump/nvdisasm): ptxas keeps the
+# .rn operations of the PTX unfused, so the PTX checks cover it.
+set -euo pipefail
+nvcc=$1 src=$2 arch=$3
+shift 3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"$nvcc" -ptx -arch="compute_$arch" -std=c++20 -O3 -I"$src/include" -I"$src/cuda" "$@" \
+  "$src/cuda/device_algorithms.cu" -o "$tmp/k.ptx"
+ptxas_fmad=--fmad=true
+for f in "$@"; do [ "$f" = --fmad=false ] && ptxas_fmad=--fmad=false; done
+"$(dirname "$nvcc")/ptxas" -arch="sm_$arch" -v "$ptxas_fmad" "$tmp/k.ptx" -o "$tmp/k.cubin" \
+  > "$tmp/ptxas.log" 2>&1
+
+status=0
+fail() { echo "FAIL: $*"; status=1; }
+
+fmas=$(grep -c -E 'fma\.rn\.f(32|64)' "$tmp/k.ptx" || true)
+[ "$fmas" -eq 0 ] || fail "$fmas contracted multiply-adds (fma.rn.f32/f64) in the PTX"
+
+# Per kernel: name, contractable fp32 arithmetic, v4 fp32 loads and stores.
+awk '
+  /^(\.visible |\.weak )*\.entry / { name = $0; sub(/\(.*/, "", name); sub(/.*\.entry /, "", name); body = 1 }
+  body && /^\}/ { print name, loose, loads, stores; body = 0; loose = loads = stores = 0 }
+  body && /(mul|add|sub)\.f32/ { loose++ }
+  body && /ld\.global(\.nc)?\.v4\.f32/ { loads++ }
+  body && /st\.global\.v4\.f32/ { stores++ }
+' "$tmp/k.ptx" > "$tmp/kernels.txt"
+updates=0
+while read -r name loose loads stores; do
+  case "$name" in *AdamChunkOp*) ;; *) continue ;; esac
+  updates=$((updates + 1))
+  [ "$loose" -eq 0 ] || fail "$loose contractable mul/add/sub.f32 (no .rn) in update kernel $name"
+  [ "$loads" -ge 4 ] || fail "update kernel $name has $loads 128-bit fp32 loads (want >= 4)"
+  [ "$stores" -ge 3 ] || fail "update kernel $name has $stores 128-bit fp32 stores (want >= 3)"
+  echo "update kernel $name: $loads ld.global.v4.f32, $stores st.global.v4.f32, $loose contractable fp32 ops"
+done < "$tmp/kernels.txt"
+[ "$updates" -ge 2 ] || fail "found $updates update kernels in the PTX (want the Thrust one and the grid-stride one)"
+
+spills=$(grep -E '[1-9][0-9]* bytes spill (stores|loads)' "$tmp/ptxas.log" || true)
+[ -z "$spills" ] || fail "register spills reported by ptxas: $spills"
+echo "ptxas -v: $(grep -c 'Used [0-9]* registers' "$tmp/ptxas.log" || true) kernels assembled"
+[ "$status" -eq 0 ] && echo "PASS: kernels of device_algorithms.cu for sm_$arch"
+exit "$status"

@@ -1,0 +1,139 @@
+// fake_kernels.cpp: the device algorithms of cuda_ops.hpp for the fake device. Each call
+// queues an op that declares what it reads and writes; when the op runs, the very templates
+// of cuda/device_algorithms.hpp run on the read/write mapping under Thrust's OpenMP system
+// (fake_thrust.cpp), or, for AdamKernel::GridStride, the grid-stride loop over AdamChunkOp
+// in the launch shape the real code computes.
+#include "cuda_ops.hpp"
+#include "fake_control.hpp"
+#include "fake_device.hpp"
+#include "fake_thrust.hpp"
+#include "launch_config.hpp"
+#include "shardopt/error.hpp"
+#include "sum_squares.hpp"
+
+namespace fakecuda {
+void set_last_grid_stride_launch(Launch l);
+}
+
+namespace shardopt::dev {
+namespace {
+
+using fakecuda::Access;
+using fakecuda::dev;
+
+Access reads(const void* p, std::size_t bytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  return {a, a + bytes, false};
+}
+Access writes(const void* p, std::size_t bytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  return {a, a + bytes, true};
+}
+
+/// A kernel launch: pointers must be device memory (a host pointer is an illegal address).
+void launch(cudaStream_t stream, const char* name, std::vector<Access> acc, std::function<void()> run) {
+  for (const Access& a : acc)
+    if (a.end > a.begin && !fakecuda::is_device(reinterpret_cast<const void*>(a.begin), a.end - a.begin))
+      fakecuda::problem(std::string("kernel ") + name + " was given memory that is not a device "
+                        "allocation (or runs past one)");
+  if (!fakecuda::valid_stream(stream))
+    throw Error(Status::Cuda, std::string(name) + ": invalid stream");
+  fakecuda::enqueue(stream, std::string("kernel ") + name, std::move(acc), std::move(run));
+}
+
+}  // namespace
+
+const void* adam_grid_stride_kernel_address() {
+  static const char kernel = 0;
+  return &kernel;
+}
+
+void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op) {
+  const std::size_t n = op.n, chunks = adam_chunk_count(n);
+  if (chunks == 0) return;
+  std::vector<Access> acc = {reads(op.step, sizeof(StepScalars)),
+                             reads(op.segments, op.num_segments * sizeof(UpdateSegment)),
+                             writes(op.master, n * 4), reads(op.grad, n * 4), writes(op.m, n * 4),
+                             writes(op.v, n * 4)};
+  if (op.out_bf16) acc.push_back(writes(op.out_bf16, n * 2));
+  if (op.out_f32) acc.push_back(writes(op.out_f32, n * 4));
+  LaunchConfig shape{};
+  if (kernel == AdamKernel::GridStride) shape = adam_grid_stride_launch(chunks);
+  auto lock = fakecuda::lock_device();
+  if (kernel == AdamKernel::GridStride)
+    fakecuda::set_last_grid_stride_launch({shape.blocks, shape.threads});
+  launch(stream, "adam_update", std::move(acc), [op, kernel, shape, chunks] {
+    AdamChunkOp d = op;
+    d.step = dev(op.step);
+    d.segments = dev(op.segments);
+    d.master = dev(op.master);
+    d.grad = dev(op.grad);
+    d.m = dev(op.m);
+    d.v = dev(op.v);
+    d.out_bf16 = dev(op.out_bf16);
+    d.out_f32 = dev(op.out_f32);
+    if (kernel == AdamKernel::Thrust) {
+      fakecuda::omp::adam_update(d);
+      return;
+    }
+    const std::size_t stride = grid_stride_stride(shape);
+    for (unsigned b = 0; b < shape.blocks; ++b)
+      for (unsigned t = 0; t < shape.threads; ++t)
+        for (std::size_t c = grid_stride_first(b, shape.threads, t); c < chunks; c += stride) d(c);
+  });
+}
+
+void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::size_t n) {
+  if (n == 0) return;
+  auto lock = fakecuda::lock_device();
+  launch(stream, "cast_f32_to_bf16", {reads(src, n * 4), writes(dst, n * 2)},
+         [=] { fakecuda::omp::cast_f32_to_bf16(dev(src), dev(dst), n); });
+}
+
+void cast_bf16_to_f32(cudaStream_t stream, const bf16* src, float* dst, std::size_t n) {
+  if (n == 0) return;
+  auto lock = fakecuda::lock_device();
+  launch(stream, "cast_bf16_to_f32", {reads(src, n * 2), writes(dst, n * 4)},
+         [=] { fakecuda::omp::cast_bf16_to_f32(dev(src), dev(dst), n); });
+}
+
+void round_through_bf16(cudaStream_t stream, float* buf, std::size_t n) {
+  if (n == 0) return;
+  auto lock = fakecuda::lock_device();
+  launch(stream, "round_through_bf16", {writes(buf, n * 4)},
+         [=] { fakecuda::omp::round_through_bf16(dev(buf), n); });
+}
+
+void accumulate(cudaStream_t stream, float* dst, const float* src, std::size_t n) {
+  if (n == 0) return;
+  auto lock = fakecuda::lock_device();
+  launch(stream, "accumulate_f32", {reads(src, n * 4), writes(dst, n * 4)},
+         [=] { fakecuda::omp::accumulate(dev(dst), dev(src), n); });
+}
+
+void accumulate(cudaStream_t stream, float* dst, const bf16* src, std::size_t n) {
+  if (n == 0) return;
+  auto lock = fakecuda::lock_device();
+  launch(stream, "accumulate_bf16", {reads(src, n * 2), writes(dst, n * 4)},
+         [=] { fakecuda::omp::accumulate(dev(dst), dev(src), n); });
+}
+
+DevicePartials sum_squares_partials(cudaStream_t stream, const float* x, std::size_t n,
+                                    double* scratch) {
+  const NormLastLevel last = norm_last_level(n);
+  auto lock = fakecuda::lock_device();
+  if (n != 0)
+    launch(stream, "sum_squares_partials",
+           {reads(x, n * 4), writes(scratch, norm_scratch_count(n) * sizeof(double))},
+           [=] { fakecuda::omp::sum_squares_partials(dev(x), n, dev(scratch)); });
+  return {scratch + last.offset, last.count};
+}
+
+bool all_finite(cudaStream_t stream, const float* x, std::size_t n) {
+  if (n == 0) return true;
+  if (cudaStreamSynchronize(stream) != cudaSuccess) throw Error(Status::Cuda, "all_finite: stream");
+  if (!fakecuda::is_device(x, n * 4)) fakecuda::problem("all_finite: not device memory");
+  return fakecuda::omp::all_finite(dev(x), n);
+}
+
+}  // namespace shardopt::dev

@@ -1,0 +1,420 @@
+// fake_nccl.cpp: NCCL's collectives over MPI for the fake device, queued on fake streams
+// like any other device work, with NCCL's rules enforced: device buffers only; in place only
+// in NCCL's in-place form (otherwise the buffers must not overlap); no call on a
+// non-blocking communicator while it is ncclInProgress; ncclGroupStart/End nesting; no
+// destroy or abort inside a group. A broken rule is a problem() (the test aborts).
+//
+// Sums are taken in rank order, so every rank gets the same bits. A non-blocking
+// communicator reports ncclInProgress after its set-up and after every other collective
+// (the caller must poll ncclCommGetAsyncError). Communicators must span MPI_COMM_WORLD.
+#include <mpi.h>
+
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "fake_control.hpp"
+#include "fake_device.hpp"
+#include "nccl.h"
+#include "shardopt/bf16.hpp"
+
+using namespace fakecuda;
+
+struct ncclComm {
+  MPI_Comm mpi = MPI_COMM_NULL;
+  int rank = 0, size = 1;
+  bool blocking = true;
+  ncclResult_t state = ncclSuccess;
+  int in_progress_polls = 0;
+  bool finalizing = false;
+  ncclResult_t injected = ncclSuccess;
+  std::string last_error;
+  unsigned seq = 0;
+  unsigned calls = 0;
+  std::vector<OpPtr> ops;
+};
+
+namespace {
+
+std::set<ncclComm*>& live() {
+  static std::set<ncclComm*> s;
+  return s;
+}
+int group_depth = 0;
+std::vector<std::function<void()>> deferred;
+std::string global_error;
+unsigned id_counter = 0;
+
+ncclResult_t misuse(ncclComm* comm, ncclResult_t rc, const std::string& what) {
+  (comm ? comm->last_error : global_error) = what;
+  problem("NCCL rule broken: " + what);
+  return rc;
+}
+
+std::size_t dtype_size(ncclDataType_t t) {
+  switch (t) {
+    case ncclInt8:
+    case ncclUint8: return 1;
+    case ncclFloat16:
+    case ncclBfloat16: return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32: return 4;
+    default: return 8;
+  }
+}
+
+enum class Kind { AllReduce, ReduceScatter, AllGather };
+
+class MpiTransfer final : public Transfer {
+ public:
+  MpiTransfer(ncclComm* c, Kind k, ncclDataType_t t, std::size_t count, const void* send,
+              void* recv)
+      : c_(c), mpi_(c->mpi), rank_(c->rank), size_(c->size), kind_(k), type_(t),
+        block_(count * dtype_size(t)), send_(send), recv_(recv),
+        tag_(static_cast<int>(c->seq++ % 32000)) {}
+
+  void post() override {
+    const std::size_t in = kind_ == Kind::ReduceScatter ? block_ * static_cast<std::size_t>(size_) : block_;
+    mine_.assign(static_cast<const char*>(dev(send_)), static_cast<const char*>(dev(send_)) + in);
+    bufs_.assign(static_cast<std::size_t>(size_), {});
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      auto& b = bufs_[static_cast<std::size_t>(p)];
+      b.resize(block_);
+      const char* out = mine_.data() + (kind_ == Kind::ReduceScatter ? block_ * static_cast<std::size_t>(p) : 0);
+      reqs_.emplace_back();
+      MPI_Irecv(b.data(), static_cast<int>(block_), MPI_BYTE, p, tag_, mpi_, &reqs_.back());
+      reqs_.emplace_back();
+      MPI_Isend(out, static_cast<int>(block_), MPI_BYTE, p, tag_, mpi_, &reqs_.back());
+    }
+  }
+  bool test() override {
+    if (reqs_.empty()) return true;
+    int done = 0;
+    MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &done, MPI_STATUSES_IGNORE);
+    return done != 0;
+  }
+  void finish() override {
+    char* out = static_cast<char*>(dev(recv_));
+    if (kind_ == Kind::AllGather) {
+      for (int r = 0; r < size_; ++r)
+        std::memcpy(out + block_ * static_cast<std::size_t>(r), part(r), block_);
+      return;
+    }
+    const std::size_t n = block_ / dtype_size(type_);
+    std::vector<char> acc(part(0), part(0) + block_);
+    for (int r = 1; r < size_; ++r) add(acc.data(), part(r), n);
+    std::memcpy(out, acc.data(), block_);
+  }
+  void cancel() override {
+    for (std::size_t i = 0; i < reqs_.size(); ++i) {
+      if (reqs_[i] == MPI_REQUEST_NULL) continue;
+      if (i % 2 == 0) {  // receives: cancel; sends (small, eager) finish on their own
+        MPI_Cancel(&reqs_[i]);
+        MPI_Wait(&reqs_[i], MPI_STATUS_IGNORE);
+      } else {
+        MPI_Request_free(&reqs_[i]);
+      }
+    }
+    (void)c_;
+  }
+
+ private:
+  const char* part(int r) const {
+    if (r != rank_) return bufs_[static_cast<std::size_t>(r)].data();
+    return mine_.data() + (kind_ == Kind::ReduceScatter ? block_ * static_cast<std::size_t>(rank_) : 0);
+  }
+  void add(char* acc, const char* x, std::size_t n) const {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (type_ == ncclFloat32) {
+        float a, b;
+        std::memcpy(&a, acc + 4 * i, 4);
+        std::memcpy(&b, x + 4 * i, 4);
+        a += b;
+        std::memcpy(acc + 4 * i, &a, 4);
+      } else if (type_ == ncclFloat64) {
+        double a, b;
+        std::memcpy(&a, acc + 8 * i, 8);
+        std::memcpy(&b, x + 8 * i, 8);
+        a += b;
+        std::memcpy(acc + 8 * i, &a, 8);
+      } else {  // bf16: every partial sum rounded to bf16
+        shardopt::bf16 a, b;
+        std::memcpy(&a, acc + 2 * i, 2);
+        std::memcpy(&b, x + 2 * i, 2);
+        a = shardopt::to_bf16(shardopt::to_float(a) + shardopt::to_float(b));
+        std::memcpy(acc + 2 * i, &a, 2);
+      }
+    }
+  }
+
+  ncclComm* c_;
+  MPI_Comm mpi_;
+  int rank_, size_;
+  Kind kind_;
+  ncclDataType_t type_;
+  std::size_t block_;
+  const void* send_;
+  void* recv_;
+  int tag_;
+  std::vector<char> mine_;
+  std::vector<std::vector<char>> bufs_;
+  std::vector<MPI_Request> reqs_;
+};
+
+ncclResult_t usable(ncclComm* comm, const char* call) {
+  if (comm == nullptr || live().count(comm) == 0)
+    return misuse(nullptr, ncclInvalidArgument, std::string(call) + ": invalid communicator");
+  if (comm->state == ncclInProgress)
+    return misuse(comm, ncclInvalidUsage,
+                  std::string(call) + " called while the non-blocking communicator is "
+                                      "ncclInProgress (poll ncclCommGetAsyncError first)");
+  if (comm->injected != ncclSuccess) {  // as NCCL: the pending error, until aborted
+    comm->last_error = std::string(call) + ": the communicator has an asynchronous error";
+    return comm->injected;
+  }
+  return ncclSuccess;
+}
+
+bool overlap(const void* a, std::size_t an, const void* b, std::size_t bn) {
+  const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+  return x < y + bn && y < x + an;
+}
+
+ncclResult_t collective(const char* name, Kind kind, const void* send, void* recv,
+                        std::size_t count, ncclDataType_t type, ncclRedOp_t op, ncclComm* comm,
+                        cudaStream_t stream) {
+  auto lock = lock_device();
+  if (const ncclResult_t rc = usable(comm, name)) return rc;
+  if (kind != Kind::AllGather && (op != ncclSum || !(type == ncclFloat32 || type == ncclFloat64 ||
+                                                     type == ncclBfloat16)))
+    return misuse(comm, ncclInvalidArgument, std::string(name) + ": the fake sums fp32, fp64, bf16");
+  if (!valid_stream(stream))
+    return misuse(comm, ncclInvalidArgument, std::string(name) + ": invalid stream");
+  const std::size_t es = dtype_size(type), n = static_cast<std::size_t>(comm->size);
+  const std::size_t block = count * es;
+  const std::size_t sb = kind == Kind::ReduceScatter ? block * n : block;
+  const std::size_t rb = kind == Kind::AllGather ? block * n : block;
+  if (!is_device(send, sb) || !is_device(recv, rb))
+    return misuse(comm, ncclInvalidArgument,
+                  std::string(name) + ": send and receive buffers must be device memory");
+  const char* s = static_cast<const char*>(send);
+  char* r = static_cast<char*>(recv);
+  const std::size_t own = block * static_cast<std::size_t>(comm->rank);
+  bool in_place = false;
+  if (kind == Kind::AllReduce) in_place = s == r;
+  if (kind == Kind::ReduceScatter) in_place = r == s + own;
+  if (kind == Kind::AllGather) in_place = s == r + own;
+  if (!in_place && overlap(s, sb, r, rb))
+    return misuse(comm, ncclInvalidArgument,
+                  std::string(name) + ": the buffers overlap without being NCCL's in-place form");
+  const auto sp = reinterpret_cast<std::uintptr_t>(s), rp = reinterpret_cast<std::uintptr_t>(r);
+  std::vector<Access> acc = {{sp, sp + sb, false}, {rp, rp + rb, true}};
+  auto issue = [=] {
+    OpPtr o = enqueue(stream, name, acc, nullptr,
+                      std::make_unique<MpiTransfer>(comm, kind, type, count, send, recv));
+    std::erase_if(comm->ops, [](const OpPtr& x) { return op_done(x); });
+    comm->ops.push_back(o);
+  };
+  if (group_depth > 0) {
+    deferred.push_back(issue);
+  } else {
+    issue();
+  }
+  if (!comm->blocking && ++comm->calls % 2 == 0) {
+    comm->state = ncclInProgress;
+    comm->in_progress_polls = 1;
+    return ncclInProgress;
+  }
+  return ncclSuccess;
+}
+
+}  // namespace
+
+namespace fakecuda {
+void nccl_inject_async_error(ncclResult_t error) {
+  auto lock = lock_device();
+  for (ncclComm* c : live()) c->injected = error;
+}
+}  // namespace fakecuda
+
+extern "C" {
+
+ncclResult_t ncclGetVersion(int* version) {
+  *version = NCCL_VERSION_CODE;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+  auto lock = lock_device();
+  std::memset(id, 0, sizeof *id);
+  std::snprintf(id->internal, sizeof id->internal, "fake-nccl %u", ++id_counter);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t* config) {
+  auto lock = lock_device();
+  *out = nullptr;
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (nranks != world || rank < 0 || rank >= nranks)
+    return misuse(nullptr, ncclInvalidUsage,
+                  "ncclCommInitRank: the fake NCCL supports communicators over MPI_COMM_WORLD only");
+  auto* c = new ncclComm;
+  MPI_Comm_split(MPI_COMM_WORLD, 0, rank, &c->mpi);
+  c->rank = rank;
+  c->size = nranks;
+  // Every rank must have joined with the same id and a distinct rank.
+  std::vector<ncclUniqueId> ids(static_cast<std::size_t>(nranks));
+  MPI_Allgather(&id, sizeof id, MPI_BYTE, ids.data(), sizeof id, MPI_BYTE, c->mpi);
+  std::vector<int> ranks(static_cast<std::size_t>(nranks));
+  MPI_Allgather(&rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, c->mpi);
+  for (int r = 0; r < nranks; ++r)
+    if (std::memcmp(&ids[static_cast<std::size_t>(r)], &id, sizeof id) != 0 ||
+        ranks[static_cast<std::size_t>(r)] != r) {
+      delete c;
+      return misuse(nullptr, ncclInvalidUsage, "ncclCommInitRank: ranks disagree on the id or ranks");
+    }
+  c->blocking = config == nullptr || config->blocking != 0;
+  live().insert(c);
+  *out = c;
+  if (!c->blocking) {
+    c->state = ncclInProgress;
+    c->in_progress_polls = 2;
+    return ncclInProgress;
+  }
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+  return ncclCommInitRankConfig(comm, nranks, id, rank, nullptr);
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
+  auto lock = lock_device();
+  if (comm == nullptr || live().count(comm) == 0) return ncclInvalidArgument;
+  if (comm->injected != ncclSuccess) {
+    *async_error = comm->injected;
+    return ncclSuccess;
+  }
+  if (comm->state == ncclInProgress) {
+    if (comm->finalizing) {
+      bool all = true;
+      for (const OpPtr& o : comm->ops) all = run_until(o, nullptr) && all;
+      if (all) comm->state = ncclSuccess;
+    } else if (--comm->in_progress_polls <= 0) {
+      comm->state = ncclSuccess;
+    }
+  }
+  *async_error = comm->state;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  auto lock = lock_device();
+  if (const ncclResult_t rc = usable(comm, "ncclCommFinalize")) return rc;
+  if (comm->blocking) {
+    for (const OpPtr& o : comm->ops) run_until(o, &lock);
+    return ncclSuccess;
+  }
+  comm->finalizing = true;
+  comm->state = ncclInProgress;
+  return ncclInProgress;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  auto lock = lock_device();
+  if (comm == nullptr || live().count(comm) == 0)
+    return misuse(nullptr, ncclInvalidArgument, "ncclCommDestroy: invalid communicator");
+  if (group_depth > 0) return misuse(comm, ncclInvalidUsage, "ncclCommDestroy inside a group");
+  for (const OpPtr& o : comm->ops) run_until(o, &lock);
+  live().erase(comm);
+  MPI_Comm_free(&comm->mpi);
+  delete comm;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  auto lock = lock_device();
+  if (comm == nullptr || live().count(comm) == 0)
+    return misuse(nullptr, ncclInvalidArgument, "ncclCommAbort: invalid communicator");
+  if (group_depth > 0) return misuse(comm, ncclInvalidUsage, "ncclCommAbort inside a group");
+  for (const OpPtr& o : comm->ops) abandon(o);
+  live().erase(comm);
+  // The MPI communicator is left alone: cancelled operations may still reference it.
+  delete comm;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
+  auto lock = lock_device();
+  if (comm == nullptr) return ncclInvalidArgument;
+  *count = comm->size;
+  return ncclSuccess;
+}
+ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
+  auto lock = lock_device();
+  if (comm == nullptr) return ncclInvalidArgument;
+  *rank = comm->rank;
+  return ncclSuccess;
+}
+
+const char* ncclGetErrorString(ncclResult_t r) {
+  switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
+  }
+}
+
+const char* ncclGetLastError(ncclComm_t comm) {
+  auto lock = lock_device();
+  if (comm != nullptr && live().count(comm) != 0) return comm->last_error.c_str();
+  return global_error.c_str();
+}
+
+ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                           cudaStream_t stream) {
+  return collective("ncclAllReduce", Kind::AllReduce, sendbuff, recvbuff, count, datatype, op,
+                    comm, stream);
+}
+ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
+                               ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                               cudaStream_t stream) {
+  return collective("ncclReduceScatter", Kind::ReduceScatter, sendbuff, recvbuff, recvcount,
+                    datatype, op, comm, stream);
+}
+ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                           ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
+  return collective("ncclAllGather", Kind::AllGather, sendbuff, recvbuff, sendcount, datatype,
+                    ncclSum, comm, stream);
+}
+
+ncclResult_t ncclGroupStart(void) {
+  auto lock = lock_device();
+  ++group_depth;
+  return ncclSuccess;
+}
+ncclResult_t ncclGroupEnd(void) {
+  auto lock = lock_device();
+  if (group_depth == 0) return misuse(nullptr, ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
+  if (--group_depth == 0) {
+    auto work = std::move(deferred);
+    deferred.clear();
+    for (auto& w : work) w();
+  }
+  return ncclSuccess;
+}
+
+}  // extern "C"

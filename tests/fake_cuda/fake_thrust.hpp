@@ -1,0 +1,20 @@
+// fake_thrust.hpp: the device algorithms of cuda/device_algorithms.hpp under Thrust's
+// OpenMP system, on plain (already translated) pointers. fake_thrust.cpp is compiled
+// without the fake CUDA headers: CCCL takes a visible cuda_runtime_api.h for a CUDA toolkit.
+#pragma once
+
+#include <cstddef>
+
+#include "adam_chunk.hpp"
+#include "shardopt/bf16.hpp"
+
+namespace fakecuda::omp {
+void adam_update(const shardopt::dev::AdamChunkOp& op);
+void cast_f32_to_bf16(const float* src, shardopt::bf16* dst, std::size_t n);
+void cast_bf16_to_f32(const shardopt::bf16* src, float* dst, std::size_t n);
+void round_through_bf16(float* buf, std::size_t n);
+void accumulate(float* dst, const float* src, std::size_t n);
+void accumulate(float* dst, const shardopt::bf16* src, std::size_t n);
+void sum_squares_partials(const float* x, std::size_t n, double* scratch);
+bool all_finite(const float* x, std::size_t n);
+}  // namespace fakecuda::omp
