@@ -62,6 +62,13 @@ std::string options_problem(const OptimizerOptions& o) {
   if (o.buckets_in_flight < 1) return "buckets_in_flight must be at least 1";
   if (o.units_in_flight < 1) return "units_in_flight must be at least 1";
   if (o.reduce_dtype != DType::F32 && o.reduce_dtype != DType::BF16) return "invalid reduce dtype";
+  if (o.reduction != Reduction::Default && o.reduction != Reduction::Reproducible)
+    return "invalid reduction " + std::to_string(static_cast<int>(o.reduction));
+  if (o.reduction == Reduction::Reproducible && o.reduce_dtype != DType::F32)
+    return "reduction Reproducible sums exactly and needs reduce_dtype F32 (a bf16 wire "
+           "rounds every partial sum)";
+  if (o.reduction == Reduction::Reproducible && o.device != Device::Cpu)
+    return "reduction Reproducible runs on Device::Cpu only (its CUDA kernels are not written)";
   if (!std::isfinite(o.collective_timeout_s) || o.collective_timeout_s < 0)
     return "collective_timeout_s must be >= 0 seconds (0: no timeout), got " +
            std::to_string(o.collective_timeout_s);
@@ -183,11 +190,11 @@ namespace {
 std::uint64_t configuration_fingerprint(const FlatLayout& layout, const OptimizerOptions& o,
                                         const std::vector<GroupOptions>& groups) {
   std::uint64_t h = layout.fingerprint();
-  const std::int64_t ints[8] = {static_cast<int>(o.stage), static_cast<int>(o.param_dtype),
+  const std::int64_t ints[9] = {static_cast<int>(o.stage), static_cast<int>(o.param_dtype),
                                 static_cast<int>(o.adam.mode),
                                 static_cast<std::int64_t>(o.bucket_elems), o.overlap ? 1 : 0,
                                 o.buckets_in_flight, static_cast<int>(o.reduce_dtype),
-                                o.units_in_flight};
+                                o.units_in_flight, static_cast<int>(o.reduction)};
   h = fnv1a64(ints, sizeof ints, h);
   const double reals[6] = {o.adam.lr, o.adam.beta1, o.adam.beta2, o.adam.eps,
                            o.adam.weight_decay, o.adam.max_grad_norm};

@@ -18,6 +18,14 @@ const char* stage_name(Stage s) noexcept {
   return "?";
 }
 
+const char* reduction_name(Reduction r) noexcept {
+  switch (r) {
+    case Reduction::Default: return "default";
+    case Reduction::Reproducible: return "reproducible";
+  }
+  return "?";
+}
+
 const char* status_name(Status s) noexcept {
   switch (s) {
     case Status::Ok: return "ok";

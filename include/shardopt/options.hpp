@@ -19,6 +19,20 @@ const char* stage_name(Stage s) noexcept;
 
 enum class Device : int { Cpu = 0, Cuda = 1 };
 
+/// How the gradient sums are computed (docs/architecture.md, "Reproducible mode").
+enum class Reduction : int {
+  /// fp32 (or bf16-wire) sums in whatever order the collectives take: the fastest; the last
+  /// bits of a step depend on the number of ranks, the bucket size and the transport.
+  Default = 0,
+  /// Every sum between the trainer's micro-batch gradients and the update is exact (integer
+  /// bins with absolute boundaries), so a step is the same bit for bit at any number of
+  /// ranks, assignment of micro-batches to ranks, bucket size and communicator. Costs
+  /// memory (21 bytes per gradient element on every rank) and wire bytes (9 per element
+  /// instead of 4); CPU only; the reduction runs inside step(), not during backward.
+  Reproducible = 1,
+};
+const char* reduction_name(Reduction r) noexcept;
+
 struct AdamConfig {
   double lr = 1e-3;
   double beta1 = 0.9;
@@ -76,6 +90,8 @@ struct OptimizerOptions {
   /// rounded to bf16: about 3 significant digits; see docs/architecture.md).
   DType reduce_dtype = DType::F32;
   LossScaling loss_scaling;
+  /// Default, or Reproducible (see Reduction; needs reduce_dtype F32 and Device::Cpu).
+  Reduction reduction = Reduction::Default;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------
   /// Debugging: before every collective, every rank checks that all ranks are entering the
