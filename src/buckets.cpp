@@ -36,6 +36,11 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
   param_ready_.assign(layout_.num_params(), 0);
   if (staged())
     for (int s = plan_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
+  if (cfg_.reproducible) {
+    std::size_t max_bucket = 0;
+    for (const Bucket& b : layout_.buckets()) max_bucket = std::max(max_bucket, b.flat.size());
+    exact_ = exact::ExactGrads(std::move(storage.exact), layout_.padded_size(), max_bucket);
+  }
 }
 
 BucketSet::~BucketSet() {
@@ -80,6 +85,19 @@ void BucketSet::finish_op(std::size_t b) {
 // ---- gradients ------------------------------------------------------------------------------
 
 void BucketSet::begin_backward(bool sync) {
+  if (cfg_.reproducible) {
+    // The previous micro-batch's gradients join the exact sums; the buffer starts empty.
+    require(next_start_ == 0, Status::InvalidState,
+            "begin_backward: gradients of this step were already reduced; call step() first");
+    if (micro_batches_ > 0) {
+      exact_.deposit(grads_.as<float>(), layout_.padded_size());
+      backend_.fill_zero(grads_.data(), grads_.bytes());
+    }
+    ++micro_batches_;
+    sync_ = sync;
+    std::fill(param_ready_.begin(), param_ready_.end(), 0);
+    return;
+  }
   if (cfg_.stage == Stage::Zero3) {
     // Stage 3 keeps no full-size gradient: every micro-batch is reduced, and its slice
     // summed into the owned gradient (Staged) or the reduction is a no-op (one rank). The
@@ -171,7 +189,7 @@ void BucketSet::grad_ready(std::size_t i) {
   const ParamInfo& p = layout_.param(i);
   require(param_ready_[i] == 0, Status::InvalidState,
           "grad_ready: parameter '" + p.name + "' was already marked ready in this micro-batch");
-  if (!sync_) {
+  if (!sync_ || cfg_.reproducible) {  // nothing starts before the step
     param_ready_[i] = 1;
     return;
   }
@@ -238,9 +256,31 @@ float* BucketSet::slot_for(std::size_t b) {
 }
 
 void BucketSet::finish_grad_sync() {
+  if (cfg_.reproducible) {
+    reduce_exactly();
+    return;
+  }
   if (spill_param_ != kNone) flush_spill();
   start_through(state_.size());
   while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
+}
+
+void BucketSet::reduce_exactly() {
+  if (next_start_ == state_.size()) return;  // reduced already in this step
+  collective(comm_, "reduce_gradients (reproducible)", [&] {
+    const std::int64_t values = std::int64_t{micro_batches()} * comm_.size();
+    require(values <= exact::kMaxContributions, Status::InvalidArgument,
+            "reproducible reduction: " + std::to_string(micro_batches()) +
+                " micro-batches on each of " + std::to_string(comm_.size()) + " ranks make " +
+                std::to_string(values) + " gradients per element; the exact int64 sum holds at "
+                "most " + std::to_string(exact::kMaxContributions));
+  });
+  const ScopedSeconds timed(blocked_seconds_);
+  exact_.deposit(grads_.as<float>(), layout_.padded_size());
+  const bool whole = cfg_.stage == Stage::DataParallel;
+  for (std::size_t b = 0; b < state_.size(); ++b)
+    exact_.reduce(comm_, layout_.bucket(b), whole, grads_.as<float>());
+  next_start_ = state_.size();
 }
 
 Range BucketSet::window(std::size_t b) const {
@@ -261,6 +301,7 @@ const float* BucketSet::reduced_grad(std::size_t b) const {
 void BucketSet::zero_grads() {
   while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
   backend_.fill_zero(grads_.data(), grads_.bytes());
+  if (cfg_.reproducible) exact_.clear();
   if (staged()) {
     for (std::size_t b = 0; b < state_.size(); ++b) {
       State& s = state_[b];

@@ -24,6 +24,7 @@
 
 #include "backend.hpp"
 #include "buffer_plan.hpp"
+#include "exact_sum.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/layout.hpp"
 #include "shardopt/options.hpp"
@@ -37,6 +38,9 @@ class BucketSet {
     CommType wire;        ///< gradient reduction: F32 or BF16
     CommType param_type;  ///< replica: F32 or U16 (bf16 bits)
     bool overlap;
+    /// Reduction::Reproducible: micro-batches are deposited into exact bins (exact_sum.hpp)
+    /// and every bucket is reduced exactly inside finish_grad_sync(), none during backward.
+    bool reproducible = false;
   };
   /// The gradient buffers, allocated by the caller (the constructor allocates nothing, so
   /// that the caller can make the collective allocations first on every rank): plan.grads,
@@ -45,6 +49,7 @@ class BucketSet {
   struct Storage {
     Allocation grads;
     Allocation staging;
+    Allocation exact;  ///< reproducible: plan.exact
   };
   BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracker,
             const FlatLayout& layout, const BufferPlan& plan, Config config, Storage storage,
@@ -108,6 +113,7 @@ class BucketSet {
   void flush_spill();
   void require_open(std::size_t i) const;
   bool staged() const { return plan_.grads_scheme == GradScheme::Staged; }
+  void reduce_exactly();  // reproducible: deposits the last micro-batch, reduces every bucket
 
   Communicator& comm_;
   Backend& backend_;
@@ -123,6 +129,7 @@ class BucketSet {
   Allocation staging_;     ///< Staged: plan_.slots slots of plan_.slot_elems floats
   Allocation accumulate_;  ///< Staged, on demand: full-size accumulation without sync
   Allocation spill_;       ///< Staged, on demand: grad() view of a parameter across buckets
+  exact::ExactGrads exact_;  ///< reproducible: the exact sums of the micro-batches
   std::size_t spill_param_;
   std::vector<int> free_slots_;
 

@@ -3,10 +3,13 @@
 
 #include <algorithm>
 
+#include "exact_sum.hpp"
+
 namespace shardopt {
 
 BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype,
-                        int buckets_in_flight, int units_in_flight) {
+                        int buckets_in_flight, int units_in_flight, Reduction reduction,
+                        DType reduce_dtype) {
   constexpr std::size_t f32 = sizeof(float);
   const std::size_t padded = layout.padded_size();
   BufferPlan p;
@@ -22,7 +25,8 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
                static_cast<std::size_t>(p.unit_buffers) * p.unit_elems * psize, false};
   }
 
-  if (stage == Stage::Zero2 || zero3) {
+  const bool reproducible = reduction == Reduction::Reproducible;
+  if ((stage == Stage::Zero2 || zero3) && !reproducible) {
     // Slots hold the largest buckets that can be in flight at once; at most as many as there
     // are buckets.
     std::vector<std::size_t> sizes;
@@ -49,6 +53,12 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
   }
   p.grads = {MemCategory::Grads,
              (p.grads_scheme == GradScheme::Staged ? p.local_elems : padded) * f32, false};
+  if (reproducible) {
+    std::size_t max_bucket = 0;
+    for (const Bucket& b : layout.buckets()) max_bucket = std::max(max_bucket, b.flat.size());
+    p.exact = {MemCategory::Grads, exact::grads_bytes(padded, max_bucket), false};
+  }
+  p.reduce_bytes = padded * (reproducible ? 9 : reduce_dtype == DType::BF16 ? 2 : 4);
   if (param_dtype != DType::F32) p.master = {MemCategory::Master, p.local_elems * f32, false};
   p.exp_avg = {MemCategory::Moments, p.local_elems * f32, false};
   p.exp_avg_sq = {MemCategory::Moments, p.local_elems * f32, false};

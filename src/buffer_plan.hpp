@@ -49,15 +49,25 @@ struct BufferPlan {
   BufferSpec accumulate;
   /// Staged, on demand: a grad(i) view of a parameter that spans several buckets (its size).
   BufferSpec spill;
+  /// Reduction::Reproducible: the exact accumulator (exact::grads_bytes: 17 bytes per flat
+  /// element and one byte per element of the largest bucket), accounted as Grads. The mode
+  /// keeps the full fp32 gradient buffer (GradScheme::Full) at every stage.
+  BufferSpec exact;
+  /// Payload bytes of one reduction of every bucket (per rank): 4 per element with an fp32
+  /// wire, 2 with bf16, 9 in reproducible mode (a 1-byte level maximum and an int64 sum).
+  /// Stage 3 without reproducible mode pays it for every micro-batch.
+  std::size_t reduce_bytes = 0;
 
   /// Every buffer with its bytes, allocated ones first.
   std::vector<BufferSpec> all() const {
-    return {replica, units, grads, staging, master, exp_avg, exp_avg_sq, accumulate, spill};
+    return {replica, units, grads, staging, master, exp_avg, exp_avg_sq, accumulate, spill, exact};
   }
 };
 
 /// The plan for `layout` (built for the group's size) under these options.
 BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype,
-                        int buckets_in_flight, int units_in_flight);
+                        int buckets_in_flight, int units_in_flight,
+                        Reduction reduction = Reduction::Default,
+                        DType reduce_dtype = DType::F32);
 
 }  // namespace shardopt

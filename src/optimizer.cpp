@@ -12,6 +12,7 @@
 #include "backend.hpp"
 #include "buckets.hpp"
 #include "buffer_plan.hpp"
+#include "exact_sum.hpp"
 #include "step_check.hpp"
 #include "units.hpp"
 
@@ -252,8 +253,9 @@ void ShardedOptimizer::finalize() {
   // then holds the same shared buffers, so on an error they are freed (MPI_Win_free is
   // collective) in the same order everywhere; nothing is kept unless every rank has every
   // buffer.
-  const BufferPlan plan = plan_buffers(layout, options_.stage, options_.param_dtype,
-                                       options_.buckets_in_flight, options_.units_in_flight);
+  const BufferPlan plan =
+      plan_buffers(layout, options_.stage, options_.param_dtype, options_.buckets_in_flight,
+                   options_.units_in_flight, options_.reduction, options_.reduce_dtype);
   Backend& be = *backend_;
   const auto shared_buffer = [&](const BufferSpec& spec) {
     return collective(*comm_, "finalize", [&] {
@@ -278,6 +280,7 @@ void ShardedOptimizer::finalize() {
     if (plan.master.bytes > 0) b.master = local_buffer(plan.master);
     b.exp_avg = local_buffer(plan.exp_avg);
     b.exp_avg_sq = local_buffer(plan.exp_avg_sq);
+    if (plan.exact.bytes > 0) grads.exact = local_buffer(plan.exact);
   });
 
   layout_ = std::move(layout);  // BucketSet and UnitSet keep a reference to it
@@ -286,7 +289,8 @@ void ShardedOptimizer::finalize() {
       *comm_, be, tracker_, layout_, plan,
       BucketSet::Config{options_.stage,
                         options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
-                        f32 ? CommType::F32 : CommType::U16, options_.overlap},
+                        f32 ? CommType::F32 : CommType::U16, options_.overlap,
+                        options_.reduction == Reduction::Reproducible},
       std::move(grads), b.replica.data());
   if (zero3)
     units_ = std::make_unique<UnitSet>(*comm_, be, layout_, plan, options_.param_dtype,
@@ -655,20 +659,30 @@ StepResult ShardedOptimizer::step() {
   // partial sums (and the norm) are the same as in the sharded stages. The same all-reduce
   // checks that every rank steps with the same settings (step_check.hpp); if not, every rank
   // throws before anything is updated, and the reduced gradients stay for a retry.
+  // Reproducible mode sums the squares exactly (exact::SquareSum): the slices' boundaries
+  // move with the number of ranks.
+  const bool reproducible = options_.reduction == Reduction::Reproducible;
   double sumsq = 0.0;
+  exact::SquareSum exact_sumsq;
   const LocalOutcome local = capture("step", [&] {
     for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
       const Bucket& bk = layout_.bucket(k);
       const std::size_t skip = options_.stage == Stage::DataParallel
                                    ? static_cast<std::size_t>(comm_->rank()) * bk.slice_elems
                                    : 0;
-      sumsq += backend_->sum_squares(buckets_->reduced_grad(k) + skip, bk.slice_elems);
+      const float* g = buckets_->reduced_grad(k) + skip;
+      if (reproducible) exact_sumsq.add(g, bk.slice_elems);
+      else sumsq += backend_->sum_squares(g, bk.slice_elems);
     }
   });
   sumsq = sum_over_ranks_checked(
       *comm_, sumsq, local,
       StepSettings{options_.adam, groups_, options_.loss_scaling, buckets_->micro_batches(),
                    step_count_, loss_scale_});
+  if (reproducible) {
+    exact_sumsq.sum_over_ranks(*comm_);
+    sumsq = exact_sumsq.value();
+  }
   r.timings.norm = timer.lap();
 
   const double average = 1.0 / (static_cast<double>(world) * buckets_->micro_batches());

@@ -17,6 +17,8 @@ PlanConfig plan_config(const OptimizerOptions& options, int world_size) {
   c.bucket_elems = options.bucket_elems;
   c.buckets_in_flight = options.buckets_in_flight;
   c.units_in_flight = options.units_in_flight;
+  c.reduction = options.reduction;
+  c.reduce_dtype = options.reduce_dtype;
   return c;
 }
 
@@ -47,6 +49,12 @@ void check(const PlanConfig& c) {
           "plan_memory: buckets_in_flight must be at least 1");
   require(c.units_in_flight >= 1, Status::InvalidArgument,
           "plan_memory: units_in_flight must be at least 1");
+  require(c.reduction == Reduction::Default || c.reduction == Reduction::Reproducible,
+          Status::InvalidArgument, "plan_memory: invalid reduction");
+  require(c.reduce_dtype == DType::F32 ||
+              (c.reduce_dtype == DType::BF16 && c.reduction == Reduction::Default),
+          Status::InvalidArgument,
+          "plan_memory: reduce_dtype must be F32, or BF16 with the default reduction");
 }
 
 }  // namespace
@@ -76,8 +84,9 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   // The very plan ShardedOptimizer::finalize() allocates from.
   const BufferPlan b =
       plan_buffers(built, config.stage, config.param_dtype, config.buckets_in_flight,
-                   config.units_in_flight);
+                   config.units_in_flight, config.reduction, config.reduce_dtype);
   MemoryPlan plan;
+  plan.reduce_bytes = b.reduce_bytes;
   plan.unpadded_elems = built.unpadded_size();
   plan.padded_elems = built.padded_size();
   plan.owned_elems = b.local_elems;

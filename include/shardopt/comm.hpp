@@ -22,6 +22,13 @@ namespace shardopt {
 /// written back as fp32.
 enum class CommType { F32, F64, U16, U8, BF16 };
 
+/// The integer reductions of reproducible mode (Reduction::Reproducible): integer sums and
+/// maxima are associative, so their result does not depend on the order a transport takes.
+enum class IntOp {
+  SumI64,  ///< std::int64_t, sum (the caller keeps every partial sum inside int64's range)
+  MaxU8,   ///< std::uint8_t, maximum
+};
+
 /// A collective that was started and may still be running. Every started collective must be
 /// completed (wait) on every rank; destroying an unfinished request waits for it.
 class CommRequest {
@@ -83,6 +90,13 @@ class Communicator {
   void all_gather_inplace(void* buf, std::size_t count_per_rank, CommType type) {
     start_all_gather(buf, count_per_rank, type)->wait();
   }
+
+  /// Blocking, in place, host memory: the integer form of the reduce-scatter above (block
+  /// rank() of `count_per_rank` elements holds the result, the other blocks are undefined).
+  /// The default throws Error(Unsupported): the NCCL communicator does not implement it.
+  virtual void reduce_scatter_int(void* buf, std::size_t count_per_rank, IntOp op);
+  /// Blocking, in place, host memory: `count` elements reduced over all ranks.
+  virtual void all_reduce_int(void* buf, std::size_t count, IntOp op);
 
   // ---- host collectives for small metadata ------------------------------------------------------
 

@@ -52,6 +52,10 @@ struct PlanConfig {
   /// Stage 2 with grad() views of parameters that span several buckets (a buffer of the
   /// largest such parameter); accumulate_grad() needs none.
   bool grad_views_across_buckets = false;
+  /// Reduction::Reproducible keeps a full fp32 gradient and an exact accumulator (17 bytes
+  /// per element) at every stage, and sends 9 bytes per element instead of 4.
+  Reduction reduction = Reduction::Default;
+  DType reduce_dtype = DType::F32;  ///< the wire of the default reduction: F32 or BF16
 };
 
 /// The planner's view of an optimizer's options on a group of `world_size` ranks.
@@ -67,6 +71,11 @@ struct MemoryPlan {
   bool staged = false;             ///< stage 2 or 3 stages gradients in bucket slots
   std::size_t unit_elems = 0;      ///< stage 3: largest unit (one gathered-unit buffer)
   int unit_buffers = 0;            ///< stage 3: gathered-unit buffers
+  /// Payload bytes one rank passes to the gradient reductions of one step (every bucket once;
+  /// stage 3 without reproducible mode: per micro-batch): 4 per padded element with an fp32
+  /// wire, 2 with bf16, 9 in reproducible mode. What the transport moves on top of it
+  /// depends on its algorithm (a ring reduce-scatter sends (N-1)/N of it).
+  std::size_t reduce_bytes = 0;
 
   std::size_t operator[](MemCategory c) const { return bytes[static_cast<int>(c)]; }
   std::size_t total() const;

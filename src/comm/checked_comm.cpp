@@ -13,7 +13,8 @@ namespace {
 
 enum class Op : std::uint32_t {
   ReduceScatterSum, AllGather, AllReduceSumStarted, AllReduceSum, AllReduceSumHost,
-  AllGatherBytes, BroadcastBytes, Barrier, AllocateCollectiveBuffer,
+  AllGatherBytes, BroadcastBytes, Barrier, AllocateCollectiveBuffer, ReduceScatterInt,
+  AllReduceInt,
 };
 
 const char* op_name(Op op) {
@@ -27,6 +28,8 @@ const char* op_name(Op op) {
     case Op::BroadcastBytes: return "broadcast_bytes";
     case Op::Barrier: return "barrier";
     case Op::AllocateCollectiveBuffer: return "allocate_collective_buffer";
+    case Op::ReduceScatterInt: return "reduce_scatter_int";
+    case Op::AllReduceInt: return "all_reduce_int";
   }
   return "?";
 }
@@ -57,6 +60,10 @@ std::string describe(const Entry& e) {
   std::string s = op_name(op);
   switch (op) {
     case Op::Barrier: return s + "()";
+    case Op::ReduceScatterInt:
+    case Op::AllReduceInt:
+      return s + "(" + std::to_string(e.count) + (op == Op::ReduceScatterInt ? " per rank, " : " ") +
+             (static_cast<IntOp>(e.type) == IntOp::SumI64 ? "sum i64" : "max u8") + ")";
     case Op::ReduceScatterSum:
     case Op::AllGather:
       return s + "(" + std::to_string(e.count) + " per rank, " +
@@ -101,6 +108,15 @@ class CheckedCommunicator final : public Communicator {
   void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
     check(Op::AllReduceSum, type, count);
     in_->all_reduce_sum(buf, count, type);
+  }
+  // The integer ops record their IntOp in the type field (0: sum i64, 1: max u8).
+  void reduce_scatter_int(void* buf, std::size_t count, IntOp op) override {
+    check(Op::ReduceScatterInt, static_cast<CommType>(op), count);
+    in_->reduce_scatter_int(buf, count, op);
+  }
+  void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
+    check(Op::AllReduceInt, static_cast<CommType>(op), count);
+    in_->all_reduce_int(buf, count, op);
   }
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     check(Op::AllReduceSumHost, CommType::F64, count);

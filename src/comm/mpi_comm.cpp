@@ -293,6 +293,36 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
+  // Reproducible mode: blocking, with the watchdog's timeout like all_reduce_sum.
+  void reduce_scatter_int(void* buf, std::size_t count, IntOp op) override {
+    const int n = mpi::checked_int(count, "MPI_Reduce_scatter_block");
+    mpi::checked_int(count * static_cast<std::size_t>(size_), "MPI_Reduce_scatter_block");
+    const auto [dt, mop, elem] = int_op(op);
+    const Watchdog::Ticket t = dog_->enter("reduce_scatter_int");
+    queue_.flush();
+    dog_->run(
+        t, [&] { SHARDOPT_MPI(MPI_Reduce_scatter_block(MPI_IN_PLACE, buf, n, dt, mop, comm_)); },
+        [&](MPI_Request* r) {
+          SHARDOPT_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf, n, dt, mop, comm_, r));
+        });
+    // MPI leaves the result at the start of the buffer; NCCL's convention is block rank().
+    if (rank_ != 0)
+      std::memcpy(static_cast<char*>(buf) + static_cast<std::size_t>(rank_) * count * elem, buf,
+                  count * elem);
+  }
+
+  void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
+    const int n = mpi::checked_int(count, "MPI_Allreduce");
+    const auto [dt, mop, elem] = int_op(op);
+    const Watchdog::Ticket t = dog_->enter("all_reduce_int");
+    queue_.flush();
+    dog_->run(
+        t, [&] { SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, buf, n, dt, mop, comm_)); },
+        [&](MPI_Request* r) {
+          SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, n, dt, mop, comm_, r));
+        });
+  }
+
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
     const int n = mpi::checked_int(bytes, "MPI_Allgather");
     const Watchdog::Ticket t = dog_->enter("all_gather_bytes");
@@ -322,6 +352,16 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
+  struct IntOpMpi {
+    MPI_Datatype type;
+    MPI_Op op;
+    std::size_t elem;
+  };
+  static IntOpMpi int_op(IntOp op) {
+    return op == IntOp::SumI64 ? IntOpMpi{MPI_INT64_T, MPI_SUM, sizeof(std::int64_t)}
+                               : IntOpMpi{MPI_UINT8_T, MPI_MAX, 1};
+  }
+
   LaunchQueue queue_;
   std::shared_ptr<Watchdog> dog_;
   MPI_Comm comm_ = MPI_COMM_NULL;

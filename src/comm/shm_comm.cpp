@@ -60,6 +60,13 @@ class ShmCommunicator final : public Communicator {
   void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
     plain_->all_reduce_sum(buf, count, type);
   }
+  // Reproducible mode's buffers are local memory: plain MPI moves them.
+  void reduce_scatter_int(void* buf, std::size_t count, IntOp op) override {
+    plain_->reduce_scatter_int(buf, count, op);
+  }
+  void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
+    plain_->all_reduce_int(buf, count, op);
+  }
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     plain_->all_reduce_sum_host(buf, count);
   }

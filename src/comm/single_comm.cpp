@@ -33,6 +33,8 @@ class SingleProcessCommunicator final : public Communicator {
     return completed_request();
   }
   void all_reduce_sum(void*, std::size_t, CommType) override {}
+  void reduce_scatter_int(void*, std::size_t, IntOp) override {}
+  void all_reduce_int(void*, std::size_t, IntOp) override {}
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
     if (bytes != 0 && send != recv) std::memmove(recv, send, bytes);
   }

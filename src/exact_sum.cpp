@@ -1,0 +1,262 @@
+// exact_sum.cpp: reproducible mode's exact gradient sums and sum of squares (exact_sum.hpp).
+// No FMA contraction may change these results (the project compiles with -ffp-contract=off);
+// every double operation below is exact by construction, except where a comment says it
+// rounds.
+#include "exact_sum.hpp"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace shardopt::exact {
+namespace {
+
+// 2^b(L) and 2^-b(L) for L = 0..kMaxLevel (b(0) = kBase, used as level 1's low bin).
+struct Powers {
+  std::array<double, kMaxLevel + 1> up{};
+  std::array<double, kMaxLevel + 1> down{};
+  Powers() {
+    for (int l = 0; l <= kMaxLevel; ++l) {
+      up[static_cast<std::size_t>(l)] = std::ldexp(1.0, bin_exponent(l));
+      down[static_cast<std::size_t>(l)] = std::ldexp(1.0, -bin_exponent(l));
+    }
+  }
+};
+const Powers kPow;
+
+// The packed contribution of one element's bins at `local` level to a sum at level `global`
+// (>= local): lifting by one level moves the top bin down and drops the low bin.
+inline std::int64_t packed(std::uint8_t local, std::uint8_t global, std::int64_t top,
+                           std::int64_t low) {
+  if (local == kEmpty || global == kNonFinite) return 0;
+  const int lift = global - local;
+  if (lift == 0) return top * (std::int64_t{1} << kBinBits) + low;
+  return lift == 1 ? top : 0;
+}
+
+// x rounded to the nearest integer, ties to even (|x| <= 2^51; the default rounding mode):
+// adding 1.5 * 2^52 leaves no fraction bits. Exact, and no libm call.
+inline double round_to_integer(double x) {
+  constexpr double kShift = 6755399441055744.0;  // 1.5 * 2^52
+  return (x + kShift) - kShift;  // IEEE semantics (no -ffast-math): not folded
+}
+
+}  // namespace
+
+int level_of(float v) {
+  // With E the biased exponent field, 2^(E-127) <= |v| < 2^(E-126) (subnormals: E = 0, below
+  // 2^-126); the lowest L with E - 126 <= b(L) + kBinBits - 1 is ceil((E + 1) / 24), at least 1.
+  static_assert(kBinBits == 24 && kBase == -150, "level_of assumes these bins");
+  const std::uint32_t e = (std::bit_cast<std::uint32_t>(v) >> 23) & 0xffu;
+  return static_cast<int>((e + 24) / 24);
+}
+
+float to_float(std::int64_t n, int exp2) {
+  if (n == 0) return 0.0f;
+  const bool negative = n < 0;
+  const std::uint64_t u = negative ? 0 - static_cast<std::uint64_t>(n) : static_cast<std::uint64_t>(n);
+  const int msb = 63 - std::countl_zero(u);
+  // Drop the bits below fp32's precision: 24 significant bits, or down to 2^-149.
+  int shift = msb - 23;
+  const int lowest = -149 - exp2;
+  if (shift < lowest) shift = lowest;
+  float r = 0.0f;
+  if (shift <= 0) {
+    r = std::ldexp(static_cast<float>(u), exp2);  // u < 2^24: exact
+  } else if (shift >= 64) {
+    r = 0.0f;  // below half of the smallest subnormal
+  } else {
+    std::uint64_t m = u >> shift;
+    const std::uint64_t rest = u & ((std::uint64_t{1} << shift) - 1);
+    const std::uint64_t half = std::uint64_t{1} << (shift - 1);
+    if (rest > half || (rest == half && (m & 1) != 0)) ++m;
+    r = std::ldexp(static_cast<float>(m), exp2 + shift);  // m <= 2^24: exact, or +Inf
+  }
+  return negative ? -r : r;
+}
+
+std::size_t grads_bytes(std::size_t padded, std::size_t max_bucket) {
+  return padded * (2 * sizeof(std::int64_t) + 1) + max_bucket;
+}
+
+ExactGrads::ExactGrads(Allocation storage, std::size_t padded, std::size_t max_bucket)
+    : storage_(std::move(storage)), n_(padded) {
+  require(storage_.bytes() >= grads_bytes(padded, max_bucket), Status::Internal,
+          "ExactGrads: storage too small");
+  char* p = storage_.as<char>();
+  top_ = reinterpret_cast<std::int64_t*>(p);
+  low_ = top_ + padded;
+  level_ = reinterpret_cast<std::uint8_t*>(low_ + padded);
+  scratch_ = level_ + padded;
+  clear();
+}
+
+void ExactGrads::clear() {
+  if (level_ != nullptr) std::memset(level_, kEmpty, n_);
+}
+
+void ExactGrads::deposit(const float* g, std::size_t n) {
+  require(n <= n_, Status::Internal, "ExactGrads::deposit: range outside the buffer");
+  std::int64_t* top = top_;
+  std::int64_t* low = low_;
+  std::uint8_t* level = level_;
+  const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
+#pragma omp parallel for schedule(static)
+  for (std::ptrdiff_t j = 0; j < count; ++j) {
+    const float v = g[j];
+    if (v == 0.0f) continue;
+    std::uint8_t l = level[j];
+    if (l == kNonFinite) continue;
+    if (!std::isfinite(v)) {
+      level[j] = kNonFinite;
+      continue;
+    }
+    const int want = level_of(v);
+    if (want > l) {
+      if (l == kEmpty || want - l >= 2) {
+        top[j] = 0;
+        low[j] = 0;
+      } else {
+        low[j] = top[j];
+        top[j] = 0;
+      }
+      l = static_cast<std::uint8_t>(want);
+      level[j] = l;
+    }
+    const double d = v;
+    const double hi = round_to_integer(d * kPow.down[l]);  // |hi| <= 2^23
+    const double rest = d - hi * kPow.up[l];  // exact: a multiple of v's ulp, |rest| <= 2^(b(l)-1)
+    const double lo = round_to_integer(rest * kPow.down[l - 1]);  // |lo| <= 2^23; the rest is dropped
+    top[j] += static_cast<std::int64_t>(hi);
+    low[j] += static_cast<std::int64_t>(lo);
+  }
+}
+
+void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float* out) {
+  const std::size_t b = bk.flat.begin;
+  const std::size_t n = bk.flat.size();
+  // 1. The level of every element of the bucket: the highest on any rank.
+  std::memcpy(scratch_, level_ + b, n);
+  comm.all_reduce_int(level_ + b, n, IntOp::MaxU8);
+  // 2. Lift this rank's bins to it and pack them into one int64 (in the top bin's place).
+  std::int64_t* top = top_ + b;
+  const std::int64_t* low = low_ + b;
+  const std::uint8_t* mine = scratch_;
+  const std::uint8_t* global = level_ + b;
+  const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
+#pragma omp parallel for schedule(static)
+  for (std::ptrdiff_t j = 0; j < count; ++j) top[j] = packed(mine[j], global[j], top[j], low[j]);
+  // 3. Integer sums (associative on every transport), then one rounding to fp32.
+  std::size_t first = 0;
+  std::size_t len = n;
+  if (whole) {
+    comm.all_reduce_int(top, n, IntOp::SumI64);
+  } else {
+    comm.reduce_scatter_int(top, bk.slice_elems, IntOp::SumI64);
+    first = static_cast<std::size_t>(comm.rank()) * bk.slice_elems;
+    len = bk.slice_elems;
+  }
+  float* dst = out + b + first;
+  const std::int64_t* sum = top + first;
+  const std::uint8_t* lv = global + first;
+  const std::ptrdiff_t m = static_cast<std::ptrdiff_t>(len);
+#pragma omp parallel for schedule(static)
+  for (std::ptrdiff_t j = 0; j < m; ++j) {
+    const std::uint8_t l = lv[j];
+    dst[j] = l == kEmpty        ? 0.0f
+             : l == kNonFinite ? std::numeric_limits<float>::quiet_NaN()
+                               : to_float(sum[j], bin_exponent(l - 1));
+  }
+}
+
+// ---- SquareSum -------------------------------------------------------------------------
+
+void SquareSum::add_one(float v) {
+  if (v == 0.0f) return;
+  if (std::isnan(v)) {
+    nans_ += 1;
+    return;
+  }
+  if (std::isinf(v)) {
+    infs_ += 1;
+    return;
+  }
+  const double sq = static_cast<double>(v) * static_cast<double>(v);  // exact: 48 bits
+  int e = 0;
+  const double f = std::frexp(sq, &e);  // sq = f * 2^e, 0.5 <= f < 1
+  const auto m = static_cast<std::uint64_t>(std::ldexp(f, 53));  // sq = m * 2^(e - 53)
+  const int s = e - 53 - kSquareBase;  // bit position of m's lowest bit, >= 2
+  const auto at = static_cast<std::size_t>(s / 32);
+  const int o = s % 32;
+  // m * 2^o (up to 84 bits) added as three digits: each addend below 2^33.
+  const std::uint64_t lo = (m & 0xffffffffu) << o;  // < 2^63
+  const std::uint64_t hi = (m >> 32) << o;           // < 2^53
+  digit_[at] += lo & 0xffffffffu;
+  digit_[at + 1] += (lo >> 32) + (hi & 0xffffffffu);
+  digit_[at + 2] += hi >> 32;
+  if (++pending_ == (std::uint64_t{1} << 29)) normalize();  // digits stay below 2^63
+}
+
+void SquareSum::add(const float* x, std::size_t n) {
+  // Integer sums: the threads' split cannot change the result.
+  const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
+#pragma omp parallel
+  {
+    SquareSum part;
+#pragma omp for schedule(static)
+    for (std::ptrdiff_t j = 0; j < count; ++j) part.add_one(x[j]);
+#pragma omp critical(shardopt_square_sum)
+    merge(part);
+  }
+}
+
+void SquareSum::merge(SquareSum& other) {
+  normalize();
+  other.normalize();
+  for (int i = 0; i < kDigits; ++i)
+    digit_[static_cast<std::size_t>(i)] += other.digit_[static_cast<std::size_t>(i)];
+  nans_ += other.nans_;
+  infs_ += other.infs_;
+  normalize();
+}
+
+void SquareSum::normalize() {
+  std::uint64_t carry = 0;
+  for (std::uint64_t& d : digit_) {
+    const std::uint64_t v = d + carry;
+    d = v & 0xffffffffu;
+    carry = v >> 32;
+  }
+  digit_.back() += carry << 32;  // never reached by fp32 squares
+  pending_ = 0;
+}
+
+void SquareSum::sum_over_ranks(Communicator& comm) {
+  normalize();
+  // Digits below 2^32 sum exactly in doubles over fewer than 2^21 ranks.
+  std::array<double, kDigits + 2> buf{};
+  for (int i = 0; i < kDigits; ++i) buf[static_cast<std::size_t>(i)] = static_cast<double>(digit_[static_cast<std::size_t>(i)]);
+  buf[kDigits] = nans_;
+  buf[kDigits + 1] = infs_;
+  comm.all_reduce_sum_host(buf.data(), buf.size());
+  for (int i = 0; i < kDigits; ++i)
+    digit_[static_cast<std::size_t>(i)] = static_cast<std::uint64_t>(buf[static_cast<std::size_t>(i)]);
+  nans_ = buf[kDigits];
+  infs_ = buf[kDigits + 1];
+  normalize();
+}
+
+double SquareSum::value() const {
+  if (nans_ > 0) return std::numeric_limits<double>::quiet_NaN();
+  if (infs_ > 0) return std::numeric_limits<double>::infinity();
+  SquareSum c = *this;
+  c.normalize();
+  // From the lowest digit up: a fixed sequence of roundings of the same integers.
+  double v = 0.0;
+  for (int i = 0; i < kDigits; ++i)
+    v += std::ldexp(static_cast<double>(c.digit_[static_cast<std::size_t>(i)]), 32 * i + kSquareBase);
+  return v;
+}
+
+}  // namespace shardopt::exact

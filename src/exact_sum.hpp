@@ -1,0 +1,107 @@
+// exact_sum.hpp: the exact sums of reproducible mode (Reduction::Reproducible).
+//
+// Gradients. Every flat element keeps a level and two integer bins. Bin boundaries are
+// absolute: at level L (1..kMaxLevel) the top bin counts units of 2^b(L) and the low bin
+// units of 2^b(L-1), b(L) = kBinBits * L + kBase, and level L holds values with
+// |v| < 2^(b(L) + kBinBits - 1). A value is split once into its top part round(v / 2^b(L))
+// and the rounded rest of it in units of 2^b(L-1) (round to nearest even, exact double
+// arithmetic); what lies below 2^b(L-1) is dropped. An element's level is the highest level
+// of the values it received; when it rises by one, the top bin becomes the low bin and the
+// old low bin is dropped (by two or more: both are dropped), which is exactly what splitting
+// every earlier value at the new level would have given (their top part there is zero). So
+// the bins hold a function of the multiset of values deposited and the final level only,
+// whatever the order and grouping: summing ranks' bins after lifting them to the highest
+// level among all ranks (an integer max) is the same as depositing everything on one rank.
+// The sum leaves as one int64 per element (top * 2^kBinBits + low, exact while at most
+// kMaxContributions values per element are summed) and is rounded once to fp32.
+//
+// Error: each value loses at most half a unit of its element's low bin,
+// 2^(b(L-1) - 1) <= 2^-kBinBits * (the largest magnitude the element received); the result
+// is then rounded to fp32 once (half an ulp).
+//
+// Norm. The squares of the rounded fp32 gradients are exact doubles; SquareSum adds them
+// into a fixed-point accumulator wide enough for every fp32 square (32-bit digits), so the
+// sum over any split of the elements among ranks is the same integer.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "shardopt/comm.hpp"
+#include "shardopt/layout.hpp"
+#include "shardopt/memory.hpp"
+
+namespace shardopt::exact {
+
+inline constexpr int kBinBits = 24;
+inline constexpr int kBase = -150;     ///< b(0): level 1's low bin resolves every fp32 subnormal
+inline constexpr int kMaxLevel = 11;   ///< holds |v| < 2^137, above every finite fp32
+inline constexpr std::uint8_t kEmpty = 0;        ///< no nonzero value received
+/// A NaN or Inf was received. Below 128: MPICH 4.0's MPI_MAX on MPI_UINT8_T compares as
+/// signed bytes (255 loses to 4), so every level stays in 0..127.
+inline constexpr std::uint8_t kNonFinite = 127;
+/// Values summed per element (micro-batches over all ranks) for which the packed int64 sum
+/// cannot overflow: each value packs to at most 2^47 + 2^23 in magnitude.
+inline constexpr std::int64_t kMaxContributions = 65535;
+
+/// 2^b(L), the exponent of level L's top bin.
+constexpr int bin_exponent(int level) { return kBinBits * level + kBase; }
+/// The lowest level that holds v (finite, nonzero).
+int level_of(float v);
+/// n * 2^exp2 rounded once to fp32 (to nearest even, subnormals and overflow included).
+float to_float(std::int64_t n, int exp2);
+
+/// Host bytes of the gradient accumulator of a layout: levels, two bins and a scratch copy
+/// of the largest bucket's levels.
+std::size_t grads_bytes(std::size_t padded_elems, std::size_t max_bucket_elems);
+
+/// Reproducible mode's gradient accumulator over the whole flat buffer (host memory).
+class ExactGrads {
+ public:
+  ExactGrads() = default;
+  /// storage: grads_bytes(padded, max_bucket) bytes.
+  ExactGrads(Allocation storage, std::size_t padded_elems, std::size_t max_bucket_elems);
+
+  /// Adds one micro-batch's fp32 gradients of flat elements [0, n).
+  void deposit(const float* grads, std::size_t n);
+  /// Collective: reduces bucket `bk` exactly over the group and writes the fp32 sums into
+  /// `out` (the full gradient buffer, flat coordinates): every element of the bucket when
+  /// whole (data-parallel), else this rank's slice. NaN where any rank received a NaN/Inf.
+  /// The bucket's bins are consumed.
+  void reduce(Communicator& comm, const Bucket& bk, bool whole, float* out);
+  /// Forgets everything deposited (clears the levels; bins are reset on first use).
+  void clear();
+
+ private:
+  Allocation storage_;
+  std::size_t n_ = 0;
+  std::int64_t* top_ = nullptr;
+  std::int64_t* low_ = nullptr;
+  std::uint8_t* level_ = nullptr;
+  std::uint8_t* scratch_ = nullptr;
+};
+
+/// The exact sum of the squares of fp32 values.
+class SquareSum {
+ public:
+  void add(const float* x, std::size_t n);
+  /// Adds another partial sum (local; both are normalised).
+  void merge(SquareSum& other);
+  /// Collective: the sum over all ranks (one all-reduce of kDigits + 2 doubles, exact).
+  void sum_over_ranks(Communicator& comm);
+  /// The sum, rounded to double (NaN if a value was NaN, +Inf if one was infinite).
+  double value() const;
+
+ private:
+  static constexpr int kDigits = 22;    ///< 32-bit digits: 2^-352 .. 2^352
+  static constexpr int kSquareBase = -352;
+  void normalize();
+  void add_one(float v);
+  std::array<std::uint64_t, kDigits> digit_{};
+  std::uint64_t pending_ = 0;  ///< values added since the last normalisation
+  double nans_ = 0;
+  double infs_ = 0;
+};
+
+}  // namespace shardopt::exact
