@@ -183,10 +183,10 @@ void SquareSum::add_one(float v) {
     return;
   }
   const double sq = static_cast<double>(v) * static_cast<double>(v);  // exact: 48 bits
-  int e = 0;
-  const double f = std::frexp(sq, &e);  // sq = f * 2^e, 0.5 <= f < 1
-  const auto m = static_cast<std::uint64_t>(std::ldexp(f, 53));  // sq = m * 2^(e - 53)
-  const int s = e - 53 - kSquareBase;  // bit position of m's lowest bit, >= 2
+  // Squares of fp32 values are normal doubles: sq = m * 2^(E - 1075), m = 1.fraction (53 bits).
+  const std::uint64_t bits = std::bit_cast<std::uint64_t>(sq);
+  const std::uint64_t m = (bits & ((std::uint64_t{1} << 52) - 1)) | (std::uint64_t{1} << 52);
+  const int s = static_cast<int>((bits >> 52) & 0x7ff) - 1075 - kSquareBase;  // m's lowest bit, >= 2
   const auto at = static_cast<std::size_t>(s / 32);
   const int o = s % 32;
   // m * 2^o (up to 84 bits) added as three digits: each addend below 2^33.

@@ -248,6 +248,12 @@ TEST(Reproducible, SameBitsAtAnyRankCountStageBucketAndCommunicator) {
           expect_same(train(mpi(kind), stage, bucket, a, 4, 1, debug), want, what);
           if (HasFatalFailure()) return;
         }
+  // The hierarchical shared-memory communicator (two simulated nodes).
+  if (mpi(MpiCommKind::Plain)->size() >= 2)
+    expect_same(train(make_mpi_communicator(MPI_COMM_WORLD,
+                                            MpiCommOptions{MpiCommKind::SharedMemory, 2, 0}),
+                      Stage::Zero2, 1024, Assign::Blocked, 4),
+                want, "shm hierarchical zero-2");
 }
 
 // The default reduction is not reproducible across rank counts on these gradients: the check
