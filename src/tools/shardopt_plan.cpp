@@ -79,6 +79,7 @@ struct Args {
   std::size_t bucket_elems = PlanConfig{}.bucket_elems;
   int buckets_in_flight = PlanConfig{}.buckets_in_flight;
   bool accumulate_without_sync = false;
+  bool reproducible = false;
   std::size_t tensor_elems = std::size_t{1} << 24;
   std::optional<std::size_t> budget;
   bool csv = false;
@@ -92,6 +93,7 @@ struct Args {
     c.bucket_elems = bucket_elems;
     c.buckets_in_flight = buckets_in_flight;
     c.accumulate_without_sync = accumulate_without_sync;
+    c.reduction = reproducible ? Reduction::Reproducible : Reduction::Default;
     return c;
   }
 };
@@ -153,6 +155,9 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
   app.add_flag("--accumulate-without-sync", a.accumulate_without_sync,
                "stage 2 with micro-batches that accumulate without synchronising "
                "(begin_backward(false)): a full fp32 accumulation buffer per rank");
+  app.add_flag("--reproducible", a.reproducible,
+               "reduction Reproducible: exact sums (a full fp32 gradient plus 17 bytes per "
+               "element, 9 wire bytes per element)");
   app.add_option("--tensor-elems", a.tensor_elems, "tensor size assumed with --psi and --budget")
       ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("16Mi");
   app.add_option("--budget", a.budget, "also print the largest model that fits in BYTES per rank (e.g. 80GiB, 40GB)")
@@ -199,25 +204,28 @@ void print_tables(const Args& a) {
   std::printf("model %s: Psi = %s parameters (%zu) in %zu tensors, largest %s\n",
               a.model_name.c_str(), human_count(psi).c_str(), probe.unpadded_size(),
               probe.num_params(), human_count(static_cast<double>(largest_tensor(probe))).c_str());
-  std::printf("replica %s, gradients %s, stage-2 buckets of %zu elements, %d in flight%s\n",
+  std::printf("replica %s, gradients %s, stage-2 buckets of %zu elements, %d in flight%s%s\n",
               dtype_name(a.param_dtype), dtype_name(a.grad_dtype), a.bucket_elems,
-              a.buckets_in_flight, a.accumulate_without_sync ? ", accumulation without sync" : "");
+              a.buckets_in_flight, a.accumulate_without_sync ? ", accumulation without sync" : "",
+              a.reproducible ? ", reproducible reduction" : "");
   std::printf("bytes per rank. params..total: what shardopt allocates (planner, exact); "
               "formula: the ZeRO\nformula with shardopt's buffers (fp32 gradients, no padding "
               "or staging); paper: the ZeRO\npaper's formula, 16-bit parameters and gradients, "
               "K = 12, in decimal GB (its Figure 1)\n\n");
-  std::printf("%-14s %6s %11s %11s %11s %11s %11s %11s %8s %11s %10s\n", "stage", "ranks",
+  std::printf("%-14s %6s %11s %11s %11s %11s %11s %11s %8s %11s %10s %11s\n", "stage", "ranks",
               "params", "grads", "master", "moments", "scratch", "total", "B/param", "formula",
-              "paper");
+              "paper", "reduce/step");
   for (Stage s : a.stages) {
     for (int n : a.ranks) {
       const MemoryPlan p = plan_memory(layout_for(a, s), a.config(s, n));
       std::printf("%-14s %6d", stage_name(s), n);
       for (std::size_t b : p.bytes) std::printf(" %11s", human_bytes(static_cast<double>(b)).c_str());
-      std::printf(" %11s %8.3f %11s %7.1f GB\n", human_bytes(static_cast<double>(p.total())).c_str(),
+      std::printf(" %11s %8.3f %11s %7.1f GB %11s\n",
+                  human_bytes(static_cast<double>(p.total())).c_str(),
                   static_cast<double>(p.total()) / psi,
                   human_bytes(zero_formula_bytes(s, psi, n, a.param_dtype)).c_str(),
-                  paper_formula_bytes(s, psi, n) / 1e9);
+                  paper_formula_bytes(s, psi, n) / 1e9,
+                  human_bytes(static_cast<double>(p.reduce_bytes)).c_str());
     }
   }
   if (!a.budget) return;
@@ -236,7 +244,8 @@ void print_tables(const Args& a) {
 void print_csv(const Args& a) {
   std::printf("model,psi,padded_elems,stage,ranks,param_dtype,grad_dtype,bucket_elems,"
               "buckets_in_flight,accumulate_without_sync,params_bytes,grads_bytes,master_bytes,"
-              "moments_bytes,scratch_bytes,total_bytes,formula_bytes,paper_bytes%s\n",
+              "moments_bytes,scratch_bytes,total_bytes,formula_bytes,paper_bytes,reproducible,"
+              "reduce_bytes%s\n",
               a.budget ? ",budget_bytes,largest_psi" : "");
   for (Stage s : a.stages)
     for (int n : a.ranks) {
@@ -248,8 +257,8 @@ void print_csv(const Args& a) {
                   dtype_name(a.grad_dtype), a.bucket_elems, a.buckets_in_flight,
                   a.accumulate_without_sync ? 1 : 0);
       for (std::size_t b : p.bytes) std::printf(",%zu", b);
-      std::printf(",%zu,%.0f,%.0f", p.total(), zero_formula_bytes(s, psi, n, a.param_dtype),
-                  paper_formula_bytes(s, psi, n));
+      std::printf(",%zu,%.0f,%.0f,%d,%zu", p.total(), zero_formula_bytes(s, psi, n, a.param_dtype),
+                  paper_formula_bytes(s, psi, n), a.reproducible ? 1 : 0, p.reduce_bytes);
       if (a.budget)
         std::printf(",%zu,%zu", *a.budget, largest_fitting_psi(*a.budget, c, a.tensor_elems));
       std::printf("\n");
