@@ -394,7 +394,7 @@ TEST(Reproducible, PlannerCountsTheAccumulatorAndTheWire) {
 TEST(ExactSum, ToFloatRoundsOnceToNearestEven) {
   std::mt19937_64 rng(7);
   for (int t = 0; t < 200000; ++t) {
-    std::int64_t n = static_cast<std::int64_t>(rng() >> (rng() % 64));
+    std::int64_t n = static_cast<std::int64_t>(rng() >> (1 + rng() % 63));
     if (rng() & 1) n = -n;
     const int e = static_cast<int>(rng() % 400) - 250;  // subnormal, normal and overflow
     // long double holds n exactly (64-bit significand) and scales exactly; one rounding.
