@@ -276,7 +276,6 @@ void BucketSet::reduce_exactly() {
                 "most " + std::to_string(exact::kMaxContributions));
   });
   const ScopedSeconds timed(blocked_seconds_);
-  exact_.deposit(grads_.as<float>(), layout_.padded_size());
   const bool whole = cfg_.stage == Stage::DataParallel;
   for (std::size_t b = 0; b < state_.size(); ++b)
     exact_.reduce(comm_, layout_.bucket(b), whole, grads_.as<float>());

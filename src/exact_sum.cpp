@@ -94,13 +94,20 @@ ExactGrads::ExactGrads(Allocation storage, std::size_t padded, std::size_t max_b
 
 void ExactGrads::clear() {
   if (level_ != nullptr) std::memset(level_, kEmpty, n_);
+  deposited_ = false;
 }
 
 void ExactGrads::deposit(const float* g, std::size_t n) {
   require(n <= n_, Status::Internal, "ExactGrads::deposit: range outside the buffer");
-  std::int64_t* top = top_;
-  std::int64_t* low = low_;
-  std::uint8_t* level = level_;
+  deposited_ = true;
+  deposit_range(g, 0, n);
+}
+
+void ExactGrads::deposit_range(const float* g, std::size_t begin, std::size_t n) {
+  g += begin;
+  std::int64_t* top = top_ + begin;
+  std::int64_t* low = low_ + begin;
+  std::uint8_t* level = level_ + begin;
   const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
 #pragma omp parallel for schedule(static)
   for (std::ptrdiff_t j = 0; j < count; ++j) {
@@ -133,21 +140,42 @@ void ExactGrads::deposit(const float* g, std::size_t n) {
   }
 }
 
-void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float* out) {
+void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float* grads) {
   const std::size_t b = bk.flat.begin;
   const std::size_t n = bk.flat.size();
-  // 1. The level of every element of the bucket: the highest on any rank.
-  std::memcpy(scratch_, level_ + b, n);
-  comm.all_reduce_int(level_ + b, n, IntOp::MaxU8);
-  // 2. Lift this rank's bins to it and pack them into one int64 (in the top bin's place).
+  const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
+  const float* last = grads + b;
   std::int64_t* top = top_ + b;
   const std::int64_t* low = low_ + b;
-  const std::uint8_t* mine = scratch_;
-  const std::uint8_t* global = level_ + b;
-  const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
+  std::uint8_t* level = level_ + b;
+  if (deposited_) {
+    // 1. The last micro-batch joins the bins; the level of every element of the bucket is
+    // the highest on any rank; each rank lifts its bins to it and packs them into one int64
+    // (in the top bin's place).
+    deposit_range(grads, b, n);
+    std::memcpy(scratch_, level, n);
+    comm.all_reduce_int(level, n, IntOp::MaxU8);
+    const std::uint8_t* mine = scratch_;
 #pragma omp parallel for schedule(static)
-  for (std::ptrdiff_t j = 0; j < count; ++j) top[j] = packed(mine[j], global[j], top[j], low[j]);
-  // 3. Integer sums (associative on every transport), then one rounding to fp32.
+    for (std::ptrdiff_t j = 0; j < count; ++j) top[j] = packed(mine[j], level[j], top[j], low[j]);
+  } else {
+    // 1'. One micro-batch: its levels, their maximum, and each value rounded to the low bin
+    // of that level (0 when the level is 2 or more above its own: below half a unit).
+#pragma omp parallel for schedule(static)
+    for (std::ptrdiff_t j = 0; j < count; ++j) {
+      const float v = last[j];
+      level[j] = v == 0.0f ? kEmpty : std::isfinite(v) ? static_cast<std::uint8_t>(level_of(v)) : kNonFinite;
+    }
+    comm.all_reduce_int(level, n, IntOp::MaxU8);
+#pragma omp parallel for schedule(static)
+    for (std::ptrdiff_t j = 0; j < count; ++j) {
+      const std::uint8_t l = level[j];
+      top[j] = l == kEmpty || l == kNonFinite
+                   ? 0
+                   : static_cast<std::int64_t>(round_to_integer(static_cast<double>(last[j]) * kPow.down[l - 1]));
+    }
+  }
+  // 2. Integer sums (associative on every transport), then one rounding to fp32.
   std::size_t first = 0;
   std::size_t len = n;
   if (whole) {
@@ -157,9 +185,9 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
     first = static_cast<std::size_t>(comm.rank()) * bk.slice_elems;
     len = bk.slice_elems;
   }
-  float* dst = out + b + first;
+  float* dst = grads + b + first;
   const std::int64_t* sum = top + first;
-  const std::uint8_t* lv = global + first;
+  const std::uint8_t* lv = level + first;
   const std::ptrdiff_t m = static_cast<std::ptrdiff_t>(len);
 #pragma omp parallel for schedule(static)
   for (std::ptrdiff_t j = 0; j < m; ++j) {

@@ -65,21 +65,26 @@ class ExactGrads {
 
   /// Adds one micro-batch's fp32 gradients of flat elements [0, n).
   void deposit(const float* grads, std::size_t n);
-  /// Collective: reduces bucket `bk` exactly over the group and writes the fp32 sums into
-  /// `out` (the full gradient buffer, flat coordinates): every element of the bucket when
-  /// whole (data-parallel), else this rank's slice. NaN where any rank received a NaN/Inf.
-  /// The bucket's bins are consumed.
-  void reduce(Communicator& comm, const Bucket& bk, bool whole, float* out);
+  /// Collective: reduces bucket `bk` exactly over the group. `grads` is the full gradient
+  /// buffer (flat coordinates): on entry it holds the last micro-batch, not deposited yet; on
+  /// return it holds the fp32 sums over every rank and micro-batch, on every element of the
+  /// bucket when whole (data-parallel), else on this rank's slice. NaN where any rank
+  /// received a NaN/Inf. The bucket's bins are consumed. When nothing was deposited before
+  /// (one micro-batch per rank) the values are packed straight from `grads`: rounding v to
+  /// the low bin of the final level is what splitting it into the two bins and packing gives.
+  void reduce(Communicator& comm, const Bucket& bk, bool whole, float* grads);
   /// Forgets everything deposited (clears the levels; bins are reset on first use).
   void clear();
 
  private:
+  void deposit_range(const float* grads, std::size_t begin, std::size_t n);
   Allocation storage_;
   std::size_t n_ = 0;
   std::int64_t* top_ = nullptr;
   std::int64_t* low_ = nullptr;
   std::uint8_t* level_ = nullptr;
   std::uint8_t* scratch_ = nullptr;
+  bool deposited_ = false;  ///< deposit() was called since clear()
 };
 
 /// The exact sum of the squares of fp32 values.

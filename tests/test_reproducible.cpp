@@ -256,6 +256,33 @@ TEST(Reproducible, SameBitsAtAnyRankCountStageBucketAndCommunicator) {
                 want, "shm hierarchical zero-2");
 }
 
+// One micro-batch per rank (packed straight from the fp32 gradients, no bins) against one
+// process that deposits all W of them into its bins.
+TEST(Reproducible, OneMicroBatchPerRankMatchesOneProcess) {
+  auto w = mpi(MpiCommKind::Plain);
+  const int world = w->size();
+  auto run = [&](std::shared_ptr<Communicator> comm, int per_rank) {
+    ShardedOptimizer opt(comm, options(Stage::Zero2, 1024));
+    build(opt);
+    std::vector<StepResult> rs;
+    for (int step = 0; step < 2; ++step) {
+      for (int q = 0; q < per_rank; ++q) {
+        const int k = per_rank == 1 ? comm->rank() : q;
+        opt.begin_backward(false);
+        for (std::size_t i = std::size(kSizes); i-- > 0;) {
+          std::span<float> g = opt.grad(i);
+          for (std::size_t j = 0; j < g.size(); ++j) g[j] = grad_value(step, k, i, j, -1);
+          opt.grad_ready(i);
+        }
+      }
+      rs.push_back(opt.step());
+    }
+    return snapshot(opt, rs);
+  };
+  const Trained one = run(make_single_process_communicator(), world);
+  expect_same(run(w, 1), one, "one micro-batch per rank");
+}
+
 // The default reduction is not reproducible across rank counts on these gradients: the check
 // above would catch a reproducible mode that quietly used fp32 sums (one rank: nothing to
 // compare, the launch at 1 rank skips).
@@ -458,6 +485,21 @@ TEST(ExactSum, OrderFreeAndWithinTheBound) {
     const std::vector<float> again = run(order);
     for (std::size_t j = 0; j < kN; ++j)
       ASSERT_EQ(std::bit_cast<std::uint32_t>(again[j]), std::bit_cast<std::uint32_t>(first[j])) << j;
+  }
+  // One micro-batch packed straight from the fp32 values (no deposit) equals the bins' path.
+  {
+    const std::size_t bytes = exact::grads_bytes(kN, kN);
+    auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
+    exact::ExactGrads fast(Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), kN, kN);
+    std::vector<float> g = vals[3];
+    fast.reduce(*comm, bk, false, g.data());
+    auto mem2 = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
+    exact::ExactGrads binned(Allocation(mem2->data(), bytes, mem2, nullptr, MemCategory::Grads), kN, kN);
+    binned.deposit(vals[3].data(), kN);
+    std::vector<float> zeros(kN, 0.0f);
+    binned.reduce(*comm, bk, false, zeros.data());
+    for (std::size_t j = 0; j < kN; ++j)
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(g[j]), std::bit_cast<std::uint32_t>(zeros[j])) << j;
   }
   double exact_ulps = 0, fp32_ulps = 0;
   for (std::size_t j = 0; j < kN; ++j) {
