@@ -252,6 +252,7 @@ TEST(CApiConfig, EveryFieldRoundTrips) {
   c.collective_timeout_s = 90.5;
   c.debug_collectives = 1;
   c.comm_mpi_in_flight = 4;
+  c.reduction = SHARDOPT_REDUCTION_DEFAULT;  // reproducible needs an F32 wire: tested below
   shardopt_optimizer_t opt = nullptr;
   ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS) << last(nullptr);
   shardopt_config_t got;
@@ -287,6 +288,8 @@ TEST(CApiConfig, BadValuesOfTheNewFieldsAreRefused) {
       {&shardopt_config_t::buckets_in_flight, 0, "buckets_in_flight"},
       {&shardopt_config_t::debug_collectives, 2, "config->debug_collectives"},
       {&shardopt_config_t::comm_mpi_in_flight, -1, "config->comm_mpi_in_flight"},
+      {&shardopt_config_t::reduction, 2, "config->reduction"},
+      {&shardopt_config_t::reserved0, 1, "config->reserved0"},
   };
   for (const Case& k : cases) {
     shardopt_config_t c = base_config();
@@ -310,6 +313,25 @@ TEST(CApiConfig, BadValuesOfTheNewFieldsAreRefused) {
   c.collective_timeout_s = -1;
   EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(last(nullptr).find("collective_timeout_s"), std::string::npos) << last(nullptr);
+}
+
+// Reproducible mode through the C ABI: reported back, and refused with a bf16 wire.
+TEST(CApiConfig, ReproducibleReduction) {
+  shardopt_config_t c = base_config();
+  c.reduction = SHARDOPT_REDUCTION_REPRODUCIBLE;
+  {
+    Opt o(c);
+    shardopt_config_t got;
+    ASSERT_EQ(shardopt_config_init(&got), SHARDOPT_SUCCESS);
+    ASSERT_EQ(shardopt_get_config(o.h, &got), SHARDOPT_SUCCESS);
+    EXPECT_EQ(got.reduction, SHARDOPT_REDUCTION_REPRODUCIBLE);
+    shardopt_step_result_t r = step_result();
+    EXPECT_EQ(o.step(0, &r), SHARDOPT_SUCCESS);
+  }
+  c.reduce_dtype = SHARDOPT_DTYPE_BF16;
+  shardopt_optimizer_t opt = nullptr;
+  EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last(nullptr).find("reduce_dtype F32"), std::string::npos) << last(nullptr);
 }
 
 // The options change results: a bf16 reduction wire is not the fp32 one, overlap is not.

@@ -150,6 +150,15 @@ typedef enum shardopt_comm_kind {
   SHARDOPT_COMM_KIND_MAX_ENUM = 0x7FFFFFFF
 } shardopt_comm_kind_t;
 
+/* How the gradient sums are computed (docs/architecture.md, "Reproducible mode"). */
+typedef enum shardopt_reduction {
+  SHARDOPT_REDUCTION_DEFAULT = 0,      /* fp32 (or bf16-wire) sums in the collectives' order */
+  SHARDOPT_REDUCTION_REPRODUCIBLE = 1, /* exact sums: the same step, bit for bit, at any number
+                                          of ranks, bucket size and communicator (CPU only) */
+  SHARDOPT_REDUCTION_MIN_ENUM = -0x7FFFFFFF - 1,
+  SHARDOPT_REDUCTION_MAX_ENUM = 0x7FFFFFFF
+} shardopt_reduction_t;
+
 /* When shardopt_step's all-gather of the updated replica completes (see the introduction). */
 typedef enum shardopt_gather_mode {
   SHARDOPT_GATHER_EAGER = 0, /* before shardopt_step returns: kept pointers are always current */
@@ -245,6 +254,11 @@ typedef struct shardopt_config {
   int comm_mpi_in_flight; /* plain MPI: non-blocking collectives started at once, the rest
                            start in call order (MpiCommOptions::mpi_in_flight); 0: the
                            SHARDOPT_MPI_IN_FLIGHT environment variable, else 1; default 0 */
+  /* Since 0.2.0 (reproducible mode): */
+  int reduction;        /* shardopt_reduction_t; default SHARDOPT_REDUCTION_DEFAULT. Call
+                           shardopt_begin_backward once per micro-batch: each micro-batch is
+                           summed exactly (docs/architecture.md, "Reproducible mode") */
+  int reserved0;        /* must be 0 (keeps the struct free of trailing padding) */
 } shardopt_config_t;
 
 /* What one step did. An output struct: set struct_size (shardopt_step_result_init does)

@@ -47,6 +47,8 @@ module shardopt
   integer(c_int), parameter, public :: SHARDOPT_COMM_SHM = 2
   integer(c_int), parameter, public :: SHARDOPT_GATHER_EAGER = 0
   integer(c_int), parameter, public :: SHARDOPT_GATHER_LAZY = 1
+  integer(c_int), parameter, public :: SHARDOPT_REDUCTION_DEFAULT = 0
+  integer(c_int), parameter, public :: SHARDOPT_REDUCTION_REPRODUCIBLE = 1
   integer(c_int), parameter, public :: SHARDOPT_HYPER_LR = 0
   integer(c_int), parameter, public :: SHARDOPT_HYPER_BETA1 = 1
   integer(c_int), parameter, public :: SHARDOPT_HYPER_BETA2 = 2
@@ -102,6 +104,8 @@ module shardopt
     real(c_double) :: collective_timeout_s
     integer(c_int) :: debug_collectives
     integer(c_int) :: comm_mpi_in_flight
+    integer(c_int) :: reduction
+    integer(c_int) :: reserved0
   end type shardopt_config
 
   !> What one step did (shardopt_step_result_t); clipped and skipped are 0 or 1, times are
