@@ -72,6 +72,12 @@ struct Options {
   DType dtype = DType::BF16;
   int micro_batches = 2;
   bool overlap = true;
+  /// --reproducible: the global batch is split into micro-batches of this many samples
+  /// (--micro-batch-size), dealt to the ranks blocked or round-robin (--assign); the
+  /// optimizer sums them exactly, so any rank count gives the same bits.
+  bool reproducible = false;
+  int micro_batch_size = 8;
+  bool round_robin = false;
   std::string loss_out, check_against, params_out;
 };
 
@@ -95,6 +101,18 @@ int parse(int argc, char** argv, bool print, Options& o) {
                  "micro-batches per step (all but the last accumulate without communication)")
       ->check(CLI::Range(1, kGlobalBatch))->capture_default_str();
   app.add_flag("--no-overlap{false}", o.overlap, "reduce buckets in step(), not during backward");
+  app.add_flag("--reproducible", o.reproducible,
+               "Reduction::Reproducible: the same loss curve and weights, bit for bit, at any "
+               "rank count (micro-batches of --micro-batch-size samples; --micro-batches is "
+               "then ignored)");
+  app.add_option("--micro-batch-size", o.micro_batch_size,
+                 "with --reproducible: samples per micro-batch (must divide the global batch "
+                 "of 96 into a multiple of the rank count)")
+      ->check(CLI::Range(1, kGlobalBatch))->capture_default_str();
+  app.add_option("--assign", o.round_robin,
+                 "with --reproducible: which micro-batches a rank computes")
+      ->transform(cli::choice<bool>({{"blocked", false}, {"round-robin", true}}))
+      ->default_str("blocked");
   app.add_option("--loss-out", o.loss_out, "write the loss curve (one value per step)");
   app.add_option("--check-against", o.check_against,
                  "compare the loss curve with this file; fail beyond the tolerance")
@@ -135,6 +153,7 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   o.adam.max_grad_norm = 1.0;
   o.bucket_elems = 1024;  // several buckets even for this small model
   o.overlap = cli.overlap;
+  if (cli.reproducible) o.reduction = Reduction::Reproducible;
   ShardedOptimizer opt(comm, o);
   const int no_decay = opt.add_group(GroupOptions{1.0, false});
   // Stage 3 gathers parameters a unit (here: a layer) at a time. Units are declared at every
@@ -166,7 +185,25 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
                    cli.micro_batches);
     return 2;
   }
-  const int micro = local / cli.micro_batches;
+  int micro = local / cli.micro_batches;
+  // This rank's micro-batches, by global index: [first sample, end).
+  std::vector<int> mb_first;
+  int num_mb = kGlobalBatch;  // global micro-batches (reproducible mode)
+  if (cli.reproducible) {
+    micro = cli.micro_batch_size;
+    num_mb = kGlobalBatch / micro;
+    if (kGlobalBatch % micro != 0 || num_mb % world != 0) {
+      if (rank == 0)
+        std::fprintf(stderr, "micro-batches of %d samples do not split the global batch of %d "
+                     "evenly over %d ranks\n", micro, kGlobalBatch, world);
+      return 2;
+    }
+    const int per_rank = num_mb / world;
+    for (int q = 0; q < per_rank; ++q)
+      mb_first.push_back(micro * (cli.round_robin ? q * world + rank : rank * per_rank + q));
+  } else {
+    for (int mb = 0; mb < cli.micro_batches; ++mb) mb_first.push_back(first + mb * micro);
+  }
   std::vector<double> losses;
   std::vector<float> x(kIn), y(kOut), h(kHidden), out(kOut), dout(kOut), dh(kHidden);
   for (int step = 0; step < cli.steps; ++step) {
@@ -189,10 +226,12 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
     const std::vector<float> w2 = read_param(opt, W2), b2 = read_param(opt, B2);
     if (zero3) opt.release(layer2);
     double local_sse = 0;
-    for (int mb = 0; mb < cli.micro_batches; ++mb) {
-      opt.begin_backward(/*sync=*/mb + 1 == cli.micro_batches);
+    std::vector<double> mb_sse(static_cast<std::size_t>(num_mb), 0.0);  // reproducible mode
+    for (std::size_t mb = 0; mb < mb_first.size(); ++mb) {
+      opt.begin_backward(/*sync=*/mb + 1 == mb_first.size());
       std::vector<float> gw1(w1.size(), 0), gb1(b1.size(), 0), gw2(w2.size(), 0), gb2(b2.size(), 0);
-      for (int s = first + mb * micro; s < first + (mb + 1) * micro; ++s) {
+      double sse_mb = 0;  // this micro-batch's, alone
+      for (int s = mb_first[mb]; s < mb_first[mb] + micro; ++s) {
         make_sample(step, s, x.data(), y.data());
         for (int j = 0; j < kHidden; ++j) {
           float a = b1[j];
@@ -204,7 +243,7 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
           for (int j = 0; j < kHidden; ++j) a += w2[o2 * kHidden + j] * h[j];
           out[o2] = a;
           const float e = a - y[o2];
-          local_sse += static_cast<double>(e) * e;
+          sse_mb += static_cast<double>(e) * e;
           dout[o2] = 2.0f * e / static_cast<float>(micro);  // d(mean over micro-batch)/d out
         }
         // Backward, layer 2 then layer 1.
@@ -231,10 +270,21 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
       opt.grad_ready(B1);
       opt.accumulate_grad(W1, std::span<const float>(gw1));
       opt.grad_ready(W1);
+      local_sse += sse_mb;
+      mb_sse[static_cast<std::size_t>(mb_first[mb] / micro) % mb_sse.size()] = sse_mb;
     }  // micro-batches: step() averages over them and over ranks
     const StepResult r = opt.step();
 
-    const double loss = sum_over_ranks(*comm, local_sse) / kGlobalBatch;
+    double loss = 0;
+    if (cli.reproducible) {
+      // Each micro-batch's loss sits in its own slot (the others add zeros, exactly), then
+      // the slots are summed in micro-batch order: the same bits at any rank count.
+      comm->all_reduce_sum_host(mb_sse.data(), mb_sse.size());
+      for (double v : mb_sse) loss += v;
+      loss /= kGlobalBatch;
+    } else {
+      loss = sum_over_ranks(*comm, local_sse) / kGlobalBatch;
+    }
     losses.push_back(loss);
     if (rank == 0 && (step % 20 == 0 || step == cli.steps - 1))
       std::printf("step %4d  loss %.6f  grad_norm %.4f%s%s  lr %.2e\n", step, loss, r.grad_norm,
