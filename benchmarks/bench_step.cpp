@@ -6,6 +6,9 @@
 //
 //   OMP_NUM_THREADS=1 mpiexec -n 2 bench_step [--psi 64M] [--tensor-elems 1M]
 //        [--bucket-elems 1M] [--steps 5] [--stages dp,1,2] [--no-overlap]
+//        [--reductions default,reproducible] [--micro-batches K]
+// Reproducible mode (--reductions reproducible) adds its exact accumulation and 9 wire bytes
+// per element instead of 4; its floor column is the default's, so step/floor shows its cost.
 //   SHARDOPT_COMM=mpi selects plain MPI instead of shared memory.
 //
 // Floor bytes per rank (P padded elements, N ranks, bf16 replica):
@@ -41,6 +44,8 @@ struct Args {
   int steps = 5;
   bool overlap = true;
   std::vector<Stage> stages{Stage::DataParallel, Stage::Zero1, Stage::Zero2};
+  std::vector<Reduction> reductions{Reduction::Default};
+  int micro_batches = 1;
 };
 
 // The command line: the exit code after --help, --version or bad input, or -1 to run.
@@ -61,6 +66,15 @@ int parse(int argc, char** argv, bool print, Args& a) {
       ->transform(cli::choice<Stage>({{"dp", Stage::DataParallel}, {"0", Stage::DataParallel},
                                       {"1", Stage::Zero1}, {"2", Stage::Zero2}}))
       ->default_str("dp,1,2");
+  app.add_option("--reductions", a.reductions, "default, reproducible, or both (comma separated)")
+      ->delimiter(',')
+      ->transform(cli::choice<Reduction>({{"default", Reduction::Default},
+                                          {"reproducible", Reduction::Reproducible}}))
+      ->default_str("default");
+  app.add_option("--micro-batches", a.micro_batches,
+                 "micro-batches per step (each writes every gradient; all but the last "
+                 "without synchronisation)")
+      ->check(CLI::Range(1, 1 << 10))->capture_default_str();
   bool no_overlap = false;
   app.add_flag("--no-overlap", no_overlap, "issue every collective inside step()");
   const int rc = cli::parse(app, argc, argv, print);
@@ -82,25 +96,37 @@ struct Phases {
   double reduce = 0, norm = 0, update = 0, gather = 0, total = 0;
 };
 
-Phases run_stage(const Args& a, Stage stage, std::string& comm_name, std::size_t& padded) {
+struct Extra {
+  std::size_t reduce_bytes = 0;  ///< the planner's payload bytes of one step's reduction
+  std::size_t grads_bytes = 0;   ///< this rank's gradient memory (tracker)
+};
+
+Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& comm_name,
+                 std::size_t& padded, Extra& extra) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   comm_name = comm->name();
   OptimizerOptions o;
   o.stage = stage;
   o.bucket_elems = a.bucket_elems;
   o.overlap = a.overlap;
+  o.reduction = reduction;
   ShardedOptimizer opt(comm, o);
   const FlatLayout model = uniform_layout(a.psi, a.tensor_elems);
   for (const ParamInfo& p : model.params()) opt.add_param(p.name, p.numel, p.group);
   opt.finalize();
   padded = opt.layout().padded_size();
+  extra.reduce_bytes = plan_memory(opt.layout(), plan_config(o, comm->size())).reduce_bytes;
+  extra.grads_bytes = opt.memory_report()[MemCategory::Grads];
   const std::size_t n = opt.layout().num_params();
   Phases sum;
   for (int s = 0; s <= a.steps; ++s) {  // step 0 warms up
-    for (std::size_t i = n; i-- > 0;) {  // backward order
-      const std::span<float> g = opt.grad(i);
-      for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(i, k, s);
-      opt.grad_ready(i);
+    for (int mb = 0; mb < a.micro_batches; ++mb) {
+      opt.begin_backward(mb + 1 == a.micro_batches);
+      for (std::size_t i = n; i-- > 0;) {  // backward order
+        const std::span<float> g = opt.grad(i);
+        for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(i, k, s + mb);
+        opt.grad_ready(i);
+      }
     }
     MPI_Barrier(MPI_COMM_WORLD);
     const StepTimings t = opt.step().timings;
@@ -141,17 +167,20 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       const char* threads = std::getenv("OMP_NUM_THREADS");
       std::printf("cpu: %s; ranks %d; OMP_NUM_THREADS=%s; psi %zu, tensors of %zu, buckets of "
-                  "%zu, overlap %s\n",
+                  "%zu, overlap %s, %d micro-batch(es)\n",
                   bench::cpu_model_name().c_str(), ranks, threads ? threads : "(unset)", a.psi,
-                  a.tensor_elems, a.bucket_elems, a.overlap ? "on" : "off");
+                  a.tensor_elems, a.bucket_elems, a.overlap ? "on" : "off", a.micro_batches);
       std::printf("in-place a+=s*b bandwidth per rank (all ranks at once): %.2f GB/s\n\n", bw / 1e9);
-      std::printf("| stage | comm | reduce s | norm s | update s | gather s | step s | floor s "
-                  "| step/floor | clear s (not in floor) |\n|---|---|---|---|---|---|---|---|---|---|\n");
+      std::printf("| stage | reduction | comm | reduce s | norm s | update s | gather s | step s "
+                  "| floor s | step/floor | clear s (not in floor) | reduce MiB/rank | grads MiB |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     }
-    for (Stage stage : a.stages) {
+    for (Stage stage : a.stages)
+    for (Reduction reduction : a.reductions) {
       std::string comm_name;
       std::size_t padded = 0;
-      const Phases ph = run_stage(a, stage, comm_name, padded);
+      Extra extra;
+      const Phases ph = run_stage(a, stage, reduction, comm_name, padded, extra);
       const double P = static_cast<double>(padded);
       double bytes = 0, clear = 0;
       if (stage == Stage::DataParallel) {
@@ -163,9 +192,12 @@ int main(int argc, char** argv) {
       }
       const double floor = bytes / bw;
       if (rank == 0)
-        std::printf("| %s | %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.2f | %.4f |\n",
-                    stage_name(stage), comm_name.c_str(), ph.reduce, ph.norm, ph.update,
-                    ph.gather, ph.total, floor, ph.total / floor, clear / bw);
+        std::printf("| %s | %s | %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.2f | %.4f | %.1f "
+                    "| %.1f |\n",
+                    stage_name(stage), reduction_name(reduction), comm_name.c_str(), ph.reduce,
+                    ph.norm, ph.update, ph.gather, ph.total, floor, ph.total / floor, clear / bw,
+                    static_cast<double>(extra.reduce_bytes) / (1 << 20),
+                    static_cast<double>(extra.grads_bytes) / (1 << 20));
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_step: %s\n", e.what());

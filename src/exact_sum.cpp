@@ -42,15 +42,19 @@ inline double round_to_integer(double x) {
   return (x + kShift) - kShift;  // IEEE semantics (no -ffast-math): not folded
 }
 
-}  // namespace
-
-int level_of(float v) {
-  // With E the biased exponent field, 2^(E-127) <= |v| < 2^(E-126) (subnormals: E = 0, below
-  // 2^-126); the lowest L with E - 126 <= b(L) + kBinBits - 1 is ceil((E + 1) / 24), at least 1.
-  static_assert(kBinBits == 24 && kBase == -150, "level_of assumes these bins");
-  const std::uint32_t e = (std::bit_cast<std::uint32_t>(v) >> 23) & 0xffu;
-  return static_cast<int>((e + 24) / 24);
+// The fp32 bits of m * 2^e (no sign), which is exactly representable or overflows: m < 2^25
+// and, when m * 2^e is below 2^-126, e >= -149. Plain integer work (no libm call).
+inline std::uint32_t compose(std::uint64_t m, int e) {
+  if (m == 0) return 0;
+  const int p = 63 - std::countl_zero(m);  // m's leading bit, <= 24
+  if (p + e < -126) return static_cast<std::uint32_t>(m << (e + 149));  // subnormal
+  const int biased = p + e + 127;
+  if (biased >= 255) return 0x7f800000u;  // +Inf
+  const std::uint64_t norm = p <= 23 ? m << (23 - p) : m >> (p - 23);  // p = 24: m = 2^24
+  return (static_cast<std::uint32_t>(biased) << 23) | (static_cast<std::uint32_t>(norm) & 0x7fffffu);
 }
+
+}  // namespace
 
 float to_float(std::int64_t n, int exp2) {
   if (n == 0) return 0.0f;
@@ -61,19 +65,19 @@ float to_float(std::int64_t n, int exp2) {
   int shift = msb - 23;
   const int lowest = -149 - exp2;
   if (shift < lowest) shift = lowest;
-  float r = 0.0f;
-  if (shift <= 0) {
-    r = std::ldexp(static_cast<float>(u), exp2);  // u < 2^24: exact
-  } else if (shift >= 64) {
-    r = 0.0f;  // below half of the smallest subnormal
-  } else {
-    std::uint64_t m = u >> shift;
+  std::uint64_t m = u;
+  if (shift >= 64) {
+    m = 0;  // below half of the smallest subnormal
+  } else if (shift > 0) {
+    m = u >> shift;
     const std::uint64_t rest = u & ((std::uint64_t{1} << shift) - 1);
     const std::uint64_t half = std::uint64_t{1} << (shift - 1);
     if (rest > half || (rest == half && (m & 1) != 0)) ++m;
-    r = std::ldexp(static_cast<float>(m), exp2 + shift);  // m <= 2^24: exact, or +Inf
+  } else {
+    shift = 0;
   }
-  return negative ? -r : r;
+  const std::uint32_t r = compose(m, exp2 + shift);
+  return std::bit_cast<float>(negative ? r | 0x80000000u : r);
 }
 
 std::size_t grads_bytes(std::size_t padded, std::size_t max_bucket) {
@@ -201,13 +205,10 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
 // ---- SquareSum -------------------------------------------------------------------------
 
 void SquareSum::add_one(float v) {
-  if (v == 0.0f) return;
-  if (std::isnan(v)) {
-    nans_ += 1;
-    return;
-  }
-  if (std::isinf(v)) {
-    infs_ += 1;
+  const std::uint32_t vb = std::bit_cast<std::uint32_t>(v) & 0x7fffffffu;
+  if (vb == 0) return;
+  if (vb >= 0x7f800000u) {  // Inf or NaN
+    (vb == 0x7f800000u ? infs_ : nans_) += 1;
     return;
   }
   const double sq = static_cast<double>(v) * static_cast<double>(v);  // exact: 48 bits

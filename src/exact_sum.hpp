@@ -25,6 +25,7 @@
 #pragma once
 
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -47,8 +48,14 @@ inline constexpr std::int64_t kMaxContributions = 65535;
 
 /// 2^b(L), the exponent of level L's top bin.
 constexpr int bin_exponent(int level) { return kBinBits * level + kBase; }
-/// The lowest level that holds v (finite, nonzero).
-int level_of(float v);
+/// The lowest level that holds v (finite, nonzero). With E the biased exponent field,
+/// 2^(E-127) <= |v| < 2^(E-126) (subnormals: E = 0, below 2^-126); the lowest L with
+/// E - 126 <= b(L) + kBinBits - 1 is ceil((E + 1) / 24), at least 1.
+inline int level_of(float v) {
+  static_assert(kBinBits == 24 && kBase == -150, "level_of assumes these bins");
+  const std::uint32_t e = (std::bit_cast<std::uint32_t>(v) >> 23) & 0xffu;
+  return static_cast<int>((e + 24) / 24);
+}
 /// n * 2^exp2 rounded once to fp32 (to nearest even, subnormals and overflow included).
 float to_float(std::int64_t n, int exp2);
 

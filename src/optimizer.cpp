@@ -274,13 +274,13 @@ void ShardedOptimizer::finalize() {
   if (staged) grads.staging = shared_buffer(plan.staging);
   else grads.grads = shared_buffer(plan.grads);
   if (zero3) unit_pool = shared_buffer(plan.units);
+  if (plan.exact.bytes > 0) grads.exact = shared_buffer(plan.exact);  // its integer collectives
   collective(*comm_, "finalize", [&] {
     if (zero3) b.replica = local_buffer(plan.replica);
     if (staged) grads.grads = local_buffer(plan.grads);
     if (plan.master.bytes > 0) b.master = local_buffer(plan.master);
     b.exp_avg = local_buffer(plan.exp_avg);
     b.exp_avg_sq = local_buffer(plan.exp_avg_sq);
-    if (plan.exact.bytes > 0) grads.exact = local_buffer(plan.exact);
   });
 
   layout_ = std::move(layout);  // BucketSet and UnitSet keep a reference to it

@@ -16,6 +16,7 @@
 #include <sys/statvfs.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -60,12 +61,28 @@ class ShmCommunicator final : public Communicator {
   void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
     plain_->all_reduce_sum(buf, count, type);
   }
-  // Reproducible mode's buffers are local memory: plain MPI moves them.
+  // Reproducible mode: inside a window on one node, by loads and stores like the fp32
+  // reduce-scatter (integer sums and maxima: any order gives the same result); otherwise
+  // plain MPI.
   void reduce_scatter_int(void* buf, std::size_t count, IntOp op) override {
-    plain_->reduce_scatter_int(buf, count, op);
+    const std::size_t elem = op == IntOp::SumI64 ? sizeof(std::int64_t) : 1;
+    const std::size_t n = static_cast<std::size_t>(size());
+    const WindowView v = find(buf, count * n * elem);
+    if (v.win == nullptr || topo_->num_nodes != 1) return plain_->reduce_scatter_int(buf, count, op);
+    dog_->enter("reduce_scatter_int (shared memory)");
+    v.win->sync();
+    for (int k = 0; k < topo_->node_size; ++k)  // block k, into its owner's buffer
+      reduce_int_part(v, op, static_cast<std::size_t>(k) * count, count, k);
+    v.win->sync();
   }
   void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
-    plain_->all_reduce_int(buf, count, op);
+    const std::size_t elem = op == IntOp::SumI64 ? sizeof(std::int64_t) : 1;
+    const WindowView v = find(buf, count * elem);
+    if (v.win == nullptr || topo_->num_nodes != 1) return plain_->all_reduce_int(buf, count, op);
+    dog_->enter("all_reduce_int (shared memory)");
+    v.win->sync();
+    reduce_int_part(v, op, 0, count, -1);
+    v.win->sync();
   }
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     plain_->all_reduce_sum_host(buf, count);
@@ -162,6 +179,48 @@ class ShmCommunicator final : public Communicator {
     for (int p = 0; p < topo_->node_size; ++p)
       src[static_cast<std::size_t>(p)] = v.f32(p) + begin + part.begin;
     sum_rows(dst + part.begin, src.data(), topo_->node_size, part.size());
+  }
+
+  mutable std::vector<char> int_scratch_;  // all_reduce_int's part, reused
+
+  // Elements [begin, begin + n) reduced over the node's ranks; this rank does its part of
+  // them and writes the result into `owner`'s buffer, or every rank's (owner -1). Only this
+  // rank reads or writes its part, in every buffer, between the two syncs around it.
+  void reduce_int_part(const WindowView& v, IntOp op, std::size_t begin, std::size_t n,
+                       int owner) const {
+    const Range part = split_part(n, topo_->node_size, topo_->node_rank);
+    if (part.empty()) return;
+    const int peers = topo_->node_size;
+    const std::size_t first = begin + part.begin;
+    // The result is built in the first destination (or a reused scratch buffer when that
+    // is not this rank's part alone to write), never in freshly allocated memory.
+    const std::size_t elem = op == IntOp::SumI64 ? sizeof(std::int64_t) : 1;
+    char* acc = owner >= 0 ? v.at(owner) + first * elem : nullptr;
+    if (owner < 0) {
+      if (int_scratch_.size() < part.size() * elem) int_scratch_.resize(part.size() * elem);
+      acc = int_scratch_.data();
+    }
+    std::vector<const char*> src(static_cast<std::size_t>(peers));
+    for (int p = 0; p < peers; ++p) src[static_cast<std::size_t>(p)] = v.at(p) + first * elem;
+    if (op == IntOp::SumI64) {
+      auto* out = reinterpret_cast<std::int64_t*>(acc);
+      for (std::size_t j = 0; j < part.size(); ++j) {
+        std::int64_t s = 0;
+        for (int p = 0; p < peers; ++p)
+          s += reinterpret_cast<const std::int64_t*>(src[static_cast<std::size_t>(p)])[j];
+        out[j] = s;
+      }
+    } else {
+      auto* out = reinterpret_cast<std::uint8_t*>(acc);
+      for (std::size_t j = 0; j < part.size(); ++j) {
+        std::uint8_t m = 0;
+        for (int p = 0; p < peers; ++p)
+          m = std::max(m, reinterpret_cast<const std::uint8_t*>(src[static_cast<std::size_t>(p)])[j]);
+        out[j] = m;
+      }
+    }
+    if (owner < 0)
+      for (int p = 0; p < peers; ++p) std::memcpy(v.at(p) + first * elem, acc, part.size() * elem);
   }
 
   // Offsets of size() back-to-back blocks of count * unit bytes (or elements, unit 1); the
