@@ -25,6 +25,7 @@
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
+#include "support/ckpt_model.hpp"  // test::SharedDir
 #include "support/world.hpp"
 
 using namespace shardopt;
@@ -205,18 +206,6 @@ std::shared_ptr<Communicator> mpi(MpiCommKind kind) {
   return make_mpi_communicator(MPI_COMM_WORLD, MpiCommOptions{kind, 0, 0});
 }
 
-// A directory every rank names alike (rank 0 creates it). Collective.
-fs::path shared_dir(Communicator& comm, const char* tag) {
-  char name[256] = {};
-  if (comm.rank() == 0) {
-    std::string tmpl = (fs::temp_directory_path() / (std::string("shardopt-repro-") + tag + "-XXXXXX")).string();
-    if (!mkdtemp(tmpl.data())) std::abort();
-    std::snprintf(name, sizeof name, "%s", tmpl.c_str());
-  }
-  comm.broadcast_bytes(name, sizeof name, 0);
-  return name;
-}
-
 }  // namespace
 
 // The reference itself exercises what the guarantee covers: clipping, a skipped step.
@@ -311,7 +300,8 @@ TEST(Reproducible, DefaultReductionDiffersAcrossRankCounts) {
 TEST(Reproducible, CheckpointsResumeAtAnotherRankCount) {
   const Trained& want = reference();
   auto w = mpi(MpiCommKind::Plain);
-  const fs::path dir = shared_dir(*w, "ckpt");
+  const test::SharedDir shared(*w);  // removed at the end (collective)
+  const fs::path& dir = shared.path();
   std::vector<StepResult> results;
   {
     ShardedOptimizer opt(w, options(Stage::Zero2, 1024));
@@ -342,8 +332,6 @@ TEST(Reproducible, CheckpointsResumeAtAnotherRankCount) {
     for (int s = 2; s < 4; ++s) rs.push_back(train_step(opt, s, Assign::Blocked, 1));
     expect_same(snapshot(opt, rs), want, "saved at 1, resumed at W (stage 3)");
   }
-  w->barrier();
-  if (w->rank() == 0) fs::remove_all(dir);
 }
 
 TEST(Reproducible, BadOptionsAreTheSameErrorOnEveryRank) {
