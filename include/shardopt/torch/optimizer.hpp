@@ -1,0 +1,152 @@
+// shardopt/torch/optimizer.hpp: the LibTorch adapter. A LibTorch trainer swaps
+// torch::optim::AdamW for ShardedAdamW and keeps its loop:
+//
+//   auto comm = shardopt::make_mpi_communicator(MPI_COMM_WORLD);   // or a c10d gloo one
+//   shardopt::libtorch::ShardedAdamW opt(model->parameters(),
+//                                        torch::optim::AdamWOptions(3e-4).weight_decay(0.1),
+//                                        comm, {.stage = shardopt::Stage::Zero2});
+//   for (...) { opt.zero_grad(); loss = loss_fn(model->forward(x_local), y_local);
+//               loss.backward(); opt.step(); }
+//
+// What it does to the model (zero copy):
+// - Every parameter's storage becomes a view into shardopt's flat replica (fp32, or bf16 for a
+//   bf16 model): the forward pass reads what the step's all-gather wrote. Rank 0's initial
+//   values are broadcast to every rank at construction (as DDP does).
+// - fp32 model at stages 0 and 1: each parameter's .grad() is a view into shardopt's flat fp32
+//   gradient buffer, so autograd accumulates in place; nothing is copied.
+// - Stage 2, and any bf16 model: a hook on each parameter's gradient accumulator hands the
+//   gradient to shardopt as backward produces it (accumulated in fp32) and drops the tensor;
+//   .grad() stays undefined. Gradients are handed over in backward order (the reverse of
+//   registration order); one that arrives early is held until its turn.
+// - Every stage: the hook marks the parameter ready, so each bucket's reduction starts while
+//   backward is still running (no trainer code). A backward() call is one micro-batch; inside
+//   a no_sync() scope micro-batches accumulate without communication (DDP's convention), and
+//   the step averages over the micro-batches since the previous step.
+//
+// Contract (checked where it can be, otherwise documented):
+// - Parameters: CPU, dense, leaf tensors that require grad, all fp32 or all bf16, each in one
+//   group. Group options are torch::optim::AdamWOptions; betas and eps must be the same in
+//   every group, weight_decay either 0 or one common value (shardopt's groups have an lr
+//   scale and a decay on/off switch); amsgrad is not supported. Group lr changes (LR
+//   schedulers, param_groups()) take effect at the next step. Stage 3 is not supported: a
+//   LibTorch C++ module has no forward hooks to gather a layer's parameters before it runs.
+// - step() consumes the gradients: the reduce-scatter works in place, so after a step the
+//   next backward starts from zero whether or not zero_grad() was called. Clip with
+//   OptimizerOptions::adam.max_grad_norm (global norm over all ranks), not with
+//   torch::nn::utils::clip_grad_norm_ on local gradients.
+// - Collective (every rank, same order): the constructor, step(), save(), load().
+// - Destroying the optimizer gives every parameter (and .grad()) its own storage back, with
+//   the current values, so the model outlives it.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardopt/checkpoint.hpp"
+#include "shardopt/comm.hpp"
+#include "shardopt/optimizer.hpp"
+
+namespace shardopt::libtorch {
+
+class ShardedAdamW : public torch::optim::Optimizer {
+ public:
+  using ParamGroups = std::vector<torch::optim::OptimizerParamGroup>;
+
+  /// Collective. `defaults` fills every group that has no options of its own; `options`
+  /// chooses the stage, buckets, overlap, clipping (adam.max_grad_norm), loss scaling... Its
+  /// adam.lr/beta1/beta2/eps/weight_decay and param_dtype are taken from the groups and the
+  /// tensors. Parameter names are "<group>.<index>" (g0.0, g0.1, ...). Every rank must pass
+  /// the same groups; throws shardopt::Error on every rank otherwise (see finalize()).
+  ShardedAdamW(ParamGroups groups, const torch::optim::AdamWOptions& defaults,
+               std::shared_ptr<Communicator> comm, OptimizerOptions options = {});
+  ShardedAdamW(std::vector<torch::Tensor> params, const torch::optim::AdamWOptions& defaults,
+               std::shared_ptr<Communicator> comm, OptimizerOptions options = {});
+  /// The same from module->named_parameters(): checkpoints and error messages use the names.
+  ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>& named_params,
+               const torch::optim::AdamWOptions& defaults, std::shared_ptr<Communicator> comm,
+               OptimizerOptions options = {});
+  ~ShardedAdamW() override;
+  ShardedAdamW(const ShardedAdamW&) = delete;
+  ShardedAdamW& operator=(const ShardedAdamW&) = delete;
+
+  /// Collective. Runs `closure` (with grad mode on) if given, then reduces the gradients,
+  /// clips, updates every rank's shard and all-gathers the parameters; returns the closure's
+  /// loss (undefined without one). When it returns, the parameter tensors hold the new values.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  /// Zeroes every gradient (shardopt's buffers and the .grad() views). Local.
+  void zero_grad();
+
+  /// RAII scope: backward passes inside it accumulate locally with no communication (all but
+  /// the last micro-batch of a step). Local; must be used the same way on every rank.
+  class NoSync {
+   public:
+    explicit NoSync(ShardedAdamW& o) : o_(o), previous_(o.sync_) { o_.sync_ = false; }
+    ~NoSync() { o_.sync_ = previous_; }
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    ShardedAdamW& o_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
+  /// The last step's result: global gradient norm (before clipping), clip coefficient,
+  /// whether it was skipped for a non-finite gradient, timings.
+  const StepResult& last_result() const { return last_; }
+  /// Optimizer memory on this rank, per category (shardopt's accounting).
+  MemoryReport memory_report() const { return core_->memory_report(); }
+  /// The shardopt optimizer underneath (layout, options, get_master, ...).
+  ShardedOptimizer& core() { return *core_; }
+  const std::vector<std::string>& names() const { return names_; }
+
+  /// Collective: shardopt's checkpoint (crash-safe, loadable at another rank count or
+  /// stage). Returns the published checkpoint directory.
+  std::filesystem::path save(const std::filesystem::path& dir, const SaveOptions& o = {});
+  /// Collective: restores master weights, moments, step count and hyperparameters (written
+  /// back into param_groups()), and the parameter tensors.
+  void load(const std::filesystem::path& path);
+  /// torch::serialize archives cannot hold a sharded state: Error(Unsupported); use
+  /// save(dir)/load(dir).
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+ private:
+  struct Hook;
+  void build(const std::vector<std::string>& names, std::shared_ptr<Communicator> comm,
+             OptimizerOptions options);
+  void check_groups() const;
+  void apply_group_settings();
+  void on_grad(std::size_t i);       // gradient accumulator post-hook of parameter i
+  void begin_pass();                 // first hook of a backward pass
+  void end_pass();                   // the engine's callback at the end of backward
+  void deliver(std::size_t i);       // hand parameter i's gradient to shardopt, mark ready
+  void adopt_grad(std::size_t i);    // make .grad() the view again, keeping its values
+  torch::Tensor grad_view(std::size_t i);
+  bool views_grads() const { return grad_views_; }
+
+  std::unique_ptr<ShardedOptimizer> core_;
+  std::vector<torch::Tensor> params_;  // registration order
+  std::vector<std::string> names_;
+  std::vector<int> group_of_;
+  torch::ScalarType dtype_ = torch::kFloat;
+  bool grad_views_ = false;  // fp32 model at stage 0/1: .grad() views the flat buffer
+  bool ordered_ = false;     // stage 2: gradients must reach shardopt in backward order
+  bool sync_ = true;
+  bool in_pass_ = false;
+  bool fresh_ = true;  // no backward since the last step or zero_grad
+  std::vector<float*> grad_data_;       // grad_views_: each parameter's gradient in the buffer
+  std::vector<torch::Tensor> pending_;  // gradients that arrived before their turn
+  std::vector<std::uint8_t> arrived_;
+  std::size_t cursor_ = 0;  // backward-order position of the next gradient to deliver
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<std::uintptr_t> hook_keys_;
+  StepResult last_;
+};
+
+}  // namespace shardopt::libtorch
