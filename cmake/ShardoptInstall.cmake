@@ -1,13 +1,15 @@
 # ShardoptInstall.cmake: `cmake --install` rules and the package files.
 #
 #   libraries  libshardopt (C and C++), libshardopt_fortran (the Fortran module), and, when
-#              CUDA was built, libshardopt_cuda (the CUDA backend and the NCCL communicator)
+#              CUDA was built, libshardopt_cuda (the CUDA backend and the NCCL communicator),
+#              when LibTorch was found, libshardopt_torch (the LibTorch adapter)
 #   headers    include/shardopt/*.h, *.hpp, the generated shardopt_version.h, shardopt_config.h
 #   Fortran    shardopt.mod in include/shardopt/fortran/<compiler>-<major version>/ (a .mod
 #              file is only readable by the compiler that wrote it; SHARDOPT_INSTALL_FORTRAN_MODDIR)
 #   tools      bin/shardopt-plan, bin/shardopt-export
-#   CMake      find_package(shardopt [COMPONENTS fortran cuda]): shardopt::shardopt,
-#              shardopt::fortran, and with the cuda component shardopt::cuda; usable from
+#   CMake      find_package(shardopt [COMPONENTS fortran cuda torch]): shardopt::shardopt,
+#              shardopt::fortran, with the cuda component shardopt::cuda, with the torch
+#              component shardopt::torch (the LibTorch adapter; finds Torch); usable from
 #              projects in any of C, C++ and Fortran. Also exported to the build tree
 #              (-Dshardopt_DIR=<build dir>).
 #   pkg-config shardopt.pc (C, C++), shardopt-fortran.pc, shardopt-cuda.pc
@@ -44,6 +46,16 @@ if(TARGET shardopt_cuda)
   install(EXPORT shardoptCudaTargets NAMESPACE shardopt:: DESTINATION ${SHARDOPT_INSTALL_CMAKEDIR})
   export(EXPORT shardoptCudaTargets NAMESPACE shardopt::
          FILE ${PROJECT_BINARY_DIR}/shardoptCudaTargets.cmake)
+endif()
+
+if(TARGET shardopt_torch)
+  install(TARGETS shardopt_torch EXPORT shardoptTorchTargets
+          ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+          LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+          RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  install(EXPORT shardoptTorchTargets NAMESPACE shardopt:: DESTINATION ${SHARDOPT_INSTALL_CMAKEDIR})
+  export(EXPORT shardoptTorchTargets NAMESPACE shardopt::
+         FILE ${PROJECT_BINARY_DIR}/shardoptTorchTargets.cmake)
 endif()
 
 # What consumers must find again. MPI: its C library is in the public interface. OpenMP and

@@ -39,7 +39,7 @@ fi
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined,fuzzer-no-link -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
-  -DSHARDOPT_MPI=OFF -DSHARDOPT_CUDA=OFF -DSHARDOPT_NCCL=OFF -DSHARDOPT_FORTRAN=OFF \
+  -DSHARDOPT_MPI=OFF -DSHARDOPT_CUDA=OFF -DSHARDOPT_NCCL=OFF -DSHARDOPT_FORTRAN=OFF -DSHARDOPT_TORCH=OFF \
   -DSHARDOPT_BUILD_TESTS=OFF -DSHARDOPT_BUILD_BENCHMARKS=OFF -DSHARDOPT_BUILD_EXAMPLES=OFF \
   -DSHARDOPT_BUILD_FUZZERS=ON >/dev/null
 cmake --build "$build" -j "$jobs" --target fuzz_checkpoint_reader fuzz_make_corpus

@@ -17,7 +17,7 @@ flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-fr
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_C_FLAGS="$flags" \
   -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
-  -DSHARDOPT_CUDA=OFF -DSHARDOPT_NCCL=OFF \
+  -DSHARDOPT_CUDA=OFF -DSHARDOPT_NCCL=OFF -DSHARDOPT_TORCH=OFF \
   -DSHARDOPT_BUILD_BENCHMARKS=OFF -DSHARDOPT_BUILD_EXAMPLES=OFF >/dev/null
 cmake --build "$build" -j "$jobs"
 

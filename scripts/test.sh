@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # test.sh: the whole test suite. Installs what is missing, builds, runs every ctest test (MPI
 # tests at 1-4 ranks, examples, and the GPU suite: on a GPU when present, else its Thrust
-# OpenMP build). Ends with ctest's summary line.
+# OpenMP build, and the LibTorch adapter: Debian's libtorch-dev and gloo's headers are
+# installed for it; MPICH stays the MPI of the build). Ends with ctest's summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh libtorch-dev libgloo-dev
 bash scripts/build.sh
 build=${SHARDOPT_BUILD_DIR:-build}
 cd "$build"
