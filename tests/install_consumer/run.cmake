@@ -8,12 +8,13 @@
 #     one of them including shardopt.h before <mpi.h> with implicit declarations as errors;
 #   - ldd: no CPU-only program needs libcudart or libnccl;
 #   - the installed tools run from the prefix without LD_LIBRARY_PATH (install RPATH);
+#   - with LibTorch, a LibTorch program through find_package(shardopt COMPONENTS torch);
 #   - the CUDA backend: found by programs linked with shardopt::cuda, and (shared library)
 #     loaded on demand by a program that was not.
 #
 #   cmake -DBUILD_DIR=... | -DSOURCE_DIR=... [-DBUILD_ARGS=a|b] -DWORK_DIR=... -DCONFIG=...
 #         -DC_COMPILER=... -DCXX_COMPILER=... [-DFortran_COMPILER=...] -DLIBDIR=lib
-#         -DWITH_MPI=ON|OFF -DWITH_CUDA=ON|OFF -P run.cmake
+#         -DWITH_MPI=ON|OFF -DWITH_CUDA=ON|OFF [-DWITH_TORCH=ON] -P run.cmake
 cmake_minimum_required(VERSION 3.25)
 set(src ${CMAKE_CURRENT_LIST_DIR})
 set(prefix ${WORK_DIR}/prefix)
@@ -112,6 +113,15 @@ else()
 endif()
 if(NOT answer MATCHES "${expected}")
   message(FATAL_ERROR "consumer_device: expected '${expected}', got '${answer}'")
+endif()
+
+# The LibTorch adapter: find_package(shardopt COMPONENTS torch) finds Torch and the adapter.
+if(WITH_TORCH)
+  run(${CMAKE_COMMAND} -S ${src} -B ${WORK_DIR}/consumer_torch -DCMAKE_BUILD_TYPE=${CONFIG}
+      -DCONSUMER_LANGUAGE=CXX -DCONSUMER_TORCH=ON -DCMAKE_PREFIX_PATH=${prefix}
+      -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON)
+  run(${CMAKE_COMMAND} --build ${WORK_DIR}/consumer_torch --config ${CONFIG})
+  run(${WORK_DIR}/consumer_torch/consumer_torch)
 endif()
 
 # ---- the build tree ----------------------------------------------------------------------------

@@ -362,6 +362,75 @@ TEST(AdapterHooks, OutOfOrderAndUnusedParametersMatchStage1) {
   EXPECT_TRUE(bitwise_equal(s1, s2)) << max_rel_diff(s1, s2);
 }
 
+namespace {
+
+// A communicator that counts the gradient reductions started through it.
+class CountingComm final : public Communicator {
+ public:
+  explicit CountingComm(std::shared_ptr<Communicator> in) : in_(std::move(in)) {}
+  int rank() const override { return in_->rank(); }
+  int size() const override { return in_->size(); }
+  std::string name() const override { return in_->name(); }
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
+                                                        CommType wire) override {
+    ++reductions;
+    return in_->start_reduce_scatter_sum(buf, count, wire);
+  }
+  std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count, CommType type) override {
+    return in_->start_all_gather(buf, count, type);
+  }
+  std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
+                                                    CommType wire) override {
+    ++reductions;
+    return in_->start_all_reduce_sum(buf, count, wire);
+  }
+  void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
+    in_->all_reduce_sum(buf, count, type);
+  }
+  void all_reduce_sum_host(double* buf, std::size_t count) override { in_->all_reduce_sum_host(buf, count); }
+  void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
+    in_->all_gather_bytes(send, recv, bytes);
+  }
+  void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
+    in_->broadcast_bytes(buf, bytes, root);
+  }
+  void barrier() override { in_->barrier(); }
+  int reductions = 0;
+
+ private:
+  std::shared_ptr<Communicator> in_;
+};
+
+}  // namespace
+
+// The hooks start each bucket's reduction during backward: when autograd reaches the first
+// layer (the last gradients of the pass), the later layers' buckets are already being
+// reduced, and when backward returns every bucket has started; step() starts none.
+TEST(AdapterHooks, ReductionsStartDuringBackward) {
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+    SCOPED_TRACE(stage_name(stage));
+    auto net = make_net();
+    auto comm = std::make_shared<CountingComm>(test::world());
+    ShardedAdamW opt(net->parameters(), adamw(), comm, shard_options(stage));
+    const int buckets = static_cast<int>(opt.core().layout().num_buckets());
+    ASSERT_GE(buckets, 2);
+    int started_when_fc1_weight_grad_arrived = -1;
+    net->fc1->weight.register_hook([&](torch::Tensor) {  // runs before its accumulation
+      started_when_fc1_weight_grad_arrived = comm->reductions;
+    });
+    for (int s = 0; s < 2; ++s) {
+      comm->reductions = 0;
+      opt.zero_grad();
+      auto [x, y] = my_rows(s, 0, 1, torch::kFloat);
+      mse(net->forward(x), y).backward();
+      EXPECT_GT(started_when_fc1_weight_grad_arrived, 0);
+      EXPECT_EQ(comm->reductions, buckets) << "after backward";
+      opt.step();
+      EXPECT_EQ(comm->reductions, buckets) << "after step";
+    }
+  }
+}
+
 // module->zero_grad(true) (or an assignment) replaces .grad(); the adapter takes the values
 // back into its buffer, so training goes on unchanged.
 TEST(AdapterHooks, ReplacedGradIsAdopted) {
