@@ -61,14 +61,7 @@ TEST_P(StepVsReference, SeveralStepsMatchDoublePrecision) {
       h.opt->set_lr(3e-3);
       h.cfg.lr = 3e-3;
     }
-    h.write_grads(step);
-    const StepResult r = h.opt->step();
-    const test::RefResult rr = h.reference(step);
-    EXPECT_FALSE(r.skipped);
-    EXPECT_EQ(r.step, step);
-    EXPECT_NEAR(r.grad_norm, rr.grad_norm, 1e-6 * rr.grad_norm);
-    EXPECT_EQ(r.clipped, rr.clipped);
-    h.expect_matches_reference(("step " + std::to_string(step)).c_str());
+    h.step_and_check(step);
   }
 }
 

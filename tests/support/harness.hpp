@@ -136,6 +136,19 @@ struct Harness {
   }
   RefResult reference(int step) { return reference(std::vector<int>{step}); }
 
+  // One step on grad_value's gradients, checked against the reference: result fields and
+  // the parameters afterwards.
+  void step_and_check(int step) {
+    write_grads(step);
+    const StepResult r = opt->step();
+    const RefResult rr = reference(step);
+    EXPECT_FALSE(r.skipped);
+    EXPECT_EQ(r.step, step);
+    EXPECT_NEAR(r.grad_norm, rr.grad_norm, 1e-6 * rr.grad_norm);
+    EXPECT_EQ(r.clipped, rr.clipped);
+    expect_matches_reference(("step " + std::to_string(step)).c_str());
+  }
+
   void expect_matches_reference(const char* where) {
     for (std::size_t i = 0; i < model.sizes.size(); ++i) {
       std::vector<float> master(model.sizes[i]);
