@@ -8,7 +8,8 @@
 //                                  [-d float|bf16] [--comm mpi,shm] [-n 20] [-w 3] [--csv]
 //
 // size = bytes of the whole in-place buffer (all ranks' blocks, as nccl-tests counts it),
-// count = its elements. time = median over iterations of the slowest rank, in microseconds.
+// count = its elements. time = median over iterations of the slowest rank, in microseconds
+// (ranks synchronised by the communicator's barrier before each iteration).
 // algbw = size / time; busbw = algbw * (n-1)/n for reduce-scatter and all-gather and
 // algbw * 2(n-1)/n for all-reduce (nccl-tests' bus bandwidth). -d bf16 sends bf16 over the
 // wire: reduce-scatter and all-reduce of fp32 buffers summed as bf16, all-gather of a bf16
@@ -174,12 +175,15 @@ Result measure(Communicator& c, const Case& k, void* buf, const Args& a) {
   std::vector<double> times;
   for (int it = 0; it < a.warmup + a.iters; ++it) {
     prepare(k, buf);  // outside the timing: in place, the input is consumed
-    MPI_Barrier(MPI_COMM_WORLD);
+    // Synchronised through the communicator, so the benchmark waits as the library does
+    // (MpiWait: oversubscribed ranks yield).
+    c.barrier();
     const double t0 = MPI_Wtime();
     run_collective(c, k.op, k.type, buf, k.per);
-    double dt = MPI_Wtime() - t0;
-    MPI_Allreduce(MPI_IN_PLACE, &dt, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    if (it >= a.warmup) times.push_back(dt);
+    const double dt = MPI_Wtime() - t0;
+    std::vector<double> all(static_cast<std::size_t>(c.size()));
+    c.all_gather_bytes(&dt, all.data(), sizeof dt);
+    if (it >= a.warmup) times.push_back(*std::max_element(all.begin(), all.end()));
   }
   unsigned long long wrong = count_wrong(k, buf);  // the last iteration's result
   MPI_Allreduce(MPI_IN_PLACE, &wrong, 1, MPI_UNSIGNED_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);

@@ -51,8 +51,8 @@ void expect_same_error(Status want, const std::function<void()>& f,
                             << "rank's: " << message;
 }
 
-int last_rank() { return test::world()->size() - 1; }
-bool is_last() { return test::world()->rank() == last_rank(); }
+int last_rank() { return test::world_size() - 1; }
+bool is_last() { return test::world_rank() == last_rank(); }
 std::string last_tag() { return "rank " + std::to_string(last_rank()); }
 
 OptimizerOptions small_options(Stage stage = Stage::Zero1) {
@@ -97,7 +97,7 @@ TEST(OneRankBadInput, Constructor) {
       {last_tag(), "collective_timeout_s"}, "negative timeout on the last rank");
   OptimizerOptions debug;
   debug.debug_collectives = true;
-  if (test::world()->size() > 1)
+  if (test::world_size() > 1)
     expect_same_error(
         Status::InvalidArgument,
         [&] { ShardedOptimizer opt(test::world(), is_last() ? debug : OptimizerOptions{}); },
@@ -119,11 +119,25 @@ TEST(OneRankBadInput, EnvironmentVariables) {
       Status::InvalidArgument, [&] { ShardedOptimizer opt(test::world(), OptimizerOptions{}); },
       {last_tag(), "SHARDOPT_DEBUG_COLLECTIVES='yes'"}, "bad debug variable");
   if (is_last()) setenv("SHARDOPT_DEBUG_COLLECTIVES", "1", 1);
-  if (test::world()->size() > 1)
+  if (test::world_size() > 1)
     expect_same_error(
         Status::InvalidArgument, [&] { ShardedOptimizer opt(test::world(), OptimizerOptions{}); },
         {"debug_collectives"}, "debug variable on the last rank only");
   unsetenv("SHARDOPT_DEBUG_COLLECTIVES");
+#ifdef SHARDOPT_WITH_MPI
+  // (The messages are compared on a communicator made after the variable is gone.)
+  if (is_last()) setenv("SHARDOPT_MPI_WAIT", "sometimes", 1);
+  std::exception_ptr error;
+  try {
+    test::world();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  unsetenv("SHARDOPT_MPI_WAIT");
+  expect_same_error(
+      Status::InvalidArgument, [&] { if (error) std::rethrow_exception(error); },
+      {last_tag(), "SHARDOPT_MPI_WAIT='sometimes'"}, "bad wait variable");
+#endif
 }
 
 TEST(OneRankBadInput, Finalize) {
@@ -136,7 +150,7 @@ TEST(OneRankBadInput, Finalize) {
 // A rank that skipped finalize() and calls a collective entry point meets the others in
 // their finalize(): the same error everywhere, naming the call of each rank.
 TEST(OneRankBadInput, CollectiveCallOnARankThatSkippedFinalize) {
-  if (test::world()->size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
+  if (test::world_size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
   std::vector<float> out(100);
   const std::vector<std::pair<const char*, std::function<void(ShardedOptimizer&)>>> calls = {
       {"step", [](ShardedOptimizer& o) { o.step(); }},
@@ -193,7 +207,7 @@ TEST(OneRankBadInput, FinalizeOutOfMemoryOnOneRank) {
       // Buffers of the category may all be shared-memory windows (not host allocations):
       // then nothing failed. The moments, and stage 3's replica slices, are always local.
       std::int32_t failed = g_failed ? 1 : 0;
-      std::vector<std::int32_t> all(static_cast<std::size_t>(test::world()->size()));
+      std::vector<std::int32_t> all(static_cast<std::size_t>(test::world_size()));
       test::world()->all_gather_bytes(&failed, all.data(), sizeof failed);
       if (category == MemCategory::Moments || (stage == Stage::Zero3 && category == MemCategory::Params))
         ASSERT_EQ(all.back(), 1) << what << ": the hook was not consulted";
@@ -223,7 +237,7 @@ TEST(OneRankBadInput, AcquireAndPrefetch) {
                     {last_tag() + ": acquire: unit 9 out of range (have 4)"}, "acquire: bad unit");
   expect_same_error(Status::InvalidArgument, [&] { opt.prefetch(is_last() ? 4 : 1); },
                     {last_tag() + ": prefetch: unit 4 out of range"}, "prefetch: bad unit");
-  if (test::world()->size() > 1)
+  if (test::world_size() > 1)
     expect_same_error(
         Status::InvalidState, [&] { opt.acquire(is_last() ? 1 : 0); },
         {"ranks entered different collective calls", "rank 0 in 'acquire(unit 0)'",
@@ -364,7 +378,7 @@ std::string stage_test_name(const testing::TestParamInfo<Stage>& i) {
 // setting and the rank, nothing is updated, and after the setting is put back step() reuses
 // the reduced gradients: the result is bit for bit the one of a run that never differed.
 TEST_P(StepSettings, DifferentSettingOnOneRankFailsEverywhereAndChangesNothing) {
-  if (test::world()->size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
+  if (test::world_size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
   OptimizerOptions o = small_options(GetParam());
   Harness h(o), ref(o);
   int step = 0;
@@ -392,7 +406,7 @@ TEST_P(StepSettings, DifferentSettingOnOneRankFailsEverywhereAndChangesNothing) 
 // Different micro-batch counts average differently (the norm of issue 16: 18.2 against
 // 9.1): refused; zero_grad() drops the gradients and the next step is the clean one.
 TEST_P(StepSettings, DifferentMicroBatchCountOnOneRankFailsEverywhere) {
-  if (test::world()->size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
+  if (test::world_size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
   OptimizerOptions o = small_options(GetParam());
   Harness h(o), ref(o);
   if (is_last()) {
@@ -414,7 +428,7 @@ TEST_P(StepSettings, DifferentMicroBatchCountOnOneRankFailsEverywhere) {
 }
 
 TEST_P(StepSettings, DifferentLossScaleStateOnOneRankFailsEverywhere) {
-  if (test::world()->size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
+  if (test::world_size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
   OptimizerOptions o = small_options(GetParam());
   o.loss_scaling.enabled = true;
   o.loss_scaling.initial_scale = 1024;
@@ -437,7 +451,7 @@ INSTANTIATE_TEST_SUITE_P(Stages, StepSettings,
 // ---- the debug mode --------------------------------------------------------------------------
 
 TEST(DebugCollectives, NamesTheFirstDivergingCollective) {
-  if (test::world()->size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
+  if (test::world_size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
   auto c = make_checked_communicator(test::world());
   const std::size_t n = static_cast<std::size_t>(c->size());
   std::vector<float> buf(128 * n, 1.0f);
@@ -466,7 +480,7 @@ TEST(DebugCollectives, NamesTheFirstDivergingCollective) {
 }
 
 TEST(DebugCollectives, CatchesRanksInDifferentOptimizerCalls) {
-  if (test::world()->size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
+  if (test::world_size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
   setenv("SHARDOPT_DEBUG_COLLECTIVES", "1", 1);
   ShardedOptimizer opt(test::world(), small_options());
   unsetenv("SHARDOPT_DEBUG_COLLECTIVES");
@@ -500,8 +514,9 @@ TEST(DebugCollectives, TrainsExactlyAsWithoutIt) {
 // ---- the timeout's polling waits -------------------------------------------------------------
 
 #ifdef SHARDOPT_WITH_MPI
-// With a timeout every wait polls (the plain, shared-memory and hierarchical paths); results
-// are bit for bit those of the blocking waits.
+// With a timeout every wait polls, and with MpiWait::Yield every wait polls and yields (the
+// plain, shared-memory and hierarchical paths); results are bit for bit those of the blocking
+// waits.
 TEST(CollectiveTimeout, PollingWaitsGiveTheSameResults) {
   // The blocking run must not pick the registered timeout up from the environment.
   const char* registered = std::getenv("SHARDOPT_COLLECTIVE_TIMEOUT");
@@ -513,14 +528,22 @@ TEST(CollectiveTimeout, PollingWaitsGiveTheSameResults) {
     co.simulate_nodes = nodes;
     for (const Stage stage : {Stage::Zero1, Stage::Zero2}) {
       OptimizerOptions o = small_options(stage);
+      co.wait = MpiWait::Block;
       test::Harness blocking(o, test::make_model(), make_mpi_communicator(MPI_COMM_WORLD, co));
+      co.wait = MpiWait::Yield;  // polls and yields, without a timeout
+      test::Harness yielding(o, test::make_model(), make_mpi_communicator(MPI_COMM_WORLD, co));
       o.collective_timeout_s = 300;
+      co.wait = MpiWait::Block;
       test::Harness polling(o, test::make_model(), make_mpi_communicator(MPI_COMM_WORLD, co));
       for (int s = 1; s <= 2; ++s) {
         blocking.write_grads(s);
+        yielding.write_grads(s);
         polling.write_grads(s);
-        EXPECT_EQ(blocking.opt->step().grad_norm, polling.opt->step().grad_norm);
+        const double norm = blocking.opt->step().grad_norm;
+        EXPECT_EQ(yielding.opt->step().grad_norm, norm);
+        EXPECT_EQ(polling.opt->step().grad_norm, norm);
       }
+      EXPECT_TRUE(bitwise_equal(local_state(*blocking.opt), local_state(*yielding.opt)));
       EXPECT_TRUE(bitwise_equal(local_state(*blocking.opt), local_state(*polling.opt)));
     }
   }

@@ -81,7 +81,7 @@ TEST(MemoryScaling, Zero3MeasuredMemoryFallsAsOneOverN) {
                   "and RSS, so the process's memory does not measure the optimizer's (the "
                   "plain build runs this test)";
 #endif
-  const int world = test::world()->size();
+  const int world = test::world_size();
   const std::size_t tensor = 192 * 1024, psi = 32 * tensor;  // 6Mi parameters, 108 MiB at N = 1
   const FlatLayout layout = unit_per_tensor(uniform_layout(psi, tensor));
   bench::ProcMemory base;
@@ -152,7 +152,7 @@ TEST(MemoryScaling, Zero3MeasuredMemoryFallsAsOneOverN) {
 }
 
 TEST(MemoryScaling, PlannerEqualsAccountingOnEveryRank) {
-  const int world = test::world()->size();
+  const int world = test::world_size();
   for (const FlatLayout& layout : {odd_layout(), uniform_layout(100003, 4099)})
     for (DType dtype : {DType::BF16, DType::F32})
       for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
@@ -182,7 +182,7 @@ TEST(MemoryScaling, PlannerEqualsAccountingOnEveryRank) {
 }
 
 TEST(MemoryScaling, BytesFallAsTheZeroFormulasSay) {
-  const int world = test::world()->size();
+  const int world = test::world_size();
   const std::size_t psi = 100003;
   const FlatLayout layout = uniform_layout(psi, 4099);  // 25 tensors
   for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {

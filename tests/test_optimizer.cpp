@@ -216,7 +216,7 @@ void expect_status(Status want, const std::function<void()>& f, const char* what
 }  // namespace
 
 TEST(BadInput, InvalidHyperparametersFailOnEveryRank) {
-  const int last = test::world()->size() - 1;
+  const int last = test::world_size() - 1;
   auto with = [](auto mutate) {
     OptimizerOptions o;
     mutate(o.adam);
@@ -233,7 +233,7 @@ TEST(BadInput, InvalidHyperparametersFailOnEveryRank) {
     expect_status(Status::InvalidArgument, [&] { ShardedOptimizer opt(test::world(), o); },
                   "all ranks");
     // Only the last rank passes it: every rank still gets the error (no hang).
-    const int rank = test::world()->rank();
+    const int rank = test::world_rank();
     expect_status(Status::InvalidArgument,
                   [&] { ShardedOptimizer opt(test::world(), rank == last ? o : OptimizerOptions{}); },
                   "last rank only");

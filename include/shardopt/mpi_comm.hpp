@@ -18,6 +18,16 @@ enum class MpiCommKind : int {
   SharedMemory = 2,  ///< node-local shared-memory windows, hierarchical across nodes
 };
 
+/// How a rank waits in a collective that has no timeout (with a timeout every wait polls;
+/// OptimizerOptions::collective_timeout_s).
+enum class MpiWait {
+  Auto,   ///< SHARDOPT_MPI_WAIT (auto, block or yield) if set; else Yield on an oversubscribed
+          ///< machine (more ranks than the CPUs they may run on), else Block
+  Block,  ///< MPI's own blocking wait (MPICH's spins on the CPU)
+  Yield,  ///< poll MPI_Test and yield the CPU between polls (sched_yield), then back off to
+          ///< short sleeps after 50 ms, so ranks sharing a CPU let the rank they wait for run
+};
+
 struct MpiCommOptions {
   MpiCommKind kind = MpiCommKind::Auto;
   /// > 0: split the ranks into this many groups of consecutive ranks and treat each group
@@ -28,6 +38,10 @@ struct MpiCommOptions {
   /// call order, as earlier ones complete. 0: SHARDOPT_MPI_IN_FLIGHT if set, else 1 (MPICH
   /// 4.0 slows down sharply with several large ones outstanding; docs/performance.md).
   int mpi_in_flight = 0;
+  /// Waits without a timeout. Oversubscribed, MPICH's spinning waits cost a scheduler time
+  /// slice (about 5 ms) per message a descheduled rank must send; yielding waits do not
+  /// (docs/performance.md, "Oversubscribed ranks").
+  MpiWait wait = MpiWait::Auto;
 };
 
 /// Collective. Duplicates `comm` (so the library's traffic never matches the caller's) and

@@ -1,5 +1,6 @@
 // mpi_select.cpp: make_mpi_communicator(): the shared-memory communicator where ranks share
-// a node, plain MPI otherwise, either one forced by option or SHARDOPT_COMM.
+// a node, plain MPI otherwise, either one forced by option or SHARDOPT_COMM; and how its
+// waits behave (MpiWait, SHARDOPT_MPI_WAIT).
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -46,6 +47,17 @@ std::string resolve(MpiCommOptions& o) {
     }
   }
   if (o.mpi_in_flight < 0) return "mpi_in_flight must be >= 0";
+  if (o.wait == MpiWait::Auto) {
+    if (const char* env = std::getenv("SHARDOPT_MPI_WAIT"); env && *env) {
+      const std::string v = env;
+      if (v == "block")
+        o.wait = MpiWait::Block;
+      else if (v == "yield")
+        o.wait = MpiWait::Yield;
+      else if (v != "auto")
+        return "SHARDOPT_MPI_WAIT='" + v + "': expected block, yield or auto";
+    }
+  }
   return {};
 }
 
@@ -67,8 +79,11 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOption
             "make_mpi_communicator: ranks chose different communicators (kind or "
             "simulated nodes; check SHARDOPT_COMM and SHARDOPT_SIMULATE_NODES)");
 
-  if (options.kind == MpiCommKind::Plain) return plain;
   auto topo = shm::NodeTopology::create(comm, options.simulate_nodes);
+  // Oversubscribed: MPICH's spinning waits would keep the rank being waited for off the CPU.
+  watchdog->set_yield(
+      mpi::Watchdog::should_yield(options.wait, topo->machine_ranks, topo->machine_cpus));
+  if (options.kind == MpiCommKind::Plain) return plain;
   if (options.kind == MpiCommKind::Auto && topo->max_node_size < 2) return plain;
   return shm::make_shm_communicator(std::move(plain), std::move(topo), std::move(watchdog));
 }

@@ -1,6 +1,8 @@
 // mpi_watchdog.cpp: polling waits, the arrival questions and the timeout report.
 #include "mpi_watchdog.hpp"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -59,7 +61,10 @@ void Watchdog::wait(const Ticket& t, int n, MPI_Request* requests) {
     if (interrupt_) interrupt_();
     const double waited = since(start);
     if (timeout_ > 0 && waited > timeout_) report_and_abort(t, waited);
-    if (waited < kSpinSeconds) continue;
+    if (waited < kSpinSeconds) {
+      if (yield_) sched_yield();  // lets a rank that shares this CPU reach the collective
+      continue;
+    }
     answer_questions();
     std::this_thread::sleep_for(std::chrono::duration<double>(sleep));
     sleep = std::min(2 * sleep, kMaxSleepSeconds);

@@ -1,9 +1,10 @@
-// mpi_watchdog.hpp: the collective timeout of the MPI communicators
-// (Communicator::set_collective_timeout). Without a timeout, waits are plain blocking MPI
-// calls. With one, every wait polls MPI_Test: it spins for the first kSpinSeconds, then
-// sleeps between polls (up to kMaxSleepSeconds), and once it has waited longer than the
-// timeout it asks every rank which collective it has reached, prints the collective and the
-// ranks that have not arrived to stderr, and calls MPI_Abort. Internal.
+// mpi_watchdog.hpp: how the MPI communicators wait: the collective timeout
+// (Communicator::set_collective_timeout) and yielding waits (MpiWait). Without a timeout and
+// without yielding, waits are plain blocking MPI calls. Otherwise every wait polls MPI_Test:
+// it spins for the first kSpinSeconds (calling sched_yield between polls when yielding), then
+// sleeps between polls (up to kMaxSleepSeconds); with a timeout, once it has waited longer
+// it asks every rank which collective it has reached, prints the collective and the ranks
+// that have not arrived to stderr, and calls MPI_Abort. Internal.
 //
 // Arrival. Every Communicator-level collective a rank enters gets the next number (enter());
 // all ranks enter the same collectives in the same order, so a number names the same
@@ -27,6 +28,7 @@
 #include <utility>
 
 #include "mpi_util.hpp"
+#include "shardopt/mpi_comm.hpp"
 
 namespace shardopt::mpi {
 
@@ -47,8 +49,18 @@ class Watchdog {
   void set_timeout(double seconds) { timeout_ = seconds; }
   /// Called between the polls of every wait, which polls even without a timeout once set.
   void set_interrupt(std::function<void()> interrupt) { interrupt_ = std::move(interrupt); }
-  /// Waits poll (a timeout or an interrupt is set) instead of blocking in MPI.
-  bool active() const { return timeout_ > 0 || interrupt_ != nullptr; }
+  /// Whether waits yield for the resolved `wait` (Auto after the environment): Yield always,
+  /// Auto when this machine has more ranks than the CPUs they may run on (`machine_cpus` 0:
+  /// unknown, no), Block never.
+  static bool should_yield(MpiWait wait, int machine_ranks, int machine_cpus) {
+    return wait == MpiWait::Yield ||
+           (wait == MpiWait::Auto && machine_cpus > 0 && machine_ranks > machine_cpus);
+  }
+  /// Waits without a timeout poll and yield the CPU between polls (MpiWait::Yield).
+  void set_yield(bool yield) { yield_ = yield; }
+  bool yields() const { return yield_; }
+  /// Waits poll (a timeout or an interrupt is set, or they yield) instead of blocking in MPI.
+  bool active() const { return timeout_ > 0 || interrupt_ != nullptr || yield_; }
   /// How long a rank that gave up waiting collects the other ranks' answers: timeout/4,
   /// clamped to 0.5-5 s (0.5 s without a timeout).
   static double grace_seconds(double timeout);
@@ -61,8 +73,8 @@ class Watchdog {
   /// Waits for `n` requests of collective `t` (MPI_Waitall without a timeout).
   void wait(const Ticket& t, int n, MPI_Request* requests);
 
-  /// Runs a blocking MPI collective: blocking() without a timeout; with one, its
-  /// non-blocking form start(&request), then wait(). Both throw through SHARDOPT_MPI.
+  /// Runs a blocking MPI collective: blocking() unless waits poll; then its non-blocking
+  /// form start(&request), and wait(). Both throw through SHARDOPT_MPI.
   template <class Blocking, class Start>
   void run(const Ticket& t, Blocking&& blocking, Start&& start) {
     if (!active()) {
@@ -81,6 +93,7 @@ class Watchdog {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   double timeout_ = 0.0;
+  bool yield_ = false;
   std::function<void()> interrupt_;
   std::uint64_t entered_ = 0;
   Ticket current_;

@@ -3,4 +3,6 @@
 
 namespace shardopt::test {
 std::shared_ptr<Communicator> world() { return make_single_process_communicator(); }
+int world_rank() { return 0; }
+int world_size() { return 1; }
 }  // namespace shardopt::test

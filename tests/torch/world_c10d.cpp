@@ -9,4 +9,6 @@ std::shared_ptr<Communicator> world() {
   static const std::shared_ptr<Communicator> comm = libtorch::make_gloo_communicator_from_env();
   return comm;
 }
+int world_rank() { return world()->rank(); }
+int world_size() { return world()->size(); }
 }  // namespace shardopt::test
