@@ -148,6 +148,10 @@ void Watchdog::report_and_abort(const Ticket& t, double waited) {
          ").\n";
   std::fputs(msg.c_str(), stderr);
   std::fflush(stderr);
+  // Gives the launcher time to forward the message: MPI_Abort tears the job down at once, and
+  // MPICH's hydra once dropped every rank's pending output (a fresh-machine run of
+  // test_collective_timeout, 1 of its 12 cases).
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
   MPI_Abort(MPI_COMM_WORLD, kCollectiveTimeoutExitCode);
   std::abort();  // MPI_Abort does not return; if it did, end this process anyway
 }
