@@ -31,7 +31,8 @@ std::vector<std::string> default_names(const ShardedAdamW::ParamGroups& groups) 
   std::vector<std::string> names;
   for (std::size_t g = 0; g < groups.size(); ++g)
     for (std::size_t j = 0; j < groups[g].params().size(); ++j)
-      names.push_back("g" + std::to_string(g) + "." + std::to_string(j));
+      // Appended piecewise: "g" + std::to_string(g) trips GCC 12's false -Wrestrict.
+      names.push_back(std::string("g").append(std::to_string(g)).append(".").append(std::to_string(j)));
   return names;
 }
 
