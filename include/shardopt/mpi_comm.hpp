@@ -38,9 +38,9 @@ struct MpiCommOptions {
   /// call order, as earlier ones complete. 0: SHARDOPT_MPI_IN_FLIGHT if set, else 1 (MPICH
   /// 4.0 slows down sharply with several large ones outstanding; docs/performance.md).
   int mpi_in_flight = 0;
-  /// Waits without a timeout. Oversubscribed, MPICH's spinning waits cost a scheduler time
-  /// slice (about 5 ms) per message a descheduled rank must send; yielding waits do not
-  /// (docs/performance.md, "Oversubscribed ranks").
+  /// Waits without a timeout. Oversubscribed, MPICH's spinning waits cost scheduler time
+  /// slices (8 to 32 ms per collective measured at 3-4 ranks on 2 cores); yielding waits do
+  /// not (docs/performance.md, "Oversubscribed ranks").
   MpiWait wait = MpiWait::Auto;
 };
 

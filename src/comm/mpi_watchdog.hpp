@@ -58,7 +58,6 @@ class Watchdog {
   }
   /// Waits without a timeout poll and yield the CPU between polls (MpiWait::Yield).
   void set_yield(bool yield) { yield_ = yield; }
-  bool yields() const { return yield_; }
   /// Waits poll (a timeout or an interrupt is set, or they yield) instead of blocking in MPI.
   bool active() const { return timeout_ > 0 || interrupt_ != nullptr || yield_; }
   /// How long a rank that gave up waiting collects the other ranks' answers: timeout/4,
