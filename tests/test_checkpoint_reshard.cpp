@@ -19,24 +19,13 @@
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/mpi_comm.hpp"
 #include "support/ckpt_model.hpp"
+#include "support/mpi_sub.hpp"
 #include "support/world.hpp"
 
 using namespace shardopt;
 namespace fs = std::filesystem;
 
 namespace {
-
-// The first n ranks of the world as a communicator; null on the other ranks. Collective.
-std::shared_ptr<Communicator> first_ranks(int n) {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm sub = MPI_COMM_NULL;
-  MPI_Comm_split(MPI_COMM_WORLD, rank < n ? 0 : MPI_UNDEFINED, rank, &sub);
-  if (sub == MPI_COMM_NULL) return nullptr;
-  auto c = make_mpi_communicator(sub);  // keeps its own duplicate
-  MPI_Comm_free(&sub);
-  return c;
-}
 
 fs::path shared_temp_dir(Communicator& world) {
   char name[256] = {};
@@ -47,17 +36,6 @@ fs::path shared_temp_dir(Communicator& world) {
   }
   world.broadcast_bytes(name, sizeof name, 0);
   return name;
-}
-
-// Sends rank 0's state to every rank of the world.
-void broadcast_state(Communicator& world, test::FullState& s) {
-  for (auto& a : s.arrays) {
-    std::uint64_t n = a.size();
-    world.broadcast_bytes(&n, sizeof n, 0);
-    a.resize(n);
-    world.broadcast_bytes(a.data(), n * sizeof(float), 0);
-  }
-  world.broadcast_bytes(&s.step, sizeof s.step, 0);
 }
 
 bool power_of_two(int n) { return (n & (n - 1)) == 0; }
@@ -120,8 +98,8 @@ TEST_P(Reshard, StateIsBitIdenticalAtAnyWorldSize) {
   for (auto [n, m] : pairs) {
     SCOPED_TRACE("saved at " + std::to_string(n) + " ranks, loaded at " + std::to_string(m));
     const fs::path dir = shared_temp_dir(*world);
-    auto at_n = first_ranks(n);
-    auto at_m = first_ranks(m);
+    auto at_n = test::first_world_ranks(n);
+    auto at_m = test::first_world_ranks(m);
 
     // Run A at n ranks: 3 steps, save, then 2 more steps without a restart.
     test::FullState saved, continued;
@@ -134,8 +112,8 @@ TEST_P(Reshard, StateIsBitIdenticalAtAnyWorldSize) {
       for (int s = 4; s <= 5; ++s) test::ckpt_train_step(*a, s);
       continued = test::gather_state(*a);
     }
-    broadcast_state(*world, saved);
-    broadcast_state(*world, continued);
+    test::broadcast_state(*world, saved);
+    test::broadcast_state(*world, continued);
     if (world->rank() == 0 && n == W) check_export(dir, saved, n);
 
     // Run B at m ranks: load, compare, continue the same 2 steps.

@@ -165,4 +165,15 @@ inline FullState gather_state(ShardedOptimizer& opt) {
   return st;
 }
 
+/// Sends rank 0's state to every rank of comm (collective).
+inline void broadcast_state(Communicator& comm, FullState& s) {
+  for (auto& a : s.arrays) {
+    std::uint64_t n = a.size();
+    comm.broadcast_bytes(&n, sizeof n, 0);
+    a.resize(n);
+    comm.broadcast_bytes(a.data(), n * sizeof(float), 0);
+  }
+  comm.broadcast_bytes(&s.step, sizeof s.step, 0);
+}
+
 }  // namespace shardopt::test
