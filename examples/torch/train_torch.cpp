@@ -7,7 +7,7 @@
 //   mpiexec -n 2 train_torch --check-against ref.txt    # the two loss curves agree?
 //   mpiexec -n 2 train_torch --comm gloo                # no MPI: LibTorch's c10d gloo group
 //
-// Options: --steps N --stage 0|1|2 --dtype fp32|bf16 --micro-batches K --optimizer
+// Options: --steps N --stage 0|1|2|3 --dtype fp32|bf16 --micro-batches K --optimizer
 // shardopt|torch --comm mpi|gloo --loss-out FILE --check-against FILE --rtol X.
 #include <torch/torch.h>
 
@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,10 +62,23 @@ struct NetImpl : torch::nn::Module {
       blocks.push_back(register_module("block" + std::to_string(b), Block()));
     out = register_module("out", torch::nn::Linear(kWidth, kOut));
   }
-  torch::Tensor forward(torch::Tensor x) {
-    x = in->forward(x);
-    for (auto& b : blocks) x = b->forward(x);
-    return out->forward(x);
+  // shardopt: at stage 3 each layer is a unit whose forward runs through unit_forward (it
+  // gathers the layer's parameters around it, and again in backward); `opt` null: plain calls.
+  torch::Tensor forward(torch::Tensor x, libtorch::ShardedAdamW* opt = nullptr) {
+    std::size_t unit = 0;
+    auto run = [&](const std::function<torch::Tensor()>& f) {
+      return opt ? opt->unit_forward(unit++, f) : f();
+    };
+    x = run([&] { return in->forward(x); });
+    for (auto& b : blocks) x = run([&] { return b->forward(x); });
+    return run([&] { return out->forward(x); });
+  }
+  // The units, in forward order.
+  std::vector<std::shared_ptr<torch::nn::Module>> layers() {
+    std::vector<std::shared_ptr<torch::nn::Module>> v{in.ptr()};
+    for (auto& b : blocks) v.push_back(b.ptr());
+    v.push_back(out.ptr());
+    return v;
   }
 };
 TORCH_MODULE(Net);
@@ -99,9 +113,9 @@ int parse(int argc, char** argv, bool print, Options& o) {
   cli::init(app, "train_torch");
   app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
-  app.add_option("--stage", o.stage, "0 (data-parallel), 1 or 2")
+  app.add_option("--stage", o.stage, "0 (data-parallel), 1, 2 or 3 (each layer a unit)")
       ->transform(cli::choice<Stage>({{"0", Stage::DataParallel}, {"1", Stage::Zero1},
-                                      {"2", Stage::Zero2}}))
+                                      {"2", Stage::Zero2}, {"3", Stage::Zero3}}))
       ->default_str("1");
   app.add_option("--dtype", o.bf16, "the model's parameters")
       ->transform(cli::choice<bool>({{"fp32", false}, {"bf16", true}}))->default_str("fp32");
@@ -167,7 +181,11 @@ int train(const Options& o, std::shared_ptr<Communicator> comm) {
     so.stage = o.stage;
     so.adam.max_grad_norm = 1.0;
     so.bucket_elems = 16 * 1024;
-    auto s = std::make_unique<libtorch::ShardedAdamW>(net->named_parameters(), adamw, comm, so);
+    auto s = o.stage == Stage::Zero3  // shardopt: stage 3 registers the layers as units
+                 ? std::make_unique<libtorch::ShardedAdamW>(
+                       libtorch::ShardedAdamW::units_of(net->layers()), adamw, comm, so)
+                 : std::make_unique<libtorch::ShardedAdamW>(net->named_parameters(), adamw,
+                                                            comm, so);
     sharded = s.get();
     opt = std::move(s);
   }
@@ -181,7 +199,8 @@ int train(const Options& o, std::shared_ptr<Communicator> comm) {
     if (sharded) sharded->zero_grad(); else opt->zero_grad();
     for (int m = 0; m < o.micro_batches; ++m) {
       const int first = (rank * o.micro_batches + m) * rows;
-      torch::Tensor loss = mse(net->forward(x.narrow(0, first, rows)), y.narrow(0, first, rows));
+      torch::Tensor loss =
+          mse(net->forward(x.narrow(0, first, rows), sharded), y.narrow(0, first, rows));
       loss_sum += loss.item<double>();
       if (sharded && m + 1 < o.micro_batches) {
         auto no_sync = sharded->no_sync();  // shardopt: accumulate without communication

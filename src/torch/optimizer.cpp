@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <span>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
@@ -34,6 +35,12 @@ std::vector<std::string> default_names(const ShardedAdamW::ParamGroups& groups) 
       // Appended piecewise: "g" + std::to_string(g) trips GCC 12's false -Wrestrict.
       names.push_back(std::string("g").append(std::to_string(g)).append(".").append(std::to_string(j)));
   return names;
+}
+
+std::vector<torch::Tensor> concat(const ShardedAdamW::Units& units) {
+  std::vector<torch::Tensor> all;
+  for (const auto& u : units) all.insert(all.end(), u.begin(), u.end());
+  return all;
 }
 
 ShardedAdamW::ParamGroups one_group(std::vector<torch::Tensor> params) {
@@ -71,7 +78,27 @@ struct ShardedAdamW::Hook final : torch::autograd::FunctionPostHook {
 ShardedAdamW::ShardedAdamW(ParamGroups groups, const AdamWOptions& defaults,
                            std::shared_ptr<Communicator> comm, OptimizerOptions options)
     : torch::optim::Optimizer(std::move(groups), std::make_unique<AdamWOptions>(defaults)) {
-  build(default_names(param_groups_), std::move(comm), options);
+  build(default_names(param_groups_), nullptr, std::move(comm), options);
+}
+
+ShardedAdamW::ShardedAdamW(ParamGroups groups, const Units& units, const AdamWOptions& defaults,
+                           std::shared_ptr<Communicator> comm, OptimizerOptions options)
+    : torch::optim::Optimizer(std::move(groups), std::make_unique<AdamWOptions>(defaults)) {
+  build(default_names(param_groups_), &units, std::move(comm), options);
+}
+
+ShardedAdamW::ShardedAdamW(const Units& units, const AdamWOptions& defaults,
+                           std::shared_ptr<Communicator> comm, OptimizerOptions options)
+    : ShardedAdamW(one_group(concat(units)), units, defaults, std::move(comm), options) {}
+
+ShardedAdamW::Units ShardedAdamW::units_of(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  Units units;
+  for (const auto& m : modules) {
+    require(m != nullptr, Status::InvalidArgument, "ShardedAdamW::units_of: a null module");
+    units.push_back(m->parameters());
+  }
+  return units;
 }
 
 ShardedAdamW::ShardedAdamW(std::vector<torch::Tensor> params, const AdamWOptions& defaults,
@@ -83,19 +110,18 @@ ShardedAdamW::ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>&
                            OptimizerOptions options)
     : torch::optim::Optimizer(one_group(values_of(named_params)),
                               std::make_unique<AdamWOptions>(defaults)) {
-  build(named_params.keys(), std::move(comm), options);
+  build(named_params.keys(), nullptr, std::move(comm), options);
 }
 
-void ShardedAdamW::build(const std::vector<std::string>& names,
+void ShardedAdamW::build(const std::vector<std::string>& names, const Units* units,
                          std::shared_ptr<Communicator> comm, OptimizerOptions options) {
   require(comm != nullptr, Status::InvalidArgument, "ShardedAdamW: no communicator");
   // Local checks first, agreed on by every rank: a bad tensor on one rank is the same error
   // everywhere, never a hang in the collectives of finalize().
   collective(*comm, "ShardedAdamW", [&] {
-    require(options.stage != Stage::Zero3, Status::Unsupported,
-            "ShardedAdamW: stage 3 is not supported by the LibTorch adapter (a C++ module has "
-            "no forward hooks to gather each layer's parameters before it runs); use stage 2 "
-            "or the shardopt API's acquire()/release()");
+    require(options.stage != Stage::Zero3 || units != nullptr, Status::InvalidArgument,
+            "ShardedAdamW: stage 3 needs the parameters in units (the Units constructor) and "
+            "each unit's forward run through unit_forward()");
     require(!param_groups_.empty(), Status::InvalidArgument, "ShardedAdamW: no parameters");
     std::unordered_set<const void*> seen;
     for (std::size_t g = 0; g < param_groups_.size(); ++g) {
@@ -127,19 +153,29 @@ void ShardedAdamW::build(const std::vector<std::string>& names,
       }
     }
     check_groups();
+    if (units) order_by_units(*units);
+    else unit_first_ = {0, params_.size()};
   });
 
   options.param_dtype = dtype_ == torch::kFloat ? DType::F32 : DType::BF16;
   core_ = std::make_unique<ShardedOptimizer>(comm, options);
   for (std::size_t g = 1; g < param_groups_.size(); ++g) core_->add_group({});
   apply_group_settings();
-  for (std::size_t i = 0; i < params_.size(); ++i)
-    core_->add_param(names_[i], static_cast<std::size_t>(params_[i].numel()), group_of_[i]);
+  for (std::size_t u = 0; u + 1 < unit_first_.size(); ++u) {
+    if (u > 0) core_->begin_unit();
+    for (std::size_t i = unit_first_[u]; i < unit_first_[u + 1]; ++i) {
+      core_->add_param(names_[i], static_cast<std::size_t>(params_[i].numel()), group_of_[i]);
+      unit_of_.push_back(u);
+    }
+  }
   core_->finalize();  // collective: every rank registered the same parameters
 
   grad_views_ = dtype_ == torch::kFloat &&
                 (options.stage == Stage::DataParallel || options.stage == Stage::Zero1);
-  ordered_ = options.stage == Stage::Zero2;
+  zero3_ = options.stage == Stage::Zero3;
+  ordered_ = options.stage == Stage::Zero2 || zero3_;
+  hold_.assign(num_units(), Hold::None);
+  missing_.assign(num_units(), 0);
   if (grad_views_)  // stages 0/1 keep one full gradient buffer: these addresses never change
     for (std::size_t i = 0; i < params_.size(); ++i) grad_data_.push_back(core_->grad(i).data());
   pending_.resize(params_.size());
@@ -154,9 +190,10 @@ void ShardedAdamW::build(const std::vector<std::string>& names,
     values.assign(initial.data_ptr<float>(), initial.data_ptr<float>() + initial.numel());
     core_->comm().broadcast_bytes(values.data(), values.size() * sizeof(float), 0);
     core_->set_param(i, values);
-    void* replica = dtype_ == torch::kFloat
-                        ? static_cast<void*>(core_->param<float>(i).data())
-                        : static_cast<void*>(core_->param<bf16>(i).data());
+    // Stage 3: no data until the unit is gathered (gather_unit points the storage at it).
+    void* replica = zero3_ ? nullptr
+                    : dtype_ == torch::kFloat ? static_cast<void*>(core_->param<float>(i).data())
+                                              : static_cast<void*>(core_->param<bf16>(i).data());
     p.set_data(view_of(replica, p, dtype_));
     if (grad_views_) p.mutable_grad() = grad_view(i);
     else p.mutable_grad().reset();
@@ -178,6 +215,10 @@ ShardedAdamW::~ShardedAdamW() {
   try {
     torch::NoGradGuard no_grad;
     for (torch::Tensor& p : params_) {
+      if (zero3_) {  // no rank holds the values, and a destructor cannot gather them
+        p.set_data(torch::full(p.sizes(), std::nan(""), torch::TensorOptions().dtype(dtype_)));
+        continue;
+      }
       p.set_data(p.detach().clone());
       if (p.grad().defined()) p.mutable_grad() = p.grad().clone();
     }
@@ -209,6 +250,43 @@ void ShardedAdamW::check_groups() const {
                 std::to_string(decay) + ": groups may only turn decay off (0) or share a value");
     decay = o.weight_decay();
   }
+}
+
+// Puts params_ (and their names and groups) in the units' order and records the units.
+void ShardedAdamW::order_by_units(const Units& units) {
+  std::unordered_map<const void*, std::size_t> index;
+  for (std::size_t i = 0; i < params_.size(); ++i) index[params_[i].unsafeGetTensorImpl()] = i;
+  std::vector<std::size_t> order;
+  std::vector<std::uint8_t> placed(params_.size(), 0);
+  unit_first_ = {0};
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    const std::string what = "ShardedAdamW: unit " + std::to_string(u) + ": ";
+    require(!units[u].empty(), Status::InvalidArgument, what + "has no parameters");
+    for (const torch::Tensor& t : units[u]) {
+      auto it = t.defined() ? index.find(t.unsafeGetTensorImpl()) : index.end();
+      require(it != index.end(), Status::InvalidArgument,
+              what + "holds a tensor that is in no parameter group");
+      require(!placed[it->second], Status::InvalidArgument,
+              what + "parameter '" + names_[it->second] + "' is in two units");
+      placed[it->second] = 1;
+      order.push_back(it->second);
+    }
+    unit_first_.push_back(order.size());
+  }
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    require(placed[i], Status::InvalidArgument,
+            "ShardedAdamW: parameter '" + names_[i] + "' is in no unit");
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<int> groups;
+  for (std::size_t i : order) {
+    params.push_back(params_[i]);
+    names.push_back(names_[i]);
+    groups.push_back(group_of_[i]);
+  }
+  params_ = std::move(params);
+  names_ = std::move(names);
+  group_of_ = std::move(groups);
 }
 
 // Reads param_groups() (an LR scheduler may have changed them) into shardopt's settings.
@@ -252,6 +330,7 @@ void ShardedAdamW::begin_pass() {
   core_->begin_backward(sync_);
   cursor_ = 0;
   std::fill(arrived_.begin(), arrived_.end(), 0);
+  for (std::size_t u = 0; u < num_units(); ++u) missing_[u] = unit_first_[u + 1] - unit_first_[u];
   // Runs when the engine has finished this backward pass.
   torch::autograd::Engine::get_default_engine().queue_callback([this] { end_pass(); });
 }
@@ -262,6 +341,11 @@ void ShardedAdamW::on_grad(std::size_t i) {
     throw Error(Status::InvalidState, "ShardedAdamW: parameter '" + names_[i] +
                                           "' received two gradients in one backward pass");
   arrived_[i] = 1;
+  // Stage 3: the unit's buffer is no longer needed once all its gradients exist (they are
+  // tensors of their own, handed over below).
+  const std::size_t u = unit_of_[i];
+  if (zero3_ && missing_[u] > 0 && --missing_[u] == 0 && hold_[u] == Hold::Acquired)
+    release_unit(u);
   torch::Tensor& p = params_[i];
   if (grad_views_) {
     adopt_grad(i);  // autograd accumulated into the view, unless .grad() was replaced
@@ -308,6 +392,78 @@ void ShardedAdamW::end_pass() {
   }
   cursor_ = n;
   in_pass_ = false;
+  if (zero3_) release_units();  // units whose parameters did not all take part
+}
+
+// ---- stage 3: units ---------------------------------------------------------------------------
+
+void ShardedAdamW::gather_unit(std::size_t u) {
+  if (hold_[u] != Hold::Prefetched) ++held_;
+  core_->acquire(u);  // waits for the prefetch, or gathers now
+  hold_[u] = Hold::Acquired;
+  for (std::size_t i = unit_first_[u]; i < unit_first_[u + 1]; ++i) {
+    void* data = dtype_ == torch::kFloat ? static_cast<void*>(core_->param<float>(i).data())
+                                         : static_cast<void*>(core_->param<bf16>(i).data());
+    // The storage itself is redirected, so tensors made from the parameter in forward
+    // (weight.t() saved for backward) see the buffer of this gathering too.
+    params_[i].storage().set_data_ptr_noswap(at::DataPtr(data, params_[i].device()));
+  }
+}
+
+void ShardedAdamW::prefetch_unit(std::size_t u) {
+  if (hold_[u] != Hold::None ||
+      held_ >= static_cast<std::size_t>(core_->options().units_in_flight))
+    return;
+  core_->prefetch(u);
+  hold_[u] = Hold::Prefetched;
+  ++held_;
+}
+
+void ShardedAdamW::release_unit(std::size_t u) {
+  for (std::size_t i = unit_first_[u]; i < unit_first_[u + 1]; ++i)
+    params_[i].storage().set_data_ptr_noswap(at::DataPtr(nullptr, params_[i].device()));
+  core_->release(u);
+  hold_[u] = Hold::None;
+  --held_;
+}
+
+void ShardedAdamW::release_units() {
+  for (std::size_t u = 0; u < num_units(); ++u) {
+    if (hold_[u] == Hold::Prefetched) gather_unit(u);  // shardopt releases acquired units only
+    if (hold_[u] == Hold::Acquired) release_unit(u);
+  }
+}
+
+torch::Tensor ShardedAdamW::unit_forward(std::size_t u, const std::function<torch::Tensor()>& f) {
+  if (!zero3_) return f();
+  require(u < num_units(), Status::InvalidArgument,
+          "ShardedAdamW::unit_forward: unit " + std::to_string(u) + " of " +
+              std::to_string(num_units()));
+  require(!in_pass_, Status::InvalidState, "ShardedAdamW::unit_forward: called during backward");
+  gather_unit(u);
+  if (u + 1 < num_units()) prefetch_unit(u + 1);
+  torch::Tensor y;
+  try {
+    y = f();
+  } catch (...) {
+    release_unit(u);
+    throw;
+  }
+  release_unit(u);
+  if (y.defined() && y.requires_grad())
+    y.register_hook([this, u](const torch::Tensor&) { backward_gather(u); });
+  return y;
+}
+
+// The hook on unit u's output: its gradient has arrived, so backward is about to run unit u.
+void ShardedAdamW::backward_gather(std::size_t u) {
+  if (!in_pass_) begin_pass();
+  // Backward runs the units in reverse: a later unit still held (some of its parameters had
+  // no gradient) is done.
+  for (std::size_t k = u + 1; k < num_units(); ++k)
+    if (hold_[k] == Hold::Acquired) release_unit(k);
+  if (hold_[u] != Hold::Acquired) gather_unit(u);
+  if (u > 0) prefetch_unit(u - 1);
 }
 
 // .grad() of a fp32 model at stages 0/1 should be the view into the flat buffer. If the
@@ -352,6 +508,7 @@ torch::Tensor ShardedAdamW::step(LossClosure closure) {
         adopt_grad(i);
       }
   });
+  if (zero3_) release_units();  // a prefetched unit that was never used
   last_ = core_->step();
   core_->replica_data();  // every bucket gathered: the tensors hold the new values
   fresh_ = false;

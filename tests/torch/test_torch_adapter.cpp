@@ -122,6 +122,23 @@ torch::optim::AdamWOptions adamw(double lr = 1e-2) {
   return torch::optim::AdamWOptions(lr).weight_decay(0.05);
 }
 
+// One micro-batch's backward: all but the last of a step under no_sync().
+void backward(ShardedAdamW& opt, const torch::Tensor& loss, bool last) {
+  if (last) {
+    loss.backward();
+    return;
+  }
+  auto guard = opt.no_sync();
+  loss.backward();
+}
+
+// Net's forward with each layer a unit (gathered around it at stage 3).
+torch::Tensor forward_units(ShardedAdamW& opt, Net& net, const torch::Tensor& x) {
+  torch::Tensor h = opt.unit_forward(0, [&] { return torch::tanh(net.fc1->forward(x)); });
+  h = opt.unit_forward(1, [&] { return torch::tanh(net.fc2->forward(h)); });
+  return opt.unit_forward(2, [&] { return net.fc3->forward(h); });
+}
+
 struct TrainRun {
   std::vector<torch::Tensor> params;
   std::vector<double> norms;
@@ -136,13 +153,7 @@ TrainRun train_adapter(Stage stage, torch::ScalarType dtype, int steps, int micr
     opt.zero_grad();
     for (int m = 0; m < micro; ++m) {
       auto [x, y] = my_rows(s, m, micro, dtype);
-      auto loss = mse(net->forward(x), y);
-      if (m + 1 < micro) {
-        auto guard = opt.no_sync();
-        loss.backward();
-      } else {
-        loss.backward();
-      }
+      backward(opt, mse(net->forward(x), y), m + 1 == micro);
     }
     opt.step();
     run.norms.push_back(opt.last_result().grad_norm);
@@ -482,6 +493,160 @@ TEST(AdapterCheckpoint, SaveAtStage2LoadAtStage1) {
   if (rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// ---- stage 3 ----------------------------------------------------------------------------------
+
+struct UnitsRun {
+  std::vector<double> losses;  // rank 0's local loss, every micro-batch
+  std::vector<double> norms;
+  test::FullState state;       // master, m, v
+};
+
+// Trains with one unit per layer, each layer's forward through unit_forward (at stage 3 the
+// layers are gathered around it and again in backward; at other stages it is a plain call).
+UnitsRun train_units(Stage stage, torch::ScalarType dtype, int steps, int micro,
+                     int units_in_flight = 2) {
+  auto net = make_net(dtype);
+  OptimizerOptions o = shard_options(stage);
+  o.units_in_flight = units_in_flight;
+  ShardedAdamW opt(ShardedAdamW::units_of({net->fc1.ptr(), net->fc2.ptr(), net->fc3.ptr()}),
+                   adamw(), test::world(), o);
+  EXPECT_EQ(opt.num_units(), 3u);
+  UnitsRun run;
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      auto [x, y] = my_rows(s, m, micro, dtype);
+      torch::Tensor loss = mse(forward_units(opt, *net, x), y);
+      run.losses.push_back(loss.item<double>());
+      backward(opt, loss, m + 1 == micro);
+    }
+    opt.step();
+    run.norms.push_back(opt.last_result().grad_norm);
+  }
+  run.state = test::gather_state(opt.core());
+  return run;
+}
+
+struct Zero3Case {
+  torch::ScalarType dtype;
+  int micro;
+  int units_in_flight;
+};
+
+class AdapterZero3 : public testing::TestWithParam<Zero3Case> {};
+
+// Stage 3 through the adapter trains as stage 2 (same units, same buckets). With one
+// micro-batch per step: the same losses, norms, master weights and moments, bit for bit.
+// Wrong or stale weights in the forward or in backward (a unit not gathered again, a pointer
+// into a recycled buffer) would change them. With two micro-batches, stage 3 (which keeps no
+// full-size gradient) reduces each one and sums the slices, stage 2 sums locally and reduces
+// once: on more than one rank the fp32 sums round differently, so the runs agree to fp32
+// rounding (2e-5 relative on the master weights, 1e-5 on the losses).
+TEST_P(AdapterZero3, TrainsAsStage2) {
+  const Zero3Case c = GetParam();
+  const UnitsRun z2 = train_units(Stage::Zero2, c.dtype, 5, c.micro, c.units_in_flight);
+  const UnitsRun z3 = train_units(Stage::Zero3, c.dtype, 5, c.micro, c.units_in_flight);
+  EXPECT_EQ(z3.state.step, 5);
+  if (c.micro == 1 || ranks() == 1) {
+    EXPECT_EQ(z3.losses, z2.losses);
+    EXPECT_EQ(z3.norms, z2.norms);
+    EXPECT_TRUE(z3.state == z2.state);
+    return;
+  }
+  ASSERT_EQ(z3.losses.size(), z2.losses.size());
+  for (std::size_t k = 0; k < z3.losses.size(); ++k)
+    EXPECT_NEAR(z3.losses[k], z2.losses[k], 1e-5 * std::fabs(z2.losses[k])) << k;
+  const std::vector<float>& a = z3.state.arrays[0];
+  const std::vector<float>& b = z2.state.arrays[0];
+  ASSERT_EQ(a.size(), b.size());
+  double scale = 1e-3, worst = 0.0;
+  for (float v : b) scale = std::max(scale, std::fabs(static_cast<double>(v)));
+  for (std::size_t k = 0; k < a.size(); ++k)
+    worst = std::max(worst, std::fabs(static_cast<double>(a[k]) - b[k]) / scale);
+  EXPECT_LT(worst, 2e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Units, AdapterZero3,
+    testing::Values(Zero3Case{torch::kFloat, 1, 2}, Zero3Case{torch::kFloat, 1, 1},
+                    Zero3Case{torch::kFloat, 2, 3}, Zero3Case{torch::kBFloat16, 2, 2}),
+    [](const testing::TestParamInfo<Zero3Case>& i) {
+      return std::string(i.param.dtype == torch::kFloat ? "fp32" : "bf16") + "_micro" +
+             std::to_string(i.param.micro) + "_inflight" + std::to_string(i.param.units_in_flight);
+    });
+
+// A unit with a parameter that takes no part in backward (so the unit never has all its
+// gradients): it is released when backward reaches the unit before it, and stage 3 still
+// trains as stage 2, bit for bit, whether one or two units can be held at once.
+TEST(AdapterZero3, AUnitWithAnUnusedParameter) {
+  auto train = [](Stage stage, int in_flight) {
+    auto net = make_net();
+    torch::manual_seed(3);
+    auto unused = torch::randn({11}).requires_grad_();
+    ShardedAdamW::Units units{net->fc1->parameters(), net->fc2->parameters(), net->fc3->parameters()};
+    units[1].push_back(unused);
+    OptimizerOptions o = shard_options(stage);
+    o.units_in_flight = in_flight;
+    ShardedAdamW opt(units, adamw(), test::world(), o);
+    for (int s = 0; s < 4; ++s) {
+      opt.zero_grad();
+      auto [x, y] = my_rows(s, 0, 1, torch::kFloat);
+      mse(forward_units(opt, *net, x), y).backward();
+      opt.step();
+    }
+    return test::gather_state(opt.core());
+  };
+  const test::FullState z2 = train(Stage::Zero2, 2);
+  EXPECT_TRUE(train(Stage::Zero3, 2) == z2);
+  EXPECT_TRUE(train(Stage::Zero3, 1) == z2);
+}
+
+// A stage-3 checkpoint loads at stage 2 and a stage-2 one at stage 3: the same state, and the
+// next steps stay equal bit for bit.
+TEST(AdapterZero3, CheckpointsMoveBetweenStages2And3) {
+  auto world = test::world();
+  const test::SharedDir dir(*world);
+  struct Run {
+    std::shared_ptr<Net> net = make_net();
+    std::unique_ptr<ShardedAdamW> opt;
+    explicit Run(Stage stage) {
+      opt = std::make_unique<ShardedAdamW>(
+          ShardedAdamW::units_of({net->fc1.ptr(), net->fc2.ptr(), net->fc3.ptr()}), adamw(),
+          test::world(), shard_options(stage));
+    }
+    void step(int s) {
+      opt->zero_grad();
+      auto [x, y] = my_rows(s, 0, 1, torch::kFloat);
+      mse(forward_units(*opt, *net, x), y).backward();
+      opt->step();
+    }
+  };
+  for (Stage from : {Stage::Zero3, Stage::Zero2}) {
+    const Stage to = from == Stage::Zero3 ? Stage::Zero2 : Stage::Zero3;
+    Run a(from);
+    for (int s = 0; s < 3; ++s) a.step(s);
+    a.opt->save(dir.path() / stage_name(from));
+    Run b(to);
+    b.opt->load(dir.path() / stage_name(from));
+    EXPECT_TRUE(test::gather_state(b.opt->core()) == test::gather_state(a.opt->core()));
+    for (int s = 3; s < 5; ++s) {
+      a.step(s);
+      b.step(s);
+    }
+    EXPECT_TRUE(test::gather_state(b.opt->core()) == test::gather_state(a.opt->core()))
+        << stage_name(from) << " to " << stage_name(to);
+  }
+}
+
+// Units at stage 1 change only the buckets' boundaries: unit_forward is a plain call and the
+// training equals stage 2's with the same units (the stages differ only in who holds what).
+TEST(AdapterZero3, UnitsAtOtherStagesArePlainCalls) {
+  const UnitsRun z1 = train_units(Stage::Zero1, torch::kFloat, 3, 1);
+  const UnitsRun z2 = train_units(Stage::Zero2, torch::kFloat, 3, 1);
+  EXPECT_EQ(z1.losses, z2.losses);
+  EXPECT_TRUE(z1.state == z2.state);
+}
+
 // Resharding through the adapter: a checkpoint saved by ShardedAdamW at n ranks loads into a
 // ShardedAdamW at m ranks, for every (n, m) with n or m the launched world size (so the runs
 // at 1-4 ranks cover every pair in 1..4). Sub-communicators of the world play the runs of
@@ -559,9 +724,31 @@ TEST(AdapterErrors, UnsupportedSettingsAreClearErrors) {
       EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
     }
   };
-  expect_error(Status::Unsupported, "stage 3", [] {
+  expect_error(Status::InvalidArgument, "stage 3 needs the parameters in units", [] {
     auto net = make_net();
     ShardedAdamW o(net->parameters(), adamw(), test::world(), shard_options(Stage::Zero3));
+  });
+  expect_error(Status::InvalidArgument, "is in no unit", [] {
+    auto net = make_net();
+    ShardedAdamW::ParamGroups g;
+    g.emplace_back(net->parameters());
+    ShardedAdamW o(std::move(g), ShardedAdamW::units_of({net->fc1.ptr(), net->fc2.ptr()}),
+                   adamw(), test::world(), shard_options(Stage::Zero3));
+  });
+  expect_error(Status::InvalidArgument, "is in two units", [] {
+    auto net = make_net();
+    ShardedAdamW::ParamGroups g;
+    g.emplace_back(net->parameters());
+    ShardedAdamW o(std::move(g),
+                   ShardedAdamW::units_of({net->fc1.ptr(), net->fc2.ptr(), net->fc2.ptr(),
+                                           net->fc3.ptr()}),
+                   adamw(), test::world(), shard_options(Stage::Zero3));
+  });
+  expect_error(Status::InvalidArgument, "unit 3 of 3", [] {
+    auto net = make_net();
+    ShardedAdamW o(ShardedAdamW::units_of({net->fc1.ptr(), net->fc2.ptr(), net->fc3.ptr()}),
+                   adamw(), test::world(), shard_options(Stage::Zero3));
+    o.unit_forward(3, [] { return torch::zeros({1}); });
   });
   expect_error(Status::Unsupported, "amsgrad", [] {
     auto net = make_net();

@@ -28,21 +28,33 @@
 //   group. Group options are torch::optim::AdamWOptions; betas and eps must be the same in
 //   every group, weight_decay either 0 or one common value (shardopt's groups have an lr
 //   scale and a decay on/off switch); amsgrad is not supported. Group lr changes (LR
-//   schedulers, param_groups()) take effect at the next step. Stage 3 is not supported: a
-//   LibTorch C++ module has no forward hooks to gather a layer's parameters before it runs.
+//   schedulers, param_groups()) take effect at the next step.
 // - step() consumes the gradients: the reduce-scatter works in place, so after a step the
 //   next backward starts from zero whether or not zero_grad() was called. Clip with
 //   OptimizerOptions::adam.max_grad_norm (global norm over all ranks), not with
 //   torch::nn::utils::clip_grad_norm_ on local gradients.
-// - Collective (every rank, same order): the constructor, step(), save(), load().
+// - Stage 3 (parameters sharded too): construct from Units (each typically one layer's
+//   parameters, in forward order) and run each unit's forward through unit_forward(u, f). A
+//   LibTorch C++ module has no forward pre-hooks, so this one call per unit is the trainer
+//   code stage 3 needs. unit_forward gathers the unit (its parameters' storage then points
+//   into the gathered buffer), prefetches the next one, runs f and releases the unit; a hook
+//   on f's output gathers the unit again when backward reaches it (prefetching the unit
+//   before it) and releases it once all its parameters have their gradients. Outside
+//   unit_forward (and its backward) a stage-3 parameter has no data: its storage is null.
+//   At other stages unit_forward(u, f) is f(): one trainer runs at every stage.
+// - Collective (every rank, same order): the constructor, step(), save(), load(), and at
+//   stage 3 unit_forward() and the backward passes through it.
 // - Destroying the optimizer gives every parameter (and .grad()) its own storage back, with
-//   the current values, so the model outlives it.
+//   the current values, so the model outlives it. At stage 3 no rank holds the whole model
+//   and a destructor cannot communicate: the parameters get storage filled with NaN (save a
+//   checkpoint first; shardopt-export writes the consolidated weights).
 #pragma once
 
 #include <torch/torch.h>
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -70,6 +82,18 @@ class ShardedAdamW : public torch::optim::Optimizer {
   ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>& named_params,
                const torch::optim::AdamWOptions& defaults, std::shared_ptr<Communicator> comm,
                OptimizerOptions options = {});
+  /// Units: lists of parameters (typically module->parameters() of one layer), in forward
+  /// order; every parameter in exactly one unit. Registration follows the units (buckets
+  /// never straddle a unit). Required at stage 3, accepted at every stage.
+  using Units = std::vector<std::vector<torch::Tensor>>;
+  /// Each module's parameters() as one unit.
+  static Units units_of(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+  /// Collective. As above, with the parameters registered unit by unit; `groups` give the
+  /// options and must hold the same parameters as `units`.
+  ShardedAdamW(ParamGroups groups, const Units& units, const torch::optim::AdamWOptions& defaults,
+               std::shared_ptr<Communicator> comm, OptimizerOptions options = {});
+  ShardedAdamW(const Units& units, const torch::optim::AdamWOptions& defaults,
+               std::shared_ptr<Communicator> comm, OptimizerOptions options = {});
   ~ShardedAdamW() override;
   ShardedAdamW(const ShardedAdamW&) = delete;
   ShardedAdamW& operator=(const ShardedAdamW&) = delete;
@@ -80,6 +104,12 @@ class ShardedAdamW : public torch::optim::Optimizer {
   torch::Tensor step(LossClosure closure = nullptr) override;
   /// Zeroes every gradient (shardopt's buffers and the .grad() views). Local.
   void zero_grad();
+
+  /// Runs f, the forward of unit u (which reads only unit u's parameters), and returns its
+  /// output. Stage 3: collective; gathers unit u around f and arranges its gathering in
+  /// backward (see the header comment). Other stages: f().
+  torch::Tensor unit_forward(std::size_t u, const std::function<torch::Tensor()>& f);
+  std::size_t num_units() const { return unit_first_.size() - 1; }
 
   /// RAII scope: backward passes inside it accumulate locally with no communication (all but
   /// the last micro-batch of a step). Local; must be used the same way on every rank.
@@ -118,8 +148,15 @@ class ShardedAdamW : public torch::optim::Optimizer {
 
  private:
   struct Hook;
-  void build(const std::vector<std::string>& names, std::shared_ptr<Communicator> comm,
-             OptimizerOptions options);
+  void build(const std::vector<std::string>& names, const Units* units,
+             std::shared_ptr<Communicator> comm, OptimizerOptions options);
+  void order_by_units(const Units& units);
+  enum class Hold : unsigned char { None, Prefetched, Acquired };
+  void gather_unit(std::size_t u);     // stage 3: acquire u, point its tensors at it
+  void prefetch_unit(std::size_t u);   // stage 3: start gathering u if a buffer is free
+  void release_unit(std::size_t u);    // stage 3: release u, its tensors point at nothing
+  void release_units();                // stage 3: no unit held (collective)
+  void backward_gather(std::size_t u); // stage 3: the hook on unit u's output
   void check_groups() const;
   void apply_group_settings();
   void on_grad(std::size_t i);       // gradient accumulator post-hook of parameter i
@@ -136,7 +173,13 @@ class ShardedAdamW : public torch::optim::Optimizer {
   std::vector<int> group_of_;
   torch::ScalarType dtype_ = torch::kFloat;
   bool grad_views_ = false;  // fp32 model at stage 0/1: .grad() views the flat buffer
-  bool ordered_ = false;     // stage 2: gradients must reach shardopt in backward order
+  bool ordered_ = false;     // stages 2/3: gradients must reach shardopt in backward order
+  bool zero3_ = false;
+  std::vector<std::size_t> unit_first_{0};  // first parameter of each unit, then the count
+  std::vector<std::size_t> unit_of_;        // each parameter's unit
+  std::vector<Hold> hold_;                  // stage 3: each unit's state in shardopt
+  std::vector<std::size_t> missing_;        // stage 3: its parameters without a gradient yet
+  std::size_t held_ = 0;                    // stage 3: units prefetched or acquired
   bool sync_ = true;
   bool in_pass_ = false;
   bool fresh_ = true;  // no backward since the last step or zero_grad
