@@ -390,6 +390,7 @@ class CountingComm final : public Communicator {
     return in_->start_reduce_scatter_sum(buf, count, wire);
   }
   std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count, CommType type) override {
+    ++gathers;
     return in_->start_all_gather(buf, count, type);
   }
   std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
@@ -409,6 +410,7 @@ class CountingComm final : public Communicator {
   }
   void barrier() override { in_->barrier(); }
   int reductions = 0;
+  int gathers = 0;
 
  private:
   std::shared_ptr<Communicator> in_;
@@ -441,6 +443,50 @@ TEST(AdapterHooks, ReductionsStartDuringBackward) {
       opt.step();
       EXPECT_EQ(comm->reductions, buckets) << "after step";
     }
+  }
+}
+
+// Stage 3's gathers are prefetched: while unit u's forward runs, unit u+1's all-gathers have
+// started; in backward, when autograd reaches the middle layer (its weight's gradient), that
+// unit is gathered again and the first one is already being gathered. step() gathers nothing.
+TEST(AdapterHooks, Stage3GathersArePrefetchedInForwardAndBackward) {
+  auto net = make_net();
+  auto comm = std::make_shared<CountingComm>(test::world());
+  OptimizerOptions o = shard_options(Stage::Zero3);
+  o.units_in_flight = 2;
+  ShardedAdamW opt(ShardedAdamW::units_of({net->fc1.ptr(), net->fc2.ptr(), net->fc3.ptr()}),
+                   adamw(), comm, o);
+  const FlatLayout& l = opt.core().layout();
+  ASSERT_EQ(l.num_units(), 3u);
+  int b[3], total = 0;
+  for (int u = 0; u < 3; ++u) total += b[u] = static_cast<int>(l.unit(u).buckets.size());
+  int at_fc2_weight_grad = -1;
+  net->fc2->weight.register_hook([&](torch::Tensor) { at_fc2_weight_grad = comm->gathers; });
+  for (int s = 0; s < 2; ++s) {
+    comm->gathers = 0;
+    opt.zero_grad();
+    auto [x, y] = my_rows(s, 0, 1, torch::kFloat);
+    int in_unit[3] = {-1, -1, -1};
+    torch::Tensor h = opt.unit_forward(0, [&] {
+      in_unit[0] = comm->gathers;
+      return torch::tanh(net->fc1->forward(x));
+    });
+    h = opt.unit_forward(1, [&] {
+      in_unit[1] = comm->gathers;
+      return torch::tanh(net->fc2->forward(h));
+    });
+    torch::Tensor out = opt.unit_forward(2, [&] {
+      in_unit[2] = comm->gathers;
+      return net->fc3->forward(h);
+    });
+    EXPECT_EQ(in_unit[0], b[0] + b[1]);
+    EXPECT_EQ(in_unit[1], b[0] + b[1] + b[2]);
+    EXPECT_EQ(in_unit[2], total);
+    mse(out, y).backward();
+    EXPECT_EQ(at_fc2_weight_grad, 2 * total);  // units 2, 1 and (prefetched) 0 again
+    EXPECT_EQ(comm->gathers, 2 * total);
+    opt.step();
+    EXPECT_EQ(comm->gathers, 2 * total) << "after step";
   }
 }
 
