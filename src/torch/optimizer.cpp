@@ -398,8 +398,8 @@ void ShardedAdamW::end_pass() {
 // ---- stage 3: units ---------------------------------------------------------------------------
 
 void ShardedAdamW::gather_unit(std::size_t u) {
-  if (hold_[u] != Hold::Prefetched) ++held_;
   core_->acquire(u);  // waits for the prefetch, or gathers now
+  if (hold_[u] != Hold::Prefetched) ++held_;
   hold_[u] = Hold::Acquired;
   for (std::size_t i = unit_first_[u]; i < unit_first_[u + 1]; ++i) {
     void* data = dtype_ == torch::kFloat ? static_cast<void*>(core_->param<float>(i).data())
@@ -420,9 +420,9 @@ void ShardedAdamW::prefetch_unit(std::size_t u) {
 }
 
 void ShardedAdamW::release_unit(std::size_t u) {
+  core_->release(u);
   for (std::size_t i = unit_first_[u]; i < unit_first_[u + 1]; ++i)
     params_[i].storage().set_data_ptr_noswap(at::DataPtr(nullptr, params_[i].device()));
-  core_->release(u);
   hold_[u] = Hold::None;
   --held_;
 }

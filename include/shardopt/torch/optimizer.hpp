@@ -41,7 +41,8 @@
 //   on f's output gathers the unit again when backward reaches it (prefetching the unit
 //   before it) and releases it once all its parameters have their gradients. Outside
 //   unit_forward (and its backward) a stage-3 parameter has no data: its storage is null.
-//   At other stages unit_forward(u, f) is f(): one trainer runs at every stage.
+//   At other stages unit_forward(u, f) is f(): one trainer runs at every stage. The hook
+//   refers to the optimizer: run backward on such a graph only while the optimizer lives.
 // - Collective (every rank, same order): the constructor, step(), save(), load(), and at
 //   stage 3 unit_forward() and the backward passes through it.
 // - Destroying the optimizer gives every parameter (and .grad()) its own storage back, with
