@@ -448,7 +448,8 @@ TEST(AdapterHooks, ReductionsStartDuringBackward) {
 
 // Stage 3's gathers are prefetched: while unit u's forward runs, unit u+1's all-gathers have
 // started; in backward, when autograd reaches the middle layer (its weight's gradient), that
-// unit is gathered again and the first one is already being gathered. step() gathers nothing.
+// unit is gathered again and the first one is already being gathered, and the last unit's
+// buckets are being reduced. step() gathers and reduces nothing more.
 TEST(AdapterHooks, Stage3GathersArePrefetchedInForwardAndBackward) {
   auto net = make_net();
   auto comm = std::make_shared<CountingComm>(test::world());
@@ -460,10 +461,14 @@ TEST(AdapterHooks, Stage3GathersArePrefetchedInForwardAndBackward) {
   ASSERT_EQ(l.num_units(), 3u);
   int b[3], total = 0;
   for (int u = 0; u < 3; ++u) total += b[u] = static_cast<int>(l.unit(u).buckets.size());
-  int at_fc2_weight_grad = -1;
-  net->fc2->weight.register_hook([&](torch::Tensor) { at_fc2_weight_grad = comm->gathers; });
+  int at_fc2_weight_grad = -1, reduced_at_fc2_weight_grad = -1;
+  net->fc2->weight.register_hook([&](torch::Tensor) {
+    at_fc2_weight_grad = comm->gathers;
+    reduced_at_fc2_weight_grad = comm->reductions;
+  });
   for (int s = 0; s < 2; ++s) {
     comm->gathers = 0;
+    comm->reductions = 0;
     opt.zero_grad();
     auto [x, y] = my_rows(s, 0, 1, torch::kFloat);
     int in_unit[3] = {-1, -1, -1};
@@ -484,9 +489,12 @@ TEST(AdapterHooks, Stage3GathersArePrefetchedInForwardAndBackward) {
     EXPECT_EQ(in_unit[2], total);
     mse(out, y).backward();
     EXPECT_EQ(at_fc2_weight_grad, 2 * total);  // units 2, 1 and (prefetched) 0 again
+    EXPECT_GE(reduced_at_fc2_weight_grad, b[2]);   // unit 2's buckets
     EXPECT_EQ(comm->gathers, 2 * total);
+    EXPECT_EQ(comm->reductions, total);
     opt.step();
     EXPECT_EQ(comm->gathers, 2 * total) << "after step";
+    EXPECT_EQ(comm->reductions, total) << "after step";
   }
 }
 
