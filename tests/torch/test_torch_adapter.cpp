@@ -472,10 +472,13 @@ TEST(AdapterHooks, Stage3GathersArePrefetchedInForwardAndBackward) {
     opt.zero_grad();
     auto [x, y] = my_rows(s, 0, 1, torch::kFloat);
     int in_unit[3] = {-1, -1, -1};
+    EXPECT_EQ(net->fc1->weight.data_ptr(), nullptr);  // no data outside its unit
     torch::Tensor h = opt.unit_forward(0, [&] {
       in_unit[0] = comm->gathers;
+      EXPECT_NE(net->fc1->weight.data_ptr(), nullptr);
       return torch::tanh(net->fc1->forward(x));
     });
+    EXPECT_EQ(net->fc1->weight.data_ptr(), nullptr);
     h = opt.unit_forward(1, [&] {
       in_unit[1] = comm->gathers;
       return torch::tanh(net->fc2->forward(h));
