@@ -436,11 +436,8 @@ void ShardedAdamW::release_units() {
 
 torch::Tensor ShardedAdamW::unit_forward(std::size_t u, const std::function<torch::Tensor()>& f) {
   if (!zero3_) return f();
-  require(u < num_units(), Status::InvalidArgument,
-          "ShardedAdamW::unit_forward: unit " + std::to_string(u) + " of " +
-              std::to_string(num_units()));
   require(!in_pass_, Status::InvalidState, "ShardedAdamW::unit_forward: called during backward");
-  gather_unit(u);
+  gather_unit(u);  // shardopt's acquire checks u, agreed on by every rank, before any change
   if (u + 1 < num_units()) prefetch_unit(u + 1);
   torch::Tensor y;
   try {

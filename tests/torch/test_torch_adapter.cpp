@@ -695,6 +695,23 @@ TEST(AdapterZero3, CheckpointsMoveBetweenStages2And3) {
   }
 }
 
+// At stage 3 no rank holds the model and a destructor cannot gather it: the parameters keep
+// their shapes and dtype, with storage of their own filled with NaN.
+TEST(AdapterZero3, DestroyingTheOptimizerLeavesNaN) {
+  auto net = make_net();
+  {
+    ShardedAdamW opt(ShardedAdamW::units_of({net->fc1.ptr(), net->fc2.ptr(), net->fc3.ptr()}),
+                     adamw(), test::world(), shard_options(Stage::Zero3));
+    EXPECT_EQ(net->fc2->weight.data_ptr(), nullptr);
+  }
+  for (const torch::Tensor& p : net->parameters()) {
+    ASSERT_NE(p.data_ptr(), nullptr);
+    EXPECT_EQ(p.scalar_type(), torch::kFloat);
+    EXPECT_TRUE(p.isnan().all().item<bool>());
+  }
+  EXPECT_EQ(net->fc2->weight.sizes(), (std::vector<int64_t>{kHidden, kHidden}));
+}
+
 // Units at stage 1 change only the buckets' boundaries: unit_forward is a plain call and the
 // training equals stage 2's with the same units (the stages differ only in who holds what).
 TEST(AdapterZero3, UnitsAtOtherStagesArePlainCalls) {
@@ -801,7 +818,7 @@ TEST(AdapterErrors, UnsupportedSettingsAreClearErrors) {
                                            net->fc3.ptr()}),
                    adamw(), test::world(), shard_options(Stage::Zero3));
   });
-  expect_error(Status::InvalidArgument, "unit 3 of 3", [] {
+  expect_error(Status::InvalidArgument, "unit 3 out of range (have 3)", [] {
     auto net = make_net();
     ShardedAdamW o(ShardedAdamW::units_of({net->fc1.ptr(), net->fc2.ptr(), net->fc3.ptr()}),
                    adamw(), test::world(), shard_options(Stage::Zero3));
