@@ -339,7 +339,9 @@ class NcclCommunicator final : public Communicator, public dev::Watchdog {
     if (rc == ncclInProgress) {
       rc = settled(Clock::now());
       if (rc == ncclInProgress)
-        abort_with(std::string(call) + " did not complete within " + seconds_text(timeout_) +
+        abort_with(std::string(call) +
+                   (*CallScope::current() != '\0' ? std::string(" in ") + CallScope::current() : "") +
+                   " did not complete within " + seconds_text(timeout_) +
                    " s (collective timeout; a rank may have died or stopped calling collectives)");
       if (rc != ncclSuccess)
         abort_with(std::string(call) + " failed asynchronously: " + ncclGetErrorString(rc));

@@ -45,8 +45,8 @@ std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group,
 void FlatLayout::build(int world_size, std::size_t bucket_elems) {
   require(!built(), Status::InvalidState, "the layout is already built");
   require(world_size > 0, Status::InvalidArgument, "world size must be positive");
-  require(bucket_elems > 0, Status::InvalidArgument, "bucket size must be positive");
   require(!params_.empty(), Status::InvalidState, "finalize: no parameters were registered");
+  if (bucket_elems == 0) bucket_elems = auto_bucket_elems(unpadded_);
   const std::size_t quantum = bucket_quantum(world_size);
   const std::size_t cap = bucket_capacity(bucket_elems, world_size);
 

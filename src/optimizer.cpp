@@ -59,7 +59,6 @@ std::string options_problem(const OptimizerOptions& o) {
     return "invalid stage " + std::to_string(static_cast<int>(o.stage));
   if (o.param_dtype != DType::F32 && o.param_dtype != DType::BF16) return "invalid param dtype";
   if (o.device != Device::Cpu && o.device != Device::Cuda) return "invalid device";
-  if (o.bucket_elems == 0) return "bucket_elems must be positive";
   if (o.buckets_in_flight < 1) return "buckets_in_flight must be at least 1";
   if (o.units_in_flight < 1) return "units_in_flight must be at least 1";
   if (o.reduce_dtype != DType::F32 && o.reduce_dtype != DType::BF16) return "invalid reduce dtype";
@@ -70,9 +69,9 @@ std::string options_problem(const OptimizerOptions& o) {
            "rounds every partial sum)";
   if (o.reduction == Reduction::Reproducible && o.device != Device::Cpu)
     return "reduction Reproducible runs on Device::Cpu only (its CUDA kernels are not written)";
-  if (!std::isfinite(o.collective_timeout_s) || o.collective_timeout_s < 0)
-    return "collective_timeout_s must be >= 0 seconds (0: no timeout), got " +
-           std::to_string(o.collective_timeout_s);
+  if (std::isnan(o.collective_timeout_s))
+    return "collective_timeout_s is NaN (need seconds > 0, 0 for the default, or "
+           "kNoCollectiveTimeout (< 0) for none)";
   return validate(o.loss_scaling);
 }
 
@@ -93,6 +92,7 @@ Allocation collective_buffer(Communicator& comm, Backend& be, Device device,
 // `o`, the collective timeout to the communicator, and returns the communicator the
 // optimizer uses (wrapped by the debug checks when they are on).
 std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm, OptimizerOptions& o) {
+  const CallScope call("ShardedOptimizer (constructor)");
   require(comm != nullptr, Status::InvalidArgument, "communicator is null");
   collective(*comm, "ShardedOptimizer", [&] {
     std::string problem = apply_environment(o);
@@ -119,7 +119,7 @@ std::shared_ptr<Communicator> checked(std::shared_ptr<Communicator> comm, Optimi
                 "ShardedOptimizer: debug_collectives (or SHARDOPT_DEBUG_COLLECTIVES=1) is on for "
                 "ranks " + on + " only; it must be the same on every rank");
   }
-  if (o.collective_timeout_s > 0) comm->set_collective_timeout(o.collective_timeout_s);
+  comm->set_collective_timeout(o.collective_timeout_s > 0 ? o.collective_timeout_s : 0.0);
   return o.debug_collectives ? make_checked_communicator(std::move(comm)) : comm;
 }
 
@@ -218,6 +218,7 @@ struct RankSummary {
 }  // namespace
 
 void ShardedOptimizer::finalize() {
+  const CallScope call("finalize");
   FlatLayout layout = layout_;
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
@@ -284,6 +285,7 @@ void ShardedOptimizer::finalize() {
   });
 
   layout_ = std::move(layout);  // BucketSet and UnitSet keep a reference to it
+  options_.bucket_elems = layout_.bucket_elems();  // the size chosen when it was 0 (auto)
   const bool f32 = options_.param_dtype == DType::F32;
   buckets_ = std::make_unique<BucketSet>(
       *comm_, be, tracker_, layout_, plan,
@@ -358,6 +360,7 @@ std::vector<ShardPiece> ShardedOptimizer::saved_pieces() const {
 // ---- parameters and gradients -----------------------------------------------------------
 
 void ShardedOptimizer::set_param(std::size_t i, std::span<const float> values) {
+  const CallScope call("set_param");
   require_finalized("set_param");
   const ParamInfo& p = layout_.param(i);
   require(values.size() == p.numel, Status::InvalidArgument,
@@ -397,6 +400,7 @@ void ShardedOptimizer::get_state(StateArray a, std::size_t i, std::span<float> o
 
 void ShardedOptimizer::gather_state(const char* what, StateArray a, std::size_t i,
                                     std::span<float> out) {
+  const CallScope call(what);
   const std::string w = what;
   // Checked on every rank and agreed before any data moves, so that a bad call on one rank
   // is the same error everywhere instead of a hang.
@@ -466,6 +470,7 @@ std::span<T> ShardedOptimizer::param(std::size_t i) {
 }
 
 void ShardedOptimizer::wait_param(std::size_t i) {
+  const CallScope call("wait_param");
   require_finalized("wait_param");
   layout_.param(i);  // index check
   buckets_->wait_param(i);
@@ -474,6 +479,7 @@ void ShardedOptimizer::wait_param(std::size_t i) {
 // acquire and prefetch agree before they gather (the unit index is part of the call's name,
 // so ranks that ask for different units fail too): one small all-reduce per call.
 void ShardedOptimizer::acquire(std::size_t unit) {
+  const CallScope call("acquire(unit " + std::to_string(unit) + ")");
   collective(*comm_, "acquire(unit " + std::to_string(unit) + ")", [&] {
     require_finalized("acquire");
     require_zero3("acquire");
@@ -483,6 +489,7 @@ void ShardedOptimizer::acquire(std::size_t unit) {
 }
 
 void ShardedOptimizer::prefetch(std::size_t unit) {
+  const CallScope call("prefetch(unit " + std::to_string(unit) + ")");
   collective(*comm_, "prefetch(unit " + std::to_string(unit) + ")", [&] {
     require_finalized("prefetch");
     require_zero3("prefetch");
@@ -492,6 +499,7 @@ void ShardedOptimizer::prefetch(std::size_t unit) {
 }
 
 void ShardedOptimizer::release(std::size_t unit) {
+  const CallScope call("release(unit " + std::to_string(unit) + ")");
   require_finalized("release");
   require_zero3("release");
   units_->release(unit);
@@ -504,6 +512,7 @@ void ShardedOptimizer::require_zero3(const char* what) const {
 }
 
 void ShardedOptimizer::begin_backward(bool sync) {
+  const CallScope call("begin_backward");
   require_finalized("begin_backward");
   buckets_->begin_backward(sync);
 }
@@ -525,6 +534,7 @@ void ShardedOptimizer::accumulate_grad(std::size_t i, std::span<const bf16> src)
 
 void ShardedOptimizer::accumulate_grad_as(std::size_t i, const void* src, std::size_t n,
                                           DType dtype) {
+  const CallScope call("accumulate_grad");
   require_finalized("accumulate_grad");
   const ParamInfo& p = layout_.param(i);
   require(n == p.numel, Status::InvalidArgument,
@@ -534,22 +544,26 @@ void ShardedOptimizer::accumulate_grad_as(std::size_t i, const void* src, std::s
 }
 
 void ShardedOptimizer::grad_ready(std::size_t i) {
+  const CallScope call("grad_ready");
   require_finalized("grad_ready");
   buckets_->grad_ready(i);
 }
 
 void ShardedOptimizer::progress() {
+  const CallScope call("progress");
   require_finalized("progress");
   buckets_->progress();
   if (units_) units_->progress();
 }
 
 void ShardedOptimizer::reduce_gradients() {
+  const CallScope call("reduce_gradients");
   collective(*comm_, "reduce_gradients", [&] { require_finalized("reduce_gradients"); });
   buckets_->finish_grad_sync();
 }
 
 void ShardedOptimizer::zero_grad() {
+  const CallScope call("zero_grad");
   require_finalized("zero_grad");
   buckets_->zero_grads();
 }
@@ -630,6 +644,7 @@ double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper
 }
 
 StepResult ShardedOptimizer::step() {
+  const CallScope call("step");
   // finalize() is collective, so either every rank is finalized or none: a rank that is not
   // fails here, together with the others (in this check or in their own finalize()). Stage 3
   // agrees on its units too: a rank still holding one would otherwise fail alone, before the
@@ -795,6 +810,7 @@ void ShardedOptimizer::copy_state_from_host(StateArray a, std::size_t offset,
 }
 
 void ShardedOptimizer::refresh_replica() {
+  const CallScope call("refresh_replica");
   collective(*comm_, "refresh_replica", [&] { require_finalized("refresh_replica"); });
   buckets_->wait_params();
   if (options_.param_dtype == DType::BF16)
@@ -808,6 +824,7 @@ void ShardedOptimizer::refresh_replica() {
 // ---- for the C ABI (issue 13) ---------------------------------------------------------------
 
 void* ShardedOptimizer::replica_data() {
+  const CallScope call("replica_data");
   require_finalized("replica_data");
   buckets_->wait_params();
   return replica_ptr(0);

@@ -92,16 +92,34 @@ std::string apply_environment(OptimizerOptions& o) {
     else if (!v.empty() && v != "0")
       return "SHARDOPT_DEBUG_COLLECTIVES='" + v + "': expected 1 (on) or 0 (off)";
   }
-  if (const char* env = std::getenv("SHARDOPT_COLLECTIVE_TIMEOUT");
-      env != nullptr && *env != '\0' && o.collective_timeout_s == 0) {
-    char* end = nullptr;
-    const double s = std::strtod(env, &end);
-    if (*end != '\0' || !std::isfinite(s) || s < 0)
-      return std::string("SHARDOPT_COLLECTIVE_TIMEOUT='") + env +
-             "': expected seconds >= 0 (0: no timeout)";
-    o.collective_timeout_s = s;
+  if (o.collective_timeout_s == 0) {
+    std::string problem;
+    if (!collective_timeout_from_environment(o.collective_timeout_s, problem)) return problem;
   }
+  if (o.collective_timeout_s == 0)
+    o.collective_timeout_s = o.debug_collectives ? kDebugCollectiveTimeoutS : kDefaultCollectiveTimeoutS;
+  else if (o.collective_timeout_s < 0 || o.collective_timeout_s == HUGE_VAL)
+    o.collective_timeout_s = kNoCollectiveTimeout;
   return {};
+}
+
+bool collective_timeout_from_environment(double& seconds, std::string& problem) {
+  const char* env = std::getenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+  if (env == nullptr || *env == '\0') return true;
+  const std::string v = env;
+  if (v == "off" || v == "none") {
+    seconds = kNoCollectiveTimeout;
+    return true;
+  }
+  char* end = nullptr;
+  const double s = std::strtod(env, &end);
+  if (*end != '\0' || !std::isfinite(s) || s < 0) {
+    problem = "SHARDOPT_COLLECTIVE_TIMEOUT='" + v +
+              "': expected seconds > 0, or 0, off or none for no timeout";
+    return false;
+  }
+  seconds = s == 0 ? kNoCollectiveTimeout : s;
+  return true;
 }
 
 }  // namespace shardopt

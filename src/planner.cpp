@@ -43,8 +43,6 @@ void check(const PlanConfig& c) {
           std::string("plan_memory: gradient dtype ") + dtype_name(c.grad_dtype) +
               " is not supported: shardopt keeps gradients in fp32 (a bf16 gradient from "
               "backward is accumulated into them with accumulate_grad)");
-  require(c.bucket_elems > 0, Status::InvalidArgument,
-          "plan_memory: bucket_elems must be positive");
   require(c.buckets_in_flight >= 1, Status::InvalidArgument,
           "plan_memory: buckets_in_flight must be at least 1");
   require(c.units_in_flight >= 1, Status::InvalidArgument,
@@ -73,7 +71,8 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
     require(built.world_size() == config.world_size, Status::InvalidArgument,
             "plan_memory: the layout is built for " + std::to_string(built.world_size()) +
                 " ranks, the plan asks for " + std::to_string(config.world_size));
-    require(built.bucket_elems() == config.bucket_elems, Status::InvalidArgument,
+    require(config.bucket_elems == 0 || built.bucket_elems() == config.bucket_elems,
+            Status::InvalidArgument,
             "plan_memory: the layout is built for buckets of " +
                 std::to_string(built.bucket_elems()) + " elements, the plan asks for " +
                 std::to_string(config.bucket_elems));

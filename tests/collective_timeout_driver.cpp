@@ -1,9 +1,18 @@
-// collective_timeout_driver.cpp: the job test_collective_timeout freezes. Every rank trains
-// one step under a collective timeout and writes its pid to DIR/rank<R>.pid; then rank STOP
-// writes DIR/stopped and stops itself with SIGSTOP, and the others enter a collective (WHERE:
-// "step" or "get_master") that can never complete. The job must end by the watchdog's
-// MPI_Abort; reaching the end is a failure (exit code 1).
-//   collective_timeout_driver DIR STOP_RANK TIMEOUT_SECONDS step|get_master
+// collective_timeout_driver.cpp: the jobs test_collective_timeout runs, each leaving the
+// collective sequence in a way real programs do. Every rank trains one step (a stage-3 run
+// for `acquire`) and writes its pid to DIR/rank<R>.pid; then rank RANK writes DIR/stopped and:
+//   step | get_master: stops itself with SIGSTOP while the others enter that collective;
+//   alone:   calls step() alone while the others wait in their own MPI_Barrier (a rank
+//            evaluating or stepping on its own);
+//   acquire: gathers unit 1 alone (an evaluation pass on rank 0 only at stage 3), the others
+//            in their own MPI_Barrier;
+//   leave:   leaves its loop cleanly (destroys its optimizer, MPI_Finalize) while the others
+//            run another step;
+//   c_step:  as alone, through the C ABI (shardopt_step alone).
+// The job must end by the watchdog's MPI_Abort; reaching the end is a failure (exit code 1).
+// TIMEOUT_SECONDS 0 leaves collective_timeout_s at its default (the test sets
+// SHARDOPT_COLLECTIVE_TIMEOUT).
+//   collective_timeout_driver DIR RANK TIMEOUT_SECONDS step|get_master|alone|acquire|leave
 #include <mpi.h>
 #include <signal.h>
 #include <unistd.h>
@@ -12,11 +21,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/optimizer.hpp"
+#include "shardopt/shardopt.h"
 
 using namespace shardopt;
 
@@ -28,13 +39,54 @@ void write_file(const std::string& path, const std::string& text) {
   std::rename(tmp.c_str(), path.c_str());
 }
 
-void backward(ShardedOptimizer& opt, int rank) {
+// Writes this rank's gradients; mark_ready: marks each ready (reductions start in backward),
+// else step() starts them all.
+void backward(ShardedOptimizer& opt, int rank, bool mark_ready = true) {
   for (std::size_t i = opt.layout().num_params(); i-- > 0;) {
     std::span<float> g = opt.grad(i);
     for (std::size_t k = 0; k < g.size(); ++k)
       g[k] = 0.001f * static_cast<float>((k + i + static_cast<std::size_t>(rank)) % 7);
-    opt.grad_ready(i);
+    if (mark_ready) opt.grad_ready(i);
   }
+}
+
+void write_pid(const std::string& dir, int rank) {
+  write_file(dir + "/rank" + std::to_string(rank) + ".pid", std::to_string(getpid()) + "\n");
+}
+
+// The C ABI trainer: one step on every rank, then rank `alone` steps alone.
+int c_step(const std::string& dir, int alone, double timeout) {
+  shardopt_config_t c;
+  shardopt_config_init(&c);
+  c.bucket_elems = 4096;
+  c.collective_timeout_s = timeout;
+  shardopt_optimizer_t opt = nullptr;
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (shardopt_create_mpi(&opt, MPI_COMM_WORLD, &c) != SHARDOPT_SUCCESS ||
+      shardopt_add_param(opt, "a", 5000, 0, nullptr) != SHARDOPT_SUCCESS ||
+      shardopt_finalize(opt) != SHARDOPT_SUCCESS) {
+    std::fprintf(stderr, "error: %s\n", shardopt_last_error(opt));
+    return 1;
+  }
+  auto step = [&] {
+    float* g = nullptr;
+    size_t n = 0;
+    shardopt_grad(opt, 0, &g, &n);
+    for (size_t k = 0; k < n; ++k) g[k] = 0.001f * static_cast<float>((k + rank) % 7);
+    return shardopt_step(opt, nullptr);
+  };
+  step();
+  MPI_Barrier(MPI_COMM_WORLD);
+  write_pid(dir, rank);
+  if (rank == alone) {
+    write_file(dir + "/stopped", std::to_string(getpid()) + "\n");
+    step();
+  } else {
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  std::fprintf(stderr, "rank %d: c_step completed although rank %d diverged\n", rank, alone);
+  return 1;
 }
 
 }  // namespace
@@ -42,30 +94,59 @@ void backward(ShardedOptimizer& opt, int rank) {
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   if (argc != 5) {
-    std::fprintf(stderr, "usage: %s DIR STOP_RANK TIMEOUT_SECONDS step|get_master\n", argv[0]);
+    std::fprintf(stderr, "usage: %s DIR RANK TIMEOUT_SECONDS step|get_master|alone|acquire|leave\n",
+                 argv[0]);
     return 2;
   }
   const std::string dir = argv[1];
   const int stop_rank = std::atoi(argv[2]);
   const std::string where = argv[4];
+  if (where == "c_step") return c_step(dir, stop_rank, std::atof(argv[3]));
   try {
     auto comm = make_mpi_communicator(MPI_COMM_WORLD);
     const int rank = comm->rank();
     OptimizerOptions o;
     o.bucket_elems = 4096;
     o.collective_timeout_s = std::atof(argv[3]);
-    ShardedOptimizer opt(comm, o);
+    if (where == "acquire") o.stage = Stage::Zero3;
+    auto opt_ptr = std::make_unique<ShardedOptimizer>(comm, o);
+    ShardedOptimizer& opt = *opt_ptr;
     opt.add_param("a", 5000);
+    if (where == "acquire") opt.begin_unit();
     opt.add_param("b", 3000);
     opt.finalize();
     backward(opt, rank);
     opt.step();
     // The step's gathers complete on every rank before the stop (plain MPI starts them one at
     // a time, later), so the next collective is the one under test.
-    for (std::size_t i = 0; i < 2; ++i) opt.wait_param(i);
-    write_file(dir + "/rank" + std::to_string(rank) + ".pid", std::to_string(getpid()) + "\n");
-    if (rank == stop_rank) {
-      write_file(dir + "/stopped", std::to_string(getpid()) + "\n");
+    if (where != "acquire")
+      for (std::size_t i = 0; i < 2; ++i) opt.wait_param(i);
+    MPI_Barrier(MPI_COMM_WORLD);
+    write_pid(dir, rank);
+    const bool diverges = rank == stop_rank;
+    if (diverges) write_file(dir + "/stopped", std::to_string(getpid()) + "\n");
+    if (where == "alone" || where == "acquire") {
+      if (diverges) {
+        if (where == "alone") {
+          backward(opt, rank, false);
+          opt.step();
+        } else {
+          opt.acquire(1);
+        }
+      } else {
+        MPI_Barrier(MPI_COMM_WORLD);  // the program's own collective, waiting for the one
+      }
+      std::fprintf(stderr, "rank %d: %s completed although rank %d diverged\n", rank,
+                   where.c_str(), stop_rank);
+      return 1;
+    }
+    if (where == "leave" && diverges) {
+      opt_ptr.reset();
+      comm.reset();
+      MPI_Finalize();
+      return 0;
+    }
+    if (diverges) {
       raise(SIGSTOP);
       return 0;  // continued: the test is over
     }
@@ -73,7 +154,7 @@ int main(int argc, char** argv) {
       std::vector<float> out(5000);
       opt.get_master(0, out);
     } else {
-      backward(opt, rank);
+      backward(opt, rank, where != "leave");
       opt.step();
     }
     std::fprintf(stderr, "rank %d: the collective completed although rank %d is stopped\n", rank,

@@ -126,7 +126,10 @@ TEST(CApiStructs, ConfigFromAnOlderSmallerHeaderTakesDefaultsForNewFields) {
   EXPECT_EQ(now.weight_decay, 0.5);
   EXPECT_EQ(now.max_grad_norm, 3.0);
   EXPECT_EQ(now.bucket_elems, 4096u);
-  // ...and every field the old header does not have is at its default.
+  // ...and every field the old header does not have is at its default (the collective
+  // timeout reads back as the value the optimizer chose for its default 0).
+  EXPECT_NE(now.collective_timeout_s, 0.0);
+  defaults.collective_timeout_s = now.collective_timeout_s;
   const std::size_t from = offsetof(shardopt_config_t, overlap);
   EXPECT_EQ(std::memcmp(reinterpret_cast<const char*>(&now) + from,
                         reinterpret_cast<const char*>(&defaults) + from, sizeof now - from), 0);
@@ -306,11 +309,7 @@ TEST(CApiConfig, BadValuesOfTheNewFieldsAreRefused) {
   EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(last(nullptr).find("loss scaling"), std::string::npos) << last(nullptr);
   c = base_config();
-  c.bucket_elems = 0;
-  EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
-  EXPECT_NE(last(nullptr).find("bucket_elems"), std::string::npos) << last(nullptr);
-  c = base_config();
-  c.collective_timeout_s = -1;
+  c.collective_timeout_s = std::nan("");
   EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(last(nullptr).find("collective_timeout_s"), std::string::npos) << last(nullptr);
 }
@@ -647,3 +646,35 @@ TEST(CApiCheckpoint, IoAndCorruptDataAreReportedAndChangeNothing) {
 }
 
 }  // namespace
+
+// The collective timeout is on by default: a default config's 0 reads back as the 600 s the
+// optimizer chose; SHARDOPT_NO_COLLECTIVE_TIMEOUT reads back as none.
+TEST(CApiConfig, CollectiveTimeoutDefaultIsFinite) {
+  const char* registered = std::getenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+  const std::string saved = registered != nullptr ? registered : "";
+  unsetenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+  for (const double asked : {0.0, SHARDOPT_NO_COLLECTIVE_TIMEOUT, 12.0}) {
+    shardopt_config_t c = base_config();
+    c.collective_timeout_s = asked;
+    Opt o(c);
+    shardopt_config_t got;
+    ASSERT_EQ(shardopt_config_init(&got), SHARDOPT_SUCCESS);
+    ASSERT_EQ(shardopt_get_config(o.h, &got), SHARDOPT_SUCCESS);
+    EXPECT_EQ(got.collective_timeout_s,
+              asked == 0.0 ? SHARDOPT_DEFAULT_COLLECTIVE_TIMEOUT : asked) << asked;
+  }
+  if (registered != nullptr) setenv("SHARDOPT_COLLECTIVE_TIMEOUT", saved.c_str(), 1);
+}
+
+// bucket_elems 0 (the default) is automatic: get_config reports the size finalize chose, an
+// eighth of the model at least 4096 (Opt's model: 407 elements, so 4096).
+TEST(CApiConfig, AutomaticBucketSize) {
+  shardopt_config_t c = base_config();
+  c.bucket_elems = 0;
+  Opt o(c);
+  shardopt_config_t got;
+  ASSERT_EQ(shardopt_config_init(&got), SHARDOPT_SUCCESS);
+  EXPECT_EQ(got.bucket_elems, 0u);
+  ASSERT_EQ(shardopt_get_config(o.h, &got), SHARDOPT_SUCCESS);
+  EXPECT_EQ(got.bucket_elems, 4096u);
+}

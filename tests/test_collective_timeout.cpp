@@ -1,8 +1,10 @@
-// test_collective_timeout.cpp: a frozen rank (SIGSTOP) ends the job. collective_timeout_driver
-// runs under mpiexec with a 3 s collective timeout; one rank stops itself, the others wait in
-// a collective. The job must end, with a message on stderr naming the collective and the
-// stopped rank as not arrived, within the timeout plus a bound, and the waiting ranks must
-// not spin meanwhile.
+// test_collective_timeout.cpp: a rank that leaves the collective sequence ends the job.
+// collective_timeout_driver runs under mpiexec with a 3 s collective timeout (given as the
+// option, or through SHARDOPT_COLLECTIVE_TIMEOUT with the option at its default); one rank
+// stops itself (SIGSTOP), leaves its loop, or enters a collective alone (step, or a stage-3
+// gather) while the others wait in their own MPI_Barrier. The job must end, with a message on
+// stderr naming the call and collective the reporting rank is in and the ranks that have not
+// arrived, within the timeout plus a bound, and the waiting rank must not spin meanwhile.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -36,15 +38,21 @@ constexpr double kBound = 15.0;
 
 struct Frozen {
   int ranks;
-  int stop_rank;
+  int stop_rank;      // the rank that diverges
   const char* comm;   // SHARDOPT_COMM: mpi or shm
-  const char* where;  // what the others are in: step or get_master
+  const char* where;  // the driver's scenario
   const char* collective;  // the name the message must give
+  const char* call;        // the reporting rank's call, as the message names it
+  const char* missing;     // the ranks it must name as not arrived ("rank 1", "ranks 1, 2")
+  int waiter;              // a rank that waits under the watchdog (its CPU use is sampled)
+  bool env = false;        // the timeout from SHARDOPT_COLLECTIVE_TIMEOUT, the option default
+  bool debug = false;      // SHARDOPT_DEBUG_COLLECTIVES=1
 };
 
 std::string frozen_name(const testing::TestParamInfo<Frozen>& i) {
   return std::string(i.param.where) + "_np" + std::to_string(i.param.ranks) + "_" +
-         i.param.comm + "_stop" + std::to_string(i.param.stop_rank);
+         i.param.comm + "_rank" + std::to_string(i.param.stop_rank) +
+         (i.param.env ? "_env" : "") + (i.param.debug ? "_debug" : "");
 }
 
 void PrintTo(const Frozen& f, std::ostream* os) { *os << f.where << " np" << f.ranks; }
@@ -114,14 +122,19 @@ TEST_P(FrozenRank, JobEndsWithTheMessageWithinTheTimeoutPlusABound) {
   for (const char* f : {SHARDOPT_MPIEXEC_EXTRA})
     if (*f) args.push_back(f);
   for (const std::string& a : {std::string(SHARDOPT_TIMEOUT_DRIVER), work.string(),
-                               std::to_string(c.stop_rank), std::to_string(kTimeout),
+                               std::to_string(c.stop_rank),
+                               c.env ? std::string("0") : std::to_string(kTimeout),
                                std::string(c.where)})
     args.push_back(a);
   setenv("SHARDOPT_COMM", c.comm, 1);
-  unsetenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+  if (c.env) setenv("SHARDOPT_COLLECTIVE_TIMEOUT", std::to_string(kTimeout).c_str(), 1);
+  else unsetenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+  if (c.debug) setenv("SHARDOPT_DEBUG_COLLECTIVES", "1", 1);
   const fs::path log = work / "job.log";
   const pid_t job = spawn(args, log);
   unsetenv("SHARDOPT_COMM");
+  unsetenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+  unsetenv("SHARDOPT_DEBUG_COLLECTIVES");
   ASSERT_GT(job, 0);
 
   // Wait for the stop.
@@ -140,7 +153,7 @@ TEST_P(FrozenRank, JobEndsWithTheMessageWithinTheTimeoutPlusABound) {
   ASSERT_GT(read_pid(work / "stopped"), 0) << "no rank stopped:\n" << contents(log);
 
   // A waiting rank's CPU use between 1 s after the stop and 0.5 s before the timeout.
-  const int waiter = c.stop_rank == 0 ? 1 : 0;
+  const int waiter = c.waiter;
   pid_t waiter_pid = -1;
   double cpu0 = -1, cpu1 = -1;
   Clock::time_point t0, t1;
@@ -173,11 +186,12 @@ TEST_P(FrozenRank, JobEndsWithTheMessageWithinTheTimeoutPlusABound) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << "status " << status << "\n" << out;
   for (const std::string& needle :
        {std::string("collective timeout: waited"), std::string(c.collective),
-        "ranks not arrived: rank " + std::to_string(c.stop_rank) + " (no answer",
+        "in " + std::string(c.call) + ", collective #",
+        "ranks not arrived: " + std::string(c.missing) + " (no answer",
         std::string("aborting the job (MPI_Abort, error code ") +
             std::to_string(shardopt::kCollectiveTimeoutExitCode)})
     EXPECT_NE(out.find(needle), std::string::npos) << "'" << needle << "' not in:\n" << out;
-  EXPECT_EQ(out.find("the collective completed"), std::string::npos) << out;
+  EXPECT_EQ(out.find("completed although"), std::string::npos) << out;
   ASSERT_GE(cpu0, 0) << "the waiting rank's CPU time was not sampled";
   ASSERT_GE(cpu1, 0);
   const double fraction = (cpu1 - cpu0) / std::chrono::duration<double>(t1 - t0).count();
@@ -189,8 +203,22 @@ TEST_P(FrozenRank, JobEndsWithTheMessageWithinTheTimeoutPlusABound) {
 
 INSTANTIATE_TEST_SUITE_P(
     Ranks, FrozenRank,
-    testing::Values(Frozen{2, 1, "mpi", "step", "in collective #"},
-                    Frozen{3, 1, "shm", "step", "reduce_scatter_sum (shared memory)"},
-                    Frozen{3, 0, "mpi", "get_master", "all_reduce_sum"},
-                    Frozen{2, 0, "shm", "get_master", "all_reduce_sum"}),
+    testing::Values(
+        Frozen{2, 1, "mpi", "step", "collective #", "step", "rank 1", 0},
+        // The shared-memory communicator completes a reduce-scatter inside grad_ready.
+        Frozen{3, 1, "shm", "step", "reduce_scatter_sum (shared memory)", "grad_ready", "rank 1", 0},
+        Frozen{3, 0, "mpi", "get_master", "all_reduce_sum", "get_master", "rank 0", 1},
+        Frozen{2, 0, "shm", "get_master", "all_reduce_sum", "get_master", "rank 0", 1},
+        // With the option at its default (the timeout from the environment):
+        Frozen{2, 1, "mpi", "leave", "collective #", "step", "rank 1", 0, true},
+        Frozen{3, 2, "mpi", "leave", "collective #", "step", "rank 2", 0, true},
+        Frozen{2, 0, "mpi", "alone", "collective #", "step", "rank 1", 0, true},
+        Frozen{3, 1, "shm", "alone", "collective #", "step", "ranks 0, 2", 1, true},
+        Frozen{2, 0, "shm", "acquire", "collective #", "acquire(unit 1)", "rank 1", 0, true},
+        Frozen{3, 0, "mpi", "acquire", "collective #", "acquire(unit 1)", "ranks 1, 2", 0, true},
+        Frozen{2, 1, "shm", "c_step", "collective #", "shardopt_step", "rank 0", 1, true},
+        // Debug mode: a rank missing from a collective, not only one calling another.
+        Frozen{2, 0, "mpi", "alone", "collective #", "step", "rank 1", 0, true, true},
+        Frozen{3, 0, "shm", "acquire", "collective #", "acquire(unit 1)", "ranks 1, 2", 0, true,
+               true}),
     frozen_name);

@@ -5,6 +5,7 @@
 // instead of the ctest timeout, and the polling waits run under every test here.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -88,13 +89,66 @@ bool bitwise_equal(const std::vector<std::vector<float>>& a,
 
 // ---- the constructor and finalize ----------------------------------------------------------
 
+// The collective timeout is on by default (600 s; 60 s in debug mode), and can be turned off
+// explicitly, by option or by SHARDOPT_COLLECTIVE_TIMEOUT. options() holds what was chosen.
+TEST(CollectiveTimeoutDefault, IsFiniteAndCanBeTurnedOff) {
+  const char* registered = std::getenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+  const std::string saved = registered != nullptr ? registered : "";
+  unsetenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+  auto chosen = [](OptimizerOptions o) {
+    ShardedOptimizer opt(test::world(), o);
+    return opt.options().collective_timeout_s;
+  };
+  OptimizerOptions o;
+  EXPECT_EQ(chosen(o), 600.0);
+  EXPECT_EQ(kDefaultCollectiveTimeoutS, 600.0);
+  o.debug_collectives = true;
+  EXPECT_EQ(chosen(o), 60.0);
+  o = {};
+  o.collective_timeout_s = 42.5;
+  EXPECT_EQ(chosen(o), 42.5);
+  o.collective_timeout_s = kNoCollectiveTimeout;
+  EXPECT_EQ(chosen(o), kNoCollectiveTimeout);
+  o.collective_timeout_s = -7;  // any negative value
+  EXPECT_EQ(chosen(o), kNoCollectiveTimeout);
+  o.collective_timeout_s = HUGE_VAL;  // forever
+  EXPECT_EQ(chosen(o), kNoCollectiveTimeout);
+  for (const char* off : {"0", "off", "none"}) {
+    setenv("SHARDOPT_COLLECTIVE_TIMEOUT", off, 1);
+    EXPECT_EQ(chosen(OptimizerOptions{}), kNoCollectiveTimeout) << off;
+  }
+  setenv("SHARDOPT_COLLECTIVE_TIMEOUT", "7", 1);
+  EXPECT_EQ(chosen(OptimizerOptions{}), 7.0);
+  o = {};
+  o.collective_timeout_s = 5;  // the program's own choice wins over the variable
+  EXPECT_EQ(chosen(o), 5.0);
+  if (registered != nullptr) setenv("SHARDOPT_COLLECTIVE_TIMEOUT", saved.c_str(), 1);
+  else unsetenv("SHARDOPT_COLLECTIVE_TIMEOUT");
+}
+
+// Every rank's report names the library call it is in: CallScope nests, the outermost wins.
+TEST(CallScope, NamesTheOutermostCall) {
+  EXPECT_STREQ(CallScope::current(), "");
+  {
+    const CallScope outer("shardopt_step");
+    {
+      const CallScope inner("step");
+      EXPECT_STREQ(CallScope::current(), "shardopt_step");
+    }
+    EXPECT_STREQ(CallScope::current(), "shardopt_step");
+  }
+  EXPECT_STREQ(CallScope::current(), "");
+  const CallScope longer(std::string(100, 'x'));
+  EXPECT_EQ(std::string(CallScope::current()), std::string(63, 'x'));
+}
+
 TEST(OneRankBadInput, Constructor) {
   OptimizerOptions bad;
-  bad.collective_timeout_s = -1;
+  bad.collective_timeout_s = std::nan("");
   expect_same_error(
       Status::InvalidArgument,
       [&] { ShardedOptimizer opt(test::world(), is_last() ? bad : OptimizerOptions{}); },
-      {last_tag(), "collective_timeout_s"}, "negative timeout on the last rank");
+      {last_tag(), "collective_timeout_s"}, "NaN timeout on the last rank");
   OptimizerOptions debug;
   debug.debug_collectives = true;
   if (test::world_size() > 1)
@@ -528,6 +582,7 @@ TEST(CollectiveTimeout, PollingWaitsGiveTheSameResults) {
     co.simulate_nodes = nodes;
     for (const Stage stage : {Stage::Zero1, Stage::Zero2}) {
       OptimizerOptions o = small_options(stage);
+      o.collective_timeout_s = kNoCollectiveTimeout;  // blocking MPI waits
       co.wait = MpiWait::Block;
       test::Harness blocking(o, test::make_model(), make_mpi_communicator(MPI_COMM_WORLD, co));
       co.wait = MpiWait::Yield;  // polls and yields, without a timeout

@@ -132,6 +132,20 @@ class Communicator {
   virtual void set_collective_timeout(double /*seconds*/) {}
 };
 
+/// Names the library call this thread is in ("step", "shardopt_step", "ShardedAdamW::
+/// unit_forward(unit 3)") for the collective timeout's report, which gives every rank's call.
+/// Scopes nest and the outermost names the call (a C ABI function, not the C++ method it
+/// calls). Local and cheap: a thread-local name, cut to 63 bytes.
+class CallScope {
+ public:
+  explicit CallScope(std::string_view name) noexcept;
+  ~CallScope();
+  CallScope(const CallScope&) = delete;
+  CallScope& operator=(const CallScope&) = delete;
+  /// The outermost scope's name on this thread; "" outside every scope.
+  static const char* current() noexcept;
+};
+
 /// The MPI_Abort error code of a collective timeout (see set_collective_timeout).
 inline constexpr int kCollectiveTimeoutExitCode = 14;
 

@@ -100,6 +100,21 @@ class FlatLayout {
   static constexpr std::size_t bucket_quantum(int world_size) {
     return kAlignElems * static_cast<std::size_t>(world_size);
   }
+  /// Automatic bucket size (bucket_elems 0): an eighth of the model, at least 4096 and at most
+  /// 2^20 elements. Stage 2 holds buckets_in_flight (default 2) staging buckets instead of a
+  /// full gradient: with 8 or more buckets that is at most a quarter of it, where one bucket
+  /// holding the whole model saves nothing; 4096 fp32 elements (16 KiB) keeps a small model's
+  /// collectives few; models above 8 Mi elements get 2^20, the fixed default of earlier
+  /// releases. The same at every stage and rank count, so stages share one layout.
+  static constexpr std::size_t kAutoBuckets = 8;
+  static constexpr std::size_t kMinAutoBucketElems = 4096;
+  static constexpr std::size_t kMaxAutoBucketElems = std::size_t{1} << 20;
+  static constexpr std::size_t auto_bucket_elems(std::size_t model_elems) {
+    const std::size_t eighth = (model_elems + kAutoBuckets - 1) / kAutoBuckets;
+    return eighth < kMinAutoBucketElems   ? kMinAutoBucketElems
+           : eighth > kMaxAutoBucketElems ? kMaxAutoBucketElems
+                                          : eighth;
+  }
   /// The capacity of every bucket: bucket_elems rounded up to the quantum.
   static constexpr std::size_t bucket_capacity(std::size_t bucket_elems, int world_size) {
     return round_up(bucket_elems == 0 ? 1 : bucket_elems, bucket_quantum(world_size));
@@ -111,7 +126,8 @@ class FlatLayout {
   std::size_t add(std::string_view name, std::size_t numel, int group, int unit = 0);
 
   /// Places the parameters and cuts the buckets for `world_size` ranks and buckets of about
-  /// `bucket_elems` elements. Further add() calls throw.
+  /// `bucket_elems` elements (0: auto_bucket_elems of the registered elements; bucket_elems()
+  /// tells the size used). Further add() calls throw.
   void build(int world_size, std::size_t bucket_elems);
 
   bool built() const { return world_size_ > 0; }

@@ -18,14 +18,16 @@ enum class MpiCommKind : int {
   SharedMemory = 2,  ///< node-local shared-memory windows, hierarchical across nodes
 };
 
-/// How a rank waits in a collective that has no timeout (with a timeout every wait polls;
-/// OptimizerOptions::collective_timeout_s).
+/// How a rank waits in a collective. With a collective timeout (the default) every wait
+/// polls MPI_Test for 50 ms, then sleeps between polls (20 us doubling to 1 ms), so a rank
+/// waiting for a slow or stopped peer stops burning its CPU; this chooses what the polls do
+/// in those first 50 ms, and how a wait without a timeout waits.
 enum class MpiWait {
-  Auto,   ///< SHARDOPT_MPI_WAIT (auto, block or yield) if set; else Yield on an oversubscribed
-          ///< machine (more ranks than the CPUs they may run on), else Block
-  Block,  ///< MPI's own blocking wait (MPICH's spins on the CPU)
-  Yield,  ///< poll MPI_Test and yield the CPU between polls (sched_yield), then back off to
-          ///< short sleeps after 50 ms, so ranks sharing a CPU let the rank they wait for run
+  Auto,   ///< SHARDOPT_MPI_WAIT (auto, block or yield) if set; else Yield
+  Block,  ///< without a timeout: MPI's own blocking wait (MPICH spins on the CPU); with one:
+          ///< polls that do not yield. For a machine whose CPUs are the job's alone
+  Yield,  ///< poll MPI_Test and yield the CPU between polls (sched_yield), then sleep, so a
+          ///< rank that shares a CPU with another (its peer, or another program) lets it run
 };
 
 struct MpiCommOptions {
@@ -38,9 +40,10 @@ struct MpiCommOptions {
   /// call order, as earlier ones complete. 0: SHARDOPT_MPI_IN_FLIGHT if set, else 1 (MPICH
   /// 4.0 slows down sharply with several large ones outstanding; docs/performance.md).
   int mpi_in_flight = 0;
-  /// Waits without a timeout. Oversubscribed, MPICH's spinning waits cost scheduler time
-  /// slices (8 to 32 ms per collective measured at 3-4 ranks on 2 cores); yielding waits do
-  /// not (docs/performance.md, "Oversubscribed ranks").
+  /// How waits poll. Oversubscribed, or beside another busy program, spinning waits cost
+  /// scheduler time slices (8 to 32 ms per collective measured at 3-4 ranks on 2 cores);
+  /// yielding waits do not (docs/performance.md, "Oversubscribed ranks", "Waits on a shared
+  /// machine").
   MpiWait wait = MpiWait::Auto;
 };
 

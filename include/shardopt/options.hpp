@@ -76,8 +76,10 @@ struct OptimizerOptions {
   Device device = Device::Cpu;
   AdamConfig adam;
   /// Gradients are reduced, and stage 1/2 parameters gathered, in buckets of about this many
-  /// elements (4 MiB of fp32); a larger parameter gets a bucket of its own.
-  std::size_t bucket_elems = std::size_t{1} << 20;
+  /// elements; a larger parameter spans several. 0 (the default): automatic, an eighth of
+  /// the model between 4096 and 2^20 elements (FlatLayout::auto_bucket_elems: why), so that
+  /// stage 2 saves memory on small models too. finalize() stores the size it chose here.
+  std::size_t bucket_elems = 0;
   /// Start each bucket's collective as soon as it is complete (and, after the update, gather
   /// the replica bucket by bucket) instead of doing all communication inside step().
   bool overlap = true;
@@ -101,18 +103,36 @@ struct OptimizerOptions {
   /// one extra blocking all-gather of 32 bytes per rank before every collective.
   bool debug_collectives = false;
   /// Seconds a rank may wait in one collective (Communicator::set_collective_timeout, which
-  /// the constructor calls on the communicator). MPI communicators: the rank prints which
-  /// collective and which ranks have not arrived, and aborts the job. NCCL: the NCCL
-  /// communicator is aborted and every rank that can still answer throws the same
-  /// Error(Communication) (nccl_comm.hpp); its host-side MPI collectives time out as MPI's.
-  /// 0: the environment variable SHARDOPT_COLLECTIVE_TIMEOUT (seconds) if set, else no
-  /// timeout.
+  /// the constructor calls on the communicator). MPI communicators: the rank prints the call
+  /// and collective it waits in, what every other rank is in and which have not arrived, and
+  /// aborts the job. NCCL: the NCCL communicator is aborted and every rank that can still
+  /// answer throws the same Error(Communication) (nccl_comm.hpp); its host-side MPI
+  /// collectives time out as MPI's.
+  /// 0 (the default): SHARDOPT_COLLECTIVE_TIMEOUT if set, else kDefaultCollectiveTimeoutS
+  /// (kDebugCollectiveTimeoutS with debug_collectives). kNoCollectiveTimeout (any negative
+  /// value): wait forever. The constructor stores the value it chose in options().
   double collective_timeout_s = 0.0;
 };
 
+/// The default collective timeout: 10 minutes, PyTorch's process-group default. A rank waits
+/// in a collective for its slowest peer; legitimate gaps (rank 0 alone evaluating, writing a
+/// log or a checkpoint, a straggling node) last seconds to minutes, a lost rank forever. Long
+/// enough for the first, and it turns the second into a report instead of a hang.
+inline constexpr double kDefaultCollectiveTimeoutS = 600.0;
+/// The default with debug_collectives on: a debugging run wants the report soon.
+inline constexpr double kDebugCollectiveTimeoutS = 60.0;
+/// collective_timeout_s (or SHARDOPT_COLLECTIVE_TIMEOUT=off) for no timeout.
+inline constexpr double kNoCollectiveTimeout = -1.0;
+
+/// SHARDOPT_COLLECTIVE_TIMEOUT: seconds > 0, or 0 / off / none for no timeout (returned as
+/// kNoCollectiveTimeout). Returns false, with `problem` set, when it is malformed; true with
+/// `seconds` untouched when it is unset or empty.
+bool collective_timeout_from_environment(double& seconds, std::string& problem);
+
 /// Applies the environment variables SHARDOPT_DEBUG_COLLECTIVES (1 turns debug_collectives
-/// on; 0 or empty: no change) and SHARDOPT_COLLECTIVE_TIMEOUT (seconds >= 0; used when
-/// collective_timeout_s is 0) to `o`. Returns what is wrong with them, or an empty string.
+/// on; 0 or empty: no change) and SHARDOPT_COLLECTIVE_TIMEOUT (used when collective_timeout_s
+/// is 0) to `o`, then resolves the default: afterwards collective_timeout_s is > 0 (seconds)
+/// or kNoCollectiveTimeout. Returns what is wrong with them, or an empty string.
 std::string apply_environment(OptimizerOptions& o);
 
 }  // namespace shardopt

@@ -159,6 +159,11 @@ typedef enum shardopt_reduction {
   SHARDOPT_REDUCTION_MAX_ENUM = 0x7FFFFFFF
 } shardopt_reduction_t;
 
+/* shardopt_config_t.collective_timeout_s for no timeout (any negative value). */
+#define SHARDOPT_NO_COLLECTIVE_TIMEOUT (-1.0)
+/* The default collective timeout in seconds (60 with debug_collectives). */
+#define SHARDOPT_DEFAULT_COLLECTIVE_TIMEOUT 600.0
+
 /* When shardopt_step's all-gather of the updated replica completes (see the introduction). */
 typedef enum shardopt_gather_mode {
   SHARDOPT_GATHER_EAGER = 0, /* before shardopt_step returns: kept pointers are always current */
@@ -217,7 +222,9 @@ typedef struct shardopt_config {
   double max_grad_norm; /* clip the global L2 norm to this; default 0 (no clipping) */
   size_t bucket_elems;  /* elements per bucket, at every stage: gradients are reduced, and at
                            stages 1/2 the replica gathered, bucket by bucket; a parameter
-                           larger than this gets a bucket of its own; default 1048576 */
+                           larger than this spans several; 0: automatic, an eighth of the
+                           model between 4096 and 1048576 elements (shardopt_get_config
+                           reports the size chosen); default 0 (earlier releases: 1048576) */
   /* ---- since 0.2.0 ---- */
   int overlap;          /* 1: start each bucket's reduction as soon as its gradients are
                            ready (shardopt_grad_ready) and gather bucket by bucket; 0: all
@@ -243,10 +250,13 @@ typedef struct shardopt_config {
   size_t units_in_flight; /* stage 3: gathered units held at once (the pool); default 2 */
   /* Since 0.2.0 (collective safety, plain MPI): */
   double collective_timeout_s; /* > 0: a rank that waits longer than this in one collective
-                           reports the collective and the ranks that have not arrived, then
-                           aborts the job (docs/architecture.md, "Errors and collectives");
-                           0: the SHARDOPT_COLLECTIVE_TIMEOUT environment variable, else no
-                           timeout; default 0 */
+                           reports the call and collective every rank is in and the ranks
+                           that have not arrived, then aborts the job (docs/architecture.md,
+                           "Errors and collectives"); 0: the SHARDOPT_COLLECTIVE_TIMEOUT
+                           environment variable (seconds; 0, off or none: no timeout), else
+                           SHARDOPT_DEFAULT_COLLECTIVE_TIMEOUT (600 s; 60 s with
+                           debug_collectives); SHARDOPT_NO_COLLECTIVE_TIMEOUT (negative): no
+                           timeout; default 0. NaN is invalid. */
   int debug_collectives; /* 1: before every collective the ranks compare what they enter and
                            fail together at the first divergence (costs one small all-gather
                            per collective); 0: the SHARDOPT_DEBUG_COLLECTIVES environment

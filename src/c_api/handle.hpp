@@ -55,6 +55,7 @@ shardopt_status_t record_failure(Handle* h, const char* fn, Status s, const char
 /// way exceptions are handled at the ABI.
 template <class Body>
 shardopt_status_t guarded(const char* fn, Handle* h, Body&& body) noexcept {
+  const CallScope call(fn);  // names the C function in a collective timeout's report
   try {
     body();
     return SHARDOPT_SUCCESS;

@@ -8,6 +8,7 @@
 #include "mpi_util.hpp"
 #include "mpi_watchdog.hpp"
 #include "shardopt/mpi_comm.hpp"
+#include "shardopt/options.hpp"
 #include "shm_comm.hpp"
 
 namespace shardopt {
@@ -66,6 +67,14 @@ std::string resolve(MpiCommOptions& o) {
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOptions options) {
   auto watchdog = std::make_shared<mpi::Watchdog>();
   const std::string problem = resolve(options);
+  // Until an optimizer sets its own, the communicator's collectives (this function's, and
+  // the optimizer constructor's agreement) wait at most the default timeout, or what
+  // SHARDOPT_COLLECTIVE_TIMEOUT says (a malformed value is the optimizer constructor's error
+  // to report; here it leaves the default).
+  double timeout = kDefaultCollectiveTimeoutS;
+  std::string malformed;
+  collective_timeout_from_environment(timeout, malformed);
+  watchdog->set_timeout(timeout > 0 ? timeout : 0.0);
   std::shared_ptr<Communicator> plain =
       mpi::make_plain_communicator(comm, problem.empty() ? options.mpi_in_flight : 1, watchdog);
   agree_or_throw(*plain, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
@@ -80,9 +89,9 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOption
             "simulated nodes; check SHARDOPT_COMM and SHARDOPT_SIMULATE_NODES)");
 
   auto topo = shm::NodeTopology::create(comm, options.simulate_nodes);
-  // Oversubscribed: MPICH's spinning waits would keep the rank being waited for off the CPU.
-  watchdog->set_yield(
-      mpi::Watchdog::should_yield(options.wait, topo->machine_ranks, topo->machine_cpus));
+  // A spinning wait keeps whatever else wants this CPU off it: the rank being waited for
+  // when ranks outnumber CPUs, another program on a shared machine.
+  watchdog->set_yield(mpi::Watchdog::should_yield(options.wait));
   if (options.kind == MpiCommKind::Plain) return plain;
   if (options.kind == MpiCommKind::Auto && topo->max_node_size < 2) return plain;
   return shm::make_shm_communicator(std::move(plain), std::move(topo), std::move(watchdog));

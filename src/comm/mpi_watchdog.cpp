@@ -25,7 +25,14 @@ struct Answer {
   std::uint64_t entered;  // collectives this rank has entered
   std::uint64_t waiting;  // the collective it waits in
   char name[48];          // and its name
+  char call[64];          // the library call it is in (CallScope)
 };
+
+// "step", or "(no shardopt call named)" outside every CallScope.
+std::string call_text(const char* call, std::size_t size) {
+  const std::string c(call, strnlen(call, size));
+  return c.empty() ? "(no shardopt call named)" : c;
+}
 
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) {
@@ -82,6 +89,7 @@ void Watchdog::answer_questions() {
     a.entered = entered_;
     a.waiting = current_.seq;
     std::strncpy(a.name, current_.name, sizeof a.name - 1);
+    std::strncpy(a.call, CallScope::current(), sizeof a.call - 1);
     // Small enough to be sent eagerly: returns without waiting for the asker.
     MPI_Send(&a, sizeof a, MPI_BYTE, st.MPI_SOURCE, kAnswerTag, comm_);
   }
@@ -116,34 +124,36 @@ void Watchdog::report_and_abort(const Ticket& t, double waited) {
     std::this_thread::sleep_for(std::chrono::duration<double>(kMaxSleepSeconds));
   }
 
-  std::vector<int> silent, arrived{rank_};
-  std::string behind;
+  const std::string mine = call_text(CallScope::current(), sizeof Answer{}.call);
+  std::vector<int> silent;
+  std::string behind, arrived = std::to_string(rank_) + " (" + mine + ")";
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     const Answer& a = answers[static_cast<std::size_t>(r)];
+    const std::string call = call_text(a.call, sizeof a.call);
     if (!answered[static_cast<std::size_t>(r)]) {
       silent.push_back(r);
     } else if (a.entered > t.seq) {
-      arrived.push_back(r);
+      arrived += ", " + std::to_string(r) + " (" + call + ")";
     } else {
       const std::string name(a.name, strnlen(a.name, sizeof a.name));
-      behind += "; rank " + std::to_string(r) + " waits in collective #" +
+      behind += "; rank " + std::to_string(r) + " is in " + call + ", waiting in collective #" +
                 std::to_string(a.waiting) + " (" + name + ")";
     }
   }
-  std::sort(arrived.begin(), arrived.end());
   char head[160];
   std::snprintf(head, sizeof head, "waited %.1f s (collective timeout %.3g s)", waited, timeout_);
   std::string msg = "shardopt: rank " + std::to_string(rank_) + ": collective timeout: " +
-                    head + " in collective #" + std::to_string(t.seq) + " (" + t.name +
-                    "); ranks not arrived: ";
+                    head + " in " + mine + ", collective #" + std::to_string(t.seq) + " (" +
+                    t.name + "); ranks not arrived: ";
   if (silent.empty() && behind.empty()) msg += "none found";
   if (!silent.empty())
     msg += rank_list(silent) + " (no answer within " +
            std::to_string(static_cast<int>(grace_seconds(timeout_) * 1000)) +
-           " ms: stopped, busy outside shardopt, or without a timeout)";
+           " ms: in no shardopt call (skipped this one, left the loop, or busy elsewhere), "
+           "stopped, gone, or waiting without a timeout)";
   if (!behind.empty()) msg += (silent.empty() ? behind.substr(2) : behind);
-  msg += "; arrived: " + rank_list(arrived) + ". An MPI collective cannot be cancelled: "
+  msg += "; arrived: " + arrived + ". An MPI collective cannot be cancelled: "
          "aborting the job (MPI_Abort, error code " + std::to_string(kCollectiveTimeoutExitCode) +
          ").\n";
   std::fputs(msg.c_str(), stderr);

@@ -49,13 +49,11 @@ class Watchdog {
   void set_timeout(double seconds) { timeout_ = seconds; }
   /// Called between the polls of every wait, which polls even without a timeout once set.
   void set_interrupt(std::function<void()> interrupt) { interrupt_ = std::move(interrupt); }
-  /// Whether waits yield for the resolved `wait` (Auto after the environment): Yield always,
-  /// Auto when this machine has more ranks than the CPUs they may run on (`machine_cpus` 0:
-  /// unknown, no), Block never.
-  static bool should_yield(MpiWait wait, int machine_ranks, int machine_cpus) {
-    return wait == MpiWait::Yield ||
-           (wait == MpiWait::Auto && machine_cpus > 0 && machine_ranks > machine_cpus);
-  }
+  /// Whether waits yield for the resolved `wait` (Auto after the environment): Auto and
+  /// Yield do, Block does not. A spinning rank holds its CPU against whatever else wants it:
+  /// its own peers when ranks outnumber CPUs, any other program on a shared machine
+  /// (docs/performance.md, "Waits on a shared machine").
+  static bool should_yield(MpiWait wait) { return wait != MpiWait::Block; }
   /// Waits without a timeout poll and yield the CPU between polls (MpiWait::Yield).
   void set_yield(bool yield) { yield_ = yield; }
   /// Waits poll (a timeout or an interrupt is set, or they yield) instead of blocking in MPI.

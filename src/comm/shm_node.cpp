@@ -2,35 +2,11 @@
 // several nodes on one machine) and the leader communicator.
 #include "shm_node.hpp"
 
-#include <sched.h>
-
 #include <algorithm>
 
 #include "mpi_util.hpp"
 
 namespace shardopt::shm {
-namespace {
-
-// The ranks of `machine` and the CPUs any of them may run on: the union of their affinity
-// masks (0 where some rank cannot read its mask). One all-reduce (bitwise or of the masks and
-// of an "unknown" flag).
-int count_machine_cpus(MPI_Comm machine, int& ranks, int& cpus) {
-  if (const int rc = MPI_Comm_size(machine, &ranks); rc != MPI_SUCCESS) return rc;
-  struct {
-    cpu_set_t mask;
-    unsigned char unknown;
-  } mine{};
-  CPU_ZERO(&mine.mask);
-  mine.unknown = sched_getaffinity(0, sizeof mine.mask, &mine.mask) == 0 ? 0 : 1;
-  if (const int rc = MPI_Allreduce(MPI_IN_PLACE, &mine, static_cast<int>(sizeof mine), MPI_BYTE,
-                                   MPI_BOR, machine);
-      rc != MPI_SUCCESS)
-    return rc;
-  cpus = mine.unknown != 0 ? 0 : CPU_COUNT(&mine.mask);
-  return MPI_SUCCESS;
-}
-
-}  // namespace
 
 NodeTopology::~NodeTopology() {
   int finalized = 0;
@@ -48,10 +24,6 @@ std::shared_ptr<NodeTopology> NodeTopology::create(MPI_Comm world, int simulate_
   MPI_Comm shared = MPI_COMM_NULL;
   SHARDOPT_MPI(
       MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, t->world_rank, MPI_INFO_NULL, &shared));
-  if (const int rc = count_machine_cpus(shared, t->machine_ranks, t->machine_cpus); rc != MPI_SUCCESS) {
-    MPI_Comm_free(&shared);
-    SHARDOPT_MPI(rc);
-  }
   if (simulate_nodes > 0) {
     const int color =
         static_cast<int>(static_cast<long long>(t->world_rank) * simulate_nodes / t->world_size);

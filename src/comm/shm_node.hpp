@@ -21,10 +21,6 @@ struct NodeTopology {
   int max_node_size = 1;
   /// Per node (by node_index): first world rank and number of ranks.
   std::vector<int> node_first, node_ranks;
-  /// The real shared-memory domain (MPI_COMM_TYPE_SHARED, before any simulated split): its
-  /// ranks, and the CPUs they may run on (the union of their affinity masks; 0 if unknown).
-  int machine_ranks = 1;
-  int machine_cpus = 0;
   /// Every node holds consecutive world ranks (true for mpiexec's default block placement);
   /// the hierarchical collectives need it.
   bool contiguous = true;

@@ -49,6 +49,9 @@ module shardopt
   integer(c_int), parameter, public :: SHARDOPT_GATHER_LAZY = 1
   integer(c_int), parameter, public :: SHARDOPT_REDUCTION_DEFAULT = 0
   integer(c_int), parameter, public :: SHARDOPT_REDUCTION_REPRODUCIBLE = 1
+  !> shardopt_config%collective_timeout_s for no timeout; 0 (the default) means 600 s, or
+  !> SHARDOPT_COLLECTIVE_TIMEOUT from the environment.
+  real(c_double), parameter, public :: SHARDOPT_NO_COLLECTIVE_TIMEOUT = -1.0_c_double
   integer(c_int), parameter, public :: SHARDOPT_HYPER_LR = 0
   integer(c_int), parameter, public :: SHARDOPT_HYPER_BETA1 = 1
   integer(c_int), parameter, public :: SHARDOPT_HYPER_BETA2 = 2

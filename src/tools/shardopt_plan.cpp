@@ -147,8 +147,10 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
   app.add_option("--grad-dtype", a.grad_dtype,
                  "fp32 only: shardopt's gradient buffers are fp32 (the paper column assumes 16-bit)")
       ->transform(dtypes)->default_str("fp32");
-  app.add_option("--bucket-elems", a.bucket_elems, "stage-2 bucket size in elements")
-      ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("1Mi");
+  app.add_option("--bucket-elems", a.bucket_elems,
+                 "bucket size in elements (default: automatic, as OptimizerOptions' 0: an "
+                 "eighth of the model, 4Ki to 1Mi)")
+      ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("auto");
   app.add_option("--buckets-in-flight", a.buckets_in_flight,
                  "stage-2 staging slots (OptimizerOptions::buckets_in_flight)")
       ->check(CLI::Range(1, 1 << 20))->capture_default_str();
@@ -271,6 +273,8 @@ int main(int argc, char** argv) {
   try {
     Args a;
     if (const std::optional<int> rc = parse_args(argc, argv, a)) return *rc;
+    if (a.bucket_elems == 0)  // automatic, as finalize() chooses it for this model
+      a.bucket_elems = FlatLayout::auto_bucket_elems(a.layout.unpadded_size());
     if (a.csv) {
       print_csv(a);
     } else {
