@@ -49,15 +49,21 @@ std::string what_of(const std::exception& e) {
 
 // In a catch block: rethrows a shardopt::Error as is, anything else as
 // Error(Communication, "c10d <op>: <what>").
+// The library call this rank is in (CallScope), as " in <call>", or "".
+std::string in_call() {
+  const std::string call = CallScope::current();
+  return call.empty() ? call : " in " + call;
+}
+
 [[noreturn]] void rethrow_as_communication(const std::string& op) {
   try {
     throw;
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw Error(Status::Communication, "c10d " + op + ": " + what_of(e));
+    throw Error(Status::Communication, "c10d " + op + in_call() + ": " + what_of(e));
   } catch (...) {
-    throw Error(Status::Communication, "c10d " + op + ": unknown exception");
+    throw Error(Status::Communication, "c10d " + op + in_call() + ": unknown exception");
   }
 }
 

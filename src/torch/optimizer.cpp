@@ -55,12 +55,31 @@ std::vector<torch::Tensor> values_of(const torch::OrderedDict<std::string, torch
   return v;
 }
 
+ShardedAdamW::Units values_of(const ShardedAdamW::NamedUnits& units) {
+  ShardedAdamW::Units v;
+  for (const auto& u : units) v.push_back(values_of(u));
+  return v;
+}
+
 // The tensor over `numel` elements at `data`, shaped like `like` (no copy, no ownership).
 torch::Tensor view_of(void* data, const torch::Tensor& like, torch::ScalarType dtype) {
   return torch::from_blob(data, like.sizes(), torch::TensorOptions().dtype(dtype));
 }
 
 }  // namespace
+
+// The pre-hook of a parameter's gradient accumulator: runs before autograd accumulates the
+// parameter's gradient into .grad(). The first one of a backward pass opens the pass, so that
+// whatever the pass sets up (begin_backward: a micro-batch boundary, a reproducible-mode
+// deposit) happens before any gradient of this pass has landed in shardopt's buffer.
+struct ShardedAdamW::PassHook final : torch::autograd::FunctionPreHook {
+  explicit PassHook(ShardedAdamW* owner) : owner(owner) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (!owner->in_pass_) owner->begin_pass();
+    return grads;
+  }
+  ShardedAdamW* owner;
+};
 
 // The post-hook of a parameter's gradient accumulator: runs after autograd has accumulated
 // the parameter's gradient of this backward pass into .grad().
@@ -91,6 +110,32 @@ ShardedAdamW::ShardedAdamW(const Units& units, const AdamWOptions& defaults,
                            std::shared_ptr<Communicator> comm, OptimizerOptions options)
     : ShardedAdamW(one_group(concat(units)), units, defaults, std::move(comm), options) {}
 
+ShardedAdamW::NamedUnits ShardedAdamW::units_of(
+    const torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>>& modules) {
+  NamedUnits units;
+  for (const auto& m : modules) {
+    require(m.value() != nullptr, Status::InvalidArgument,
+            "ShardedAdamW::units_of: module '" + m.key() + "' is null");
+    torch::OrderedDict<std::string, torch::Tensor> named;
+    for (const auto& p : m.value()->named_parameters()) named.insert(m.key() + "." + p.key(), p.value());
+    units.push_back(std::move(named));
+  }
+  return units;
+}
+
+ShardedAdamW::ShardedAdamW(const NamedUnits& units, const AdamWOptions& defaults,
+                           std::shared_ptr<Communicator> comm, OptimizerOptions options)
+    : torch::optim::Optimizer(one_group(concat(values_of(units))),
+                              std::make_unique<AdamWOptions>(defaults)) {
+  std::vector<std::string> names;
+  for (const auto& u : units) {
+    const std::vector<std::string> keys = u.keys();
+    names.insert(names.end(), keys.begin(), keys.end());
+  }
+  const Units plain = values_of(units);
+  build(names, &plain, std::move(comm), options);
+}
+
 ShardedAdamW::Units ShardedAdamW::units_of(
     const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
   Units units;
@@ -115,6 +160,7 @@ ShardedAdamW::ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>&
 
 void ShardedAdamW::build(const std::vector<std::string>& names, const Units* units,
                          std::shared_ptr<Communicator> comm, OptimizerOptions options) {
+  const CallScope call("ShardedAdamW (constructor)");
   require(comm != nullptr, Status::InvalidArgument, "ShardedAdamW: no communicator");
   // Local checks first, agreed on by every rank: a bad tensor on one rank is the same error
   // everywhere, never a hang in the collectives of finalize().
@@ -202,6 +248,8 @@ void ShardedAdamW::build(const std::vector<std::string>& names, const Units* uni
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     require(acc != nullptr, Status::Internal, "ShardedAdamW: no gradient accumulator");
     hook_keys_.push_back(acc->add_post_hook(std::make_unique<Hook>(this, i)));
+    acc->add_pre_hook(std::make_unique<PassHook>(this));
+    pre_hook_keys_.push_back(acc->pre_hooks().back().get());
     accumulators_.push_back(std::move(acc));
   }
 }
@@ -209,8 +257,11 @@ void ShardedAdamW::build(const std::vector<std::string>& names, const Units* uni
 ShardedAdamW::~ShardedAdamW() {
   // The hooks point at this object and the tensors at its buffers: remove the first, and give
   // every tensor its own copy of its values.
-  for (std::size_t i = 0; i < accumulators_.size(); ++i)
+  for (std::size_t i = 0; i < accumulators_.size(); ++i) {
     accumulators_[i]->del_post_hook(hook_keys_[i]);
+    auto& pre = accumulators_[i]->pre_hooks();
+    std::erase_if(pre, [&](const auto& h) { return h.get() == pre_hook_keys_[i]; });
+  }
   if (!core_) return;
   try {
     torch::NoGradGuard no_grad;
@@ -321,12 +372,13 @@ void ShardedAdamW::apply_group_settings() {
 
 // ---- backward: the gradient hooks ---------------------------------------------------------------
 
+// Opened by the first accumulator pre-hook of a backward pass (or, at stage 3, the hook on a
+// unit's output), before any gradient of the pass is accumulated. It zeroes nothing: step()
+// (and zero_grad()) leave the buffers zero, and whatever the trainer put into .grad() since
+// then is part of the gradient.
 void ShardedAdamW::begin_pass() {
   in_pass_ = true;
-  if (!fresh_) {  // the previous step consumed the gradients (see the header)
-    core_->zero_grad();
-    fresh_ = true;
-  }
+  consumed_ = false;
   core_->begin_backward(sync_);
   cursor_ = 0;
   std::fill(arrived_.begin(), arrived_.end(), 0);
@@ -336,7 +388,9 @@ void ShardedAdamW::begin_pass() {
 }
 
 void ShardedAdamW::on_grad(std::size_t i) {
-  if (!in_pass_) begin_pass();
+  const CallScope call("backward (ShardedAdamW's gradient hooks)");
+  require(in_pass_, Status::Internal,
+          "ShardedAdamW: a gradient arrived outside a backward pass (no pre-hook ran)");
   if (arrived_[i])
     throw Error(Status::InvalidState, "ShardedAdamW: parameter '" + names_[i] +
                                           "' received two gradients in one backward pass");
@@ -382,6 +436,7 @@ void ShardedAdamW::deliver(std::size_t i) {
 }
 
 void ShardedAdamW::end_pass() {
+  const CallScope call("backward (ShardedAdamW's gradient hooks)");
   // Parameters that took no part in this pass contribute zero; mark them ready (in order).
   const std::size_t n = params_.size();
   for (std::size_t k = ordered_ ? cursor_ : 0; k < n; ++k) {
@@ -436,6 +491,7 @@ void ShardedAdamW::release_units() {
 
 torch::Tensor ShardedAdamW::unit_forward(std::size_t u, const std::function<torch::Tensor()>& f) {
   if (!zero3_) return f();
+  const CallScope call("ShardedAdamW::unit_forward(unit " + std::to_string(u) + ")");
   require(!in_pass_, Status::InvalidState, "ShardedAdamW::unit_forward: called during backward");
   gather_unit(u);  // shardopt's acquire checks u, agreed on by every rank, before any change
   if (u + 1 < num_units()) prefetch_unit(u + 1);
@@ -454,6 +510,7 @@ torch::Tensor ShardedAdamW::unit_forward(std::size_t u, const std::function<torc
 
 // The hook on unit u's output: its gradient has arrived, so backward is about to run unit u.
 void ShardedAdamW::backward_gather(std::size_t u) {
+  const CallScope call("backward through ShardedAdamW::unit_forward(unit " + std::to_string(u) + ")");
   if (!in_pass_) begin_pass();
   // Backward runs the units in reverse: a later unit still held (some of its parameters had
   // no gradient) is done.
@@ -480,6 +537,7 @@ void ShardedAdamW::adopt_grad(std::size_t i) {
 // ---- the step -----------------------------------------------------------------------------------
 
 torch::Tensor ShardedAdamW::step(LossClosure closure) {
+  const CallScope call("ShardedAdamW::step");
   torch::Tensor loss;
   if (closure) {
     torch::AutoGradMode grad_mode(true);
@@ -489,10 +547,14 @@ torch::Tensor ShardedAdamW::step(LossClosure closure) {
   collective(core_->comm(), "ShardedAdamW::step", [&] {
     require(!in_pass_, Status::InvalidState, "ShardedAdamW::step: called during backward");
     apply_group_settings();
-    if (!fresh_) {  // a second step with no backward in between: the gradients are consumed
-      zero_grad();
-      return;
-    }
+    // torch::optim::AdamW would apply the same .grad() again; here the previous step
+    // consumed the gradients (the reduction works in place), so a step now would be a step
+    // with a zero gradient that nobody asked for.
+    require(!consumed_, Status::InvalidState,
+            "ShardedAdamW::step: no backward pass since the previous step. shardopt's step "
+            "consumes the gradients (they are reduced in place), so it cannot apply the same "
+            "gradient again as torch::optim::AdamW would; run backward before each step "
+            "(zero_grad() then step() steps with a zero gradient, if that is what you want)");
     if (grad_views_)
       for (std::size_t i = 0; i < params_.size(); ++i) {
         const torch::Tensor& g = params_[i].grad();
@@ -508,7 +570,7 @@ torch::Tensor ShardedAdamW::step(LossClosure closure) {
   if (zero3_) release_units();  // a prefetched unit that was never used
   last_ = core_->step();
   core_->replica_data();  // every bucket gathered: the tensors hold the new values
-  fresh_ = false;
+  consumed_ = true;  // shardopt's step left its gradient buffers zero
   std::fill(arrived_.begin(), arrived_.end(), 0);
   return loss;
 }
@@ -516,7 +578,7 @@ torch::Tensor ShardedAdamW::step(LossClosure closure) {
 void ShardedAdamW::zero_grad() {
   require(!in_pass_, Status::InvalidState, "ShardedAdamW::zero_grad: called during backward");
   core_->zero_grad();
-  fresh_ = true;
+  consumed_ = false;
   if (grad_views_)
     for (std::size_t i = 0; i < params_.size(); ++i) adopt_grad(i);
 }
@@ -524,11 +586,13 @@ void ShardedAdamW::zero_grad() {
 // ---- checkpoints --------------------------------------------------------------------------------
 
 std::filesystem::path ShardedAdamW::save(const std::filesystem::path& dir, const SaveOptions& o) {
+  const CallScope call("ShardedAdamW::save");
   apply_group_settings();  // the hyperparameters saved are the groups' current ones
   return save_checkpoint(*core_, dir, o);
 }
 
 void ShardedAdamW::load(const std::filesystem::path& path) {
+  const CallScope call("ShardedAdamW::load");
   load_checkpoint(*core_, path);
   core_->replica_data();
   // The restored hyperparameters become the groups' options.

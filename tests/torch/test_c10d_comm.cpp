@@ -404,12 +404,15 @@ TEST(C10dComm, ACollectiveNobodyJoinsTimesOutWithAnError) {
     if (rank() == 0) {
       const auto begin = std::chrono::steady_clock::now();
       try {
+        const CallScope call("evaluate(rank 0 only)");  // named in the error
         std::vector<double> x(3, 1.0);
         side->all_reduce_sum(x.data(), x.size(), CommType::F64);
         ADD_FAILURE() << "the all-reduce that only rank 0 entered returned";
       } catch (const Error& e) {
         EXPECT_EQ(e.status(), Status::Communication) << e.what();
         EXPECT_NE(std::string(e.what()).find("c10d all_reduce_sum"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find(" in evaluate(rank 0 only)"), std::string::npos)
+            << e.what();
       }
       const double waited =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();

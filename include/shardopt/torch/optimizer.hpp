@@ -29,8 +29,16 @@
 //   every group, weight_decay either 0 or one common value (shardopt's groups have an lr
 //   scale and a decay on/off switch); amsgrad is not supported. Group lr changes (LR
 //   schedulers, param_groups()) take effect at the next step.
-// - step() consumes the gradients: the reduce-scatter works in place, so after a step the
-//   next backward starts from zero whether or not zero_grad() was called. Clip with
+// - step() consumes the gradients and leaves shardopt's buffers zero (the reduce-scatter
+//   works in place), so the next step's gradient is the sum of the backward passes since the
+//   previous step (a second step() with no backward in between is an error on every rank,
+//   where torch::optim::AdamW would apply the same gradient again) whichever way the trainer
+//   zeroes: optimizer.zero_grad(), module->zero_grad()
+//   (either set_to_none), p.grad().zero_(), a new tensor assigned to p.mutable_grad(), or not
+//   at all (plain LibTorch would then add the old gradient; here it is gone). Whatever the
+//   trainer writes into .grad() before backward is part of the gradient. A backward pass
+//   opens on the pre-hook of the first gradient accumulator autograd runs, before that
+//   gradient lands. Tested: AdapterZeroing.* (every idiom, stages 0-3, fp32/bf16). Clip with
 //   OptimizerOptions::adam.max_grad_norm (global norm over all ranks), not with
 //   torch::nn::utils::clip_grad_norm_ on local gradients.
 // - Stage 3 (parameters sharded too): construct from Units (each typically one layer's
@@ -89,11 +97,20 @@ class ShardedAdamW : public torch::optim::Optimizer {
   using Units = std::vector<std::vector<torch::Tensor>>;
   /// Each module's parameters() as one unit.
   static Units units_of(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+  /// Units with parameter names (checkpoints and errors use them).
+  using NamedUnits = std::vector<torch::OrderedDict<std::string, torch::Tensor>>;
+  /// Each named module's named_parameters() as one unit, named "<module>.<parameter>": from
+  /// model->named_children() these are the names model->named_parameters() gives, so a
+  /// checkpoint saved by an optimizer built from named_parameters() loads at stage 3.
+  static NamedUnits units_of(
+      const torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>>& modules);
   /// Collective. As above, with the parameters registered unit by unit; `groups` give the
   /// options and must hold the same parameters as `units`.
   ShardedAdamW(ParamGroups groups, const Units& units, const torch::optim::AdamWOptions& defaults,
                std::shared_ptr<Communicator> comm, OptimizerOptions options = {});
   ShardedAdamW(const Units& units, const torch::optim::AdamWOptions& defaults,
+               std::shared_ptr<Communicator> comm, OptimizerOptions options = {});
+  ShardedAdamW(const NamedUnits& units, const torch::optim::AdamWOptions& defaults,
                std::shared_ptr<Communicator> comm, OptimizerOptions options = {});
   ~ShardedAdamW() override;
   ShardedAdamW(const ShardedAdamW&) = delete;
@@ -149,6 +166,7 @@ class ShardedAdamW : public torch::optim::Optimizer {
 
  private:
   struct Hook;
+  struct PassHook;
   void build(const std::vector<std::string>& names, const Units* units,
              std::shared_ptr<Communicator> comm, OptimizerOptions options);
   void order_by_units(const Units& units);
@@ -183,13 +201,14 @@ class ShardedAdamW : public torch::optim::Optimizer {
   std::size_t held_ = 0;                    // stage 3: units prefetched or acquired
   bool sync_ = true;
   bool in_pass_ = false;
-  bool fresh_ = true;  // no backward since the last step or zero_grad
+  bool consumed_ = false;  // a step ran and no backward or zero_grad since
   std::vector<float*> grad_data_;       // grad_views_: each parameter's gradient in the buffer
   std::vector<torch::Tensor> pending_;  // gradients that arrived before their turn
   std::vector<std::uint8_t> arrived_;
   std::size_t cursor_ = 0;  // backward-order position of the next gradient to deliver
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<std::uintptr_t> hook_keys_;
+  std::vector<const torch::autograd::FunctionPreHook*> pre_hook_keys_;
   StepResult last_;
 };
 
