@@ -12,15 +12,15 @@
 #            on a machine with a CPU per rank: MPICH's own spinning waits, no timeout)
 #   spin     SHARDOPT_MPI_WAIT=block, default timeout (poll without yielding, then sleep)
 #   default  nothing set (this release: the 600 s timeout, polls that yield, then sleep)
-# The hog: one busy process (`yes > /dev/null`), another program on the same machine.
+# The hogs: one or two busy processes (`yes > /dev/null`), other programs on the same machine.
 set -euo pipefail
 build=${1:-build}
 repeats=${2:-5}
 trainer="$build/examples/train_mlp_f"
 [ -x "$trainer" ] || { echo "no $trainer (build with Fortran and MPI)" >&2; exit 2; }
 mpiexec=$(grep -m1 '^MPIEXEC_EXECUTABLE:' "$build/CMakeCache.txt" | cut -d= -f2)
-short=200
-long=3200
+short=${SHARDOPT_SHORT_STEPS:-100}
+long=${SHARDOPT_LONG_STEPS:-1100}
 
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'), $(nproc) CPUs"
 run_steps() {  # policy-env... -- steps: wall seconds of one run
@@ -47,15 +47,20 @@ declare -A env_of=(
   [spin]="SHARDOPT_MPI_WAIT=block"
   [default]="SHARDOPT_UNUSED=1"
 )
-printf '%-8s %-34s %-34s\n' policy "quiet: ms/step" "with a CPU hog: ms/step"
+loaded() {  # hogs policy-env...: per-step ms with that many busy processes beside the job
+  local n=$1; shift
+  local pids=()
+  for ((h = 0; h < n; ++h)); do
+    yes > /dev/null &
+    pids+=($!)
+  done
+  per_step_ms "$@"
+  kill "${pids[@]}"
+  wait "${pids[@]}" 2>/dev/null || true
+}
+printf '%-8s %-32s %-32s %-32s\n' policy "quiet: ms/step" "1 CPU hog: ms/step" "2 CPU hogs: ms/step"
 for policy in before spin default; do
   # shellcheck disable=SC2086
-  quiet=$(per_step_ms ${env_of[$policy]})
-  yes > /dev/null &
-  hog=$!
-  # shellcheck disable=SC2086
-  loaded=$(per_step_ms ${env_of[$policy]})
-  kill "$hog"
-  wait "$hog" 2>/dev/null || true
-  printf '%-8s %-34s %-34s\n' "$policy" "$quiet" "$loaded"
+  printf '%-8s %-32s %-32s %-32s\n' "$policy" "$(per_step_ms ${env_of[$policy]})" \
+    "$(loaded 1 ${env_of[$policy]})" "$(loaded 2 ${env_of[$policy]})"
 done

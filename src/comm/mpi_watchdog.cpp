@@ -69,7 +69,9 @@ void Watchdog::wait(const Ticket& t, int n, MPI_Request* requests) {
     const double waited = since(start);
     if (timeout_ > 0 && waited > timeout_) report_and_abort(t, waited);
     if (waited < kSpinSeconds) {
-      if (yield_) sched_yield();  // lets a rank that shares this CPU reach the collective
+      // After a short pure spin (most collectives of a step complete within it), let a
+      // rank or program that shares this CPU run.
+      if (yield_ && waited > kPureSpinSeconds) sched_yield();
       continue;
     }
     answer_questions();

@@ -1,10 +1,11 @@
 // mpi_watchdog.hpp: how the MPI communicators wait: the collective timeout
 // (Communicator::set_collective_timeout) and yielding waits (MpiWait). Without a timeout and
 // without yielding, waits are plain blocking MPI calls. Otherwise every wait polls MPI_Test:
-// it spins for the first kSpinSeconds (calling sched_yield between polls when yielding), then
-// sleeps between polls (up to kMaxSleepSeconds); with a timeout, once it has waited longer
-// it asks every rank which collective it has reached, prints the collective and the ranks
-// that have not arrived to stderr, and calls MPI_Abort. Internal.
+// it spins for the first kSpinSeconds (calling sched_yield between polls after the first
+// kPureSpinSeconds when yielding), then sleeps between polls (up to kMaxSleepSeconds); with a
+// timeout, once it has waited longer it asks every rank which call and collective it is in,
+// prints its own, theirs and the ranks that have not arrived to stderr, and calls MPI_Abort.
+// Internal.
 //
 // Arrival. Every Communicator-level collective a rank enters gets the next number (enter());
 // all ranks enter the same collectives in the same order, so a number names the same
@@ -35,6 +36,7 @@ namespace shardopt::mpi {
 class Watchdog {
  public:
   static constexpr double kSpinSeconds = 0.05;
+  static constexpr double kPureSpinSeconds = 50e-6;  ///< polls without yielding first
   static constexpr double kMaxSleepSeconds = 0.001;
 
   /// A collective as numbered on this rank: the same number on every rank.
