@@ -44,8 +44,7 @@ program test_fortran_api
   call shardopt_add_param(opt, 'd', -4, ib, status, errmsg=msg)
   call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'shardopt_add_param')
   call shardopt_add_param(opt, 'd', 4, ib, status, group=0, errmsg=msg)
-  call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-              'shardopt_add_param: group index 0: Fortran indices start at 1 (have 2)')
+  call expect_index('shardopt_add_param', 'group', 0, 2)
   call shardopt_step(opt, status, errmsg=msg)
   call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'shardopt_step')
   call shardopt_finalize(opt, status, msg)
@@ -115,60 +114,52 @@ contains
   !> Index 0 and -1 in every routine of opt (parameters 'a' (10) and 'b' (3), groups 1-2) that
   !> takes a parameter or group index: INVALID_ARGUMENT with the routine, the index and the rule.
   subroutine check_index_zero()
-    character(len=*), parameter :: rule = ': Fortran indices start at 1'
     integer :: bad, k
-    character(len=8) :: shown
     do k = 1, 2
       bad = 1 - k  ! 0, then -1
-      write (shown, '(i0)') bad
       call shardopt_param(opt, bad, p1, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_param: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_param', 'parameter', bad, 2)
       if (associated(p1)) call fail('pointer set on failure', bad)
       call shardopt_param(opt, bad, p2, [2, 5], status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_param: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_param', 'parameter', bad, 2)
       call shardopt_param_bf16(opt, bad, bits, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_param_bf16: parameter index '//trim(shown)//rule)
+      call expect_index('shardopt_param_bf16', 'parameter', bad, 2)
       call shardopt_grad(opt, bad, g, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_grad: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_grad', 'parameter', bad, 2)
       call shardopt_set_param(opt, bad, v, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_set_param: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_set_param', 'parameter', bad, 2)
       call shardopt_get_master(opt, bad, v, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_get_master: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_get_master', 'parameter', bad, 2)
       call shardopt_get_exp_avg(opt, bad, v, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_get_exp_avg: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_get_exp_avg', 'parameter', bad, 2)
       call shardopt_get_exp_avg_sq(opt, bad, m, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_get_exp_avg_sq: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_get_exp_avg_sq', 'parameter', bad, 2)
       call shardopt_accumulate_grad(opt, bad, v, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_accumulate_grad: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_accumulate_grad', 'parameter', bad, 2)
       call shardopt_grad_ready(opt, bad, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_grad_ready: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_grad_ready', 'parameter', bad, 2)
       call shardopt_param_numel(opt, bad, n, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_param_numel: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_param_numel', 'parameter', bad, 2)
       call shardopt_param_offset(opt, bad, off, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_param_offset: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_param_offset', 'parameter', bad, 2)
       call shardopt_wait_param(opt, bad, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_wait_param: parameter index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_wait_param', 'parameter', bad, 2)
       call shardopt_get_group(opt, bad, lr_scale, wd, status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_get_group: group index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_get_group', 'group', bad, 2)
       call shardopt_set_group(opt, bad, 1.0_c_double, .true., status, msg)
-      call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                  'shardopt_set_group: group index '//trim(shown)//rule//' (have 2)')
+      call expect_index('shardopt_set_group', 'group', bad, 2)
     end do
   end subroutine check_index_zero
+
+  !> The last call failed with INVALID_ARGUMENT and said that `routine` got `kind` index
+  !> `bad`, that Fortran indices start at 1, and how many there are.
+  subroutine expect_index(routine, kind, bad, have)
+    character(len=*), intent(in) :: routine, kind
+    integer, intent(in) :: bad, have
+    character(len=64) :: want
+    write (want, '(a,i0,a,i0,a)') ' index ', bad, ': Fortran indices start at 1 (have ', have, ')'
+    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, routine//': '//kind//trim(want))
+  end subroutine expect_index
 
   !> Units are 1-based too: acquire, prefetch and release of unit 0 at stage 3.
   subroutine check_units_index_zero()
@@ -187,14 +178,11 @@ contains
     call shardopt_finalize(z3, status, msg)
     call expect(status, SHARDOPT_SUCCESS, msg, '')
     call shardopt_acquire(z3, 0, status, msg)
-    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                'shardopt_acquire: unit index 0: Fortran indices start at 1 (have 3)')
+    call expect_index('shardopt_acquire', 'unit', 0, 3)
     call shardopt_prefetch(z3, 0, status, msg)
-    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                'shardopt_prefetch: unit index 0: Fortran indices start at 1 (have 3)')
+    call expect_index('shardopt_prefetch', 'unit', 0, 3)
     call shardopt_release(z3, 0, status, msg)
-    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
-                'shardopt_release: unit index 0: Fortran indices start at 1 (have 3)')
+    call expect_index('shardopt_release', 'unit', 0, 3)
     call shardopt_acquire(z3, 4, status, msg)  ! too large: the library's own message
     call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'out of range')
     call shardopt_destroy(z3, status, msg)
