@@ -305,6 +305,20 @@ TEST(CApiConfig, BadValuesOfTheNewFieldsAreRefused) {
   shardopt_optimizer_t opt = nullptr;
   EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(last(nullptr).find("loss scaling"), std::string::npos) << last(nullptr);
+  c.loss_scaling = 0;  // checked while loss scaling is off too (issue 27)
+  EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last(nullptr).find("min_scale 10"), std::string::npos) << last(nullptr);
+  EXPECT_NE(last(nullptr).find("checked although loss scaling is off"), std::string::npos) << last(nullptr);
+  c = base_config();
+  c.loss_scale_growth_interval = 0;
+  EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last(nullptr).find("growth_interval must be >= 1, got 0"), std::string::npos) << last(nullptr);
+  c = base_config();  // the defaults create, loss scaling off and on
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS) << last(nullptr);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  c.loss_scaling = 1;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS) << last(nullptr);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
   c = base_config();
   c.bucket_elems = 0;
   EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);

@@ -1,8 +1,8 @@
 ! test_fortran_api.f90: the Fortran module's error paths: status codes and messages for wrong
 ! sizes, shapes, indices, order and a destroyed handle, never a crash; index 0 (or below) in
 ! every routine that takes a parameter, group or unit index says that Fortran indices start at
-! 1 (issue 27); and the argument-order rule: status and errmsg (and the optional arguments)
-! passed by keyword, in any order.
+! 1 (issue 27); the argument-order rule: status and errmsg (and the optional arguments)
+! passed by keyword, in any order; loss-scaling options validated while loss scaling is off.
 program test_fortran_api
   use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int, c_int16_t, c_int64_t
   use shardopt
@@ -105,6 +105,7 @@ program test_fortran_api
 
   call check_units_index_zero()
   call check_keywords()
+  call check_loss_scaling_options()
 
   if (failures > 0) error stop 1
   print '(a)', 'test_fortran_api: all checks passed'
@@ -188,6 +189,23 @@ contains
     call shardopt_destroy(z3, status, msg)
     call expect(status, SHARDOPT_SUCCESS, msg, '')
   end subroutine check_units_index_zero
+
+  !> Loss-scaling options are validated while loss scaling is off too; the defaults are valid.
+  subroutine check_loss_scaling_options()
+    type(shardopt_optimizer) :: o
+    type(shardopt_config) :: c
+    call shardopt_config_init(c, status)
+    if (c%loss_scaling /= 0) call fail('loss scaling is off by default', int(c%loss_scaling))
+    c%loss_scale_min = -1
+    call shardopt_create(o, status, config=c, errmsg=msg)
+    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'checked although loss scaling is off')
+    if (.not. shardopt_is_null(o)) call fail('a refused create left a handle', 0)
+    call shardopt_config_init(c, status)
+    c%loss_scaling = 1
+    call shardopt_create(o, status, config=c, errmsg=msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_destroy(o, status, msg)
+  end subroutine check_loss_scaling_options
 
   !> The argument-order rule of the module's header: status and errmsg (and the optional
   !> arguments) by keyword, in any order, in routines where status comes right after the

@@ -289,7 +289,9 @@ void decode_common(Reader& r, Metadata& m) {
   ls.backoff_factor = r.get<double>("backoff factor");
   ls.min_scale = r.get<double>("min scale");
   ls.max_scale = r.get<double>("max scale");
-  if (const std::string p = validate(ls); !p.empty()) corrupt("loss scaling: " + p);
+  // Options saved while loss scaling was off were not checked before issue 27, and a load
+  // uses the loading optimizer's options anyway: checked only when they were in use.
+  if (const std::string p = validate(ls); ls.enabled && !p.empty()) corrupt("loss scaling: " + p);
   m.loss_state.scale = r.get<double>("loss scale");
   m.loss_state.good_steps = r.get<std::int64_t>("good steps");
   m.loss_state.skipped_steps = r.get<std::int64_t>("skipped steps");
