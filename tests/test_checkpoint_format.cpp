@@ -123,6 +123,19 @@ TEST(Format, SequenceNumberZeroIsRefused) {
   expect_refused(m, "sequence number 0");
 }
 
+// Loss-scaling options saved while loss scaling was off were not validated before issue 27
+// (the load keeps the loading optimizer's options): such a checkpoint still decodes; options
+// that were in use must be valid.
+TEST(Format, LossScalingOptionsAreCheckedOnlyWhereTheyWereInUse) {
+  Metadata m = sample();
+  m.loss_scaling.enabled = false;
+  m.loss_scaling.growth_interval = 0;
+  m.loss_state = LossScaleState{1.0, 0, 0};
+  EXPECT_EQ(decode_metadata(encode_metadata(m)).loss_scaling.growth_interval, 0);
+  m.loss_scaling.enabled = true;
+  expect_refused(m, "invalid loss-scaling options in use");
+}
+
 // Checkpoint directory names: ckpt- and the sequence number in 8 or more digits, one spelling.
 TEST(Format, CheckpointNames) {
   EXPECT_EQ(checkpoint_name(7), "ckpt-00000007");
