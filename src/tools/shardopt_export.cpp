@@ -161,8 +161,9 @@ int main(int argc, char** argv) {
     const Metadata m = read_metadata(dir);
     if (list) {
       std::printf("checkpoint %s: format %u, step %lld, %u shards, stage %s, replica %s\n",
-                  printable(dir.string()).c_str(), m.version, static_cast<long long>(m.step_count), m.world_size,
-                  stage_name(m.stage), dtype_name(m.param_dtype));
+                  printable(dir.string()).c_str(), m.version,
+                  static_cast<long long>(m.step_count), m.world_size, stage_name(m.stage),
+                  dtype_name(m.param_dtype));
       // Names are bytes from the file: a NUL, newline or tab in one is shown as \xNN, so
       // every line is one whole parameter.
       for (const MetaParam& p : m.params)
