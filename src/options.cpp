@@ -69,18 +69,23 @@ std::string validate(const GroupOptions& g) {
 }
 
 std::string validate(const LossScaling& s) {
-  if (!s.enabled) return {};
+  // Checked whether or not loss scaling is on: a mistake shows when it is made, not when
+  // loss scaling is turned on later (and the options are saved in checkpoints).
+  const std::string off = s.enabled ? "" : " (checked although loss scaling is off)";
   auto positive = [](double x) { return std::isfinite(x) && x > 0; };
   if (!positive(s.min_scale) || !positive(s.max_scale) || s.min_scale > s.max_scale)
-    return "invalid loss scaling bounds (need 0 < min_scale <= max_scale, finite)";
+    return "invalid loss scaling bounds min_scale " + std::to_string(s.min_scale) +
+           ", max_scale " + std::to_string(s.max_scale) +
+           " (need 0 < min_scale <= max_scale, finite)" + off;
   if (!positive(s.initial_scale) || s.initial_scale < s.min_scale || s.initial_scale > s.max_scale)
     return "invalid loss scaling initial_scale " + std::to_string(s.initial_scale) +
-           " (need min_scale <= initial_scale <= max_scale)";
-  if (s.growth_interval < 1) return "loss scaling growth_interval must be >= 1";
+           " (need min_scale <= initial_scale <= max_scale)" + off;
+  if (s.growth_interval < 1)
+    return "loss scaling growth_interval must be >= 1, got " + std::to_string(s.growth_interval) + off;
   if (!std::isfinite(s.growth_factor) || s.growth_factor < 1)
-    return "loss scaling growth_factor must be >= 1";
+    return "loss scaling growth_factor must be >= 1, got " + std::to_string(s.growth_factor) + off;
   if (!std::isfinite(s.backoff_factor) || s.backoff_factor <= 0 || s.backoff_factor >= 1)
-    return "loss scaling backoff_factor must be in (0, 1)";
+    return "loss scaling backoff_factor must be in (0, 1), got " + std::to_string(s.backoff_factor) + off;
   return {};
 }
 

@@ -2,7 +2,7 @@
 // the C++ API (issue 13), in one process: growable structs (a caller built against an older,
 // smaller struct), every config field reaching the optimizer and coming back, groups, the flat
 // replica and offsets, m and v, loss scaling, timings, waits, and checkpoints with their IO
-// and CORRUPT_DATA codes.
+// and CORRUPT_DATA codes; what a program written for 0.1 meets (docs/c_api.md).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -308,6 +308,20 @@ TEST(CApiConfig, BadValuesOfTheNewFieldsAreRefused) {
   shardopt_optimizer_t opt = nullptr;
   EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(last(nullptr).find("loss scaling"), std::string::npos) << last(nullptr);
+  c.loss_scaling = 0;  // checked while loss scaling is off too (issue 27)
+  EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last(nullptr).find("min_scale 10"), std::string::npos) << last(nullptr);
+  EXPECT_NE(last(nullptr).find("checked although loss scaling is off"), std::string::npos) << last(nullptr);
+  c = base_config();
+  c.loss_scale_growth_interval = 0;
+  EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last(nullptr).find("growth_interval must be >= 1, got 0"), std::string::npos) << last(nullptr);
+  c = base_config();  // the defaults create, loss scaling off and on
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS) << last(nullptr);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  c.loss_scaling = 1;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS) << last(nullptr);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
   c = base_config();
   c.collective_timeout_s = std::nan("");
   EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_ERROR_INVALID_ARGUMENT);
@@ -677,4 +691,58 @@ TEST(CApiConfig, AutomaticBucketSize) {
   EXPECT_EQ(got.bucket_elems, 0u);
   ASSERT_EQ(shardopt_get_config(o.h, &got), SHARDOPT_SUCCESS);
   EXPECT_EQ(got.bucket_elems, 4096u);
+}
+
+// ---- a program written for 0.1 (docs/c_api.md, "Upgrading from 0.1") ------------------------
+
+// 0.1's step result had no struct_size: grad_norm came first. Such a program, unchanged
+// (compiled against 0.1, or recompiled without calling shardopt_step_result_init), passes a
+// struct whose first 8 bytes read as struct_size 0: the step is applied on every rank and
+// the call fails with a message that says what to do. shardopt_step_result_init fixes it.
+TEST(CApiUpgradeFrom01, AStepResultWithoutStructSizeFailsClearly) {
+  struct step_result_0_1 {  // shardopt.h of 0.1 (commit ad49b6c)
+    double grad_norm, clip_coef;
+    int clipped, skipped;
+    int64_t step;
+  };
+  Opt o(base_config());
+  step_result_0_1 old = {};  // as a C program writes `shardopt_step_result_t r = {0};`
+  EXPECT_EQ(o.step(0, reinterpret_cast<shardopt_step_result_t*>(&old)), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  const std::string msg = last(o.h);
+  EXPECT_NE(msg.find("result->struct_size is 0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("shardopt_step_result_init"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("the step itself was applied"), std::string::npos) << msg;
+  int64_t steps = 0;
+  ASSERT_EQ(shardopt_step_count(o.h, &steps), SHARDOPT_SUCCESS);
+  EXPECT_EQ(steps, 1);
+  shardopt_step_result_t r;
+  ASSERT_EQ(shardopt_step_result_init(&r), SHARDOPT_SUCCESS);
+  ASSERT_EQ(o.step(1, &r), SHARDOPT_SUCCESS) << last(o.h);
+  EXPECT_EQ(r.step, 2);
+}
+
+// 0.1's shardopt_grad_ready was a no-op at stages 0 and 1. With 0.2's default overlap = 1 it
+// starts a complete bucket's reduction at any stage, so a gradient written after its mark is
+// refused (INVALID_STATE) where 0.1 took it; overlap = 0 restores 0.1's behaviour.
+TEST(CApiUpgradeFrom01, AGradientWrittenAfterGradReadyIsRefusedUnlessOverlapIsOff) {
+  for (int overlap : {1, 0}) {
+    shardopt_config_t c = base_config();
+    c.stage = SHARDOPT_STAGE_ZERO1;
+    c.overlap = overlap;
+    Opt o(c);
+    for (std::size_t p = o.sizes.size(); p-- > 0;) {  // backward order: every bucket completes
+      std::vector<float> g(o.sizes[p], 0.5f);
+      ASSERT_EQ(shardopt_accumulate_grad_f32(o.h, p, g.data(), g.size()), SHARDOPT_SUCCESS);
+      ASSERT_EQ(shardopt_grad_ready(o.h, p), SHARDOPT_SUCCESS);
+    }
+    std::vector<float> g(o.sizes[0], 0.5f);  // parameter 0 lies in one bucket
+    const shardopt_status_t again = shardopt_accumulate_grad_f32(o.h, 0, g.data(), g.size());
+    if (overlap == 1) {
+      EXPECT_EQ(again, SHARDOPT_ERROR_INVALID_STATE) << last(o.h);
+      EXPECT_NE(last(o.h).find("already reduced"), std::string::npos) << last(o.h);
+    } else {
+      EXPECT_EQ(again, SHARDOPT_SUCCESS) << last(o.h);
+    }
+    ASSERT_EQ(shardopt_step(o.h, nullptr), SHARDOPT_SUCCESS) << last(o.h);
+  }
 }

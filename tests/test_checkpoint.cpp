@@ -301,20 +301,25 @@ std::string read_text(const fs::path& p) {
   const std::vector<unsigned char> b = ckpt::read_whole_file(p, 1 << 10);
   return std::string(b.begin(), b.end());
 }
+// Steps 1, 2, 3, each saved into `dir` (all three kept): the state after each.
+std::vector<test::FullState> train_and_save_three(ShardedOptimizer& opt, const fs::path& dir) {
+  SaveOptions keep3;
+  keep3.keep = 3;
+  std::vector<test::FullState> states;
+  for (int k = 1; k <= 3; ++k) {
+    test::ckpt_train_step(opt, k);
+    save_checkpoint(opt, dir, keep3);
+    states.push_back(test::gather_state(opt));
+  }
+  return states;
+}
 }  // namespace
 
 TEST(Checkpoint, EveryBitFlipInLatestLoadsTheNewestOrIsRefused) {
   auto comm = test::world();
   SharedDir dir(*comm);
   auto opt = test::make_ckpt_optimizer(comm, {});
-  SaveOptions keep3;
-  keep3.keep = 3;
-  std::vector<test::FullState> states;
-  for (int k = 1; k <= 3; ++k) {
-    test::ckpt_train_step(*opt, k);
-    save_checkpoint(*opt, dir.path(), keep3);
-    states.push_back(test::gather_state(*opt));
-  }
+  const std::vector<test::FullState> states = train_and_save_three(*opt, dir.path());
   const fs::path latest = dir.path() / ckpt::kLatestFile;
   const std::string good = read_text(latest);
   ASSERT_EQ(good.rfind("ckpt-00000003", 0), 0u) << good;
@@ -455,4 +460,156 @@ TEST(Checkpoint, TheParentOfEveryNewDirectoryIsFsynced) {
   EXPECT_GT(synced, position("metadata-written"));
   EXPECT_LT(synced, renamed);
   EXPECT_LT(renamed, position("published"));
+}
+
+// ---- intact files in the wrong place: what a checksum cannot catch (issue 27) ---------------
+
+// Three mutations that keep every file intact, so every checksum passes: a LATEST with a
+// valid checksum naming an older checkpoint, two checkpoint directories swapped, and a
+// checkpoint directory replaced by a symlink to an older one. Each loaded the older state
+// silently; each is refused now (the metadata carries the sequence number its directory
+// name and LATEST carry, and a published checkpoint is marked so), on every rank, and
+// changes nothing. Undone, the save directory loads again.
+TEST(Checkpoint, IntactCheckpointsInTheWrongPlaceAreRefused) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  auto opt = test::make_ckpt_optimizer(comm, {});
+  const std::vector<test::FullState> states = train_and_save_three(*opt, dir.path());
+  const fs::path latest = dir.path() / ckpt::kLatestFile;
+  const fs::path c2 = dir.path() / "ckpt-00000002", c3 = dir.path() / "ckpt-00000003";
+  const fs::path aside = dir.path() / "aside";
+  const std::string good = read_text(latest);
+
+  auto victim = test::make_ckpt_optimizer(comm, {});
+  test::ckpt_train_step(*victim, 9);
+  const test::FullState untouched = test::gather_state(*victim);
+  auto refused = [&](const fs::path& path, const std::string& fragment, const char* what) {
+    try {
+      load_checkpoint(*victim, path);
+      ADD_FAILURE() << what << ": loaded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::CorruptData) << what << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << what << ": " << e.what();
+    }
+    EXPECT_TRUE(test::gather_state(*victim) == untouched) << what;
+  };
+
+  // 1. LATEST with a valid checksum that names the previous checkpoint.
+  on_rank0(*comm, [&] { write_text(latest, ckpt::encode_latest("ckpt-00000002")); });
+  refused(dir.path(), "names 'ckpt-00000002', but ckpt-00000003 was published after it",
+          "LATEST naming an older checkpoint");
+  auto older = test::make_ckpt_optimizer(comm, {});
+  load_checkpoint(*older, c2);  // the older checkpoint, named explicitly, loads
+  EXPECT_TRUE(test::gather_state(*older) == states[1]);
+  on_rank0(*comm, [&] { write_text(latest, good); });
+
+  // 2. Two checkpoint directories swapped.
+  on_rank0(*comm, [&] { fs::rename(c3, aside); fs::rename(c2, c3); fs::rename(aside, c2); });
+  const std::string swapped = "holds checkpoint ckpt-00000002 (its metadata says so), not ckpt-00000003";
+  refused(dir.path(), swapped, "swapped directories, through LATEST");
+  refused(c3, swapped, "swapped directories, named");
+  on_rank0(*comm, [&] { fs::rename(c3, aside); fs::rename(c2, c3); fs::rename(aside, c2); });
+
+  // 3. A checkpoint directory replaced by a symlink to an older one.
+  on_rank0(*comm, [&] { fs::rename(c3, aside); fs::create_directory_symlink("ckpt-00000002", c3); });
+  refused(dir.path(), swapped, "a symlink to an older checkpoint");
+  on_rank0(*comm, [&] { fs::remove(c3); fs::rename(aside, c3); });
+
+  load_checkpoint(*victim, dir.path());  // repaired: the newest loads
+  EXPECT_TRUE(test::gather_state(*victim) == states[2]);
+}
+
+// Error messages quote what LATEST holds with control characters escaped and long content
+// cut, never its raw bytes.
+TEST(Checkpoint, MessagesQuoteLatestEscapedAndCut) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  auto opt = test::make_ckpt_optimizer(comm, {});
+  save_checkpoint(*opt, dir.path());
+  const fs::path latest = dir.path() / ckpt::kLatestFile;
+  auto message = [&](const std::string& text) {
+    on_rank0(*comm, [&] { write_text(latest, text); });
+    try {
+      load_checkpoint(*opt, dir.path());
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::CorruptData) << e.what();
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "loaded";
+    return std::string();
+  };
+  // A format-1 LATEST (no space, so no checksum) with a carriage return, a bell and an
+  // escape sequence in the name.
+  std::string m = message("ckpt-0\r\a\x1b[2J\n");
+  EXPECT_NE(m.find("names 'ckpt-0\\x0D\\x07\\x1B[2J'"), std::string::npos) << m;
+  // With a checksum that does not match, and 200 bytes of junk: cut.
+  m = message("ckpt-00000001\x01 deadbeef" + std::string(200, 'x'));
+  EXPECT_NE(m.find("LATEST holds 'ckpt-00000001\\x01 deadbeef"), std::string::npos) << m;
+  EXPECT_NE(m.find("... (223 bytes)', which fails its checksum"), std::string::npos) << m;
+  for (char c : m) EXPECT_TRUE(c >= 0x20 && c != 0x7F) << "a raw control character in: " << m;
+}
+
+// ---- two jobs, one save directory (issue 27) -------------------------------------------------
+
+namespace {
+// Rank 0's pid on every rank (rank 0 holds the save directory's lock).
+long rank0_pid(Communicator& comm) {
+  long pid = static_cast<long>(getpid());
+  comm.broadcast_bytes(&pid, sizeof pid, 0);
+  return pid;
+}
+std::vector<std::string> sorted_entries(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir)) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+}  // namespace
+
+// A second optimizer (standing for a second job) saving into the directory a first one saves
+// into is refused at once, on every rank, naming the directory and the holder, and changes
+// nothing; the first goes on saving; once it is destroyed the directory is the second's.
+TEST(Checkpoint, ASecondJobSavingIntoTheSameDirectoryIsRefusedUntilTheFirstIsDone) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  auto first = test::make_ckpt_optimizer(comm, {});
+  test::ckpt_train_step(*first, 1);
+  save_checkpoint(*first, dir.path());
+  auto second = test::make_ckpt_optimizer(comm, {});
+  test::ckpt_train_step(*second, 2);
+  const long pid = rank0_pid(*comm);
+  comm->barrier();
+  const std::vector<std::string> before = sorted_entries(dir.path());
+  try {
+    save_checkpoint(*second, dir.path());
+    ADD_FAILURE() << "two jobs saved into one directory";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Io) << e.what();
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'" + dir.path().string() + "' is in use: another job saves into it (host "),
+              std::string::npos) << what;
+    EXPECT_NE(what.find(" pid " + std::to_string(pid) + ", holding the lock " +
+                        (dir.path() / ckpt::kLockFile).string()),
+              std::string::npos) << what;
+  }
+  comm->barrier();
+  EXPECT_EQ(sorted_entries(dir.path()), before) << "the refused save changed the directory";
+  save_checkpoint(*first, dir.path());  // the holder goes on
+  first.reset();                        // done: its lock is released
+  save_checkpoint(*second, dir.path());
+  auto check = test::make_ckpt_optimizer(comm, {});
+  load_checkpoint(*check, dir.path());
+  EXPECT_TRUE(test::gather_state(*check) == test::gather_state(*second));
+}
+
+// A lock file left by a job that is gone (killed: its lock died with it) blocks nothing.
+TEST(Checkpoint, ALockFileAloneIsNotALock) {
+  auto comm = test::world();
+  SharedDir dir(*comm);
+  on_rank0(*comm, [&] { write_text(dir.path() / ckpt::kLockFile, "host elsewhere pid 1\n"); });
+  auto opt = test::make_ckpt_optimizer(comm, {});
+  EXPECT_NO_THROW(save_checkpoint(*opt, dir.path()));
+  on_rank0(*comm, [&] {
+    EXPECT_EQ(read_text(dir.path() / ckpt::kLockFile).find("host elsewhere"), std::string::npos);
+  });
 }

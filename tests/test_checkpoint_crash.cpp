@@ -1,6 +1,7 @@
 // test_checkpoint_crash.cpp: a process killed with SIGKILL at any point of a save leaves the
 // previous checkpoint complete and loadable; the next save cleans the temporaries. The
-// victim is checkpoint_crash_child, run alone and under mpiexec (one rank killed).
+// victim is checkpoint_crash_child, run alone and under mpiexec (one rank killed). Also two
+// jobs saving into one directory: the second is refused while the first lives.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -8,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -17,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "checkpoint/format.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "support/ckpt_model.hpp"
 
@@ -85,19 +88,16 @@ void PrintTo(const Crash& c, std::ostream* os) { *os << c.point << " np" << c.ra
 
 class KillDuringSave : public testing::TestWithParam<Crash> {};
 
-}  // namespace
+// A checkpoint_crash_child job (c.ranks processes) stopped at c.point of its second save,
+// on rank c.stop_rank.
+struct StoppedJob {
+  pid_t child = -1;   // the job (the child alone, or mpiexec)
+  pid_t victim = -1;  // the stopped rank's process
+};
 
-TEST_P(KillDuringSave, PreviousCheckpointLoadsAndTemporariesAreCleaned) {
-  const Crash c = GetParam();
-#ifndef SHARDOPT_MPIEXEC
-  if (c.ranks > 1) GTEST_SKIP() << "built without MPI";
-#endif
-  std::string tmpl = (fs::temp_directory_path() / "shardopt-crash-XXXXXX").string();
-  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-  const fs::path work = tmpl;
-  const fs::path dir = work / "ckpt";
+// Starts the job saving into `dir` and waits until its rank stops at the point.
+StoppedJob start_stopped_job(const Crash& c, const fs::path& dir, const fs::path& work) {
   const fs::path marker = work / "stopped.pid";
-
   std::vector<std::string> args;
 #ifdef SHARDOPT_MPIEXEC
   if (c.ranks > 1) {
@@ -114,46 +114,123 @@ TEST_P(KillDuringSave, PreviousCheckpointLoadsAndTemporariesAreCleaned) {
   setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 0);
   setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 0);
   const fs::path log = work / "child.log";
-  const pid_t child = spawn(args, log);
-  ASSERT_GT(child, 0);
+  StoppedJob job;
+  job.child = spawn(args, log);
+  EXPECT_GT(job.child, 0);
+  if (job.child <= 0) return job;
 
-  // Wait for the stop, then kill the stopped rank with SIGKILL.
-  pid_t victim = -1;
+  // Wait for the stop.
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (victim < 0 && std::chrono::steady_clock::now() < until) {
+  while (job.victim < 0 && std::chrono::steady_clock::now() < until) {
     std::ifstream f(marker);
-    if (!(f >> victim)) victim = -1;
-    if (victim < 0) {
+    if (!(f >> job.victim)) job.victim = -1;
+    if (job.victim < 0) {
       int status = 0;
-      ASSERT_NE(waitpid(child, &status, WNOHANG), child) << "the child exited early";
+      if (waitpid(job.child, &status, WNOHANG) == job.child) {
+        ADD_FAILURE() << "the child exited early";
+        return job;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
-  ASSERT_GT(victim, 0) << "the child never reached " << c.point << "; its output:\n"
-                       << std::string(std::istreambuf_iterator<char>(std::ifstream(log).rdbuf()), {});
-  ASSERT_EQ(kill(victim, SIGKILL), 0);
-  // mpiexec takes the other ranks down when one dies; whatever is left goes with the group.
-  if (!wait_exit(child, std::chrono::seconds(60))) {
-    kill(-child, SIGKILL);
-    waitpid(child, nullptr, 0);
+  EXPECT_GT(job.victim, 0) << "the child never reached " << c.point << "; its output:\n"
+                           << std::string(std::istreambuf_iterator<char>(std::ifstream(log).rdbuf()), {});
+  return job;
+}
+
+// Kills the stopped rank with SIGKILL; mpiexec takes the other ranks down, and whatever is
+// left goes with the process group.
+void kill_job(const StoppedJob& job) {
+  if (job.victim > 0) kill(job.victim, SIGKILL);
+  if (!wait_exit(job.child, std::chrono::seconds(60))) {
+    kill(-job.child, SIGKILL);
+    waitpid(job.child, nullptr, 0);
   }
-  kill(-child, SIGKILL);  // stray ranks of the job, if any (the group is ours)
+  kill(-job.child, SIGKILL);  // stray ranks of the job, if any (the group is ours)
+}
+
+fs::path make_work_dir() {
+  std::string tmpl = (fs::temp_directory_path() / "shardopt-crash-XXXXXX").string();
+  EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
+  return tmpl;
+}
+
+}  // namespace
+
+TEST_P(KillDuringSave, PreviousCheckpointLoadsAndTemporariesAreCleaned) {
+  const Crash c = GetParam();
+#ifndef SHARDOPT_MPIEXEC
+  if (c.ranks > 1) GTEST_SKIP() << "built without MPI";
+#endif
+  const fs::path work = make_work_dir();
+  const fs::path dir = work / "ckpt";
+  const StoppedJob job = start_stopped_job(c, dir, work);
+  ASSERT_GT(job.victim, 0);
+  kill_job(job);
 
   // The newest published checkpoint loads and is complete.
   auto opt = test::make_ckpt_optimizer(make_single_process_communicator(), {});
   load_checkpoint(*opt, dir);
   EXPECT_TRUE(test::gather_state(*opt) == expected_after(c.expect_steps));
 
-  // The next save removes what the killed save left and publishes normally.
+  // The next save removes what the killed save left and publishes normally (the killed
+  // job's lock died with it; the file it lived in is this job's lock now).
   save_checkpoint(*opt, dir);
   for (const fs::directory_entry& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
-    EXPECT_TRUE(name == "LATEST" || name.rfind("ckpt-", 0) == 0) << "left over: " << name;
+    EXPECT_TRUE(name == "LATEST" || name == ckpt::kLockFile || name.rfind("ckpt-", 0) == 0)
+        << "left over: " << name;
   }
   auto again = test::make_ckpt_optimizer(make_single_process_communicator(), {});
   load_checkpoint(*again, dir);
   EXPECT_TRUE(test::gather_state(*again) == expected_after(c.expect_steps));
   fs::remove_all(work);
+}
+
+// Two jobs saving into one directory (issue 27): while the first job lives (here stopped in
+// its second save, on rank 0, which holds the lock), a second job's save is refused at once,
+// naming the directory and the first job's host and pid, and changes nothing; once the first
+// job is killed, its lock is gone (the lock file alone is not a lock) and the second job
+// saves normally.
+TEST(TwoJobs, TheSecondIsRefusedUntilTheFirstIsGone) {
+  for (const Crash& c : {Crash{"prepared", 1, 0, 3}, Crash{"shard-written", 2, 0, 3}}) {
+#ifndef SHARDOPT_MPIEXEC
+    if (c.ranks > 1) continue;
+#endif
+    SCOPED_TRACE(std::to_string(c.ranks) + " rank(s)");
+    const fs::path work = make_work_dir();
+    const fs::path dir = work / "ckpt";
+    const StoppedJob job = start_stopped_job(c, dir, work);
+    ASSERT_GT(job.victim, 0);
+    auto opt = test::make_ckpt_optimizer(make_single_process_communicator(), {});
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    const auto entries = [&] {
+      std::vector<std::string> names;
+      for (const fs::directory_entry& e : fs::directory_iterator(dir)) names.push_back(e.path().filename());
+      std::sort(names.begin(), names.end());
+      return names;
+    };
+    const std::vector<std::string> before = entries();
+    try {
+      save_checkpoint(*opt, dir);
+      ADD_FAILURE() << "a second job saved into a directory another job holds";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::Io);
+      const std::string what = e.what();
+      EXPECT_NE(what.find("'" + dir.string() + "' is in use: another job saves into it (host " +
+                          host + " pid " + std::to_string(job.victim) + ","),
+                std::string::npos)
+          << what;
+    }
+    EXPECT_EQ(entries(), before) << "the refused save changed the directory";
+    kill_job(job);
+    EXPECT_NO_THROW(save_checkpoint(*opt, dir));
+    auto again = test::make_ckpt_optimizer(make_single_process_communicator(), {});
+    load_checkpoint(*again, dir);
+    EXPECT_TRUE(test::gather_state(*again) == test::gather_state(*opt));
+    fs::remove_all(work);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -1,9 +1,11 @@
 // test_checkpoint_export.cpp: shardopt-export refuses parameter names a safetensors header
 // cannot hold (the reserved key "__metadata__", names that are not UTF-8), escapes the
 // ones it can, and never touches a file it did not create (an existing OUTPUT.tmp), whether
-// the export succeeds or fails. Single process: the tool reads files only.
+// the export succeeds or fails; --list shows every name whole, escaped. Single process: the
+// tool reads files only.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -148,4 +150,35 @@ TEST_F(ExportTest, AnExistingTmpFileIsNeverTouched) {
   EXPECT_EQ(slurp(tmp), "somebody else's file");
   EXPECT_EQ(slurp(out), before);
   EXPECT_EQ(entries(root_ / "out"), (std::set<std::string>{"model.safetensors", "model.safetensors.tmp"}));
+}
+
+// --list prints every parameter name whole, on one line: a NUL (which cut the name before),
+// a newline or a tab in it is shown as \xNN, a backslash too (so the escape is unambiguous);
+// valid UTF-8 is shown as it is.
+TEST_F(ExportTest, ListShowsNamesWithControlCharactersEscaped) {
+  save_named(root_ / "ck", {std::string("a\0b", 3), "line\nbreak", "tab\there", "back\\slash",
+                            "gr\xc3\xb6\xc3\x9f" "e", std::string("bad\xff", 4)});
+  const fs::path out = root_ / "out" / "list.txt";
+  const std::string cmd = std::string(SHARDOPT_EXPORT_EXE) + " --list '" + (root_ / "ck").string() +
+                          "' > '" + out.string() + "'";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const std::string listed = slurp(out);
+  for (const char* line : {"\na\\x00b\t3\tgroup 0\n", "\nline\\x0Abreak\t3\tgroup 0\n",
+                           "\ntab\\x09here\t3\tgroup 0\n", "\nback\\x5Cslash\t3\tgroup 0\n",
+                           "\ngr\xc3\xb6\xc3\x9f" "e\t3\tgroup 0\n", "\nbad\\xFF\t3\tgroup 0\n"})
+    EXPECT_NE(listed.find(line), std::string::npos) << "missing " << line << " in:\n" << listed;
+  EXPECT_EQ(std::count(listed.begin(), listed.end(), '\n'), 7) << listed;  // a header, 6 names
+}
+
+// The reader's checks apply to the tool too: a checkpoint directory that holds another
+// checkpoint (renamed, swapped or linked) is refused, not exported.
+TEST_F(ExportTest, ACheckpointInTheWrongDirectoryIsRefused) {
+  save_named(root_ / "ck", {"a"});
+  save_named(root_ / "ck2", {"a"});
+  fs::rename(root_ / "ck2" / "ckpt-00000001", root_ / "ck" / "ckpt-00000005");
+  const ExportRun r = export_to(root_ / "ck" / "ckpt-00000005", root_ / "out" / "m.safetensors");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("holds checkpoint ckpt-00000001 (its metadata says so), not ckpt-00000005"),
+            std::string::npos) << r.err;
+  EXPECT_TRUE(entries(root_ / "out").empty());
 }

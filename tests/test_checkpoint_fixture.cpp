@@ -1,8 +1,9 @@
 // test_checkpoint_fixture.cpp: checkpoints users already have still load. The committed
-// format-1 checkpoint (tests/data/ckpt_v1, saved at 2 ranks) loads at this run's world size
-// (1 without MPI, 1-4 under mpiexec) in every stage, bit for bit equal to the state it was
-// saved from, with its hyperparameters and loss-scaling state; saved again (current format)
-// it loads again unchanged; shardopt-export reads it; a corrupted copy is refused.
+// format-1 and format-2 checkpoints (tests/data/ckpt_v1 and ckpt_v2, both saved at 2 ranks
+// from the same state) load at this run's world size (1 without MPI, 1-4 under mpiexec) in
+// every stage, bit for bit equal to the state they were saved from, with their
+// hyperparameters and loss-scaling state; saved again (current format) they load again
+// unchanged; shardopt-export reads them; a corrupted copy is refused.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -26,10 +27,12 @@ namespace fs = std::filesystem;
 namespace {
 
 const fs::path kFixture = fs::path(SHARDOPT_TEST_DATA) / "ckpt_v1";
+// Every committed fixture: a checkpoint of each older format version.
+const std::vector<fs::path> kFixtures = {kFixture, fs::path(SHARDOPT_TEST_DATA) / "ckpt_v2"};
 
 // expected.bin: master, exp_avg, exp_avg_sq per parameter, unpadded (see tests/data/README.md).
-test::FullState expected_state() {
-  const std::vector<unsigned char> raw = ckpt::read_whole_file(kFixture / "expected.bin", 1 << 20);
+test::FullState expected_state(const fs::path& fixture = kFixture) {
+  const std::vector<unsigned char> raw = ckpt::read_whole_file(fixture / "expected.bin", 1 << 20);
   std::size_t total = 0;
   for (std::size_t n : test::fixture_sizes()) total += n;
   EXPECT_EQ(raw.size(), 3 * total * sizeof(float));
@@ -77,21 +80,31 @@ TEST(FixtureFiles, AreFormatOneSavedAtTwoRanks) {
   EXPECT_GT(p2.offset + p2.numel, m.shards[1].flat_begin);
 }
 
-TEST_P(Fixture, FormatOneLoadsBitForBitAndSurvivesASaveInTheCurrentFormat) {
-  auto comm = test::world();
-  const test::FullState want = expected_state();
-  auto opt = test::make_fixture_optimizer(comm, GetParam());
-  load_checkpoint(*opt, kFixture / "save");
-  expect_fixture_restored(*opt, want);
+TEST(FixtureFiles, FormatTwoIsSavedAtTwoRanksWithoutASequenceNumber) {
+  const ckpt::Metadata m = ckpt::read_metadata(kFixtures[1] / "save" / "ckpt-00000001");
+  EXPECT_EQ(m.version, 2u);
+  EXPECT_EQ(m.world_size, 2u);
+  EXPECT_EQ(m.sequence, 0u);  // format 3 added it; a format-2 checkpoint loads without
+}
 
-  // Saved in the current format and loaded into another stage: nothing is lost.
-  test::SharedDir dir(*comm);
-  const fs::path saved = save_checkpoint(*opt, dir.path());
-  EXPECT_EQ(ckpt::read_metadata(saved).version, ckpt::kFormatVersion);
-  const Stage other = GetParam() == Stage::Zero2 ? Stage::DataParallel : Stage::Zero2;
-  auto again = test::make_fixture_optimizer(comm, other);
-  load_checkpoint(*again, dir.path());
-  expect_fixture_restored(*again, want);
+TEST_P(Fixture, OlderFormatsLoadBitForBitAndSurviveASaveInTheCurrentFormat) {
+  auto comm = test::world();
+  for (const fs::path& fixture : kFixtures) {
+    SCOPED_TRACE(fixture.filename().string());
+    const test::FullState want = expected_state(fixture);
+    auto opt = test::make_fixture_optimizer(comm, GetParam());
+    load_checkpoint(*opt, fixture / "save");
+    expect_fixture_restored(*opt, want);
+
+    // Saved in the current format and loaded into another stage: nothing is lost.
+    test::SharedDir dir(*comm);
+    const fs::path saved = save_checkpoint(*opt, dir.path());
+    EXPECT_EQ(ckpt::read_metadata(saved).version, ckpt::kFormatVersion);
+    const Stage other = GetParam() == Stage::Zero2 ? Stage::DataParallel : Stage::Zero2;
+    auto again = test::make_fixture_optimizer(comm, other);
+    load_checkpoint(*again, dir.path());
+    expect_fixture_restored(*again, want);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, Fixture,
@@ -106,16 +119,19 @@ TEST(FixtureExport, WritesTheSavedMasterWeights) {
   auto comm = test::world();
   test::SharedDir dir(*comm);
   if (comm->rank() != 0) return;
-  const fs::path out = dir.path() / "fixture.safetensors";
-  const std::string cmd = std::string(SHARDOPT_EXPORT_EXE) + " '" + (kFixture / "save").string() +
-                          "' '" + out.string() + "' > /dev/null";
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  const std::vector<unsigned char> file = ckpt::read_whole_file(out, 1 << 20);
-  std::uint64_t header = 0;
-  std::memcpy(&header, file.data(), 8);
-  const test::FullState want = expected_state();
-  ASSERT_EQ(file.size(), 8 + header + want.arrays[0].size() * 4);
-  EXPECT_EQ(std::memcmp(file.data() + 8 + header, want.arrays[0].data(), want.arrays[0].size() * 4), 0);
+  for (const fs::path& fixture : kFixtures) {
+    const fs::path out = dir.path() / "fixture.safetensors";
+    const std::string cmd = std::string(SHARDOPT_EXPORT_EXE) + " '" + (fixture / "save").string() +
+                            "' '" + out.string() + "' > /dev/null";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    const std::vector<unsigned char> file = ckpt::read_whole_file(out, 1 << 20);
+    std::uint64_t header = 0;
+    std::memcpy(&header, file.data(), 8);
+    const test::FullState want = expected_state(fixture);
+    ASSERT_EQ(file.size(), 8 + header + want.arrays[0].size() * 4);
+    EXPECT_EQ(std::memcmp(file.data() + 8 + header, want.arrays[0].data(), want.arrays[0].size() * 4), 0)
+        << fixture;
+  }
 }
 
 TEST(FixtureCorrupted, IsRefusedEverywhereAndChangesNothing) {

@@ -30,6 +30,7 @@ namespace {
 // 3 parameters (1103 elements) in 4 shards: one of two blocks, one empty.
 Metadata sample() {
   Metadata m;
+  m.sequence = 7;
   m.step_count = 42;
   m.world_size = 4;
   m.stage = Stage::Zero2;
@@ -91,6 +92,7 @@ TEST(Format, MetadataRoundTrip) {
   const std::vector<unsigned char> bytes = encode_metadata(m);
   const Metadata d = decode_metadata(bytes);
   EXPECT_EQ(d.version, kFormatVersion);
+  EXPECT_EQ(d.sequence, 7u);
   EXPECT_EQ(d.step_count, 42);
   EXPECT_EQ(d.world_size, 4u);
   EXPECT_EQ(d.stage, Stage::Zero2);
@@ -112,6 +114,37 @@ TEST(Format, MetadataRoundTrip) {
   EXPECT_EQ(shard_extents(d, 3), (std::vector<Range>{{800, 1103}}));
   EXPECT_EQ(layout_hash(d), layout_hash(m));
   EXPECT_EQ(encode_metadata(d), bytes);
+}
+
+// Format 3 records the checkpoint's sequence number; 0 is no sequence number.
+TEST(Format, SequenceNumberZeroIsRefused) {
+  Metadata m = sample();
+  m.sequence = 0;
+  expect_refused(m, "sequence number 0");
+}
+
+// Loss-scaling options saved while loss scaling was off were not validated before issue 27
+// (the load keeps the loading optimizer's options): such a checkpoint still decodes; options
+// that were in use must be valid.
+TEST(Format, LossScalingOptionsAreCheckedOnlyWhereTheyWereInUse) {
+  Metadata m = sample();
+  m.loss_scaling.enabled = false;
+  m.loss_scaling.growth_interval = 0;
+  m.loss_state = LossScaleState{1.0, 0, 0};
+  EXPECT_EQ(decode_metadata(encode_metadata(m)).loss_scaling.growth_interval, 0);
+  m.loss_scaling.enabled = true;
+  expect_refused(m, "invalid loss-scaling options in use");
+}
+
+// Checkpoint directory names: ckpt- and the sequence number in 8 or more digits, one spelling.
+TEST(Format, CheckpointNames) {
+  EXPECT_EQ(checkpoint_name(7), "ckpt-00000007");
+  EXPECT_EQ(checkpoint_name(123456789), "ckpt-123456789");
+  EXPECT_EQ(checkpoint_sequence("ckpt-00000007"), 7u);
+  EXPECT_EQ(checkpoint_sequence("ckpt-123456789"), 123456789u);
+  for (const char* other : {"ckpt-0000007", "ckpt-000000007", "ckpt-00000000", "ckpt-0000000x",
+                            "ckpt-00000007/", "xckpt-00000007", "LATEST", ""})
+    EXPECT_EQ(checkpoint_sequence(other), 0u) << other;
 }
 
 TEST(Format, ShardsMustCoverEveryElementExactlyOnce) {
@@ -204,11 +237,12 @@ TEST(Format, HugeCountsAreRefusedBeforeAllocating) {
   // A parameter count of 2^60 with a valid checksum: refused by the remaining-bytes bound.
   Metadata m = sample();
   std::vector<unsigned char> bytes = encode_metadata(m);
-  // Locate the parameter count: it follows the groups (fixed-size prefix + 12 bytes each).
-  const std::size_t prefix = 32 + 8 + 4 * 4 + 6 * 8 + 4 + 4 + 5 * 8 + 8 + 8 + 8 + 4 + 2 * 12;
+  // Locate the parameter count: it follows the groups (fixed-size prefix + 12 bytes each),
+  // after format 3's sequence number.
+  const std::size_t prefix = 32 + 8 + 8 + 4 * 4 + 6 * 8 + 4 + 4 + 5 * 8 + 8 + 8 + 8 + 4 + 2 * 12;
   std::uint64_t count = 0;
   std::memcpy(&count, bytes.data() + prefix, 8);
-  ASSERT_EQ(count, 3u);  // the parameter count (same place in formats 1 and 2)
+  ASSERT_EQ(count, 3u);  // the parameter count
   count = std::uint64_t{1} << 60;
   std::memcpy(bytes.data() + prefix, &count, 8);
   const std::uint32_t body_crc = crc32c(bytes.data() + 32, bytes.size() - 32);
@@ -318,6 +352,32 @@ TEST(Latest, CarriesAChecksumThatCatchesEveryBitFlip) {
   EXPECT_EQ(decode_latest(std::span(reinterpret_cast<const unsigned char*>(old.data()), old.size()), legacy),
             "ckpt-00000007");
   EXPECT_TRUE(legacy);
+}
+
+// LATEST's bytes in a message: escaped and cut, whatever they are.
+TEST(Latest, MessagesQuoteItsContentEscapedAndCut) {
+  bool legacy = false;
+  const std::string bad = "ckpt-1/../x\x1b]0;t\a 0000000" + std::string(100, 'z');
+  try {
+    decode_latest(std::span(reinterpret_cast<const unsigned char*>(bad.data()), bad.size()), legacy);
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "checkpoint: LATEST holds 'ckpt-1/../x\\x1B]0;t\\x07 0000000" + std::string(39, 'z') +
+                  "... (125 bytes)', which does not name a checkpoint directory");
+  }
+}
+
+// ---- text from files in messages --------------------------------------------------------------
+
+TEST(Text, PrintableEscapesControlBytesAndInvalidUtf8AndCuts) {
+  EXPECT_EQ(printable(std::string("a\0b\n\x7f\\", 6)), "a\\x00b\\x0A\\x7F\\x5C");
+  EXPECT_EQ(printable("gr\xc3\xb6\xc3\x9f" "e \xf0\x9f\x99\x82"), "gr\xc3\xb6\xc3\x9f" "e \xf0\x9f\x99\x82");
+  EXPECT_EQ(printable("bad\xff\xc0\xaf\xed\xa0\x80"), "bad\\xFF\\xC0\\xAF\\xED\\xA0\\x80");
+  EXPECT_EQ(printable(std::string(100, 'x'), 10), std::string(10, 'x') + "... (100 bytes)");
+  EXPECT_EQ(printable("\xc3\xb6", 1), "\\xC3... (2 bytes)");  // a character cut: escaped
+  EXPECT_TRUE(valid_utf8("gr\xc3\xb6\xc3\x9f" "e"));
+  EXPECT_FALSE(valid_utf8("cut\xe2\x82"));
 }
 
 // ---- files ------------------------------------------------------------------------------------

@@ -1,18 +1,27 @@
 ! test_fortran_api.f90: the Fortran module's error paths: status codes and messages for wrong
-! sizes, shapes, indices, order and a destroyed handle, never a crash.
+! sizes, shapes, indices, order and a destroyed handle, never a crash; index 0 (or below) in
+! every routine that takes a parameter, group or unit index says that Fortran indices start at
+! 1 (issue 27); the argument-order rule: status and errmsg (and the optional arguments)
+! passed by keyword, in any order; loss-scaling options validated while loss scaling is off.
 program test_fortran_api
-  use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int16_t, c_int64_t
+  use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int, c_int16_t, c_int64_t
   use shardopt
   implicit none
   type(shardopt_optimizer) :: opt
   type(shardopt_config) :: cfg
   real(c_float) :: v(10), m(2, 5)
-  real(c_float), pointer :: p2(:, :), g(:)
+  real(c_float), pointer :: p2(:, :), g(:), p1(:)
   integer(c_int16_t), pointer :: bits(:), flat_bits(:)
-  integer(c_int64_t) :: n
+  integer(c_int64_t) :: n, off
   real(c_double) :: lr_scale
   logical :: wd
   integer :: status, ia, ib, grp, failures
+  interface
+    function c_getpid() bind(c, name='getpid')
+      import :: c_int
+      integer(c_int) :: c_getpid
+    end function c_getpid
+  end interface
   character(len=512) :: msg
 
   failures = 0
@@ -34,6 +43,8 @@ program test_fortran_api
   call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'shardopt_add_param')
   call shardopt_add_param(opt, 'd', -4, ib, status, errmsg=msg)
   call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'shardopt_add_param')
+  call shardopt_add_param(opt, 'd', 4, ib, status, group=0, errmsg=msg)
+  call expect_index('shardopt_add_param', 'group', 0, 2)
   call shardopt_step(opt, status, errmsg=msg)
   call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, 'shardopt_step')
   call shardopt_finalize(opt, status, msg)
@@ -79,6 +90,7 @@ program test_fortran_api
   if (size(g) /= 3) call fail('grad size', size(g))
   call shardopt_param_numel(opt, 2, n, status, msg)
   if (n /= 3) call fail('numel', int(n))
+  call check_index_zero()
   call shardopt_set_lr(opt, -1.0_c_double, status, msg)
   call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'learning rate')
   if (shardopt_bf16_to_real(shardopt_real_to_bf16(-3.0_c_float)) /= -3.0) call fail('bf16', 0)
@@ -91,10 +103,162 @@ program test_fortran_api
   call shardopt_destroy(opt, status, msg)  ! a null handle is accepted
   call expect(status, SHARDOPT_SUCCESS, msg, '')
 
+  call check_units_index_zero()
+  call check_keywords()
+  call check_loss_scaling_options()
+
   if (failures > 0) error stop 1
   print '(a)', 'test_fortran_api: all checks passed'
 
 contains
+
+  !> Index 0 and -1 in every routine of opt (parameters 'a' (10) and 'b' (3), groups 1-2) that
+  !> takes a parameter or group index: INVALID_ARGUMENT with the routine, the index and the rule.
+  subroutine check_index_zero()
+    integer :: bad, k
+    do k = 1, 2
+      bad = 1 - k  ! 0, then -1
+      call shardopt_param(opt, bad, p1, status, msg)
+      call expect_index('shardopt_param', 'parameter', bad, 2)
+      if (associated(p1)) call fail('pointer set on failure', bad)
+      call shardopt_param(opt, bad, p2, [2, 5], status, msg)
+      call expect_index('shardopt_param', 'parameter', bad, 2)
+      call shardopt_param_bf16(opt, bad, bits, status, msg)
+      call expect_index('shardopt_param_bf16', 'parameter', bad, 2)
+      call shardopt_grad(opt, bad, g, status, msg)
+      call expect_index('shardopt_grad', 'parameter', bad, 2)
+      call shardopt_set_param(opt, bad, v, status, msg)
+      call expect_index('shardopt_set_param', 'parameter', bad, 2)
+      call shardopt_get_master(opt, bad, v, status, msg)
+      call expect_index('shardopt_get_master', 'parameter', bad, 2)
+      call shardopt_get_exp_avg(opt, bad, v, status, msg)
+      call expect_index('shardopt_get_exp_avg', 'parameter', bad, 2)
+      call shardopt_get_exp_avg_sq(opt, bad, m, status, msg)
+      call expect_index('shardopt_get_exp_avg_sq', 'parameter', bad, 2)
+      call shardopt_accumulate_grad(opt, bad, v, status, msg)
+      call expect_index('shardopt_accumulate_grad', 'parameter', bad, 2)
+      call shardopt_grad_ready(opt, bad, status, msg)
+      call expect_index('shardopt_grad_ready', 'parameter', bad, 2)
+      call shardopt_param_numel(opt, bad, n, status, msg)
+      call expect_index('shardopt_param_numel', 'parameter', bad, 2)
+      call shardopt_param_offset(opt, bad, off, status, msg)
+      call expect_index('shardopt_param_offset', 'parameter', bad, 2)
+      call shardopt_wait_param(opt, bad, status, msg)
+      call expect_index('shardopt_wait_param', 'parameter', bad, 2)
+      call shardopt_get_group(opt, bad, lr_scale, wd, status, msg)
+      call expect_index('shardopt_get_group', 'group', bad, 2)
+      call shardopt_set_group(opt, bad, 1.0_c_double, .true., status, msg)
+      call expect_index('shardopt_set_group', 'group', bad, 2)
+    end do
+  end subroutine check_index_zero
+
+  !> The last call failed with INVALID_ARGUMENT and said that `routine` got `kind` index
+  !> `bad`, that Fortran indices start at 1, and how many there are.
+  subroutine expect_index(routine, kind, bad, have)
+    character(len=*), intent(in) :: routine, kind
+    integer, intent(in) :: bad, have
+    character(len=64) :: want
+    write (want, '(a,i0,a,i0,a)') ' index ', bad, ': Fortran indices start at 1 (have ', have, ')'
+    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, routine//': '//kind//trim(want))
+  end subroutine expect_index
+
+  !> Units are 1-based too: acquire, prefetch and release of unit 0 at stage 3.
+  subroutine check_units_index_zero()
+    type(shardopt_optimizer) :: z3
+    type(shardopt_config) :: c
+    integer :: u, k
+    call shardopt_config_init(c, status)
+    c%stage = SHARDOPT_STAGE_ZERO3
+    call shardopt_create(z3, status, config=c, errmsg=msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    do u = 1, 3
+      call shardopt_begin_unit(z3, status, errmsg=msg)
+      call shardopt_add_param(z3, 'u'//achar(iachar('0') + u), 8, k, status, errmsg=msg)
+      call expect(status, SHARDOPT_SUCCESS, msg, '')
+    end do
+    call shardopt_finalize(z3, status, msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_acquire(z3, 0, status, msg)
+    call expect_index('shardopt_acquire', 'unit', 0, 3)
+    call shardopt_prefetch(z3, 0, status, msg)
+    call expect_index('shardopt_prefetch', 'unit', 0, 3)
+    call shardopt_release(z3, 0, status, msg)
+    call expect_index('shardopt_release', 'unit', 0, 3)
+    call shardopt_acquire(z3, 4, status, msg)  ! too large: the library's own message
+    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'out of range')
+    call shardopt_destroy(z3, status, msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+  end subroutine check_units_index_zero
+
+  !> Loss-scaling options are validated while loss scaling is off too; the defaults are valid.
+  subroutine check_loss_scaling_options()
+    type(shardopt_optimizer) :: o
+    type(shardopt_config) :: c
+    call shardopt_config_init(c, status)
+    if (c%loss_scaling /= 0) call fail('loss scaling is off by default', int(c%loss_scaling))
+    c%loss_scale_min = -1
+    call shardopt_create(o, status, config=c, errmsg=msg)
+    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'checked although loss scaling is off')
+    if (.not. shardopt_is_null(o)) call fail('a refused create left a handle', 0)
+    call shardopt_config_init(c, status)
+    c%loss_scaling = 1
+    call shardopt_create(o, status, config=c, errmsg=msg)
+    call expect(status, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_destroy(o, status, msg)
+  end subroutine check_loss_scaling_options
+
+  !> The argument-order rule of the module's header: status and errmsg (and the optional
+  !> arguments) by keyword, in any order, in routines where status comes right after the
+  !> handle (begin_unit, step, create), after the required arguments (add_param, param) or
+  !> before optional ones (save_checkpoint, memory_usage). A keyword that did not exist, or a
+  !> generic that could not resolve it, would not compile.
+  subroutine check_keywords()
+    type(shardopt_optimizer) :: k
+    type(shardopt_config) :: c
+    type(shardopt_step_result) :: res
+    real(c_float), pointer :: w1(:), w2(:, :)
+    integer(c_int64_t) :: bytes, peak
+    integer :: st, u, ix, iy
+    character(len=512) :: where, dir
+    call shardopt_config_init(errmsg=msg, status=st, cfg=c)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    c%stage = SHARDOPT_STAGE_ZERO3
+    c%param_dtype = SHARDOPT_DTYPE_F32
+    call shardopt_create(k, config=c, errmsg=msg, status=st)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_begin_unit(k, unit=u, errmsg=msg, status=st)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (u /= 1) call fail('begin_unit(unit=) gave', u)
+    call shardopt_add_param(k, 'x', 8, errmsg=msg, status=st, index=ix, group=SHARDOPT_DEFAULT_GROUP)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_param(k, name='y', numel=6_c_int64_t, index=iy, status=st)
+    if (st /= SHARDOPT_SUCCESS .or. ix /= 1 .or. iy /= 2) call fail('add_param by keyword', st)
+    call shardopt_finalize(k, errmsg=msg, status=st)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_acquire(k, status=st, unit=1, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_param(k, index=ix, status=st, values=w1, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_param(k, iy, w2, errmsg=msg, status=st, shape=[2, 3])
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (size(w1) /= 8 .or. size(w2, 1) /= 2) call fail('param by keyword: size', size(w1))
+    call shardopt_release(k, 1, errmsg=msg, status=st)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_step(k, result=res, errmsg=msg, status=st)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (res%step /= 1) call fail('step(result=) step', int(res%step))
+    call shardopt_memory_usage(k, SHARDOPT_MEM_TOTAL, peak=peak, status=st, bytes=bytes)
+    if (st /= SHARDOPT_SUCCESS .or. bytes <= 0 .or. peak < bytes) call fail('memory_usage by keyword', st)
+    write (dir, '(a,i0)') '/tmp/shardopt_fortran_keywords_', c_getpid()
+    call shardopt_save_checkpoint(k, trim(dir), keep=1, errmsg=msg, published=where, status=st)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (index(where, trim(dir)) /= 1) call fail('save_checkpoint(published=): '//trim(where), 0)
+    call shardopt_load_checkpoint(k, path=trim(dir), status=st, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call execute_command_line('rm -rf '//trim(dir))
+    call shardopt_destroy(k, errmsg=msg, status=st)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+  end subroutine check_keywords
 
   subroutine fail(what, value)
     character(len=*), intent(in) :: what

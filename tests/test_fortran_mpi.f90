@@ -4,7 +4,8 @@
 ! documented waits, the flat replica and offsets, m and v, loss scaling, progress, and
 ! checkpoints (save, load, IO and CORRUPT_DATA on every rank); and stage 3's unit calls
 ! (issue 17): begin_unit, num_units, acquire / prefetch / release, their errors, and training
-! at stage 3 equal to stage 2 on the same units bit for bit (exactly summable gradients).
+! at stage 3 equal to stage 2 on the same units bit for bit (exactly summable gradients);
+! index 0 in a collective on one rank only (issue 27).
 program test_fortran_mpi
   use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int, c_int16_t, c_int64_t, c_sizeof
   use mpi_f08
@@ -117,6 +118,17 @@ program test_fortran_mpi
   if (all(m == 0) .or. any(v < 0)) call fail('moments', 0)
   call shardopt_get_exp_avg(opt, iw, m(1:3, 1:3), status, msg)
   call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'elements')
+  ! Index 0 on the last rank only, in a collective: that rank hears that Fortran indices start
+  ! at 1, the others which rank gave an index below 1; none is left waiting.
+  call shardopt_get_exp_avg(opt, merge(0, iw, rank == world - 1), m, status, msg)
+  if (rank == world - 1) then
+    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
+                'shardopt_get_exp_avg: parameter index 0: Fortran indices start at 1 (have 2)')
+  else
+    write (where, '(a,i0,a)') 'shardopt_get_exp_avg: rank ', world - 1, &
+      ': no parameter index < 1 (Fortran indices start at 1) (there are 2)'
+    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, trim(where))
+  end if
 
   call shardopt_get_loss_scale(opt, scale, good, skipped, status, msg)
   if (scale /= 256 .or. good /= 3 .or. skipped /= 0) call fail('loss scale state', int(good))
@@ -251,7 +263,8 @@ contains
     call shardopt_step(z3, status, errmsg=msg)
     call expect(status, SHARDOPT_ERROR_INVALID_STATE, msg, '')
     call shardopt_acquire(z3, 0, status, msg)
-    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'out of range')
+    call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, &
+                'shardopt_acquire: unit index 0: Fortran indices start at 1 (have 3)')
     call shardopt_acquire(z3, 4, status, msg)
     call expect(status, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'out of range')
     call shardopt_release(z3, 1, status, msg)

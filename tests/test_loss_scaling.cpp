@@ -140,10 +140,25 @@ TEST(LossScaling, InvalidOptionsFailOnEveryRank) {
       bad([](LossScaling& s) { s.growth_factor = 0.5; }),
       bad([](LossScaling& s) { s.min_scale = 1e9; }),
       bad([](LossScaling& s) { s.max_scale = std::nan(""); })};
-  for (const OptimizerOptions& o : cases) {
-    // Only the last rank is misconfigured: everyone throws, nobody hangs.
+  for (OptimizerOptions o : cases) {
+    // Only the last rank is misconfigured: everyone throws, nobody hangs; and the options are
+    // checked while loss scaling is off too (issue 27), with a message that says so.
     EXPECT_THROW(ShardedOptimizer(comm, comm->rank() == last ? o : OptimizerOptions{}), Error);
+    o.loss_scaling.enabled = false;
+    try {
+      ShardedOptimizer(comm, comm->rank() == last ? o : OptimizerOptions{});
+      ADD_FAILURE() << "invalid loss-scaling options accepted while loss scaling is off";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), comm->rank() == last ? Status::InvalidArgument : e.status());
+      EXPECT_NE(std::string(e.what()).find("(checked although loss scaling is off)"),
+                std::string::npos) << e.what();
+    }
   }
+  // The defaults are valid, on and off.
+  EXPECT_EQ(validate(LossScaling{}), "");
+  LossScaling on;
+  on.enabled = true;
+  EXPECT_EQ(validate(on), "");
   ShardedOptimizer ok(comm, OptimizerOptions{});
   EXPECT_THROW(ok.set_loss_scale_state(LossScaleState{2.0, 0, 0}), Error);  // scaling is off
 }

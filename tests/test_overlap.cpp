@@ -1,12 +1,16 @@
 // test_overlap.cpp: bucketed, overlapped reduction and gathering, gradient accumulation and
-// the bf16 wire, at whatever rank count the binary runs with.
+// the bf16 wire, at whatever rank count the binary runs with; and the order gradients may
+// arrive in at each stage (docs/c_api.md, "Gradient order").
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "shardopt/optimizer.hpp"
+#include "shardopt/planner.hpp"
 #include "support/harness.hpp"
 #include "support/reference.hpp"
 #include "support/world.hpp"
@@ -179,4 +183,122 @@ INSTANTIATE_TEST_SUITE_P(AllStages, OverlapByStage,
                            return std::string(i.param == Stage::DataParallel ? "dp"
                                               : i.param == Stage::Zero1    ? "zero1"
                                                                            : "zero2");
+                         });
+
+// ---- the order gradients arrive in (docs/c_api.md, "Gradient order") --------------------------
+
+namespace {
+
+// Whether `opt` stages its gradients in bucket slots: stage 2 where that saves memory (more
+// than one rank and more than a bucket or two), stage 3 on more than one rank.
+bool staged(const ShardedOptimizer& opt) {
+  return plan_memory(opt.layout(), plan_config(opt.options(), opt.comm().size())).staged;
+}
+
+// Harness's model, in the units of test_zero3 at stage 3 ({p0 p1} {p2 p3} {p4 p5 p6} {p7}).
+test::Model order_model(Stage stage) {
+  test::Model m = test::make_model();
+  if (stage == Stage::Zero3) m.units = {0, 0, 1, 1, 2, 2, 2, 3};
+  return m;
+}
+
+// 32 parameters of 64 elements in 4 units: each lies inside one bucket (buckets are whole
+// multiples of N x 64 elements, parameters start 64-aligned), and there are enough buckets
+// for stage 2 to stage its gradients at 2-4 ranks.
+test::Model one_bucket_params_model() {
+  test::Model m;
+  m.sizes.assign(32, 64);
+  for (std::size_t i = 0; i < m.sizes.size(); ++i) {
+    m.groups.push_back(i % 3 == 1 ? 1 : 0);
+    m.units.push_back(static_cast<int>(i / 8));
+  }
+  return m;
+}
+
+// Three steps with every gradient written in registration (forward) order on one optimizer
+// and in backward order on another: the same masters and norms, bit for bit (rounding
+// gradients, so equal means the same sums in the same order).
+void expect_forward_equals_backward(const OptimizerOptions& o, const test::Model& m,
+                                    const char* what) {
+  Harness fwd(o, m), back(o, m);
+  for (int step = 1; step <= 3; ++step) {
+    for (std::size_t i = 0; i < m.sizes.size(); ++i) fwd.write_grad(i, step, -1, rounding_grad);
+    back.write_grads(step, -1, rounding_grad);
+    const StepResult a = fwd.opt->step(), b = back.opt->step();
+    ASSERT_EQ(a.grad_norm, b.grad_norm) << what << ", step " << step;
+  }
+  const auto ma = masters(*fwd.opt), mb = masters(*back.opt);
+  for (std::size_t i = 0; i < ma.size(); ++i)
+    ASSERT_EQ(std::memcmp(ma[i].data(), mb[i].data(), ma[i].size() * sizeof(float)), 0)
+        << what << ": p" << i;
+}
+
+class GradientOrder : public testing::TestWithParam<Stage> {};
+
+}  // namespace
+
+// Stages 0 and 1 (and stages 2 and 3 where they keep a full gradient buffer: one rank; stage
+// 2 also for a model of a bucket or two) accept gradients in any order, forward included, with
+// the same result bit for bit; overlap then only starts the buckets later. Where stages 2 and
+// 3 stage gradients (more than one rank), forward order is refused at once, on every rank
+// alike, with InvalidState naming the parameter and the rule. (The refusal is shown on
+// parameters that each lie in one bucket: a parameter spanning buckets of which some were
+// reduced already is not caught by src/buckets.cpp's check yet, see docs/c_api.md.)
+TEST_P(GradientOrder, ForwardOrderIsEqualUnlessStagedThenRefused) {
+  const Stage stage = GetParam();
+  const int world = test::world()->size();
+  const bool expect_staged = (stage == Stage::Zero2 || stage == Stage::Zero3) && world > 1;
+  for (bool overlap : {true, false}) {
+    const OptimizerOptions o = options(stage, overlap);
+    if (!expect_staged) {
+      ASSERT_FALSE(staged(*Harness(o, order_model(stage)).opt));
+      expect_forward_equals_backward(o, order_model(stage),
+                                     overlap ? "forward order, overlap" : "forward order");
+      continue;
+    }
+    Harness probe(o, one_bucket_params_model());
+    ASSERT_TRUE(staged(*probe.opt)) << "the test needs a staged layout";
+    std::string refused;
+    try {
+      for (std::size_t i = 0; i < probe.model.sizes.size(); ++i) probe.write_grad(i, 1);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::InvalidState);
+      refused = e.what();
+    }
+    EXPECT_NE(refused.find("its bucket was already reduced in this step; gradients must be "
+                           "produced in backward order (reverse registration order)"),
+              std::string::npos)
+        << "forward order at a staged stage must be refused, got: '" << refused << "'";
+  }
+}
+
+// The case issue 27 met: a model that fits in one bucket (the default 2^20 elements) is never
+// staged at stage 2, so forward order works there at any rank count, bit for bit.
+TEST(GradientOrderOneBucket, Stage2AcceptsForwardOrderBitForBit) {
+  const OptimizerOptions o = options(Stage::Zero2, true, std::size_t{1} << 20);
+  Harness probe(o);
+  ASSERT_EQ(probe.opt->layout().num_buckets(), 1u);
+  ASSERT_FALSE(staged(*probe.opt));
+  expect_forward_equals_backward(o, test::make_model(), "one bucket, stage 2");
+}
+
+// Reproducible reduction keeps a full gradient at every stage and reduces at the step: any
+// order at stages 2 and 3 and any rank count, bit for bit.
+TEST(GradientOrderReproducible, Stages2And3AcceptForwardOrderBitForBit) {
+  for (Stage stage : {Stage::Zero2, Stage::Zero3}) {
+    OptimizerOptions o = options(stage, true);
+    o.reduction = Reduction::Reproducible;
+    ASSERT_FALSE(staged(*Harness(o, order_model(stage)).opt));
+    expect_forward_equals_backward(o, order_model(stage), "reproducible");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllStages, GradientOrder,
+                         testing::Values(Stage::DataParallel, Stage::Zero1, Stage::Zero2,
+                                         Stage::Zero3),
+                         [](const testing::TestParamInfo<Stage>& i) {
+                           return std::string(i.param == Stage::DataParallel ? "dp"
+                                              : i.param == Stage::Zero1    ? "zero1"
+                                              : i.param == Stage::Zero2    ? "zero2"
+                                                                           : "zero3");
                          });

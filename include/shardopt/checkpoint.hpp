@@ -6,9 +6,9 @@
 // (independent of the saving world size and stage); every file and block is CRC-32C
 // checksummed. A save writes into a temporary directory and publishes it by rename, so a
 // process killed at any moment leaves the previous checkpoint complete. A checkpoint saved at
-// N ranks loads at any M ranks, in any stage, bit for bit; checkpoints of the previous format
-// (1) still load. Format and protocol: docs/checkpoint-format.md. All ranks must see the same
-// file system path.
+// N ranks loads at any M ranks, in any stage, bit for bit; checkpoints of the previous
+// formats (1, 2) still load. Format and protocol: docs/checkpoint-format.md. All ranks must see
+// the same file system path.
 #pragma once
 
 #include <filesystem>
@@ -26,7 +26,10 @@ struct SaveOptions {
 /// Collective. Saves the full optimizer state (fp32 master, moments, step count, loss scale,
 /// hyperparameters, groups, layout) under `dir` (created if missing) and returns the
 /// published checkpoint's directory. On any rank's failure every rank throws the same
-/// Error (Io, ...) and the previous checkpoint stays the latest.
+/// Error (Io, ...) and the previous checkpoint stays the latest. From its first save into
+/// `dir` until it is destroyed, the optimizer holds `dir` locked: another optimizer's (another
+/// job's) save into it throws Error(Io) at once on every rank, naming the directory and the
+/// holder's host and pid, and changes nothing. The lock dies with its process.
 std::filesystem::path save_checkpoint(ShardedOptimizer& opt, const std::filesystem::path& dir,
                                       const SaveOptions& options = {});
 
@@ -36,7 +39,9 @@ std::filesystem::path save_checkpoint(ShardedOptimizer& opt, const std::filesyst
 /// may differ. Restores master weights, moments, step count, hyperparameters, group options
 /// and the loss-scaling state, then rebuilds the replica. Everything is validated first: on a
 /// missing, truncated, corrupted, mismatched or newer-version checkpoint every rank throws
-/// (Io, CorruptData, LayoutMismatch, Unsupported) and the optimizer is left unchanged.
+/// (Io, CorruptData, LayoutMismatch, Unsupported) and the optimizer is left unchanged; so does
+/// an intact checkpoint in the wrong place (a directory whose name is not its sequence number,
+/// or a LATEST naming an older checkpoint than one published after it).
 void load_checkpoint(ShardedOptimizer& opt, const std::filesystem::path& path);
 
 }  // namespace shardopt

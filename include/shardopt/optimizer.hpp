@@ -218,6 +218,10 @@ class ShardedOptimizer {
   /// throws the same Error on every rank.
   void get_state(StateArray a, std::size_t i, std::span<float> out);
 
+  /// What save_checkpoint() keeps with the optimizer: the locks of the save directories it
+  /// saved into, held until the optimizer is destroyed (checkpoint.hpp). Opaque here.
+  std::shared_ptr<void>& checkpoint_state() { return checkpoint_state_; }
+
  private:
   void require_finalized(const char* what) const;
   void require_registering(const char* what) const;
@@ -253,6 +257,7 @@ class ShardedOptimizer {
   std::unique_ptr<Buffers> buf_;
   std::unique_ptr<BucketSet> buckets_;
   std::unique_ptr<UnitSet> units_;  // stage 3 only; destroyed first
+  std::shared_ptr<void> checkpoint_state_;
 };
 
 }  // namespace shardopt

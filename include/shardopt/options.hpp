@@ -68,6 +68,8 @@ struct LossScaling {
   double min_scale = 1.0;          ///< backoff never goes below this
   double max_scale = 16777216.0;   ///< growth never goes above this (2^24)
 };
+/// What is wrong with `s`, or "". The options are checked also while loss scaling is off
+/// (enabled = false): an invalid value is an error at creation either way.
 std::string validate(const LossScaling& s);
 
 struct OptimizerOptions {

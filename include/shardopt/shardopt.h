@@ -567,8 +567,12 @@ SHARDOPT_API shardopt_status_t shardopt_set_loss_scale(shardopt_optimizer_t opt,
  * (>= 1) checkpoints there. The save is crash-safe: published by rename, so the previous
  * checkpoint stays the latest until the new one is complete. On any rank's failure every
  * rank returns the same error (SHARDOPT_ERROR_IO for a file that cannot be written).
- * *published (may be NULL) receives the new checkpoint's directory, a string owned by the
- * handle, valid until the next save or destroy. Waits for gathers in flight. */
+ * From its first save into `dir` until shardopt_destroy, the handle holds `dir` locked: a
+ * save into it through another handle (another job) returns SHARDOPT_ERROR_IO at once on
+ * every rank, naming the directory and the holder's host and pid, and changes nothing; a
+ * killed job's lock dies with it. *published (may be NULL) receives the new checkpoint's
+ * directory, a string owned by the handle, valid until the next save or destroy. Waits for
+ * gathers in flight. */
 SHARDOPT_API shardopt_status_t shardopt_save_checkpoint(shardopt_optimizer_t opt, const char* dir,
                                                         int keep, const char** published);
 
@@ -578,9 +582,11 @@ SHARDOPT_API shardopt_status_t shardopt_save_checkpoint(shardopt_optimizer_t opt
  * differ (bit-exact resharding). Restores master weights, moments, step count,
  * hyperparameters, group options and the loss-scaling state, and rebuilds the replica
  * (complete when it returns). Everything is validated first: a missing or unreadable
- * checkpoint is SHARDOPT_ERROR_IO, a truncated or corrupted one SHARDOPT_ERROR_CORRUPT_DATA,
- * another layout SHARDOPT_ERROR_LAYOUT_MISMATCH, a newer format SHARDOPT_ERROR_UNSUPPORTED,
- * on every rank, and the optimizer is left unchanged. */
+ * checkpoint is SHARDOPT_ERROR_IO, a truncated or corrupted one SHARDOPT_ERROR_CORRUPT_DATA
+ * (so is an intact checkpoint in the wrong place: a ckpt-K directory holding another
+ * checkpoint, or a LATEST naming an older checkpoint than one published after it), another
+ * layout SHARDOPT_ERROR_LAYOUT_MISMATCH, a newer format SHARDOPT_ERROR_UNSUPPORTED, on every
+ * rank, and the optimizer is left unchanged. */
 SHARDOPT_API shardopt_status_t shardopt_load_checkpoint(shardopt_optimizer_t opt,
                                                         const char* path);
 

@@ -2,10 +2,15 @@
 // format (format.hpp), the files (files.hpp) and the reader (reader.hpp).
 #include "shardopt/checkpoint.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "crc32c.hpp"
@@ -31,40 +36,72 @@ std::size_t ckpt::owned_state_elems(const ShardedOptimizer& opt) { return opt.lo
 
 namespace {
 
-constexpr const char* kPrefix = "ckpt-";
 constexpr const char* kTmpPrefix = ".tmp-";
-
-// Sequence number of a published checkpoint directory name, or 0 for other names.
-std::uint64_t sequence_of(const std::string& name) {
-  if (name.rfind(kPrefix, 0) != 0 || name.size() != 13) return 0;
-  std::uint64_t v = 0;
-  for (char c : name.substr(5)) {
-    if (c < '0' || c > '9') return 0;
-    v = v * 10 + static_cast<std::uint64_t>(c - '0');
-  }
-  return v;
-}
 
 std::vector<std::pair<std::uint64_t, fs::path>> published(const fs::path& dir) {
   std::vector<std::pair<std::uint64_t, fs::path>> out;
   for (const fs::directory_entry& e : fs::directory_iterator(dir))
-    if (const std::uint64_t s = sequence_of(e.path().filename().string()); s > 0 && e.is_directory())
+    if (const std::uint64_t s = checkpoint_sequence(e.path().filename().string()); s > 0 && e.is_directory())
       out.emplace_back(s, e.path());
   std::sort(out.begin(), out.end());
   return out;
 }
 
-// Rank 0, before a save: creates the save directory durably, removes what killed saves
-// left (never referenced by LATEST) and returns the name of the next checkpoint.
-std::string prepare_save_directory(const fs::path& dir) {
+// The save directories an optimizer holds locked (its checkpoint_state()), by canonical path;
+// a null lock where the file system cannot lock (warned about once).
+struct SaveLocks {
+  std::map<fs::path, std::unique_ptr<FileLock>> held;
+};
+
+// Rank 0: locks the save directory `dir` for this optimizer, from its first save into it
+// until the optimizer is destroyed, so that a second job saving into the same directory is
+// refused at once instead of failing later in the middle of its own (or the first job's)
+// save. The lock dies with the process: a killed job leaves nothing that blocks.
+void lock_save_directory(ShardedOptimizer& opt, const fs::path& dir) {
+  std::shared_ptr<void>& state = opt.checkpoint_state();
+  if (!state) state = std::make_shared<SaveLocks>();
+  SaveLocks& locks = *std::static_pointer_cast<SaveLocks>(state);
+  const fs::path key = fs::canonical(dir);
+  if (locks.held.count(key) != 0) return;
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "?");
+  const std::string note = "host " + std::string(host) + " pid " + std::to_string(::getpid()) + "\n";
+  const fs::path file = key / kLockFile;
+  std::string holder;
+  std::unique_ptr<FileLock> lock;
+  try {
+    lock = FileLock::try_lock(file, note, &holder);
+  } catch (const Error& e) {
+    if (e.status() != Status::Unsupported) throw;
+    std::fprintf(stderr, "shardopt: warning: save_checkpoint: %s; saving into '%s' without a "
+                 "lock, so a second job saving there would not be refused\n",
+                 e.what(), dir.c_str());
+    locks.held.emplace(key, nullptr);
+    return;
+  }
+  if (!lock) {
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    throw Error(Status::Io,
+                "save_checkpoint: '" + dir.string() + "' is in use: another job saves into it (" +
+                    (holder.empty() ? std::string("its host and pid not written yet")
+                                    : printable(holder, 160)) +
+                    ", holding the lock " + file.string() +
+                    "). Give each job a save directory of its own, or end the other job first");
+  }
+  locks.held.emplace(key, std::move(lock));
+}
+
+// Rank 0, before a save: creates the save directory durably, locks it for this optimizer,
+// removes what killed saves left (never referenced by LATEST) and returns the name of the
+// next checkpoint.
+std::string prepare_save_directory(ShardedOptimizer& opt, const fs::path& dir) {
   create_directories_durably(dir);
+  lock_save_directory(opt, dir);  // before touching anything another job could be writing
   for (const fs::directory_entry& e : fs::directory_iterator(dir))
     if (e.path().filename().string().rfind(kTmpPrefix, 0) == 0) fs::remove_all(e.path());
   const auto existing = published(dir);
-  const std::uint64_t next = existing.empty() ? 1 : existing.back().first + 1;
-  char name[32];
-  std::snprintf(name, sizeof name, "%s%08llu", kPrefix, static_cast<unsigned long long>(next));
-  fs::create_directory(dir / (std::string(kTmpPrefix) + name));
+  const std::string name = checkpoint_name(existing.empty() ? 1 : existing.back().first + 1);
+  fs::create_directory(dir / (kTmpPrefix + name));
   return name;
 }
 
@@ -193,9 +230,21 @@ void publish(const Metadata& m, const fs::path& dir, const std::string& name) {
   test_point("published");
 }
 
-// Rank 0, after the save is agreed: removes published checkpoints beyond `keep`, oldest
-// first, never `name`. A failure is a warning: the new checkpoint is already published.
-void prune(const fs::path& dir, const std::string& name, int keep) {
+// Rank 0, after the save is agreed: marks the new checkpoint published (a LATEST that names
+// an older one is then refused on load), then removes published checkpoints beyond `keep`,
+// oldest first, never `name`. Failures are warnings: the new checkpoint is already published.
+void after_publish(const fs::path& dir, const std::string& name, int keep) {
+  const auto warn = [&](const char* what, const std::exception& e) {
+    std::fprintf(stderr, "shardopt: warning: save_checkpoint: %s/%s was saved, but %s: %s\n",
+                 dir.c_str(), name.c_str(), what, e.what());
+  };
+  try {
+    OutFile marker(dir / name / kPublishedFile);
+    marker.close();
+    sync_directory(dir / name);
+  } catch (const std::exception& e) {
+    warn("it could not be marked published", e);
+  }
   try {
     auto all = published(dir);
     while (all.size() > static_cast<std::size_t>(keep)) {
@@ -206,10 +255,7 @@ void prune(const fs::path& dir, const std::string& name, int keep) {
       all.erase(all.begin());
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr,
-                 "shardopt: warning: save_checkpoint: %s/%s was saved, but an old checkpoint "
-                 "could not be removed: %s\n",
-                 dir.c_str(), name.c_str(), e.what());
+    warn("an old checkpoint could not be removed", e);
   }
 }
 
@@ -227,7 +273,7 @@ fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveO
   char name[32] = {};
   collective(comm, "save_checkpoint: prepare", [&] {
     if (rank != 0) return;
-    const std::string n = prepare_save_directory(dir);
+    const std::string n = prepare_save_directory(opt, dir);
     std::memcpy(name, n.c_str(), n.size() + 1);
   });
   comm.broadcast_bytes(name, sizeof name, 0);
@@ -235,6 +281,7 @@ fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveO
 
   // 2. Every rank writes and flushes its shard; everyone learns every block table.
   Metadata m = describe(opt);
+  m.sequence = checkpoint_sequence(name);
   std::vector<Block> mine;
   const LocalOutcome wrote = capture("save_checkpoint", [&] {
     mine = write_shard(opt, m, dir / (std::string(kTmpPrefix) + name));
@@ -248,7 +295,7 @@ fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveO
   collective(comm, "save_checkpoint: publish", [&] {
     if (rank == 0) publish(m, dir, name);
   });
-  if (rank == 0) prune(dir, name, options.keep);
+  if (rank == 0) after_publish(dir, name, options.keep);
   return dir / name;
 }
 

@@ -2,6 +2,7 @@
 #include "files.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -149,6 +150,42 @@ void write_file_atomically(const fs::path& dir, const std::string& name, const s
   f.close();
   rename_path(tmp, dir / name);
   sync_directory(dir);
+}
+
+// ---- FileLock -------------------------------------------------------------------------------
+
+std::unique_ptr<FileLock> FileLock::try_lock(const fs::path& path, const std::string& note,
+                                             std::string* holder) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0644);
+  if (fd < 0) io_error("cannot open the lock file", path, errno);
+  std::unique_ptr<FileLock> lock(new FileLock(fd));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) io_error("cannot stat", path, errno);
+  if (!S_ISREG(st.st_mode)) io_error("not a regular file:", path, EINVAL);
+  int rc = 0;
+  do {
+    rc = ::flock(fd, LOCK_EX | LOCK_NB);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    const int err = errno;
+    if (err == EWOULDBLOCK) {
+      char buf[256];
+      const ssize_t n = ::pread(fd, buf, sizeof buf, 0);
+      if (holder != nullptr) *holder = n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "";
+      return nullptr;
+    }
+    if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS || err == EINVAL)
+      throw Error(Status::Unsupported, "checkpoint: the file system of '" + path.string() +
+                                           "' cannot lock files: " + std::strerror(err));
+    io_error("cannot lock", path, err);
+  }
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, note.data(), note.size(), 0) < 0)
+    io_error("cannot write", path, errno);
+  return lock;
+}
+
+FileLock::~FileLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
 }  // namespace shardopt::ckpt

@@ -1,12 +1,13 @@
 // files.hpp: the POSIX file operations a crash-safe checkpoint needs: exclusive creation,
 // full writes, reads that cannot block on a FIFO or device, fsync of files and directories,
-// atomic publish by rename. Errors are Error(Status::Io) naming the file and the system's
+// atomic publish by rename, and a lock that dies with its process. Errors are Error(Status::Io) naming the file and the system's
 // reason.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,27 @@ void sync_directory(const fs::path& dir);
 void create_directories_durably(const fs::path& dir);
 /// rename(2): atomic replacement within one file system.
 void rename_path(const fs::path& from, const fs::path& to);
+
+/// An exclusive lock (flock(2)) on a file, held until this object is destroyed. The kernel
+/// releases it when the process ends, however it ends, so a lock file left by a killed
+/// process blocks nobody: the file is only where the lock lives.
+class FileLock {
+ public:
+  /// Locks `path` (created if missing) without waiting and writes `note` (who holds it)
+  /// into the file. Returns nullptr when another open file (of this or another process)
+  /// holds the lock, with *holder = that holder's note ("" if it wrote none yet). Throws
+  /// Error(Unsupported) when the file system cannot lock (ENOLCK, EOPNOTSUPP, ...) and
+  /// Error(Io) for other failures.
+  static std::unique_ptr<FileLock> try_lock(const fs::path& path, const std::string& note,
+                                            std::string* holder);
+  ~FileLock();
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+
+ private:
+  explicit FileLock(int fd) : fd_(fd) {}
+  int fd_ = -1;
+};
 
 /// Test-only: called at named points of a save (see checkpoint.cpp), so tests can kill a
 /// process or inject a failure at a known moment, and with "fsync-dir PATH" after each

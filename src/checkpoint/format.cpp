@@ -1,6 +1,6 @@
 // format.cpp: byte-level encoding of checkpoint metadata, shard headers and LATEST, with
-// decoders (formats 1 and 2) that bounds-check every field before it is used (they are
-// fuzzed: tests/fuzz/).
+// decoders (formats 1 to 3) that bounds-check every field before it is used (they are
+// fuzzed: tests/fuzz/); checkpoint directory names; bytes from files made fit for messages.
 #include "format.hpp"
 
 #include <algorithm>
@@ -95,6 +95,87 @@ class Reader {
 bool finite(double x) { return std::isfinite(x); }
 
 }  // namespace
+
+std::uint64_t checkpoint_sequence(std::string_view name) {
+  constexpr std::string_view prefix = "ckpt-";
+  if (name.substr(0, prefix.size()) != prefix) return 0;
+  const std::string_view digits = name.substr(prefix.size());
+  if (digits.size() < 8 || digits.size() > 19 ||
+      digits.find_first_not_of("0123456789") != std::string_view::npos)
+    return 0;
+  std::uint64_t v = 0;
+  for (char c : digits) v = v * 10 + static_cast<std::uint64_t>(c - '0');
+  return v > 0 && checkpoint_name(v) == name ? v : 0;  // one spelling per number
+}
+
+std::string checkpoint_name(std::uint64_t sequence) {
+  char name[32];
+  std::snprintf(name, sizeof name, "ckpt-%08llu", static_cast<unsigned long long>(sequence));
+  return name;
+}
+
+namespace {
+
+// The length of the well-formed UTF-8 sequence at s[i] (1 for ASCII), or 0 if there is none.
+std::size_t utf8_sequence(std::string_view s, std::size_t i) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  std::size_t len = 0;
+  std::uint32_t cp = 0;
+  if (c < 0x80) return 1;
+  if (c >= 0xC2 && c <= 0xDF) {
+    len = 2;
+    cp = c & 0x1F;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    len = 3;
+    cp = c & 0x0F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    len = 4;
+    cp = c & 0x07;
+  } else {
+    return 0;
+  }
+  if (i + len > s.size()) return 0;
+  for (std::size_t k = 1; k < len; ++k) {
+    const auto d = static_cast<unsigned char>(s[i + k]);
+    if ((d & 0xC0) != 0x80) return 0;
+    cp = cp << 6 | (d & 0x3F);
+  }
+  if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) ||
+      (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
+    return 0;
+  return len;
+}
+
+}  // namespace
+
+bool valid_utf8(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = utf8_sequence(s, i);
+    if (n == 0) return false;
+    i += n;
+  }
+  return true;
+}
+
+std::string printable(std::string_view s, std::size_t max_bytes) {
+  const std::string_view shown = s.substr(0, std::min(s.size(), max_bytes));
+  std::string out;
+  for (std::size_t i = 0; i < shown.size();) {
+    const auto c = static_cast<unsigned char>(shown[i]);
+    const std::size_t n = utf8_sequence(shown, i);
+    if (n > 1 || (n == 1 && c >= 0x20 && c != 0x7F && c != '\\')) {
+      out.append(shown.substr(i, n));
+      i += n;
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02X", c);
+      out += buf;
+      ++i;
+    }
+  }
+  if (shown.size() < s.size()) out += "... (" + std::to_string(s.size()) + " bytes)";
+  return out;
+}
 
 std::string shard_file_name(std::size_t rank) {
   char buf[32];
@@ -208,7 +289,9 @@ void decode_common(Reader& r, Metadata& m) {
   ls.backoff_factor = r.get<double>("backoff factor");
   ls.min_scale = r.get<double>("min scale");
   ls.max_scale = r.get<double>("max scale");
-  if (const std::string p = validate(ls); !p.empty()) corrupt("loss scaling: " + p);
+  // Options saved while loss scaling was off were not checked before issue 27, and a load
+  // uses the loading optimizer's options anyway: checked only when they were in use.
+  if (const std::string p = validate(ls); ls.enabled && !p.empty()) corrupt("loss scaling: " + p);
   m.loss_state.scale = r.get<double>("loss scale");
   m.loss_state.good_steps = r.get<std::int64_t>("good steps");
   m.loss_state.skipped_steps = r.get<std::int64_t>("skipped steps");
@@ -350,6 +433,7 @@ void decode_v2_tail(Reader& r, Metadata& m) {
 
 std::vector<unsigned char> encode_metadata(const Metadata& m) {
   Writer w;
+  w.put<std::uint64_t>(m.sequence);  // format 3
   encode_common(w, m);
   w.put<std::uint64_t>(m.params.size());
   for (const MetaParam& p : m.params) {
@@ -406,6 +490,10 @@ Metadata decode_metadata(std::span<const unsigned char> in) {
   m.body_crc = body_crc;
 
   Reader r(body);
+  if (m.version >= 3) {
+    m.sequence = r.get<std::uint64_t>("sequence number");
+    if (m.sequence == 0) corrupt("sequence number 0 is invalid");
+  }
   decode_common(r, m);
   if (m.version == 1)
     decode_v1_tail(r, m);
@@ -530,12 +618,14 @@ std::string decode_latest(std::span<const unsigned char> bytes, bool& legacy) {
   const bool plain = !name.empty() && name.find('/') == std::string::npos && name != "." &&
                      name != ".." && name.find('\0') == std::string::npos &&
                      name.find('\n') == std::string::npos;
-  if (!plain) corrupt("LATEST does not name a checkpoint directory");
+  // Quoted escaped and cut: the bytes may be anything.
+  const std::string quoted = std::string("'").append(printable(text, 64)).append("'");
+  if (!plain) corrupt("LATEST holds " + quoted + ", which does not name a checkpoint directory");
   if (!legacy) {
     const std::string crc = text.substr(space + 1);
     const bool hex = crc.size() == 8 && crc.find_first_not_of("0123456789abcdef") == std::string::npos;
     if (!hex || std::stoul(crc, nullptr, 16) != crc32c(name.data(), name.size()))
-      corrupt("LATEST fails its checksum (the file is corrupted)");
+      corrupt("LATEST holds " + quoted + ", which fails its checksum (the file is corrupted)");
   }
   return name;
 }

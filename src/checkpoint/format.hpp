@@ -1,6 +1,8 @@
-// format.hpp: the on-disk checkpoint format, as bytes: encoding (version 2) and validating
-// decoding (versions 1 and 2) of the metadata file and of shard headers. No files, no MPI:
-// the fuzzer and the export tool use it alone. docs/checkpoint-format.md describes every field.
+// format.hpp: the on-disk checkpoint format, as bytes: encoding (version 3) and validating
+// decoding (versions 1 to 3) of the metadata file and of shard headers, the names of
+// checkpoint directories, and bytes from checkpoint files made fit for messages. No files,
+// no MPI: the fuzzer and the export tool use it alone. docs/checkpoint-format.md describes
+// every field.
 //
 // Canonical coordinates: parameter i's element k is at canonical position
 // sum_{j<i} numel_j + k (registration order, no padding). Format 2 stores state by canonical
@@ -14,6 +16,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shardopt/optimizer.hpp"
@@ -21,7 +24,7 @@
 
 namespace shardopt::ckpt {
 
-inline constexpr std::uint32_t kFormatVersion = 2;  ///< written; versions 1..2 are read
+inline constexpr std::uint32_t kFormatVersion = 3;  ///< written; versions 1..3 are read
 inline constexpr std::size_t kMetaHeaderBytes = 32;
 inline constexpr std::size_t kShardHeaderBytes = 64;
 inline constexpr std::uint32_t kNumArrays = 3;  ///< master, exp_avg, exp_avg_sq (fp32 each)
@@ -62,6 +65,9 @@ struct MetaShard {
 
 struct Metadata {
   std::uint32_t version = kFormatVersion;
+  /// Format 3: the checkpoint's sequence number, the K of its directory ckpt-K and of the
+  /// LATEST that published it. 0 in formats 1 and 2, which did not record it.
+  std::uint64_t sequence = 0;
   std::int64_t step_count = 0;
   std::uint32_t world_size = 0;  ///< ranks at save time = number of shard files
   Stage stage = Stage::Zero1;
@@ -131,5 +137,25 @@ std::string decode_latest(std::span<const unsigned char> bytes, bool& legacy);
 std::string shard_file_name(std::size_t rank);
 inline constexpr const char* kMetadataFile = "metadata.bin";
 inline constexpr const char* kLatestFile = "LATEST";
+/// Created in a checkpoint directory once LATEST names it (format 3 saves): a LATEST that
+/// names an older checkpoint than one marked so was replaced or restored.
+inline constexpr const char* kPublishedFile = "PUBLISHED";
+/// In a save directory: the lock a saving job holds (flock) while its optimizer lives.
+inline constexpr const char* kLockFile = ".shardopt.lock";
+
+/// Published checkpoint directories are named ckpt-K, K a sequence number of 8 or more
+/// digits (ckpt-00000007). The K of such a name, or 0 for any other name.
+std::uint64_t checkpoint_sequence(std::string_view name);
+/// The directory name of checkpoint K (K >= 1).
+std::string checkpoint_name(std::uint64_t sequence);
+
+// ---- bytes from files in messages -----------------------------------------------------------
+
+/// Is `s` well-formed UTF-8 (no overlong forms, surrogates or code points above U+10FFFF)?
+bool valid_utf8(std::string_view s);
+/// `s` fit to quote in a message or a listing: control characters, DEL, backslashes and
+/// bytes that are not well-formed UTF-8 as \xNN (so "\n" shows as \x0A and a NUL does
+/// not end the text), cut after `max_bytes` bytes of `s` with "... (N bytes)".
+std::string printable(std::string_view s, std::size_t max_bytes = std::string_view::npos);
 
 }  // namespace shardopt::ckpt

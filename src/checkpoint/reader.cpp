@@ -2,6 +2,8 @@
 #include "reader.hpp"
 
 #include <algorithm>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "crc32c.hpp"
@@ -16,20 +18,28 @@ namespace {
   throw Error(Status::CorruptData, "checkpoint: '" + p.string() + "' " + what);
 }
 
-// The newest checkpoint directory name in a save directory (ckpt-NNNNNNNN holding
-// metadata.bin), or "" when there is none.
-std::string newest_checkpoint(const fs::path& save_dir) {
-  std::string best;
+// The published checkpoint directories of a save directory (ckpt-K holding metadata.bin),
+// by sequence number, oldest first.
+std::vector<std::pair<std::uint64_t, std::string>> checkpoints_in(const fs::path& save_dir) {
+  std::vector<std::pair<std::uint64_t, std::string>> out;
   std::error_code ec;
   for (const fs::directory_entry& e : fs::directory_iterator(save_dir, ec)) {
     const std::string n = e.path().filename().string();
-    if (n.size() == 13 && n.rfind("ckpt-", 0) == 0 &&
-        n.find_first_not_of("0123456789", 5) == std::string::npos &&
-        fs::is_regular_file(e.path() / kMetadataFile, ec) && n > best)
-      best = n;
+    if (const std::uint64_t k = checkpoint_sequence(n); k > 0 && fs::is_regular_file(e.path() / kMetadataFile, ec))
+      out.emplace_back(k, n);
   }
-  return best;
+  std::sort(out.begin(), out.end());
+  return out;
 }
+
+// The newest checkpoint directory name in a save directory, or "" when there is none.
+std::string newest_checkpoint(const fs::path& save_dir) {
+  const auto all = checkpoints_in(save_dir);
+  return all.empty() ? std::string() : all.back().second;
+}
+
+// How LATEST's bytes are quoted in messages: escaped and cut.
+constexpr std::size_t kQuotedLatestBytes = 64;
 
 // Is some range of `wanted` (ascending, disjoint) overlapping r?
 bool overlaps(std::span<const Range> wanted, Range r) {
@@ -123,23 +133,48 @@ fs::path resolve_checkpoint_dir(const fs::path& path) {
   } catch (const Error& e) {
     throw Error(e.status(), std::string(e.what()) + " [" + latest.string() + "]");
   }
+  const std::string quoted = std::string("'").append(printable(name, kQuotedLatestBytes)).append("'");
   // A LATEST without checksum (format 1) is trusted only if it names the newest checkpoint.
   if (legacy && name != newest_checkpoint(path))
-    corrupt_file(latest, "names '" + name + "', which is not the newest checkpoint present (" +
+    corrupt_file(latest, "names " + quoted + ", which is not the newest checkpoint present (" +
                              newest_checkpoint(path) + "); it has no checksum (format 1), so "
                              "it may be corrupted: load a checkpoint directory explicitly");
+  // A checksum cannot tell an older LATEST, intact, put back in place: a checkpoint that
+  // was published after the one it names can (format 3 marks each published checkpoint).
+  const std::uint64_t named = checkpoint_sequence(name);
+  for (const auto& [k, newer] : checkpoints_in(path))
+    if (k > named && fs::is_regular_file(path / newer / kPublishedFile, ec))
+      corrupt_file(latest, "names " + quoted + ", but " + newer +
+                               " was published after it: LATEST was replaced by an older one. "
+                               "Load a checkpoint directory explicitly to use an older checkpoint");
+  if (!fs::is_regular_file(path / name / kMetadataFile, ec))
+    throw Error(Status::Io, "checkpoint: '" + latest.string() + "' names " + quoted +
+                                ", which holds no checkpoint (metadata.bin): removed?");
   return path / name;
 }
 
 Metadata read_metadata(const fs::path& checkpoint_dir) {
   const std::vector<unsigned char> bytes =
       read_whole_file(checkpoint_dir / kMetadataFile, kMaxMetadataBytes);
+  Metadata m;
   try {
-    return decode_metadata(bytes);
+    m = decode_metadata(bytes);
   } catch (const Error& e) {
     throw Error(e.status(), std::string(e.what()) + " [" +
                                 (checkpoint_dir / kMetadataFile).string() + "]");
   }
+  // The directory's name (and so LATEST's, which names it) carries the sequence number the
+  // metadata records: a directory renamed, swapped with another or linked to an older one
+  // holds intact files of another checkpoint, which no checksum can tell.
+  fs::path named = checkpoint_dir.lexically_normal();
+  if (named.filename().empty()) named = named.parent_path();
+  const std::uint64_t k = checkpoint_sequence(named.filename().string());
+  if (m.sequence != 0 && k != 0 && k != m.sequence)
+    corrupt_file(checkpoint_dir, "holds checkpoint " + checkpoint_name(m.sequence) +
+                                     " (its metadata says so), not " + named.filename().string() +
+                                     ": checkpoint directories were renamed, swapped or linked "
+                                     "to another. Load the one you mean by its own name");
+  return m;
 }
 
 void read_state(const fs::path& dir, const Metadata& m, std::span<const Range> wanted,

@@ -2,9 +2,17 @@
 !
 ! Every procedure is a subroutine with a mandatory integer `status` (SHARDOPT_SUCCESS == 0 or
 ! one of the SHARDOPT_ERROR_* codes of shardopt.h) and an optional `errmsg` that receives the
-! failing call and the reason ('' on success). Indices of parameters, groups and stage-3
-! units are 1-based here (the C ABI's are 0-based): add_param returns 1, 2, ...; the default
-! group is 1; the first unit is 1.
+! failing call and the reason ('' on success).
+! Argument order, one rule everywhere: the handle, then the required arguments, then `status`,
+! then the optional arguments, `errmsg` last. So `status` follows `index` in
+! shardopt_add_param(opt, name, numel, index, status [, group, errmsg]) but comes right after
+! the handle in shardopt_begin_unit(opt, status [, unit, errmsg]), whose `unit` is optional.
+! Every argument may be passed by keyword (status=, errmsg=, unit=, keep=, ...), in any order
+! after the positional ones: call shardopt_save_checkpoint(opt, dir, keep=3, status=st).
+! Indices of parameters, groups and stage-3 units are 1-based here (the C ABI's are
+! 0-based): add_param returns 1, 2, ...; the default group is 1; the first unit is 1. An
+! index below 1 fails with SHARDOPT_ERROR_INVALID_ARGUMENT and an errmsg that says so
+! ("shardopt_param: parameter index 0: Fortran indices start at 1 (have 6)").
 ! Arrays cross without copies where the C side keeps them: shardopt_param, shardopt_replica and
 ! shardopt_grad return Fortran pointers (rank 1, or rank 2 with a `shape`) into the optimizer's
 ! buffers; their contracts (lifetime, when they read new values) are those of shardopt.h.
@@ -622,6 +630,48 @@ contains
     end if
   end function c_index
 
+  !> finish, for a call given the 1-based index `idx` of a `kind` ('parameter', 'unit' or
+  !> 'group'). The library sees an index below 1 as one far out of range (c_index) and refuses
+  !> it (on every rank together where the call is collective); errmsg then says what a Fortran
+  !> caller needs to hear: "<routine>: parameter index 0: Fortran indices start at 1 (have 6)".
+  !> On the other ranks of a collective, the peer's message names that index "< 1".
+  subroutine finish_index(ptr, code, routine, kind, idx, status, errmsg)
+    type(c_ptr), intent(in) :: ptr
+    integer(c_int), intent(in) :: code
+    character(len=*), intent(in) :: routine, kind
+    integer, intent(in) :: idx
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    character(len=*), parameter :: huge_index = '18446744073709551615'  ! c_index(0), printed
+    character(len=24) :: given, have
+    integer(c_size_t) :: n
+    integer(c_int) :: count, query
+    integer :: at
+    call finish(ptr, code, status, errmsg)
+    if (code /= SHARDOPT_ERROR_INVALID_ARGUMENT .or. .not. present(errmsg)) return
+    if (idx >= 1) then
+      at = index(errmsg, huge_index)
+      if (at > 0) errmsg = errmsg(:at - 1)//'< 1 (Fortran indices start at 1)'// &
+                           errmsg(at + len(huge_index):)
+      return
+    end if
+    n = 0
+    count = 0
+    select case (kind)
+    case ('parameter')
+      query = c_num_params(ptr, n)
+    case ('unit')
+      query = c_num_units(ptr, n)
+    case default
+      query = c_num_groups(ptr, count)
+      n = int(count, c_size_t)
+    end select
+    write (given, '(i0)') idx
+    have = ''
+    if (query == SHARDOPT_SUCCESS) write (have, '(a,i0,a)') ' (have ', n, ')'
+    errmsg = routine//': '//kind//' index '//trim(given)//': Fortran indices start at 1'//trim(have)
+  end subroutine finish_index
+
   ! ---- version, errors, bf16 -----------------------------------------------------------------
 
   !> The library's version code (major * 10000 + minor * 100 + patch).
@@ -755,7 +805,7 @@ contains
       code = c_add_param(opt%ptr, trim(name)//c_null_char, int(numel, c_size_t), g, idx)
     end if
     index = int(idx) + 1
-    call finish(opt%ptr, code, status, errmsg)
+    call finish_index(opt%ptr, code, 'shardopt_add_param', 'group', int(g) + 1, status, errmsg)
   end subroutine add_param_i64
 
   subroutine add_param_i32(opt, name, numel, index, status, group, errmsg)
@@ -820,7 +870,8 @@ contains
     character(len=*), intent(out), optional :: errmsg
     integer(c_size_t) :: n
     n = 0
-    call finish(opt%ptr, c_param_numel(opt%ptr, c_index(index), n), status, errmsg)
+    call finish_index(opt%ptr, c_param_numel(opt%ptr, c_index(index), n), &
+                      'shardopt_param_numel', 'parameter', index, status, errmsg)
     numel = int(n, c_int64_t)
   end subroutine shardopt_param_numel
 
@@ -841,8 +892,8 @@ contains
     real(c_float), intent(in) :: values(:)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_set_param(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, c_set_param(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                      'shardopt_set_param', 'parameter', index, status, errmsg)
   end subroutine set_param_r1
 
   subroutine set_param_r2(opt, index, values, status, errmsg)
@@ -851,8 +902,8 @@ contains
     real(c_float), intent(in) :: values(:, :)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_set_param(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, c_set_param(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                      'shardopt_set_param', 'parameter', index, status, errmsg)
   end subroutine set_param_r2
 
   subroutine get_master_r1(opt, index, values, status, errmsg)
@@ -861,8 +912,8 @@ contains
     real(c_float), intent(inout) :: values(:)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_get_master(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, c_get_master(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                      'shardopt_get_master', 'parameter', index, status, errmsg)
   end subroutine get_master_r1
 
   subroutine get_master_r2(opt, index, values, status, errmsg)
@@ -871,8 +922,8 @@ contains
     real(c_float), intent(inout) :: values(:, :)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_get_master(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, c_get_master(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                      'shardopt_get_master', 'parameter', index, status, errmsg)
   end subroutine get_master_r2
 
   !> Checks that a requested rank-2 shape holds exactly numel elements.
@@ -905,7 +956,8 @@ contains
     type(c_ptr) :: p
     integer(c_size_t) :: n
     nullify (values)
-    call finish(opt%ptr, c_param_f32(opt%ptr, c_index(index), p, n), status, errmsg)
+    call finish_index(opt%ptr, c_param_f32(opt%ptr, c_index(index), p, n), &
+                      'shardopt_param', 'parameter', index, status, errmsg)
     if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, values, [n])
   end subroutine param_f32_r1
 
@@ -919,7 +971,8 @@ contains
     type(c_ptr) :: p
     integer(c_size_t) :: n
     nullify (values)
-    call finish(opt%ptr, c_param_f32(opt%ptr, c_index(index), p, n), status, errmsg)
+    call finish_index(opt%ptr, c_param_f32(opt%ptr, c_index(index), p, n), &
+                      'shardopt_param', 'parameter', index, status, errmsg)
     if (status /= SHARDOPT_SUCCESS) return
     call check_shape('shardopt_param', shape, n, status, errmsg)
     if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, values, shape)
@@ -934,7 +987,8 @@ contains
     type(c_ptr) :: p
     integer(c_size_t) :: n
     nullify (bits)
-    call finish(opt%ptr, c_param_bf16(opt%ptr, c_index(index), p, n), status, errmsg)
+    call finish_index(opt%ptr, c_param_bf16(opt%ptr, c_index(index), p, n), &
+                      'shardopt_param_bf16', 'parameter', index, status, errmsg)
     if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, bits, [n])
   end subroutine param_bf16_r1
 
@@ -948,7 +1002,8 @@ contains
     type(c_ptr) :: p
     integer(c_size_t) :: n
     nullify (bits)
-    call finish(opt%ptr, c_param_bf16(opt%ptr, c_index(index), p, n), status, errmsg)
+    call finish_index(opt%ptr, c_param_bf16(opt%ptr, c_index(index), p, n), &
+                      'shardopt_param_bf16', 'parameter', index, status, errmsg)
     if (status /= SHARDOPT_SUCCESS) return
     call check_shape('shardopt_param_bf16', shape, n, status, errmsg)
     if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, bits, shape)
@@ -965,7 +1020,8 @@ contains
     type(c_ptr) :: p
     integer(c_size_t) :: n
     nullify (values)
-    call finish(opt%ptr, c_grad(opt%ptr, c_index(index), p, n), status, errmsg)
+    call finish_index(opt%ptr, c_grad(opt%ptr, c_index(index), p, n), &
+                      'shardopt_grad', 'parameter', index, status, errmsg)
     if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, values, [n])
   end subroutine grad_r1
 
@@ -979,7 +1035,8 @@ contains
     type(c_ptr) :: p
     integer(c_size_t) :: n
     nullify (values)
-    call finish(opt%ptr, c_grad(opt%ptr, c_index(index), p, n), status, errmsg)
+    call finish_index(opt%ptr, c_grad(opt%ptr, c_index(index), p, n), &
+                      'shardopt_grad', 'parameter', index, status, errmsg)
     if (status /= SHARDOPT_SUCCESS) return
     call check_shape('shardopt_grad', shape, n, status, errmsg)
     if (status == SHARDOPT_SUCCESS) call c_f_pointer(p, values, shape)
@@ -991,8 +1048,8 @@ contains
     real(c_float), intent(in) :: src(:)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_accumulate_f32(opt%ptr, c_index(index), src, size(src, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, c_accumulate_f32(opt%ptr, c_index(index), src, size(src, kind=c_size_t)), &
+                      'shardopt_accumulate_grad', 'parameter', index, status, errmsg)
   end subroutine accumulate_f32_r1
 
   subroutine accumulate_f32_r2(opt, index, src, status, errmsg)
@@ -1001,8 +1058,8 @@ contains
     real(c_float), intent(in) :: src(:, :)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_accumulate_f32(opt%ptr, c_index(index), src, size(src, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, c_accumulate_f32(opt%ptr, c_index(index), src, size(src, kind=c_size_t)), &
+                      'shardopt_accumulate_grad', 'parameter', index, status, errmsg)
   end subroutine accumulate_f32_r2
 
   subroutine accumulate_bf16_r1(opt, index, src, status, errmsg)
@@ -1011,8 +1068,8 @@ contains
     integer(c_int16_t), intent(in) :: src(:)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_accumulate_bf16(opt%ptr, c_index(index), src, size(src, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, c_accumulate_bf16(opt%ptr, c_index(index), src, size(src, kind=c_size_t)), &
+                      'shardopt_accumulate_grad', 'parameter', index, status, errmsg)
   end subroutine accumulate_bf16_r1
 
   !> Parameter `index`'s gradient of this micro-batch is complete; with overlap, a complete
@@ -1022,7 +1079,8 @@ contains
     integer, intent(in) :: index
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_grad_ready(opt%ptr, c_index(index)), status, errmsg)
+    call finish_index(opt%ptr, c_grad_ready(opt%ptr, c_index(index)), &
+                      'shardopt_grad_ready', 'parameter', index, status, errmsg)
   end subroutine shardopt_grad_ready
 
   !> Starts one micro-batch's backward; sync = .false. for all but the last micro-batch of a
@@ -1114,8 +1172,9 @@ contains
     logical, intent(in) :: weight_decay
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_set_group(opt%ptr, int(group - 1, c_int), lr_scale, &
-                                     merge(1_c_int, 0_c_int, weight_decay)), status, errmsg)
+    call finish_index(opt%ptr, c_set_group(opt%ptr, int(group - 1, c_int), lr_scale, &
+                                           merge(1_c_int, 0_c_int, weight_decay)), &
+                      'shardopt_set_group', 'group', group, status, errmsg)
   end subroutine shardopt_set_group
 
   !> Bytes held now (and, optionally, at most) in one SHARDOPT_MEM_* category.
@@ -1203,7 +1262,8 @@ contains
     integer(c_int) :: wd
     lr_scale = 0
     wd = 0
-    call finish(opt%ptr, c_get_group(opt%ptr, int(group - 1, c_int), lr_scale, wd), status, errmsg)
+    call finish_index(opt%ptr, c_get_group(opt%ptr, int(group - 1, c_int), lr_scale, wd), &
+                      'shardopt_get_group', 'group', group, status, errmsg)
     weight_decay = wd == 1
   end subroutine shardopt_get_group
 
@@ -1215,8 +1275,8 @@ contains
     real(c_float), intent(inout) :: values(:)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_get_exp_avg(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, c_get_exp_avg(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                      'shardopt_get_exp_avg', 'parameter', index, status, errmsg)
   end subroutine get_exp_avg_r1
 
   subroutine get_exp_avg_r2(opt, index, values, status, errmsg)
@@ -1225,8 +1285,8 @@ contains
     real(c_float), intent(inout) :: values(:, :)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_get_exp_avg(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, c_get_exp_avg(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                      'shardopt_get_exp_avg', 'parameter', index, status, errmsg)
   end subroutine get_exp_avg_r2
 
   subroutine get_exp_avg_sq_r1(opt, index, values, status, errmsg)
@@ -1235,8 +1295,9 @@ contains
     real(c_float), intent(inout) :: values(:)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_get_exp_avg_sq(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, &
+                      c_get_exp_avg_sq(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                      'shardopt_get_exp_avg_sq', 'parameter', index, status, errmsg)
   end subroutine get_exp_avg_sq_r1
 
   subroutine get_exp_avg_sq_r2(opt, index, values, status, errmsg)
@@ -1245,8 +1306,9 @@ contains
     real(c_float), intent(inout) :: values(:, :)
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_get_exp_avg_sq(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
-                status, errmsg)
+    call finish_index(opt%ptr, &
+                      c_get_exp_avg_sq(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
+                      'shardopt_get_exp_avg_sq', 'parameter', index, status, errmsg)
   end subroutine get_exp_avg_sq_r2
 
   !> The dynamic loss-scaling state. Local.
@@ -1329,7 +1391,8 @@ contains
     character(len=*), intent(out), optional :: errmsg
     integer(c_size_t) :: off
     off = 0
-    call finish(opt%ptr, c_param_offset(opt%ptr, c_index(index), off), status, errmsg)
+    call finish_index(opt%ptr, c_param_offset(opt%ptr, c_index(index), off), &
+                      'shardopt_param_offset', 'parameter', index, status, errmsg)
     offset = int(off, c_int64_t)
   end subroutine shardopt_param_offset
 
@@ -1339,7 +1402,8 @@ contains
     integer, intent(in) :: index
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_wait_param(opt%ptr, c_index(index)), status, errmsg)
+    call finish_index(opt%ptr, c_wait_param(opt%ptr, c_index(index)), &
+                      'shardopt_wait_param', 'parameter', index, status, errmsg)
   end subroutine shardopt_wait_param
 
   !> Waits until every parameter holds the last step's values (SHARDOPT_GATHER_LAZY). Local.
@@ -1430,7 +1494,8 @@ contains
     integer, intent(in) :: unit
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_acquire(opt%ptr, c_index(unit)), status, errmsg)
+    call finish_index(opt%ptr, c_acquire(opt%ptr, c_index(unit)), &
+                      'shardopt_acquire', 'unit', unit, status, errmsg)
   end subroutine shardopt_acquire
 
   !> Collective: starts gathering unit `unit` without waiting (nothing if it is held already).
@@ -1440,7 +1505,8 @@ contains
     integer, intent(in) :: unit
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_prefetch(opt%ptr, c_index(unit)), status, errmsg)
+    call finish_index(opt%ptr, c_prefetch(opt%ptr, c_index(unit)), &
+                      'shardopt_prefetch', 'unit', unit, status, errmsg)
   end subroutine shardopt_prefetch
 
   !> Returns the unit's buffer to the pool; pointers into it become invalid. INVALID_STATE if
@@ -1450,7 +1516,8 @@ contains
     integer, intent(in) :: unit
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish(opt%ptr, c_release(opt%ptr, c_index(unit)), status, errmsg)
+    call finish_index(opt%ptr, c_release(opt%ptr, c_index(unit)), &
+                      'shardopt_release', 'unit', unit, status, errmsg)
   end subroutine shardopt_release
 
 end module shardopt

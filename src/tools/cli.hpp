@@ -1,7 +1,9 @@
 // cli.hpp: the command line of every shardopt executable (tools, examples, benchmarks):
 // CLI11 plus the two things all of them share, so they agree on them:
-//   - sizes: "16", "1M", "7.5G", "64Ki", "80GiB": a number with an optional suffix K M G T
-//     (powers of 1000) or Ki Mi Gi Ti (powers of 1024); byte sizes may end in "B". The value
+//   - sizes: "16", "1M", "7.5G", "64Ki", "80GiB", "7.5B": a number with an optional suffix
+//     K M G T (powers of 1000) or Ki Mi Gi Ti (powers of 1024). One parser, two modes: a count
+//     (parameters, elements, ranks) also takes B for billion (7B, 70B) and k m g b t in
+//     lowercase; a byte size may end in "B" (bytes), so there B never means billion. The value
 //     must come out a whole number >= 0; anything else is an error, never a silent 0 or 1;
 //   - --help and --version, one way to parse, and one exit convention: 0 after --help or
 //     --version, CLI11's non-zero code (with a one-line reason on stderr) for bad input.
@@ -49,15 +51,24 @@ inline std::optional<std::size_t> parse_size(std::string_view text, Unit unit, s
   static const std::map<std::string, double> kScale = {
       {"", 1},         {"k", 1e3},       {"K", 1e3},       {"M", 1e6},      {"G", 1e9},
       {"T", 1e12},     {"Ki", 0x1p10},   {"Mi", 0x1p20},   {"Gi", 0x1p30},  {"Ti", 0x1p40}};
-  const auto it = kScale.find(suffix);
-  if (it == kScale.end()) {
-    if (unit == Unit::Count && suffix == "B")
-      return fail("has suffix B: use G for 10^9 (B is for byte sizes)");
-    return fail(std::string("has an unknown suffix '") + end +
-                "' (K M G T are powers of 1000, Ki Mi Gi Ti powers of 1024" +
-                (unit == Unit::Bytes ? ", optionally followed by B)" : ")"));
+  // Counts are written as people write model sizes: 7B, 70B, 1.3b, 350m. A byte size keeps
+  // B for bytes, and m or b there would read as milli or bits: not accepted.
+  static const std::map<std::string, double> kCountScale = {
+      {"m", 1e6}, {"g", 1e9}, {"b", 1e9}, {"B", 1e9}, {"t", 1e12}};
+  const auto scale = [&]() -> std::optional<double> {
+    if (const auto it = kScale.find(suffix); it != kScale.end()) return it->second;
+    if (unit != Unit::Count) return std::nullopt;
+    if (const auto it = kCountScale.find(suffix); it != kCountScale.end()) return it->second;
+    return std::nullopt;
+  }();
+  if (!scale) {
+    return fail(std::string("has an unknown suffix '") + end + "' (" +
+                (unit == Unit::Bytes
+                     ? "K M G T are powers of 1000, Ki Mi Gi Ti powers of 1024, optionally followed by B)"
+                     : "K M B|G T are thousand, million, billion, trillion, also in lowercase; "
+                       "Ki Mi Gi Ti powers of 1024)"));
   }
-  const double n = value * it->second;
+  const double n = value * *scale;
   if (n > 0x1p62) return fail("is too large");
   if (n != std::floor(n)) return fail("is not a whole number");
   return static_cast<std::size_t>(n);
@@ -100,9 +111,9 @@ CLI::Validator choice(std::vector<std::pair<std::string, T>> values) {
 
 /// One line for --help's footer: what sizes accept.
 inline constexpr const char* kSizeHelp =
-    "SIZE: a whole number with an optional suffix: K M G T (powers of 1000) or Ki Mi Gi Ti "
-    "(powers of 1024), e.g. 16, 1M, 7.5G, 64Ki. BYTES: the same, optionally followed by B "
-    "(80GiB, 40GB).";
+    "SIZE: a whole number with an optional suffix: K M B T (thousand, million, billion, "
+    "trillion; G = B; also in lowercase) or Ki Mi Gi Ti (powers of 1024), e.g. 16, 1M, 7.5B, "
+    "64Ki. BYTES: K M G T or Ki Mi Gi Ti, optionally followed by B for bytes (80GiB, 40GB).";
 
 /// An App named `name` with --version ("NAME (shardopt X.Y.Z)") and the size note in --help.
 inline void init(CLI::App& app, const std::string& name) {

@@ -39,57 +39,6 @@ std::string json_string(const std::string& s) {
   return out + "\"";
 }
 
-// Is s well-formed UTF-8 (no overlong forms, surrogates or code points above U+10FFFF)?
-bool valid_utf8(const std::string& s) {
-  std::size_t i = 0;
-  while (i < s.size()) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    std::size_t len = 0;
-    std::uint32_t cp = 0;
-    if (c < 0x80) {
-      ++i;
-      continue;
-    } else if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-      cp = c & 0x1F;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      cp = c & 0x0F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      cp = c & 0x07;
-    } else {
-      return false;
-    }
-    if (i + len > s.size()) return false;
-    for (std::size_t k = 1; k < len; ++k) {
-      const auto d = static_cast<unsigned char>(s[i + k]);
-      if ((d & 0xC0) != 0x80) return false;
-      cp = cp << 6 | (d & 0x3F);
-    }
-    if ((len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) ||
-        (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)))
-      return false;
-    i += len;
-  }
-  return true;
-}
-
-// A parameter name for messages: bytes outside printable ASCII as \xNN.
-std::string printable(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (c >= 0x20 && c < 0x7F) {
-      out += static_cast<char>(c);
-    } else {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02X", c);
-      out += buf;
-    }
-  }
-  return out;
-}
-
 // The safetensors header is UTF-8 JSON whose key "__metadata__" is reserved: a parameter
 // name that is not UTF-8 or is that key cannot be a tensor name. Refused, naming it.
 void check_tensor_names(const Metadata& m) {
@@ -212,11 +161,14 @@ int main(int argc, char** argv) {
     const Metadata m = read_metadata(dir);
     if (list) {
       std::printf("checkpoint %s: format %u, step %lld, %u shards, stage %s, replica %s\n",
-                  dir.c_str(), m.version, static_cast<long long>(m.step_count), m.world_size,
-                  stage_name(m.stage), dtype_name(m.param_dtype));
+                  printable(dir.string()).c_str(), m.version,
+                  static_cast<long long>(m.step_count), m.world_size, stage_name(m.stage),
+                  dtype_name(m.param_dtype));
+      // Names are bytes from the file: a NUL, newline or tab in one is shown as \xNN, so
+      // every line is one whole parameter.
       for (const MetaParam& p : m.params)
-        std::printf("%s\t%llu\tgroup %u\n", p.name.c_str(), static_cast<unsigned long long>(p.numel),
-                    p.group);
+        std::printf("%s\t%llu\tgroup %u\n", printable(p.name).c_str(),
+                    static_cast<unsigned long long>(p.numel), p.group);
       return 0;
     }
     export_master(dir, m, output);

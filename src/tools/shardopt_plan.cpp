@@ -122,7 +122,7 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
   std::size_t psi = 0;
   std::string model, layout_file;
   auto* model_opts = app.add_option_group("model", "the model (give exactly one)");
-  auto* o_psi = model_opts->add_option("--psi", psi, "Psi parameters, as tensors of --tensor-elems (e.g. 7.5G, 1.3e9, 350M)")
+  auto* o_psi = model_opts->add_option("--psi", psi, "Psi parameters, as tensors of --tensor-elems (e.g. 7.5B, 70B, 1.3e9, 350M)")
                     ->transform(cli::size())->check(CLI::PositiveNumber);
   model_opts->add_option("--model", model, "a known transformer shape with its real tensors (--list-models)");
   model_opts->add_option("--layout", layout_file, "a file with one tensor per line: \"name numel\" ('#' starts a comment)")

@@ -1,6 +1,6 @@
 // make_corpus.cpp: seeds for fuzz_checkpoint_reader from real checkpoints: the metadata
 // files, shard headers and LATEST files of saves in a few configurations (current format),
-// and the committed format-1 fixture's (tests/data/ckpt_v1).
+// and the committed format-1 and format-2 fixtures' (tests/data/ckpt_v1, ckpt_v2).
 //   fuzz_make_corpus OUTPUT_DIR
 #include <cstdio>
 #include <filesystem>
@@ -51,8 +51,10 @@ int main(int argc, char** argv) {
     fs::remove_all(dir);
     ++n;
   }
-  const fs::path v1 = fs::path(SHARDOPT_TEST_DATA) / "ckpt_v1" / "save";
-  seeds_from(v1, v1 / "ckpt-00000001", out, "v1");
-  std::printf("wrote %d sets of metadata, shard-header and LATEST seeds to %s\n", n + 1, out.c_str());
+  for (const char* v : {"v1", "v2"}) {
+    const fs::path old = fs::path(SHARDOPT_TEST_DATA) / (std::string("ckpt_") + v) / "save";
+    seeds_from(old, old / "ckpt-00000001", out, v);
+  }
+  std::printf("wrote %d sets of metadata, shard-header and LATEST seeds to %s\n", n + 2, out.c_str());
   return 0;
 }

@@ -6,6 +6,9 @@
 #   - a C++ project against the build tree (-Dshardopt_DIR=<build dir>);
 #   - C and Fortran programs built with pkg-config only (shardopt.pc, shardopt-fortran.pc),
 #     one of them including shardopt.h before <mpi.h> with implicit declarations as errors;
+#   - a Fortran program that uses mpi_f08 itself: built with MPI::MPI_Fortran (CMake) and with
+#     mpif90 plus shardopt-fortran.pc; with the plain compiler and the .pc alone it must not
+#     link (docs/packaging.md says it needs one of the two);
 #   - ldd: no CPU-only program needs libcudart or libnccl;
 #   - the installed tools run from the prefix without LD_LIBRARY_PATH (install RPATH);
 #   - with LibTorch, a LibTorch program through find_package(shardopt COMPONENTS torch);
@@ -13,7 +16,8 @@
 #     loaded on demand by a program that was not.
 #
 #   cmake -DBUILD_DIR=... | -DSOURCE_DIR=... [-DBUILD_ARGS=a|b] -DWORK_DIR=... -DCONFIG=...
-#         -DC_COMPILER=... -DCXX_COMPILER=... [-DFortran_COMPILER=...] -DLIBDIR=lib
+#         -DC_COMPILER=... -DCXX_COMPILER=... [-DFortran_COMPILER=...]
+#         [-DMPI_Fortran_COMPILER=mpif90 -DMPI_F08=ON] -DLIBDIR=lib
 #         -DWITH_MPI=ON|OFF -DWITH_CUDA=ON|OFF [-DWITH_TORCH=ON] -P run.cmake
 cmake_minimum_required(VERSION 3.25)
 set(src ${CMAKE_CURRENT_LIST_DIR})
@@ -85,8 +89,12 @@ foreach(lang IN LISTS langs)
   if(cuda)
     set(hide_cuda "")
   endif()
+  set(f08 OFF)
+  if(lang STREQUAL "Fortran" AND WITH_MPI AND MPI_F08)
+    set(f08 ON)
+  endif()
   run(${CMAKE_COMMAND} -S ${src} -B ${b} -DCMAKE_BUILD_TYPE=${CONFIG} -DCONSUMER_LANGUAGE=${lang}
-      -DCONSUMER_CUDA=${cuda} -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_C_COMPILER=${C_COMPILER}
+      -DCONSUMER_CUDA=${cuda} -DCONSUMER_MPI_F08=${f08} -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_C_COMPILER=${C_COMPILER}
       -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_Fortran_COMPILER=${Fortran_COMPILER}
       ${hide_cuda})
   run(${CMAKE_COMMAND} --build ${b} --config ${CONFIG})
@@ -98,6 +106,9 @@ no_cuda_libs(${WORK_DIR}/consumer_CXX/consumer_cpp)
 if(Fortran_COMPILER)
   run(${WORK_DIR}/consumer_Fortran/consumer_f)
   no_cuda_libs(${WORK_DIR}/consumer_Fortran/consumer_f)
+  if(WITH_MPI AND MPI_F08)
+    run(${WORK_DIR}/consumer_Fortran/consumer_f08)
+  endif()
 endif()
 if(WITH_CUDA)
   run(${WORK_DIR}/consumer_CXX/consumer_cuda)
@@ -159,5 +170,23 @@ if(Fortran_COMPILER)
   run(${Fortran_COMPILER} ${src}/consumer.f90 -o ${WORK_DIR}/pc_consumer_f ${fflags} ${rpath})
   run(${WORK_DIR}/pc_consumer_f)
   no_cuda_libs(${WORK_DIR}/pc_consumer_f)
+  if(WITH_MPI AND MPI_F08 AND MPI_Fortran_COMPILER)
+    # The .pc file brings the C MPI library only: a program using mpi_f08 does not link with
+    # the plain compiler (what docs/packaging.md warns about), and does with mpif90.
+    execute_process(COMMAND ${Fortran_COMPILER} ${src}/consumer_f08.f90 -o ${WORK_DIR}/pc_consumer_f08_plain
+                            ${fflags} ${rpath}
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    if(rc EQUAL 0)
+      message(FATAL_ERROR "consumer_f08 linked without MPI's Fortran bindings: docs/packaging.md "
+                          "says it needs mpif90 or MPI::MPI_Fortran; update it")
+    elseif(NOT "${out}${err}" MATCHES "undefined reference[^\n]*[Mm][Pp][Ii]_")
+      message(FATAL_ERROR "consumer_f08 without mpif90 failed, but not for want of the mpi_f08 "
+                          "bindings:\n${out}${err}")
+    endif()
+    message(STATUS "consumer_f08 with ${Fortran_COMPILER} and shardopt-fortran.pc alone fails, "
+                   "as documented")
+    run(${MPI_Fortran_COMPILER} ${src}/consumer_f08.f90 -o ${WORK_DIR}/pc_consumer_f08 ${fflags} ${rpath})
+    run(${WORK_DIR}/pc_consumer_f08)
+  endif()
 endif()
 message(STATUS "install_consumer (${kind}): all consumers work")

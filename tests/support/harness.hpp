@@ -98,23 +98,29 @@ struct Harness {
   void write_grads(int step, int poison_rank = -1,
                    float (*value)(int, int, std::size_t, std::size_t) = grad_value,
                    const std::function<void(std::size_t, bool)>& around = {}) {
-    const int rank = opt->comm().rank();
     for (std::size_t i = model.sizes.size(); i-- > 0;) {
       if (around) around(i, true);
-      std::vector<float> g(model.sizes[i]);
-      for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(rank, step, i, k);
-      if (rank == poison_rank && i == 3) g[17] = std::numeric_limits<float>::quiet_NaN();
-      if (grad_in_bf16(i)) {
-        std::vector<bf16> low(g.size());
-        for (std::size_t k = 0; k < g.size(); ++k) low[k] = to_bf16(g[k]);
-        opt->accumulate_grad(i, std::span<const bf16>(low));
-      } else {
-        std::span<float> dst = opt->grad(i);  // backward adds (micro-batches accumulate)
-        for (std::size_t k = 0; k < g.size(); ++k) dst[k] += g[k];
-      }
-      opt->grad_ready(i);
+      write_grad(i, step, poison_rank, value);
       if (around) around(i, false);
     }
+  }
+
+  // Parameter i's gradient of one step (added, so micro-batches accumulate), marked ready.
+  void write_grad(std::size_t i, int step, int poison_rank = -1,
+                  float (*value)(int, int, std::size_t, std::size_t) = grad_value) {
+    const int rank = opt->comm().rank();
+    std::vector<float> g(model.sizes[i]);
+    for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(rank, step, i, k);
+    if (rank == poison_rank && i == 3) g[17] = std::numeric_limits<float>::quiet_NaN();
+    if (grad_in_bf16(i)) {
+      std::vector<bf16> low(g.size());
+      for (std::size_t k = 0; k < g.size(); ++k) low[k] = to_bf16(g[k]);
+      opt->accumulate_grad(i, std::span<const bf16>(low));
+    } else {
+      std::span<float> dst = opt->grad(i);  // backward adds (micro-batches accumulate)
+      for (std::size_t k = 0; k < g.size(); ++k) dst[k] += g[k];
+    }
+    opt->grad_ready(i);
   }
 
   // The reference step over the average of steps[] micro-batches' gradients on all ranks.
