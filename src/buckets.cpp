@@ -120,7 +120,9 @@ void BucketSet::begin_backward(bool sync) {
 
 void BucketSet::require_open(std::size_t i) const {
   const ParamInfo& p = layout_.param(i);
-  require(p.buckets.end - 1 >= next_start_, Status::InvalidState,
+  // Buckets start in index order: none of the parameter's may have started (a parameter
+  // spanning buckets has its first ones reduced while its last one waits for another).
+  require(p.buckets.begin >= next_start_, Status::InvalidState,
           "gradient of parameter '" + p.name +
               "': its bucket was already reduced in this step; gradients must be produced in "
               "backward order (reverse registration order), each bucket once per step");
