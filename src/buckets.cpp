@@ -118,11 +118,14 @@ void BucketSet::begin_backward(bool sync) {
   std::fill(param_ready_.begin(), param_ready_.end(), 0);
 }
 
-void BucketSet::require_open(std::size_t i) const {
+void BucketSet::require_open(std::size_t i, bool writing) const {
   const ParamInfo& p = layout_.param(i);
-  // Buckets start in index order: none of the parameter's may have started (a parameter
-  // spanning buckets has its first ones reduced while its last one waits for another).
-  require(p.buckets.begin >= next_start_, Status::InvalidState,
+  // Buckets start in index order. A write needs every bucket of the parameter unstarted (a
+  // spanning parameter's first buckets can be in flight while its last waits for another
+  // parameter); marking it ready needs its last one only (at staged stages its own
+  // accumulation starts its earlier buckets, complete by the backward-order contract).
+  const std::size_t first_needed = writing ? p.buckets.begin : p.buckets.end - 1;
+  require(first_needed >= next_start_, Status::InvalidState,
           "gradient of parameter '" + p.name +
               "': its bucket was already reduced in this step; gradients must be produced in "
               "backward order (reverse registration order), each bucket once per step");
@@ -136,7 +139,7 @@ std::span<float> BucketSet::grad(std::size_t i) {
   const ParamInfo& p = layout_.param(i);
   progress();
   // Writing into a bucket whose reduction has started would race with it.
-  if (sync_) require_open(i);
+  if (sync_) require_open(i, true);
   if (!staged()) return {grads_.as<float>() + p.flat.begin, p.numel};
   if (!sync_) return {accumulate_.as<float>() + p.flat.begin, p.numel};
   if (p.buckets.size() > 1) {  // a view across buckets: the spill buffer
@@ -160,7 +163,7 @@ void BucketSet::accumulate_grad(std::size_t i, const void* src, DType dtype) {
     backend_.accumulate(grad(i).data(), src, dtype, p.numel);
     return;
   }
-  require_open(i);
+  require_open(i, true);
   const std::size_t elem = dtype_size(dtype);
   for (std::size_t b = p.buckets.begin; b < p.buckets.end; ++b) {
     start_through(b);
@@ -195,7 +198,7 @@ void BucketSet::grad_ready(std::size_t i) {
     param_ready_[i] = 1;
     return;
   }
-  require_open(i);
+  require_open(i, false);
   param_ready_[i] = 1;
   if (spill_param_ == i) flush_spill();
   for (std::size_t b = std::max(p.buckets.begin, next_start_); b < p.buckets.end; ++b)

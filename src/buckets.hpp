@@ -111,7 +111,7 @@ class BucketSet {
   float* slot_for(std::size_t b);  // Staged: the bucket's staging slot, acquired if needed
   float* slot_data(int slot) const;
   void flush_spill();
-  void require_open(std::size_t i) const;
+  void require_open(std::size_t i, bool writing) const;
   bool staged() const { return plan_.grads_scheme == GradScheme::Staged; }
   void reduce_exactly();  // reproducible: deposits the last micro-batch, reduces every bucket
 

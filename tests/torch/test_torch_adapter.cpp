@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -164,6 +165,42 @@ TrainRun train_adapter(Stage stage, torch::ScalarType dtype, int steps, int micr
   return run;
 }
 
+// The model's tensors take the replica's values (driven by hand, the model reads copies).
+void copy_replica_into(ShardedOptimizer& opt, std::vector<torch::Tensor>& params,
+                       torch::ScalarType dtype) {
+  torch::NoGradGuard ng;
+  for (std::size_t i = 0; i < params.size(); ++i)
+    params[i].copy_(dtype == torch::kFloat
+                        ? torch::from_blob(opt.param<float>(i).data(), params[i].sizes())
+                        : torch::from_blob(opt.param<bf16>(i).data(), params[i].sizes(),
+                                           torch::kBFloat16));
+}
+
+// One step through the shardopt API by hand: zero_grad(), then `micro` backward passes of
+// loss(m), each one's autograd gradients passed with accumulate_grad in backward order, then
+// step(). Returns the step's gradient norm.
+double step_by_hand(ShardedOptimizer& opt, std::vector<torch::Tensor>& params,
+                    torch::ScalarType dtype, int micro,
+                    const std::function<torch::Tensor(int)>& loss) {
+  opt.zero_grad();
+  for (int m = 0; m < micro; ++m) {
+    for (auto& p : params) p.mutable_grad().reset();
+    loss(m).backward();
+    opt.begin_backward(m + 1 == micro);
+    for (std::size_t k = params.size(); k-- > 0;) {
+      torch::Tensor g = params[k].grad().contiguous();
+      if (dtype == torch::kFloat)
+        opt.accumulate_grad(k, std::span<const float>(g.data_ptr<float>(), g.numel()));
+      else
+        opt.accumulate_grad(k, std::span<const bf16>(
+                                   reinterpret_cast<const bf16*>(g.data_ptr<at::BFloat16>()),
+                                   g.numel()));
+      opt.grad_ready(k);
+    }
+  }
+  return opt.step().grad_norm;
+}
+
 // The same training through the shardopt API, by hand: the model's tensors are copies of the
 // replica, and autograd's gradients are passed with accumulate_grad in backward order.
 TrainRun train_by_hand(Stage stage, torch::ScalarType dtype, int steps, int micro) {
@@ -180,38 +217,14 @@ TrainRun train_by_hand(Stage stage, torch::ScalarType dtype, int steps, int micr
     torch::Tensor f = params[i].detach().to(torch::kFloat).contiguous();
     opt.set_param(i, std::span<const float>(f.data_ptr<float>(), f.numel()));
   }
-  auto load_replica = [&] {
-    torch::NoGradGuard ng;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      torch::Tensor src = dtype == torch::kFloat
-                              ? torch::from_blob(opt.param<float>(i).data(), params[i].sizes())
-                              : torch::from_blob(opt.param<bf16>(i).data(), params[i].sizes(),
-                                                 torch::kBFloat16);
-      params[i].copy_(src);
-    }
-  };
-  load_replica();
+  copy_replica_into(opt, params, dtype);
   TrainRun run;
   for (int s = 0; s < steps; ++s) {
-    opt.zero_grad();
-    for (int m = 0; m < micro; ++m) {
-      for (auto& p : params) p.mutable_grad().reset();
+    run.norms.push_back(step_by_hand(opt, params, dtype, micro, [&](int m) {
       auto [x, y] = my_rows(s, m, micro, dtype);
-      mse(net->forward(x), y).backward();
-      opt.begin_backward(m + 1 == micro);
-      for (std::size_t k = params.size(); k-- > 0;) {
-        torch::Tensor g = params[k].grad().contiguous();
-        if (dtype == torch::kFloat)
-          opt.accumulate_grad(k, std::span<const float>(g.data_ptr<float>(), g.numel()));
-        else
-          opt.accumulate_grad(k, std::span<const bf16>(
-                                     reinterpret_cast<const bf16*>(g.data_ptr<at::BFloat16>()),
-                                     g.numel()));
-        opt.grad_ready(k);
-      }
-    }
-    run.norms.push_back(opt.step().grad_norm);
-    load_replica();
+      return mse(net->forward(x), y);
+    }));
+    copy_replica_into(opt, params, dtype);
   }
   run.params = snapshot(*net);
   return run;
@@ -1137,32 +1150,11 @@ ZeroingRun by_hand_zeroing(Shape s, Stage stage, torch::ScalarType dtype, int mi
   }
   ZeroingRun run;
   for (int step = 0; step < kZeroingSteps; ++step) {
-    {
-      torch::NoGradGuard ng;
-      for (std::size_t i = 0; i < params.size(); ++i)
-        params[i].copy_(dtype == torch::kFloat
-                            ? torch::from_blob(opt.param<float>(i).data(), params[i].sizes())
-                            : torch::from_blob(opt.param<bf16>(i).data(), params[i].sizes(),
-                                               torch::kBFloat16));
-    }
-    opt.zero_grad();
-    for (int m = 0; m < micro; ++m) {
-      for (auto& p : params) p.mutable_grad().reset();
+    copy_replica_into(opt, params, dtype);
+    run.norms.push_back(step_by_hand(opt, params, dtype, micro, [&](int m) {
       auto [x, y] = my_rows(step, m, micro, dtype);
-      mse(net->forward(x), y).backward();
-      opt.begin_backward(m + 1 == micro);
-      for (std::size_t k = params.size(); k-- > 0;) {
-        torch::Tensor g = params[k].grad().contiguous();
-        if (dtype == torch::kFloat)
-          opt.accumulate_grad(k, std::span<const float>(g.data_ptr<float>(), g.numel()));
-        else
-          opt.accumulate_grad(k, std::span<const bf16>(
-                                     reinterpret_cast<const bf16*>(g.data_ptr<at::BFloat16>()),
-                                     g.numel()));
-        opt.grad_ready(k);
-      }
-    }
-    run.norms.push_back(opt.step().grad_norm);
+      return mse(net->forward(x), y);
+    }));
   }
   run.state = test::gather_state(opt);
   return run;
