@@ -160,5 +160,5 @@ case "${1:-}" in
   prepare) prepare "${2:-}" ;;
   verify) verify "${2:-}" ;;
   install) [ $# -ge 3 ] || die "usage: gpu_kit.sh install KIT PREFIX [JOBS]"; install_kit "$2" "$3" "${4:-}" ;;
-  *) sed -n '2,25p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac
