@@ -27,7 +27,9 @@ cd "$build"
 echo "ci_sanitizers: single-process tests (ASan + LSan + UBSan)"
 # install_consumer builds an outside project against the installed library; its compiler
 # flags know nothing of the sanitizers, so it cannot link this build (the plain build runs it).
-ASAN_OPTIONS="$common:detect_leaks=1" ctest --output-on-failure -LE "mpi|install|fortran" "$@"
+# gpu_kit.dry_run (scripts/gpu_check.sh on the fake device) reruns programs tested here already;
+# the plain suite runs it.
+ASAN_OPTIONS="$common:detect_leaks=1" ctest --output-on-failure -LE "mpi|install|fortran|gpu-kit" "$@"
 # At 1 and 2 ranks: the code paths of 3 and 4 ranks are the same, and the plain suite
 # (scripts/test.sh) runs every case at 1-4 ranks; oversubscribed 3-4-rank jobs under ASan
 # take most of CI's time on a 2-core machine.

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_runtime_api.h"
 #include "nccl.h"
 
 namespace fakecuda {
@@ -38,6 +39,10 @@ struct Launch {
   unsigned blocks = 0, threads = 0;
 };
 Launch last_grid_stride_launch();
+
+/// Queues on `stream` an op that completes `seconds` after it starts (a kernel that runs that
+/// long, as far as the stream's order is concerned).
+void hold_stream(cudaStream_t stream, double seconds);
 
 /// Makes ncclCommGetAsyncError report `error` on every NCCL communicator of this process.
 void nccl_inject_async_error(ncclResult_t error);

@@ -445,6 +445,32 @@ Launch last_grid_stride_launch() {
 }
 void set_last_grid_stride_launch(Launch l) { st().last_launch = l; }
 
+namespace {
+// An op that completes `seconds` after it starts, without holding the device (a transfer:
+// the device thread polls it), so that host waits and watchdogs go on meanwhile.
+class Hold final : public Transfer {
+ public:
+  explicit Hold(double seconds) : seconds_(seconds) {}
+  void post() override {
+    end_ = std::chrono::steady_clock::now() +
+           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+               std::chrono::duration<double>(seconds_));
+  }
+  bool test() override { return std::chrono::steady_clock::now() >= end_; }
+  void finish() override {}
+  void cancel() override {}
+
+ private:
+  double seconds_;
+  std::chrono::steady_clock::time_point end_;
+};
+}  // namespace
+
+void hold_stream(cudaStream_t stream, double seconds) {
+  std::unique_lock<std::mutex> lock(st().mutex);
+  enqueue(stream, "hold", {}, nullptr, std::make_unique<Hold>(seconds));
+}
+
 }  // namespace fakecuda
 
 // ---- the runtime API ----------------------------------------------------------------------------
@@ -607,6 +633,15 @@ cudaError_t cudaFree(void* ptr) {
       fl.erase(ins);
     }
   }
+  return ok();
+}
+
+// The arena's free bytes (its address space: the memfd holds only what is written).
+cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
+  std::unique_lock<std::mutex> lock(st().mutex);
+  *free = 0;
+  for (const auto& [off, len] : st().free_) *free += len;
+  *total = State::kArena;
   return ok();
 }
 

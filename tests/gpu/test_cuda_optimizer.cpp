@@ -171,45 +171,71 @@ INSTANTIATE_TEST_SUITE_P(Stages, CudaStep,
                                   (i.param.max_grad_norm > 0 ? "_clip" : "");
                          });
 
-// One process: the CUDA step equals the CPU step bit for bit (same element math; no
-// clipping, so the different norm summation order cannot matter).
-TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
-  if (test::gpu_world_size() != 1) GTEST_SKIP() << "single-process comparison";
-  SHARDOPT_REQUIRE_GPUS(1);
-  AdamConfig cfg;
-  cfg.lr = 1e-2;
-  for (Stage stage : {Stage::Zero1, Stage::Zero2}) {
-    auto gpu = make(make_cuda_single_process_communicator(), Device::Cuda, stage, DType::BF16, cfg);
-    auto cpu = make(make_single_process_communicator(), Device::Cpu, stage, DType::BF16, cfg);
-    for (int step = 1; step <= 3; ++step) {
-      produce_grads(*gpu, 0, step, true);
-      produce_grads(*cpu, 0, step, false);
-      const StepResult a = gpu->step(), b = cpu->step();
-      EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-12 * b.grad_norm);
-    }
-    for (std::size_t i = 0; i < kSizes.size(); ++i) {
-      std::vector<float> a(kSizes[i]), b(kSizes[i]);
-      gpu->get_master(i, a);
-      cpu->get_master(i, b);
-      for (std::size_t k = 0; k < a.size(); ++k)
-        ASSERT_EQ(float_bits(a[k]), float_bits(b[k])) << stage_name(stage) << " " << i << " " << k;
-    }
-  }
-}
-
-// ---- stage 3 -------------------------------------------------------------------------------
-
-// Parameter i's replica bytes (device memory; the compute stream is the legacy default one,
-// which cudaMemcpy waits for).
+// Parameter i's replica bytes (device memory: the compute stream is the legacy default one,
+// which cudaMemcpy waits for; or host memory of a CPU optimizer).
 std::vector<unsigned char> replica_bytes(ShardedOptimizer& opt, std::size_t i) {
   const std::size_t n = kSizes[i] * dtype_size(opt.options().param_dtype);
   const void* p = opt.options().param_dtype == DType::BF16
                       ? static_cast<const void*>(opt.param<bf16>(i).data())
                       : static_cast<const void*>(opt.param<float>(i).data());
   std::vector<unsigned char> out(n);
-  EXPECT_EQ(cudaMemcpy(out.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  if (opt.options().device == Device::Cpu) {
+    std::memcpy(out.data(), p, n);
+  } else {
+    EXPECT_EQ(cudaMemcpy(out.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
   return out;
 }
+
+// The master, m and v of this rank are the same bits in both optimizers.
+void expect_same_state(ShardedOptimizer& a, ShardedOptimizer& b, int step) {
+  for (StateArray s : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
+    std::vector<float> x(a.local_size()), y(b.local_size());
+    a.copy_state_to_host(s, 0, x);
+    b.copy_state_to_host(s, 0, y);
+    ASSERT_EQ(x.size(), y.size());
+    ASSERT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0)
+        << "step " << step << " state array " << static_cast<int>(s);
+  }
+}
+
+// One process: the CUDA step equals the CPU step bit for bit at every stage and replica
+// dtype: the master, m, v and the replica (stage 3: each unit gathered) after every step (same
+// element math; no clipping, so the different norm summation order cannot matter).
+TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
+  if (test::gpu_world_size() != 1) GTEST_SKIP() << "single-process comparison";
+  SHARDOPT_REQUIRE_GPUS(1);
+  AdamConfig cfg;
+  cfg.lr = 1e-2;
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
+    for (DType dtype : {DType::BF16, DType::F32}) {
+      SCOPED_TRACE(std::string(stage_name(stage)) + " " + dtype_name(dtype));
+      auto gpu = make(make_cuda_single_process_communicator(), Device::Cuda, stage, dtype, cfg, true);
+      auto cpu = make(make_single_process_communicator(), Device::Cpu, stage, dtype, cfg, true);
+      for (int step = 1; step <= 3; ++step) {
+        produce_grads(*gpu, 0, step, true);
+        produce_grads(*cpu, 0, step, false);
+        const StepResult a = gpu->step(), b = cpu->step();
+        EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-12 * b.grad_norm);
+        expect_same_state(*gpu, *cpu, step);
+        for (std::size_t u = 0; u < gpu->layout().num_units(); ++u) {
+          if (stage == Stage::Zero3) {
+            gpu->acquire(u);
+            cpu->acquire(u);
+          }
+          const Unit& unit = gpu->layout().unit(u);
+          for (std::size_t i = unit.params.begin; i < unit.params.end; ++i)
+            ASSERT_EQ(replica_bytes(*gpu, i), replica_bytes(*cpu, i)) << "step " << step << " p" << i;
+          if (stage == Stage::Zero3) {
+            gpu->release(u);
+            cpu->release(u);
+          }
+        }
+      }
+    }
+}
+
+// ---- stage 3 -------------------------------------------------------------------------------
 
 // Stage 3 on the device (units gathered on acquire/prefetch over the device communicator,
 // released to a pool of units_in_flight buffers) against stage 2 on the same layout: every
@@ -254,13 +280,7 @@ TEST(CudaZero3, MatchesZero2Bitwise) {
       const StepResult a = z2->step(), b = z3->step();
       EXPECT_EQ(a.grad_norm, b.grad_norm);
       EXPECT_EQ(a.clipped, b.clipped);
-      for (StateArray s : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
-        std::vector<float> x(z2->local_size()), y(z3->local_size());
-        z2->copy_state_to_host(s, 0, x);
-        z3->copy_state_to_host(s, 0, y);
-        ASSERT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0)
-            << "step " << step << " state array " << static_cast<int>(s);
-      }
+      expect_same_state(*z2, *z3, step);
     }
   }
 }

@@ -57,6 +57,7 @@ const char* cudaGetErrorName(cudaError_t error);
 
 cudaError_t cudaMalloc(void** ptr, size_t size);
 cudaError_t cudaFree(void* ptr);
+cudaError_t cudaMemGetInfo(size_t* free, size_t* total);
 cudaError_t cudaMallocHost(void** ptr, size_t size);
 cudaError_t cudaFreeHost(void* ptr);
 cudaError_t cudaMallocAsync(void** ptr, size_t size, cudaStream_t stream);

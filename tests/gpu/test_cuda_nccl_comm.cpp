@@ -1,0 +1,187 @@
+// test_cuda_nccl_comm.cpp: the NCCL communicator's data collectives (reduce-scatter with the
+// fp32 and bf16 wire, all-gather of fp32 and bf16 words, all-reduce) and its two abort paths:
+// an asynchronous NCCL error, and a collective older than the collective timeout. Runs under
+// MPI at any number of ranks, one device per rank; scripts/gpu_check.sh runs it at one rank,
+// where MPI is only the bootstrap. The faults come from gpu_faults.hpp: on a GPU a spinning
+// kernel and an intercepted ncclCommGetAsyncError, with the real NCCL doing the rest.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu_faults.hpp"
+#include "gpu_test.hpp"
+#include "gpu_world.hpp"
+#include "shardopt/bf16.hpp"
+
+using namespace shardopt;
+
+namespace {
+
+struct DeviceFree {
+  void operator()(void* p) const { cudaFree(p); }
+};
+using DeviceBuffer = std::unique_ptr<void, DeviceFree>;
+
+DeviceBuffer device_buffer(std::size_t bytes) {
+  void* p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
+  return DeviceBuffer(p);
+}
+
+template <class T>
+void upload(void* dst, const std::vector<T>& src) {
+  ASSERT_EQ(cudaMemcpy(dst, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+}
+// Reads after the compute stream (the legacy default stream, which cudaMemcpy waits for).
+template <class T>
+std::vector<T> download(const void* src, std::size_t n) {
+  std::vector<T> out(n);
+  EXPECT_EQ(cudaMemcpy(out.data(), src, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+// Multiples of 1/8 in [-1, 1): every sum over up to 16 ranks is exact in fp32 and bf16.
+float value(int rank, std::size_t k) {
+  return static_cast<float>(static_cast<int>((k * 7 + static_cast<std::size_t>(rank) * 3) % 16) - 8) / 8.0f;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+/// The message of the Error(Communication) that `f` must throw ("" and a failure otherwise).
+template <class F>
+std::string communication_error(F&& f) {
+  try {
+    f();
+    ADD_FAILURE() << "expected Error(Communication)";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Communication) << e.what();
+    return e.what();
+  }
+  return {};
+}
+
+class NcclComm : public ::testing::Test {
+ protected:
+  void SetUp() override { SHARDOPT_REQUIRE_GPUS(test::gpu_world_size()); }
+};
+
+TEST_F(NcclComm, ReduceScatterAllGatherAllReduce) {
+  auto comm = test::gpu_world();
+  const int world = comm->size(), rank = comm->rank();
+  ASSERT_EQ(comm->name().rfind("nccl ", 0), 0u) << comm->name();
+  if (rank == 0) std::printf("NCCL communicator: %s at %d rank(s)\n", comm->name().c_str(), world);
+  for (std::size_t count : {std::size_t{1}, std::size_t{1027}, std::size_t{1} << 20}) {
+    SCOPED_TRACE("count per rank " + std::to_string(count));
+    const std::size_t n = count * static_cast<std::size_t>(world);
+    std::vector<float> mine(n);
+    for (std::size_t k = 0; k < n; ++k) mine[k] = value(rank, k);
+    DeviceBuffer buf = device_buffer(n * sizeof(float));
+    // Reduce-scatter, fp32 and bf16 wire: block `rank` holds the sum over ranks.
+    for (CommType wire : {CommType::F32, CommType::BF16}) {
+      upload(buf.get(), mine);
+      comm->start_reduce_scatter_sum(static_cast<float*>(buf.get()), count, wire)->wait();
+      const std::vector<float> got = download<float>(buf.get(), n);
+      for (std::size_t k = count * static_cast<std::size_t>(rank); k < count * static_cast<std::size_t>(rank + 1); ++k) {
+        float want = 0.0f;
+        for (int r = 0; r < world; ++r) want += value(r, k);
+        ASSERT_EQ(float_bits(got[k]), float_bits(want)) << "wire " << static_cast<int>(wire) << " k " << k;
+      }
+    }
+    // All-gather of fp32 words: every block holds its owner's values.
+    std::vector<float> gathered(n, 0.0f);
+    for (std::size_t k = count * static_cast<std::size_t>(rank); k < count * static_cast<std::size_t>(rank + 1); ++k)
+      gathered[k] = value(rank, k);
+    upload(buf.get(), gathered);
+    comm->start_all_gather(buf.get(), count, CommType::F32)->wait();
+    const std::vector<float> all = download<float>(buf.get(), n);
+    for (std::size_t k = 0; k < n; ++k)
+      ASSERT_EQ(float_bits(all[k]), float_bits(value(static_cast<int>(k / count), k))) << k;
+    // All-gather of bf16 words (the replica).
+    std::vector<bf16> half(n, bf16{0});
+    for (std::size_t k = count * static_cast<std::size_t>(rank); k < count * static_cast<std::size_t>(rank + 1); ++k)
+      half[k] = to_bf16(value(rank, k) + 0.01f);
+    DeviceBuffer hbuf = device_buffer(n * sizeof(bf16));
+    upload(hbuf.get(), half);
+    comm->start_all_gather(hbuf.get(), count, CommType::U16)->wait();
+    const std::vector<bf16> hall = download<bf16>(hbuf.get(), n);
+    for (std::size_t k = 0; k < n; ++k)
+      ASSERT_EQ(hall[k].bits, to_bf16(value(static_cast<int>(k / count), k) + 0.01f).bits) << k;
+    // All-reduce, started and blocking.
+    upload(buf.get(), mine);
+    comm->start_all_reduce_sum(static_cast<float*>(buf.get()), n, CommType::F32)->wait();
+    comm->all_reduce_sum(buf.get(), n, CommType::F32);  // twice: the sum times world
+    const std::vector<float> sum = download<float>(buf.get(), n);
+    for (std::size_t k = 0; k < n; ++k) {
+      float want = 0.0f;
+      for (int r = 0; r < world; ++r) want += value(r, k);
+      ASSERT_EQ(float_bits(sum[k]), float_bits(want * static_cast<float>(world))) << k;
+    }
+  }
+  // One rank's bf16 wire rounds each value to bf16 (round to nearest even), as a sum would.
+  if (world == 1) {
+    std::vector<float> x(4099);
+    for (std::size_t k = 0; k < x.size(); ++k) x[k] = 1.0f + static_cast<float>(k) * 1e-4f;
+    DeviceBuffer buf = device_buffer(x.size() * sizeof(float));
+    upload(buf.get(), x);
+    comm->start_reduce_scatter_sum(static_cast<float*>(buf.get()), x.size(), CommType::BF16)->wait();
+    const std::vector<float> got = download<float>(buf.get(), x.size());
+    for (std::size_t k = 0; k < x.size(); ++k)
+      ASSERT_EQ(float_bits(got[k]), float_bits(to_float(to_bf16(x[k])))) << k;
+  }
+}
+
+// An asynchronous error (what NCCL reports when a peer is lost): the next wait aborts the
+// communicator and throws Error(Communication) naming it; every later call throws it again.
+TEST_F(NcclComm, AsynchronousErrorAbortsTheCommunicator) {
+  auto comm = test::gpu_world();
+  DeviceBuffer buf = device_buffer(1024 * sizeof(float));
+  ASSERT_EQ(cudaMemset(buf.get(), 0, 1024 * sizeof(float)), cudaSuccess);
+  comm->all_reduce_sum(buf.get(), 1024, CommType::F32);  // a working communicator first
+  test::inject_nccl_async_error(ncclRemoteError);
+  const auto start = std::chrono::steady_clock::now();
+  const std::string message =
+      communication_error([&] { comm->all_reduce_sum(buf.get(), 1024, CommType::F32); });
+  test::inject_nccl_async_error(ncclSuccess);
+  EXPECT_LT(seconds_since(start), 10.0);
+  EXPECT_EQ(message.rfind("NCCL communicator aborted: rank 0: asynchronous error: ", 0), 0u) << message;
+  EXPECT_NE(message.find(ncclGetErrorString(ncclRemoteError)), std::string::npos) << message;
+  EXPECT_EQ(communication_error([&] { comm->all_reduce_sum(buf.get(), 1024, CommType::F32); }),
+            message) << "a collective after the abort must throw the same error";
+  comm.reset();
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A collective that cannot complete (queued behind a kernel that runs for 5 s) is aborted once
+// it is older than the collective timeout (1 s), with Error(Communication) naming it; a host
+// collective afterwards throws the same error instead of communicating.
+TEST_F(NcclComm, CollectiveTimeoutAbortsTheCommunicator) {
+  auto comm = test::gpu_world();
+  comm->set_collective_timeout(1.0);
+  DeviceBuffer buf = device_buffer(64 * sizeof(float));
+  ASSERT_EQ(cudaMemset(buf.get(), 0, 64 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  test::hold_stream(nullptr, 5.0);  // the compute stream: the legacy default stream
+  const auto start = std::chrono::steady_clock::now();
+  const std::string message =
+      communication_error([&] { comm->all_reduce_sum(buf.get(), 64, CommType::F32); });
+  const double took = seconds_since(start);
+  EXPECT_GE(took, 1.0);
+  EXPECT_LT(took, 4.5) << "the abort must not wait for the held stream";
+  EXPECT_NE(message.find("ncclAllReduce (collective #0) did not complete within 1 s"),
+            std::string::npos) << message;
+  EXPECT_EQ(communication_error([&] { comm->barrier(); }), message)
+      << "a host collective after the abort must throw the same error";
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the held stream drains
+  comm.reset();
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+}  // namespace
