@@ -499,7 +499,6 @@ void ShardedOptimizer::prefetch(std::size_t unit) {
 }
 
 void ShardedOptimizer::release(std::size_t unit) {
-  const CallScope call("release(unit " + std::to_string(unit) + ")");
   require_finalized("release");
   require_zero3("release");
   units_->release(unit);
@@ -550,7 +549,6 @@ void ShardedOptimizer::grad_ready(std::size_t i) {
 }
 
 void ShardedOptimizer::progress() {
-  const CallScope call("progress");
   require_finalized("progress");
   buckets_->progress();
   if (units_) units_->progress();
