@@ -7,6 +7,7 @@
 // communication. The host waits only where it reads device data (copies to host memory,
 // the norm) or must keep a host buffer alive (copies from host memory), and then through
 // dev::host_wait, which watches the NCCL communicators for errors while it polls.
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <string>
@@ -121,6 +122,36 @@ class CudaBackend final : public Backend {
     return dev::combine_in_order(host, p.count);
   }
 
+  // Every slice's tree runs in one scratch, one after the other in stream order; each slice's
+  // last level is copied to its own row of pinned memory before the next slice's tree
+  // overwrites the scratch. One host wait for all of them, then the rows are combined exactly
+  // as sum_squares() combines one (same order, same additions).
+  double sum_squares_in_order(std::span<const Slice> slices) override {
+    std::size_t scratch_count = 0;
+    for (const Slice& s : slices) scratch_count = std::max(scratch_count, dev::norm_scratch_count(s.n));
+    if (scratch_count == 0) return 0.0;
+    double* scratch = reserve(norm_scratch_, scratch_count * sizeof(double),
+                              MemCategory::Scratch, false)
+                          .as<double>();
+    double* host = reserve(norm_host_, slices.size() * dev::kNormFanIn * sizeof(double),
+                           MemCategory::Scratch, true)
+                       .as<double>();
+    norm_counts_.assign(slices.size(), 0);
+    for (std::size_t i = 0; i < slices.size(); ++i) {
+      if (slices[i].n == 0) continue;
+      const dev::DevicePartials p = dev::sum_squares_partials(stream_, slices[i].data, slices[i].n, scratch);
+      SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(host + i * dev::kNormFanIn, p.data,
+                                          p.count * sizeof(double), cudaMemcpyDeviceToHost,
+                                          stream_));
+      norm_counts_[i] = p.count;
+    }
+    dev::host_wait(stream_);
+    double sum = 0.0;
+    for (std::size_t i = 0; i < slices.size(); ++i)
+      sum += slices[i].n == 0 ? 0.0 : dev::combine_in_order(host + i * dev::kNormFanIn, norm_counts_[i]);
+    return sum;
+  }
+
   void accumulate(float* dst, const void* src, DType t, std::size_t n) override {
     if (t == DType::F32) {
       dev::accumulate(stream_, dst, static_cast<const float*>(src), n);
@@ -207,6 +238,7 @@ class CudaBackend final : public Backend {
   std::array<Slot, kStagingSlots> slots_;
   std::size_t next_slot_ = 0;
   Allocation norm_scratch_, norm_host_;
+  std::vector<std::size_t> norm_counts_;  // sum_squares_in_order: each slice's last level
 };
 
 }  // namespace

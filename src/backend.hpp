@@ -43,6 +43,18 @@ class Backend {
 
   /// Sum of squares in double, with an order fixed by n alone (not by threads or timing).
   virtual double sum_squares(const float* x, std::size_t n) = 0;
+  /// The sum, in order, of sum_squares() over `slices`: bitwise what a loop adding
+  /// sum_squares(slice) to 0.0 slice by slice gives. Device backends queue every slice and
+  /// wait once (the step's norm: one wait per step, not one per bucket).
+  struct Slice {
+    const float* data;
+    std::size_t n;
+  };
+  virtual double sum_squares_in_order(std::span<const Slice> slices) {
+    double sum = 0.0;
+    for (const Slice& s : slices) sum += sum_squares(s.data, s.n);
+    return sum;
+  }
   /// dst[i] += src[i], src fp32 or bf16.
   virtual void accumulate(float* dst, const void* src, DType src_dtype, std::size_t n) = 0;
   /// Casts fp32 to the replica dtype (a copy for fp32).

@@ -678,6 +678,8 @@ StepResult ShardedOptimizer::step() {
   double sumsq = 0.0;
   exact::SquareSum exact_sumsq;
   const LocalOutcome local = capture("step", [&] {
+    std::vector<Backend::Slice> slices;
+    slices.reserve(layout_.num_buckets());
     for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
       const Bucket& bk = layout_.bucket(k);
       const std::size_t skip = options_.stage == Stage::DataParallel
@@ -685,8 +687,10 @@ StepResult ShardedOptimizer::step() {
                                    : 0;
       const float* g = buckets_->reduced_grad(k) + skip;
       if (reproducible) exact_sumsq.add(g, bk.slice_elems);
-      else sumsq += backend_->sum_squares(g, bk.slice_elems);
+      else slices.push_back({g, bk.slice_elems});
     }
+    // Last bucket first, as the buckets' sums always were: the order pins the bits.
+    sumsq = backend_->sum_squares_in_order(slices);
   });
   sumsq = sum_over_ranks_checked(
       *comm_, sumsq, local,
