@@ -108,47 +108,45 @@ class CudaBackend final : public Backend {
 
   // The host reads the result: the one wait of the norm.
   double sum_squares(const float* x, std::size_t n) override {
-    if (n == 0) return 0.0;
-    double* scratch = reserve(norm_scratch_, dev::norm_scratch_count(n) * sizeof(double),
-                              MemCategory::Scratch, false)
-                          .as<double>();
-    const dev::DevicePartials p = dev::sum_squares_partials(stream_, x, n, scratch);
-    double* host = reserve(norm_host_, dev::kNormFanIn * sizeof(double), MemCategory::Scratch,
-                           true)
-                       .as<double>();
-    SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(host, p.data, p.count * sizeof(double),
-                                        cudaMemcpyDeviceToHost, stream_));
-    dev::host_wait(stream_);
-    return dev::combine_in_order(host, p.count);
+    const Slice one{x, n};
+    return sum_squares_in_order({&one, 1});
   }
 
-  // Every slice's tree runs in one scratch, one after the other in stream order; each slice's
-  // last level is copied to its own row of pinned memory before the next slice's tree
-  // overwrites the scratch. One host wait for all of them, then the rows are combined exactly
-  // as sum_squares() combines one (same order, same additions).
+  // Every slice's tree in its own region of one scratch, the trees advancing together: one
+  // launch per level and one for the slices' sums (sum_squares.hpp), one copy of the sums to
+  // the host, one wait. The host adds the sums in order, as the loop over sum_squares() does.
   double sum_squares_in_order(std::span<const Slice> slices) override {
-    std::size_t scratch_count = 0;
-    for (const Slice& s : slices) scratch_count = std::max(scratch_count, dev::norm_scratch_count(s.n));
-    if (scratch_count == 0) return 0.0;
-    double* scratch = reserve(norm_scratch_, scratch_count * sizeof(double),
+    if (slices.empty()) return 0.0;
+    norm_slices_.clear();
+    for (const Slice& s : slices) norm_slices_.push_back({s.data, s.n});
+    double* scratch = reserve(norm_scratch_,
+                              std::max<std::size_t>(1, dev::norm_plan_scratch_count(norm_slices_)) *
+                                  sizeof(double),
                               MemCategory::Scratch, false)
                           .as<double>();
-    double* host = reserve(norm_host_, slices.size() * dev::kNormFanIn * sizeof(double),
-                           MemCategory::Scratch, true)
-                       .as<double>();
-    norm_counts_.assign(slices.size(), 0);
-    for (std::size_t i = 0; i < slices.size(); ++i) {
-      if (slices[i].n == 0) continue;
-      const dev::DevicePartials p = dev::sum_squares_partials(stream_, slices[i].data, slices[i].n, scratch);
-      SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(host + i * dev::kNormFanIn, p.data,
-                                          p.count * sizeof(double), cudaMemcpyDeviceToHost,
-                                          stream_));
-      norm_counts_[i] = p.count;
-    }
+    const dev::NormPlan plan = dev::plan_sum_squares(norm_slices_, scratch);
+    // The tables (entries, then the slices' last levels) and the sums, in one pinned and one
+    // device buffer: [entries | last | sums].
+    const std::size_t entries_bytes = plan.entries.size() * sizeof(dev::NormLevelEntry);
+    const std::size_t last_bytes = plan.last.size() * sizeof(dev::NormSliceLast);
+    const std::size_t sums_offset = (entries_bytes + last_bytes + 7) / 8 * 8;
+    const std::size_t bytes = sums_offset + slices.size() * sizeof(double);
+    char* host = reserve(norm_host_, bytes, MemCategory::Scratch, true).as<char>();
+    char* device = reserve(norm_tables_, bytes, MemCategory::Scratch, false).as<char>();
+    std::memcpy(host, plan.entries.data(), entries_bytes);
+    std::memcpy(host + entries_bytes, plan.last.data(), last_bytes);
+    SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(device, host, entries_bytes + last_bytes,
+                                        cudaMemcpyHostToDevice, stream_));
+    double* sums = reinterpret_cast<double*>(device + sums_offset);
+    dev::sum_squares_slices(stream_, plan, reinterpret_cast<const dev::NormLevelEntry*>(device),
+                            reinterpret_cast<const dev::NormSliceLast*>(device + entries_bytes),
+                            sums);
+    double* host_sums = reinterpret_cast<double*>(host + sums_offset);
+    SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(host_sums, sums, slices.size() * sizeof(double),
+                                        cudaMemcpyDeviceToHost, stream_));
     dev::host_wait(stream_);
     double sum = 0.0;
-    for (std::size_t i = 0; i < slices.size(); ++i)
-      sum += slices[i].n == 0 ? 0.0 : dev::combine_in_order(host + i * dev::kNormFanIn, norm_counts_[i]);
+    for (std::size_t i = 0; i < slices.size(); ++i) sum += host_sums[i];
     return sum;
   }
 
@@ -238,7 +236,8 @@ class CudaBackend final : public Backend {
   std::array<Slot, kStagingSlots> slots_;
   std::size_t next_slot_ = 0;
   Allocation norm_scratch_, norm_host_;
-  std::vector<std::size_t> norm_counts_;  // sum_squares_in_order: each slice's last level
+  Allocation norm_tables_;                  // sum_squares_in_order: the plan's tables, the sums
+  std::vector<dev::NormSlice> norm_slices_;
 };
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include "adam_chunk.hpp"
 #include "shardopt/bf16.hpp"
+#include "sum_squares.hpp"
 
 namespace shardopt::dev {
 
@@ -35,6 +36,13 @@ struct DevicePartials {
 };
 DevicePartials sum_squares_partials(cudaStream_t stream, const float* x, std::size_t n,
                                     double* scratch);
+
+/// The batched trees of `plan` (plan_sum_squares): its tables were copied to device memory
+/// at `entries` and `last` (stream-ordered before this call); each slice's sum goes to
+/// results[s] (device memory). The plan itself is read on the host only for the launch
+/// sizes (and, by the fake device, for what the kernels read and write).
+void sum_squares_slices(cudaStream_t stream, const NormPlan& plan, const NormLevelEntry* entries,
+                        const NormSliceLast* last, double* results);
 
 /// Waits for the stream; true when no element is NaN or Inf.
 bool all_finite(cudaStream_t stream, const float* x, std::size_t n);

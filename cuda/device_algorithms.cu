@@ -89,6 +89,13 @@ DevicePartials sum_squares_partials(cudaStream_t stream, const float* x, std::si
   return {p.data, p.count};
 }
 
+void sum_squares_slices(cudaStream_t stream, const NormPlan& plan, const NormLevelEntry* entries,
+                        const NormSliceLast* last, double* results) {
+  guarded("thrust::for_each_n (sum of squares of several slices)", [&] {
+    sum_squares_slices(on(stream), entries, plan.levels, last, plan.last.size(), results);
+  });
+}
+
 bool all_finite(cudaStream_t stream, const float* x, std::size_t n) {
   return guarded("thrust::transform_reduce (non-finite flag)",
                  [&] { return all_finite(thrust::cuda::par.on(stream), x, n); });

@@ -16,6 +16,7 @@
 #include <thrust/transform_reduce.h>
 
 #include <cstddef>
+#include <span>
 
 #include "adam_chunk.hpp"
 #include "shardopt/element_ops.hpp"
@@ -79,6 +80,18 @@ Partials sum_squares_partials(Policy&& exec, const float* x, std::size_t n, doub
     count = groups;
   }
   return {in, count};  // == scratch + norm_last_level(n).offset, norm_last_level(n).count
+}
+
+/// Several slices' trees (plan_sum_squares; `entries` and `last` are the plan's tables in
+/// memory of the policy's system): one launch per level, then each slice's sum into
+/// results[s].
+template <class Policy>
+void sum_squares_slices(Policy&& exec, const NormLevelEntry* entries,
+                        std::span<const NormLevelLaunch> levels, const NormSliceLast* last,
+                        std::size_t slices, double* results) {
+  for (const NormLevelLaunch& l : levels)
+    if (l.items) thrust::for_each_n(exec, Index(0), l.items, NormLevelItem{entries + l.first_entry, l.num_entries});
+  if (slices) thrust::for_each_n(exec, Index(0), slices, NormCombine{last, results});
 }
 
 /// True when no element is NaN or Inf (an integer max, so exact in any order).

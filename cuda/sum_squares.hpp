@@ -13,6 +13,8 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
+#include <vector>
 
 #include "shardopt/element_ops.hpp"
 #include "shardopt/host_device.hpp"
@@ -101,6 +103,120 @@ inline double combine_in_order(const double* partials, std::size_t count) {
   double acc = 0.0;
   for (std::size_t i = 0; i < count; ++i) acc += partials[i];
   return acc;
+}
+
+// ---- several slices at once (the step's norm over every bucket) --------------------------
+// Each slice gets its own tree, exactly the one above, in its own region of one scratch; the
+// trees advance together, one launch per level, and one more launch adds each slice's last
+// level in order. Per slice, the same additions in the same order: the same bits as one
+// sum_squares per slice.
+
+struct NormSlice {
+  const float* x;
+  std::size_t n;
+};
+
+/// One slice's work at one level: level 1 reads `x` (`n` elements) into lanes, a later level
+/// groups `count` partials from `in`; results go to out[0, items). `first` is the slice's
+/// first work item in its level's launch (entries of a level are sorted by it).
+struct NormLevelEntry {
+  const float* x;  // level 1; nullptr at later levels
+  std::size_t n;
+  const double* in;  // later levels
+  std::size_t count;
+  double* out;
+  std::size_t first;
+};
+
+/// A slice's last level: at most kNormFanIn partials, added in order.
+struct NormSliceLast {
+  const double* in;
+  std::size_t count;
+};
+
+/// Work item t of one level's launch: the entry whose items hold t.
+struct NormLevelItem {
+  const NormLevelEntry* entries;
+  std::size_t num_entries;
+  SHARDOPT_HD void operator()(std::size_t t) const {
+    std::size_t lo = 0, hi = num_entries;  // the last entry with first <= t
+    while (hi - lo > 1) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (entries[mid].first <= t) lo = mid;
+      else hi = mid;
+    }
+    const NormLevelEntry& e = entries[lo];
+    const std::size_t local = t - e.first;
+    e.out[local] = e.x != nullptr ? LaneSquares{e.x, e.n}(local) : GroupSum{e.in, e.count}(local);
+  }
+};
+
+/// Slice s's sum: combine_in_order's additions, on the device.
+struct NormCombine {
+  const NormSliceLast* last;
+  double* result;
+  SHARDOPT_HD void operator()(std::size_t s) const {
+    double acc = 0.0;
+    for (std::size_t i = 0; i < last[s].count; ++i) acc += last[s].in[i];
+    result[s] = acc;
+  }
+};
+
+/// One level's launch: entries [first_entry, first_entry + num_entries), `items` work items.
+struct NormLevelLaunch {
+  std::size_t first_entry;
+  std::size_t num_entries;
+  std::size_t items;
+};
+
+/// The host's plan of the batched trees in `scratch` (norm_plan_scratch_count doubles).
+struct NormPlan {
+  std::vector<NormLevelEntry> entries;  // level 1's, then level 2's, ...
+  std::vector<NormLevelLaunch> levels;
+  std::vector<NormSliceLast> last;      // one per slice ({nullptr, 0} for an empty one)
+};
+
+inline std::size_t norm_plan_scratch_count(std::span<const NormSlice> slices) {
+  std::size_t total = 0;
+  for (const NormSlice& s : slices) total += norm_scratch_count(s.n);
+  return total;
+}
+
+inline NormPlan plan_sum_squares(std::span<const NormSlice> slices, double* scratch) {
+  NormPlan plan;
+  plan.last.assign(slices.size(), NormSliceLast{nullptr, 0});
+  // Where each slice's tree stands: the level just written (in, count).
+  struct Cursor {
+    double* in;
+    std::size_t count;
+  };
+  std::vector<Cursor> at(slices.size(), Cursor{nullptr, 0});
+  double* region = scratch;
+  NormLevelLaunch level{0, 0, 0};
+  for (std::size_t s = 0; s < slices.size(); ++s) {
+    const std::size_t lanes = norm_lane_count(slices[s].n);
+    if (lanes == 0) continue;
+    plan.entries.push_back({slices[s].x, slices[s].n, nullptr, 0, region, level.items});
+    at[s] = {region, lanes};
+    level.items += lanes;
+    region += norm_scratch_count(slices[s].n);
+  }
+  while (true) {
+    level.num_entries = plan.entries.size() - level.first_entry;
+    if (level.num_entries == 0) break;
+    plan.levels.push_back(level);
+    level = {plan.entries.size(), 0, 0};
+    for (std::size_t s = 0; s < slices.size(); ++s) {
+      if (at[s].count <= kNormFanIn) continue;
+      const std::size_t groups = ceil_div(at[s].count, kNormFanIn);
+      double* out = at[s].in + at[s].count;
+      plan.entries.push_back({nullptr, 0, at[s].in, at[s].count, out, level.items});
+      at[s] = {out, groups};
+      level.items += groups;
+    }
+  }
+  for (std::size_t s = 0; s < slices.size(); ++s) plan.last[s] = {at[s].in, at[s].count};
+  return plan;
 }
 
 /// The same tree on one host thread; `scratch` holds norm_scratch_count(n) doubles.

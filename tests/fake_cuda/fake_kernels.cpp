@@ -129,6 +129,38 @@ DevicePartials sum_squares_partials(cudaStream_t stream, const float* x, std::si
   return {scratch + last.offset, last.count};
 }
 
+// What the kernels touch comes from the host's plan; what they run on comes from the tables
+// in device memory (so a table the backend did not upload, or uploaded wrong, shows), with
+// every pointer in them translated to the fake's read/write mapping.
+void sum_squares_slices(cudaStream_t stream, const NormPlan& plan, const NormLevelEntry* entries,
+                        const NormSliceLast* last, double* results) {
+  const std::size_t slices = plan.last.size();
+  if (plan.entries.empty() && slices == 0) return;
+  std::vector<Access> acc = {reads(entries, plan.entries.size() * sizeof(NormLevelEntry)),
+                             reads(last, slices * sizeof(NormSliceLast)),
+                             writes(results, slices * sizeof(double))};
+  for (const NormLevelEntry& e : plan.entries) {
+    if (e.x != nullptr) acc.push_back(reads(e.x, e.n * 4));
+    else acc.push_back(reads(e.in, e.count * sizeof(double)));
+    const std::size_t items = e.x != nullptr ? norm_lane_count(e.n) : ceil_div(e.count, kNormFanIn);
+    acc.push_back(writes(e.out, items * sizeof(double)));
+  }
+  for (const NormSliceLast& l : plan.last) acc.push_back(reads(l.in, l.count * sizeof(double)));
+  auto lock = fakecuda::lock_device();
+  launch(stream, "sum_squares_slices", std::move(acc),
+         [entries, last, slices, levels = plan.levels, num_entries = plan.entries.size(), results] {
+           std::vector<NormLevelEntry> e(dev(entries), dev(entries) + num_entries);
+           for (NormLevelEntry& x : e) {
+             x.x = x.x != nullptr ? dev(x.x) : nullptr;
+             x.in = x.in != nullptr ? dev(x.in) : nullptr;
+             x.out = dev(x.out);
+           }
+           std::vector<NormSliceLast> l(dev(last), dev(last) + slices);
+           for (NormSliceLast& x : l) x.in = x.in != nullptr ? dev(x.in) : nullptr;
+           fakecuda::omp::sum_squares_slices(e.data(), levels, l.data(), slices, dev(results));
+         });
+}
+
 bool all_finite(cudaStream_t stream, const float* x, std::size_t n) {
   if (n == 0) return true;
   if (cudaStreamSynchronize(stream) != cudaSuccess) throw Error(Status::Cuda, "all_finite: stream");

@@ -27,6 +27,10 @@ void accumulate(float* dst, const shardopt::bf16* src, std::size_t n) {
 void sum_squares_partials(const float* x, std::size_t n, double* scratch) {
   dv::sum_squares_partials(exec, x, n, scratch);
 }
+void sum_squares_slices(const dv::NormLevelEntry* entries, std::span<const dv::NormLevelLaunch> levels,
+                        const dv::NormSliceLast* last, std::size_t slices, double* results) {
+  dv::sum_squares_slices(exec, entries, levels, last, slices, results);
+}
 bool all_finite(const float* x, std::size_t n) { return dv::all_finite(exec, x, n); }
 
 }  // namespace fakecuda::omp

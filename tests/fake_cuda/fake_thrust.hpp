@@ -4,9 +4,11 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
 
 #include "adam_chunk.hpp"
 #include "shardopt/bf16.hpp"
+#include "sum_squares.hpp"
 
 namespace fakecuda::omp {
 void adam_update(const shardopt::dev::AdamChunkOp& op);
@@ -16,5 +18,9 @@ void round_through_bf16(float* buf, std::size_t n);
 void accumulate(float* dst, const float* src, std::size_t n);
 void accumulate(float* dst, const shardopt::bf16* src, std::size_t n);
 void sum_squares_partials(const float* x, std::size_t n, double* scratch);
+void sum_squares_slices(const shardopt::dev::NormLevelEntry* entries,
+                        std::span<const shardopt::dev::NormLevelLaunch> levels,
+                        const shardopt::dev::NormSliceLast* last, std::size_t slices,
+                        double* results);
 bool all_finite(const float* x, std::size_t n);
 }  // namespace fakecuda::omp

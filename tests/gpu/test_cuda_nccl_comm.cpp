@@ -178,7 +178,9 @@ TEST_F(NcclComm, CollectiveTimeoutAbortsTheCommunicator) {
   const std::string message =
       communication_error([&] { comm->all_reduce_sum(buf.get(), 64, CommType::F32); });
   const double took = seconds_since(start);
-  EXPECT_GE(took, 1.0);
+  // A rank may stop a little before its own 1 s: another rank's timeout started earlier and
+  // its abort notice arrives first (measured 0.9986 s at 3 ranks on the fake).
+  EXPECT_GE(took, 0.8);
   EXPECT_LT(took, 5.0 + 3.0) << "bounded: the timeout, or the held kernel that NCCL's abort waits for";
   EXPECT_NE(message.find("ncclAllReduce (collective #0) did not complete within 1 s"),
             std::string::npos) << message;
