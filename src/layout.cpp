@@ -42,11 +42,11 @@ std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group,
   return params_.size() - 1;
 }
 
-void FlatLayout::build(int world_size, std::size_t bucket_elems) {
+void FlatLayout::build(int world_size, std::size_t bucket_elems, std::size_t max_auto_elems) {
   require(!built(), Status::InvalidState, "the layout is already built");
   require(world_size > 0, Status::InvalidArgument, "world size must be positive");
   require(!params_.empty(), Status::InvalidState, "finalize: no parameters were registered");
-  if (bucket_elems == 0) bucket_elems = auto_bucket_elems(unpadded_);
+  if (bucket_elems == 0) bucket_elems = auto_bucket_elems(unpadded_, max_auto_elems);
   const std::size_t quantum = bucket_quantum(world_size);
   const std::size_t cap = bucket_capacity(bucket_elems, world_size);
 

@@ -13,6 +13,7 @@
 #include "buckets.hpp"
 #include "buffer_plan.hpp"
 #include "exact_sum.hpp"
+#include "shardopt/planner.hpp"
 #include "step_check.hpp"
 #include "units.hpp"
 
@@ -222,7 +223,7 @@ void ShardedOptimizer::finalize() {
   FlatLayout layout = layout_;
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
-    layout.build(comm_->size(), options_.bucket_elems);
+    layout.build(comm_->size(), options_.bucket_elems, auto_bucket_cap(options_.device));
   });
 
   // Every rank compares everyone's fingerprint, so all of them detect a mismatch.

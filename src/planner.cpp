@@ -15,6 +15,7 @@ PlanConfig plan_config(const OptimizerOptions& options, int world_size) {
   c.world_size = world_size;
   c.param_dtype = options.param_dtype;
   c.bucket_elems = options.bucket_elems;
+  c.device = options.device;
   c.buckets_in_flight = options.buckets_in_flight;
   c.units_in_flight = options.units_in_flight;
   c.reduction = options.reduction;
@@ -77,7 +78,7 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
                 std::to_string(built.bucket_elems()) + " elements, the plan asks for " +
                 std::to_string(config.bucket_elems));
   } else {
-    built.build(config.world_size, config.bucket_elems);
+    built.build(config.world_size, config.bucket_elems, auto_bucket_cap(config.device));
   }
 
   // The very plan ShardedOptimizer::finalize() allocates from.

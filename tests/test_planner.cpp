@@ -244,6 +244,23 @@ TEST(Planner, AutomaticBucketSizeMakesStage2SaveOnSmallModels) {
   EXPECT_EQ(FlatLayout::auto_bucket_elems(std::size_t{8} << 20), std::size_t{1} << 20);
   EXPECT_EQ(FlatLayout::auto_bucket_elems(std::size_t{1} << 40), std::size_t{1} << 20);
   EXPECT_EQ(OptimizerOptions{}.bucket_elems, 0u);
+  // On a GPU the cap is 2^24 (FlatLayout::auto_bucket_elems: the per-bucket cost measured).
+  EXPECT_EQ(auto_bucket_cap(Device::Cpu), std::size_t{1} << 20);
+  EXPECT_EQ(auto_bucket_cap(Device::Cuda), std::size_t{1} << 24);
+  EXPECT_EQ(FlatLayout::auto_bucket_elems(std::size_t{1} << 30, auto_bucket_cap(Device::Cuda)),
+            std::size_t{1} << 24);
+  EXPECT_EQ(FlatLayout::auto_bucket_elems(8 * 100000, auto_bucket_cap(Device::Cuda)), 100000u);
+  {
+    FlatLayout big;
+    for (int i = 0; i < 4; ++i) big.add("t" + std::to_string(i), std::size_t{1} << 24, 0);
+    PlanConfig cpu{Stage::Zero1, 2, DType::BF16, DType::F32, 0, 2}, gpu = cpu;
+    gpu.device = Device::Cuda;
+    EXPECT_EQ(plan_memory(big, cpu).num_buckets, 64u);
+    EXPECT_EQ(plan_memory(big, gpu).num_buckets, 8u);
+    OptimizerOptions o;
+    o.device = Device::Cuda;
+    EXPECT_EQ(plan_config(o, 2).device, Device::Cuda);
+  }
   FlatLayout mnist;
   for (std::size_t n : {200, 10, 5000, 20, 16000, 50, 500, 10}) mnist.add("p" + std::to_string(mnist.num_params()), n, 0);
   const PlanConfig auto1{Stage::Zero1, 2, DType::F32, DType::F32, 0, 2};

@@ -101,19 +101,25 @@ class FlatLayout {
     return kAlignElems * static_cast<std::size_t>(world_size);
   }
   /// Automatic bucket size (bucket_elems 0): an eighth of the model, at least 4096 and at most
-  /// 2^20 elements. Stage 2 holds buckets_in_flight (default 2) staging buckets instead of a
-  /// full gradient: with 8 or more buckets that is at most a quarter of it, where one bucket
-  /// holding the whole model saves nothing; 4096 fp32 elements (16 KiB) keeps a small model's
-  /// collectives few; models above 8 Mi elements get 2^20, the fixed default of earlier
-  /// releases. The same at every stage and rank count, so stages share one layout.
+  /// `max_elems` elements: 2^20 on the CPU, 2^24 on a GPU (kMaxAutoBucketElemsDevice). Stage 2
+  /// holds buckets_in_flight (default 2) staging buckets instead of a full gradient: with 8 or
+  /// more buckets that is at most a quarter of it, where one bucket holding the whole model
+  /// saves nothing; 4096 fp32 elements (16 KiB) keeps a small model's collectives few; CPU
+  /// models above 8 Mi elements get 2^20, the fixed default of earlier releases. A GPU pays
+  /// about 6.5 us of launches and copies per bucket and step beyond the kernels' own time
+  /// (measured on an H200: a 1 Gi-parameter step took 18.2 ms in 1024 buckets, 10.3 ms in 64,
+  /// against 7.7 ms for the update kernel alone; docs/performance.md), hence the larger cap.
+  /// The same at every stage and rank count, so stages share one layout.
   static constexpr std::size_t kAutoBuckets = 8;
   static constexpr std::size_t kMinAutoBucketElems = 4096;
   static constexpr std::size_t kMaxAutoBucketElems = std::size_t{1} << 20;
-  static constexpr std::size_t auto_bucket_elems(std::size_t model_elems) {
+  static constexpr std::size_t kMaxAutoBucketElemsDevice = std::size_t{1} << 24;
+  static constexpr std::size_t auto_bucket_elems(std::size_t model_elems,
+                                                 std::size_t max_elems = kMaxAutoBucketElems) {
     const std::size_t eighth = (model_elems + kAutoBuckets - 1) / kAutoBuckets;
-    return eighth < kMinAutoBucketElems   ? kMinAutoBucketElems
-           : eighth > kMaxAutoBucketElems ? kMaxAutoBucketElems
-                                          : eighth;
+    return eighth < kMinAutoBucketElems ? kMinAutoBucketElems
+           : eighth > max_elems         ? max_elems
+                                        : eighth;
   }
   /// The capacity of every bucket: bucket_elems rounded up to the quantum.
   static constexpr std::size_t bucket_capacity(std::size_t bucket_elems, int world_size) {
@@ -126,9 +132,10 @@ class FlatLayout {
   std::size_t add(std::string_view name, std::size_t numel, int group, int unit = 0);
 
   /// Places the parameters and cuts the buckets for `world_size` ranks and buckets of about
-  /// `bucket_elems` elements (0: auto_bucket_elems of the registered elements; bucket_elems()
-  /// tells the size used). Further add() calls throw.
-  void build(int world_size, std::size_t bucket_elems);
+  /// `bucket_elems` elements (0: auto_bucket_elems of the registered elements, at most
+  /// `max_auto_elems`; bucket_elems() tells the size used). Further add() calls throw.
+  void build(int world_size, std::size_t bucket_elems,
+             std::size_t max_auto_elems = kMaxAutoBucketElems);
 
   bool built() const { return world_size_ > 0; }
   int world_size() const { return world_size_; }

@@ -56,7 +56,16 @@ struct PlanConfig {
   /// per element) at every stage, and sends 9 bytes per element instead of 4.
   Reduction reduction = Reduction::Default;
   DType reduce_dtype = DType::F32;  ///< the wire of the default reduction: F32 or BF16
+  /// Where the optimizer's buffers live: sets the automatic bucket size's cap
+  /// (auto_bucket_cap); the bytes are the same on either device.
+  Device device = Device::Cpu;
 };
+
+/// The largest automatic bucket (bucket_elems 0) on `device` (FlatLayout::auto_bucket_elems).
+constexpr std::size_t auto_bucket_cap(Device device) {
+  return device == Device::Cuda ? FlatLayout::kMaxAutoBucketElemsDevice
+                                : FlatLayout::kMaxAutoBucketElems;
+}
 
 /// The planner's view of an optimizer's options on a group of `world_size` ranks.
 PlanConfig plan_config(const OptimizerOptions& options, int world_size);

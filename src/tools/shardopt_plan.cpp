@@ -77,6 +77,7 @@ struct Args {
   DType param_dtype = DType::BF16;
   DType grad_dtype = DType::F32;
   std::size_t bucket_elems = PlanConfig{}.bucket_elems;
+  Device device = Device::Cpu;
   int buckets_in_flight = PlanConfig{}.buckets_in_flight;
   bool accumulate_without_sync = false;
   bool reproducible = false;
@@ -91,6 +92,7 @@ struct Args {
     c.param_dtype = param_dtype;
     c.grad_dtype = grad_dtype;
     c.bucket_elems = bucket_elems;
+    c.device = device;
     c.buckets_in_flight = buckets_in_flight;
     c.accumulate_without_sync = accumulate_without_sync;
     c.reduction = reproducible ? Reduction::Reproducible : Reduction::Default;
@@ -149,8 +151,13 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
       ->transform(dtypes)->default_str("fp32");
   app.add_option("--bucket-elems", a.bucket_elems,
                  "bucket size in elements (default: automatic, as OptimizerOptions' 0: an "
-                 "eighth of the model, 4Ki to 1Mi)")
+                 "eighth of the model, 4Ki to 1Mi; to 16Mi with --device cuda)")
       ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("auto");
+  app.add_option("--device", a.device,
+                 "where the optimizer's buffers live (OptimizerOptions::device): sets the "
+                 "automatic bucket size's cap")
+      ->transform(cli::choice<Device>({{"cpu", Device::Cpu}, {"cuda", Device::Cuda}}))
+      ->default_str("cpu");
   app.add_option("--buckets-in-flight", a.buckets_in_flight,
                  "stage-2 staging slots (OptimizerOptions::buckets_in_flight)")
       ->check(CLI::Range(1, 1 << 20))->capture_default_str();
@@ -274,7 +281,7 @@ int main(int argc, char** argv) {
     Args a;
     if (const std::optional<int> rc = parse_args(argc, argv, a)) return *rc;
     if (a.bucket_elems == 0)  // automatic, as finalize() chooses it for this model
-      a.bucket_elems = FlatLayout::auto_bucket_elems(a.layout.unpadded_size());
+      a.bucket_elems = FlatLayout::auto_bucket_elems(a.layout.unpadded_size(), auto_bucket_cap(a.device));
     if (a.csv) {
       print_csv(a);
     } else {

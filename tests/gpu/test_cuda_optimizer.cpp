@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -15,6 +16,7 @@
 #include "gpu_world.hpp"
 #include "shardopt/cuda_comm.hpp"
 #include "shardopt/optimizer.hpp"
+#include "shardopt/planner.hpp"
 #include "support/reference.hpp"
 
 #if SHARDOPT_GPU_TEST_MPI
@@ -283,6 +285,35 @@ TEST(CudaZero3, MatchesZero2Bitwise) {
       expect_same_state(*z2, *z3, step);
     }
   }
+}
+
+// The automatic bucket size on a GPU: an eighth of the model up to 2^24 elements (2^20 on the
+// CPU), the value the planner gives for Device::Cuda. A 40 Mi-element model: 5 Mi elements
+// per bucket on the GPU, where the CPU would cut 2^20. Allocates 40 Mi x 4 fp32 arrays.
+TEST(CudaDevice, AutomaticBucketSizeIsTheDevicePlanners) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  OptimizerOptions o;
+  o.device = Device::Cuda;
+  o.stage = Stage::Zero2;
+  o.param_dtype = DType::BF16;
+  ShardedOptimizer opt(test::gpu_world(), o);
+  const std::size_t n = std::size_t{40} << 20;
+  opt.add_param("w", n / 2, 0);
+  opt.add_param("v", n / 2, 0);
+  opt.finalize();
+  EXPECT_EQ(opt.options().bucket_elems, n / 8);
+  EXPECT_EQ(opt.options().bucket_elems, FlatLayout::auto_bucket_elems(n, auto_bucket_cap(Device::Cuda)));
+  EXPECT_GT(opt.options().bucket_elems, FlatLayout::auto_bucket_elems(n)) << "the CPU's cap";
+  PlanConfig c = plan_config(o, test::gpu_world_size());
+  FlatLayout layout;
+  layout.add("w", n / 2, 0);
+  layout.add("v", n / 2, 0);
+  const MemoryPlan plan = plan_memory(layout, c);
+  EXPECT_EQ(plan.num_buckets, opt.layout().num_buckets());
+  std::size_t largest = 0;
+  for (std::size_t k = 0; k < opt.layout().num_buckets(); ++k)
+    largest = std::max(largest, opt.layout().bucket(k).flat.size());
+  EXPECT_EQ(plan.bucket_elems, largest);
 }
 
 // Device buffers cannot go through a host communicator, at any size (even one rank runs host
