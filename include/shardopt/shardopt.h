@@ -223,8 +223,9 @@ typedef struct shardopt_config {
   size_t bucket_elems;  /* elements per bucket, at every stage: gradients are reduced, and at
                            stages 1/2 the replica gathered, bucket by bucket; a parameter
                            larger than this spans several; 0: automatic, an eighth of the
-                           model between 4096 and 1048576 elements (shardopt_get_config
-                           reports the size chosen); default 0 (earlier releases: 1048576) */
+                           model between 4096 and 1048576 elements, 16777216 with
+                           SHARDOPT_DEVICE_CUDA (shardopt_get_config reports the size
+                           chosen); default 0 (earlier releases: 1048576) */
   /* ---- since 0.2.0 ---- */
   int overlap;          /* 1: start each bucket's reduction as soon as its gradients are
                            ready (shardopt_grad_ready) and gather bucket by bucket; 0: all

@@ -433,6 +433,23 @@ TEST(CApiOnFake, CreatesACudaOptimizerInOneProcess) {
   EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
 }
 
+// The automatic bucket size with SHARDOPT_DEVICE_CUDA: an eighth of a 16 Mi-element model
+// (2 Mi), where the CPU's cap is 1 Mi (docs/c_api.md).
+TEST(CApiOnFake, AutomaticBucketSizeOfACudaOptimizer) {
+  shardopt_config_t cfg;
+  ASSERT_EQ(shardopt_config_init(&cfg), SHARDOPT_SUCCESS);
+  cfg.device = SHARDOPT_DEVICE_CUDA;
+  shardopt_optimizer_t opt = nullptr;
+  ASSERT_EQ(shardopt_create(&opt, &cfg), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param(opt, "w", std::size_t{16} << 20, 0, nullptr), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS);
+  shardopt_config_t got;
+  ASSERT_EQ(shardopt_config_init(&got), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_get_config(opt, &got), SHARDOPT_SUCCESS);
+  EXPECT_EQ(got.bucket_elems, std::size_t{2} << 20);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+}
+
 TEST(CudaBackendOnFake, GridStrideLaunchShapeFromTheOccupancyQueryOnce) {
   auto be = make_cuda_backend_with(dev::AdamKernel::GridStride);
   const std::size_t n = std::size_t{4} * 256 * 1000;  // 1000 blocks wanted
