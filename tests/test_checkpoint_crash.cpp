@@ -105,9 +105,11 @@ StoppedJob start_stopped_job(const Crash& c, const fs::path& dir, const fs::path
   const fs::path marker = work / "stopped.pid";
   std::vector<std::string> args;
 #ifdef SHARDOPT_NODES_LAUNCHER
-  if (c.nodes > 0)
+  if (c.nodes > 0) {
+    setenv("MPIEXEC", SHARDOPT_MPIEXEC, 1);  // the build's MPICH launcher
     args = {"/bin/bash", SHARDOPT_NODES_LAUNCHER, std::to_string(c.nodes),
             std::to_string(c.ranks / c.nodes), "--"};
+  }
 #endif
 #ifdef SHARDOPT_MPIEXEC
   if (c.ranks > 1 && c.nodes == 0) {

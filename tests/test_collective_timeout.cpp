@@ -128,6 +128,7 @@ TEST_P(FrozenRank, JobEndsWithTheMessageWithinTheTimeoutPlusABound) {
   std::vector<std::string> args;
   if (c.nodes > 0) {
 #ifdef SHARDOPT_NODES_LAUNCHER
+    setenv("MPIEXEC", SHARDOPT_MPIEXEC, 1);  // the build's MPICH launcher
     args = {"/bin/bash", SHARDOPT_NODES_LAUNCHER, std::to_string(c.nodes),
             std::to_string(c.ranks / c.nodes), "--"};
 #else
