@@ -33,8 +33,10 @@ ASAN_OPTIONS="$common:detect_leaks=1" ctest --output-on-failure -LE "mpi|install
 # At 1 and 2 ranks: the code paths of 3 and 4 ranks are the same, and the plain suite
 # (scripts/test.sh) runs every case at 1-4 ranks; oversubscribed 3-4-rank jobs under ASan
 # take most of CI's time on a 2-core machine.
+# Not the pretend-node runs (label nodes): the same code paths as the 1-2-rank runs, with
+# MPICH's locality instead; the plain suite runs them.
 echo "ci_sanitizers: MPI tests at 1 and 2 ranks (ASan + UBSan; leak check off for MPICH)"
-ASAN_OPTIONS="$common:detect_leaks=0" ctest --output-on-failure -L mpi -LE fortran \
+ASAN_OPTIONS="$common:detect_leaks=0" ctest --output-on-failure -L mpi -LE "fortran|nodes" \
   -E '[.]np[3-9]$' "$@"
 # Fortran drivers: libgfortran hands blank-padded file names that carry no NUL to strndup
 # (st_open), which strict_string_checks reads past by design. Everything else stays on; the

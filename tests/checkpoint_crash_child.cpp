@@ -1,8 +1,10 @@
 // checkpoint_crash_child.cpp: the process test_checkpoint_crash kills. It trains, saves a
 // first checkpoint, trains on, and starts a second save that stops at a named point of the
 // save protocol on one rank: that rank writes its pid to a marker file and waits there for
-// SIGKILL. Run alone (single process) or under mpiexec ("mpi").
-//   checkpoint_crash_child DIR POINT RANK MARKER single|mpi
+// SIGKILL. Run alone (single process) or under mpiexec ("mpi"). "resume" (under mpiexec, any
+// rank count) is the job after the crash: it loads DIR's latest checkpoint, trains steps 4 and
+// 5 and saves them into DIR (POINT, RANK and MARKER unused).
+//   checkpoint_crash_child DIR POINT RANK MARKER single|mpi|resume
 #include <unistd.h>
 
 #include <cstdio>
@@ -40,14 +42,15 @@ void stop_here(const char* point) {
 int main(int argc, char** argv) {
   using namespace shardopt;
   if (argc != 6) {
-    std::fprintf(stderr, "usage: %s DIR POINT RANK MARKER single|mpi\n", argv[0]);
+    std::fprintf(stderr, "usage: %s DIR POINT RANK MARKER single|mpi|resume\n", argv[0]);
     return 2;
   }
   const std::filesystem::path dir = argv[1];
   g_point = argv[2];
   g_stop_rank = std::atoi(argv[3]);
   g_marker = argv[4];
-  const bool mpi = std::strcmp(argv[5], "mpi") == 0;
+  const bool resume = std::strcmp(argv[5], "resume") == 0;
+  const bool mpi = resume || std::strcmp(argv[5], "mpi") == 0;
   std::shared_ptr<Communicator> comm;
 #ifdef SHARDOPT_WITH_MPI
   if (mpi) {
@@ -62,10 +65,14 @@ int main(int argc, char** argv) {
   g_rank = comm->rank();
   try {
     auto opt = test::make_ckpt_optimizer(comm, {});
-    for (int s = 1; s <= 3; ++s) test::ckpt_train_step(*opt, s);
-    save_checkpoint(*opt, dir);
+    if (resume) {
+      load_checkpoint(*opt, dir);
+    } else {
+      for (int s = 1; s <= 3; ++s) test::ckpt_train_step(*opt, s);
+      save_checkpoint(*opt, dir);
+    }
     for (int s = 4; s <= 5; ++s) test::ckpt_train_step(*opt, s);
-    ckpt::set_test_hook(&stop_here);
+    if (!resume) ckpt::set_test_hook(&stop_here);
     save_checkpoint(*opt, dir);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rank %d: %s\n", g_rank, e.what());

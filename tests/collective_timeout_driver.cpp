@@ -1,6 +1,7 @@
 // collective_timeout_driver.cpp: the jobs test_collective_timeout runs, each leaving the
 // collective sequence in a way real programs do. Every rank trains one step (a stage-3 run
-// for `acquire`) and writes its pid to DIR/rank<R>.pid; then rank RANK writes DIR/stopped and:
+// for `acquire`) and writes its pid to DIR/rank<R>.pid; then rank RANK (or each rank of a
+// list, "2,3": a whole node) writes DIR/stopped and:
 //   step | get_master: stops itself with SIGSTOP while the others enter that collective;
 //   alone:   calls step() alone while the others wait in their own MPI_Barrier (a rank
 //            evaluating or stepping on its own);
@@ -12,7 +13,7 @@
 // The job must end by the watchdog's MPI_Abort; reaching the end is a failure (exit code 1).
 // TIMEOUT_SECONDS 0 leaves collective_timeout_s at its default (the test sets
 // SHARDOPT_COLLECTIVE_TIMEOUT).
-//   collective_timeout_driver DIR RANK TIMEOUT_SECONDS step|get_master|alone|acquire|leave
+//   collective_timeout_driver DIR RANK[,RANK...] TIMEOUT_SECONDS step|get_master|alone|acquire|leave
 #include <mpi.h>
 #include <signal.h>
 #include <unistd.h>
@@ -22,6 +23,8 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -89,6 +92,14 @@ int c_step(const std::string& dir, int alone, double timeout) {
   return 1;
 }
 
+// "2,3" -> {2, 3}.
+std::set<int> rank_set(const std::string& list) {
+  std::set<int> ranks;
+  std::istringstream in(list);
+  for (std::string r; std::getline(in, r, ',');) ranks.insert(std::atoi(r.c_str()));
+  return ranks;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -99,7 +110,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string dir = argv[1];
-  const int stop_rank = std::atoi(argv[2]);
+  const std::set<int> stop_ranks = rank_set(argv[2]);
+  const int stop_rank = *stop_ranks.begin();
   const std::string where = argv[4];
   if (where == "c_step") return c_step(dir, stop_rank, std::atof(argv[3]));
   try {
@@ -123,7 +135,7 @@ int main(int argc, char** argv) {
       for (std::size_t i = 0; i < 2; ++i) opt.wait_param(i);
     MPI_Barrier(MPI_COMM_WORLD);
     write_pid(dir, rank);
-    const bool diverges = rank == stop_rank;
+    const bool diverges = stop_ranks.count(rank) != 0;
     if (diverges) write_file(dir + "/stopped", std::to_string(getpid()) + "\n");
     if (where == "alone" || where == "acquire") {
       if (diverges) {
@@ -136,8 +148,8 @@ int main(int argc, char** argv) {
       } else {
         MPI_Barrier(MPI_COMM_WORLD);  // the program's own collective, waiting for the one
       }
-      std::fprintf(stderr, "rank %d: %s completed although rank %d diverged\n", rank,
-                   where.c_str(), stop_rank);
+      std::fprintf(stderr, "rank %d: %s completed although rank %s diverged\n", rank,
+                   where.c_str(), argv[2]);
       return 1;
     }
     if (where == "leave" && diverges) {
@@ -157,8 +169,8 @@ int main(int argc, char** argv) {
       backward(opt, rank, where != "leave");
       opt.step();
     }
-    std::fprintf(stderr, "rank %d: the collective completed although rank %d is stopped\n", rank,
-                 stop_rank);
+    std::fprintf(stderr, "rank %d: the collective completed although rank %s is stopped\n", rank,
+                 argv[2]);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
   }

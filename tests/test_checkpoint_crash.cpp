@@ -1,7 +1,9 @@
 // test_checkpoint_crash.cpp: a process killed with SIGKILL at any point of a save leaves the
 // previous checkpoint complete and loadable; the next save cleans the temporaries. The
-// victim is checkpoint_crash_child, run alone and under mpiexec (one rank killed). Also two
-// jobs saving into one directory: the second is refused while the first lives.
+// victim is checkpoint_crash_child, run alone, under mpiexec (one rank killed) and on pretend
+// nodes (scripts/mpiexec_nodes.sh: the stopped rank's whole node killed; a job on the nodes
+// left then resumes from the checkpoint and trains on). Also two jobs saving into one
+// directory: the second is refused while the first lives.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -10,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -74,11 +77,13 @@ struct Crash {
   int ranks;      // 1: the child alone; more: under mpiexec
   int stop_rank;
   int expect_steps;  // 3: the previous checkpoint survives; 5: the save had published
+  int nodes = 0;     // > 0: on that many pretend nodes, ranks / nodes each; the node dies
 };
 
 std::string crash_name(const testing::TestParamInfo<Crash>& i) {
   std::string s = i.param.point + "_np" + std::to_string(i.param.ranks) + "_rank" +
-                  std::to_string(i.param.stop_rank);
+                  std::to_string(i.param.stop_rank) +
+                  (i.param.nodes ? "_nodes" + std::to_string(i.param.nodes) : "");
   for (char& c : s)
     if (c == '-') c = '_';
   return s;
@@ -99,8 +104,15 @@ struct StoppedJob {
 StoppedJob start_stopped_job(const Crash& c, const fs::path& dir, const fs::path& work) {
   const fs::path marker = work / "stopped.pid";
   std::vector<std::string> args;
+#ifdef SHARDOPT_NODES_LAUNCHER
+  if (c.nodes > 0) {
+    setenv("MPIEXEC", SHARDOPT_MPIEXEC, 1);  // the build's MPICH launcher
+    args = {"/bin/bash", SHARDOPT_NODES_LAUNCHER, std::to_string(c.nodes),
+            std::to_string(c.ranks / c.nodes), "--"};
+  }
+#endif
 #ifdef SHARDOPT_MPIEXEC
-  if (c.ranks > 1) {
+  if (c.ranks > 1 && c.nodes == 0) {
     args = {SHARDOPT_MPIEXEC, "-n", std::to_string(c.ranks)};
     for (const char* f : {SHARDOPT_MPIEXEC_EXTRA})
       if (*f) args.push_back(f);
@@ -138,9 +150,34 @@ StoppedJob start_stopped_job(const Crash& c, const fs::path& dir, const fs::path
   return job;
 }
 
-// Kills the stopped rank with SIGKILL; mpiexec takes the other ranks down, and whatever is
-// left goes with the process group.
-void kill_job(const StoppedJob& job) {
+// The UTS namespace of `pid` ("uts:[4026532...]"), "" when unreadable.
+std::string uts_of(pid_t pid) {
+  std::error_code ec;
+  const fs::path link = fs::read_symlink("/proc/" + std::to_string(pid) + "/ns/uts", ec);
+  return ec ? std::string() : link.string();
+}
+
+// Kills every process of the pretend node `pid` runs on: its UTS namespace (hydra's proxy of
+// that node and its ranks), the way a machine that loses power takes its processes with it.
+// Returns how many it killed.
+int kill_node_of(pid_t pid) {
+  const std::string node = uts_of(pid);
+  if (node.empty() || node == uts_of(getpid())) return 0;  // never this test's own namespace
+  int killed = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename();
+    if (name.empty() || !std::all_of(name.begin(), name.end(), ::isdigit)) continue;
+    const pid_t p = static_cast<pid_t>(std::stol(name));
+    if (uts_of(p) == node && kill(p, SIGKILL) == 0) ++killed;
+  }
+  return killed;
+}
+
+// Kills the stopped rank with SIGKILL (on pretend nodes: its whole node); mpiexec takes the
+// other ranks down, and whatever is left goes with the process group.
+void kill_job(const StoppedJob& job, int node_ranks = 0) {
+  // The node's ranks and hydra's proxy, at least.
+  if (job.victim > 0 && node_ranks > 0) EXPECT_GT(kill_node_of(job.victim), node_ranks);
   if (job.victim > 0) kill(job.victim, SIGKILL);
   if (!wait_exit(job.child, std::chrono::seconds(60))) {
     kill(-job.child, SIGKILL);
@@ -162,16 +199,53 @@ TEST_P(KillDuringSave, PreviousCheckpointLoadsAndTemporariesAreCleaned) {
 #ifndef SHARDOPT_MPIEXEC
   if (c.ranks > 1) GTEST_SKIP() << "built without MPI";
 #endif
+#ifndef SHARDOPT_NODES_LAUNCHER
+  if (c.nodes > 0) GTEST_SKIP() << "pretend nodes are not available here (root and unshare --uts)";
+#endif
   const fs::path work = make_work_dir();
   const fs::path dir = work / "ckpt";
   const StoppedJob job = start_stopped_job(c, dir, work);
   ASSERT_GT(job.victim, 0);
-  kill_job(job);
+  kill_job(job, c.nodes > 0 ? c.ranks / c.nodes : 0);
 
   // The newest published checkpoint loads and is complete.
   auto opt = test::make_ckpt_optimizer(make_single_process_communicator(), {});
   load_checkpoint(*opt, dir);
   EXPECT_TRUE(test::gather_state(*opt) == expected_after(c.expect_steps));
+#ifdef SHARDOPT_NODES_LAUNCHER
+  if (c.nodes > 1) {
+    // The nodes left (one fewer, as many ranks each) load it, train steps 4 and 5 and save:
+    // the state of a run that never crashed, bit for bit (the model's sums are exact).
+    const int per_node = c.ranks / c.nodes;
+    const pid_t resume = spawn({"/bin/bash", SHARDOPT_NODES_LAUNCHER, std::to_string(c.nodes - 1),
+                                std::to_string(per_node), "--", SHARDOPT_CRASH_CHILD, dir.string(),
+                                "-", "0", "-", "resume"},
+                               work / "resume.log");
+    ASSERT_GT(resume, 0);
+    int status = -1;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (waitpid(resume, &status, WNOHANG) != resume) {
+      if (std::chrono::steady_clock::now() > until) {
+        kill(-resume, SIGKILL);
+        waitpid(resume, &status, 0);
+        FAIL() << "the resumed job did not end within 120 s";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << std::string(std::istreambuf_iterator<char>(std::ifstream(work / "resume.log").rdbuf()), {});
+    auto resumed = test::make_ckpt_optimizer(make_single_process_communicator(), {});
+    load_checkpoint(*resumed, dir);
+    EXPECT_TRUE(test::gather_state(*resumed) == expected_after(5));
+    for (const fs::directory_entry& e : fs::directory_iterator(dir)) {
+      const std::string name = e.path().filename().string();
+      EXPECT_TRUE(name == "LATEST" || name == ckpt::kLockFile || name.rfind("ckpt-", 0) == 0)
+          << "left over: " << name;
+    }
+    fs::remove_all(work);
+    return;
+  }
+#endif
 
   // The next save removes what the killed save left and publishes normally (the killed
   // job's lock died with it; the file it lived in is this job's lock now).
@@ -239,5 +313,9 @@ INSTANTIATE_TEST_SUITE_P(
                     Crash{"shard-written", 1, 0, 3}, Crash{"metadata-written", 1, 0, 3},
                     Crash{"renamed", 1, 0, 3}, Crash{"published", 1, 0, 5},
                     Crash{"shard-partly-written", 2, 1, 3}, Crash{"shard-written", 2, 0, 3},
-                    Crash{"metadata-written", 2, 0, 3}, Crash{"renamed", 2, 0, 3}),
+                    Crash{"metadata-written", 2, 0, 3}, Crash{"renamed", 2, 0, 3},
+                    // A node dies mid-save: 2 nodes of 2 ranks, the stopped rank's node killed
+                    // at three points of the save; the node left resumes.
+                    Crash{"shard-partly-written", 4, 3, 3, 2}, Crash{"metadata-written", 4, 0, 3, 2},
+                    Crash{"renamed", 4, 0, 3, 2}),
     crash_name);

@@ -47,12 +47,19 @@ struct Frozen {
   int waiter;              // a rank that waits under the watchdog (its CPU use is sampled)
   bool env = false;        // the timeout from SHARDOPT_COLLECTIVE_TIMEOUT, the option default
   bool debug = false;      // SHARDOPT_DEBUG_COLLECTIVES=1
+  // > 0: the job runs on that many pretend nodes (scripts/mpiexec_nodes.sh), ranks / nodes
+  // each, and stop_ranks (every rank of one node) stop; by_node is how the message must name
+  // them by node.
+  int nodes = 0;
+  const char* stop_ranks = nullptr;
+  const char* by_node = nullptr;
 };
 
 std::string frozen_name(const testing::TestParamInfo<Frozen>& i) {
   return std::string(i.param.where) + "_np" + std::to_string(i.param.ranks) + "_" +
          i.param.comm + "_rank" + std::to_string(i.param.stop_rank) +
-         (i.param.env ? "_env" : "") + (i.param.debug ? "_debug" : "");
+         (i.param.env ? "_env" : "") + (i.param.debug ? "_debug" : "") +
+         (i.param.nodes ? "_nodes" + std::to_string(i.param.nodes) : "");
 }
 
 void PrintTo(const Frozen& f, std::ostream* os) { *os << f.where << " np" << f.ranks; }
@@ -118,11 +125,22 @@ TEST_P(FrozenRank, JobEndsWithTheMessageWithinTheTimeoutPlusABound) {
   std::string tmpl = (fs::temp_directory_path() / "shardopt-frozen-XXXXXX").string();
   ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
   const fs::path work = tmpl;
-  std::vector<std::string> args = {SHARDOPT_MPIEXEC, "-n", std::to_string(c.ranks)};
-  for (const char* f : {SHARDOPT_MPIEXEC_EXTRA})
-    if (*f) args.push_back(f);
+  std::vector<std::string> args;
+  if (c.nodes > 0) {
+#ifdef SHARDOPT_NODES_LAUNCHER
+    setenv("MPIEXEC", SHARDOPT_MPIEXEC, 1);  // the build's MPICH launcher
+    args = {"/bin/bash", SHARDOPT_NODES_LAUNCHER, std::to_string(c.nodes),
+            std::to_string(c.ranks / c.nodes), "--"};
+#else
+    GTEST_SKIP() << "pretend nodes are not available here (root and unshare --uts needed)";
+#endif
+  } else {
+    args = {SHARDOPT_MPIEXEC, "-n", std::to_string(c.ranks)};
+    for (const char* f : {SHARDOPT_MPIEXEC_EXTRA})
+      if (*f) args.push_back(f);
+  }
   for (const std::string& a : {std::string(SHARDOPT_TIMEOUT_DRIVER), work.string(),
-                               std::to_string(c.stop_rank),
+                               c.stop_ranks ? std::string(c.stop_ranks) : std::to_string(c.stop_rank),
                                c.env ? std::string("0") : std::to_string(kTimeout),
                                std::string(c.where)})
     args.push_back(a);
@@ -192,6 +210,9 @@ TEST_P(FrozenRank, JobEndsWithTheMessageWithinTheTimeoutPlusABound) {
             std::to_string(shardopt::kCollectiveTimeoutExitCode)})
     EXPECT_NE(out.find(needle), std::string::npos) << "'" << needle << "' not in:\n" << out;
   EXPECT_EQ(out.find("completed although"), std::string::npos) << out;
+  if (c.by_node)
+    EXPECT_NE(out.find(std::string("; by node: ") + c.by_node), std::string::npos)
+        << "'" << c.by_node << "' not in:\n" << out;
   ASSERT_GE(cpu0, 0) << "the waiting rank's CPU time was not sampled";
   ASSERT_GE(cpu1, 0);
   const double fraction = (cpu1 - cpu0) / std::chrono::duration<double>(t1 - t0).count();
@@ -220,5 +241,14 @@ INSTANTIATE_TEST_SUITE_P(
         // Debug mode: a rank missing from a collective, not only one calling another.
         Frozen{2, 0, "mpi", "alone", "collective #", "step", "rank 1", 0, true, true},
         Frozen{3, 0, "shm", "acquire", "collective #", "acquire(unit 1)", "ranks 1, 2", 0, true,
-               true}),
+               true},
+        // A whole node frozen (every rank of it stopped), on pretend nodes: 2 nodes of 2 ranks
+        // (the hierarchical communicator: node 0 waits in its node's shared-memory
+        // reduce-scatter, inside grad_ready) in step(), 3 nodes of 1 rank (plain MPI) in
+        // get_master(). The message names the node and its host.
+        Frozen{4, 2, "shm", "step", "reduce_scatter_sum (shared memory)", "grad_ready", "ranks 2, 3",
+               0, false, false, 2, "2,3",
+               "node 1 (host shardopt-node1): ranks 2, 3 (every rank of the node)"},
+        Frozen{3, 2, "mpi", "get_master", "all_reduce_sum", "get_master", "rank 2", 1, true, false, 3,
+               "2", "node 2 (host shardopt-node2): rank 2 (every rank of the node)"}),
     frozen_name);

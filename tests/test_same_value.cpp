@@ -1,10 +1,13 @@
 // test_same_value.cpp: the exact "every rank holds the same value" test of same_value.hpp,
-// with the sums over ranks formed here as an all-reduce would form them (in double).
+// with the sums over ranks formed here as an all-reduce would form them (in double); and the
+// wording of messages about several ranks (describe.hpp).
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "comm/describe.hpp"
 #include "comm/same_value.hpp"
 
 using namespace shardopt;
@@ -43,4 +46,15 @@ TEST(SameValue, OneDifferentBitOnOneRankIsSeenAtAnyRankCount) {
   EXPECT_FALSE(same_over({1, 2, 3}, {1, 1, 1}));
   const int half = same_value::kMaxRanks / 2;
   EXPECT_FALSE(same_over({0xFFFF, 0, 0x7FFF}, {half, half - 2, 1}));
+}
+
+// A timeout report's "by node" part: nodes in order of first appearance, whole nodes said so.
+TEST(Describe, RanksByNode) {
+  const std::vector<int> node_of = {0, 0, 1, 1, 2};
+  const std::vector<std::string> host_of = {"a", "a", "b", "b", "c"};
+  EXPECT_EQ(ranks_by_node({2, 3, 1}, node_of, host_of),
+            "node 1 (host b): ranks 2, 3 (every rank of the node); "
+            "node 0 (host a): rank 1 (1 of its 2 ranks)");
+  EXPECT_EQ(ranks_by_node({4}, node_of, host_of), "node 2 (host c): rank 4 (every rank of the node)");
+  EXPECT_EQ(ranks_by_node({}, node_of, host_of), "");
 }

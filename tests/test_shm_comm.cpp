@@ -65,12 +65,44 @@ std::vector<float> reduce_scatter(Communicator& comm, float* buf, std::size_t co
 TEST(ShmSelection, DefaultIsSharedMemoryWhenRanksShareTheNode) {
   if (std::getenv("SHARDOPT_COMM") || std::getenv("SHARDOPT_SIMULATE_NODES"))
     GTEST_SKIP() << "environment overrides the default";
+  if (std::getenv("SHARDOPT_TEST_NODES")) GTEST_SKIP() << "several nodes: PretendNodesAreNodes";
   int world = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   EXPECT_EQ(make_mpi_communicator(MPI_COMM_WORLD)->name(), world > 1 ? "mpi-shm" : "mpi");
   EXPECT_EQ(plain_comm()->name(), "mpi");
   EXPECT_EQ(shm_comm(0)->name(), "mpi-shm");
   EXPECT_EQ(shm_comm(2)->name(), world > 1 ? "mpi-shm-hierarchical(2 nodes)" : "mpi-shm");
+}
+
+// On pretend nodes (scripts/mpiexec_nodes.sh, which tests/nodes runs with SHARDOPT_TEST_NODES
+// set to their count): MPICH's locality, not simulate_nodes, makes the nodes: the topology
+// has that many nodes of consecutive ranks with their hosts' names, and the default
+// communicator is chosen by it (hierarchical across nodes of several ranks, plain MPI when
+// every node holds one rank).
+TEST(ShmSelection, PretendNodesAreNodes) {
+  const char* env = std::getenv("SHARDOPT_TEST_NODES");
+  if (env == nullptr) GTEST_SKIP() << "not on pretend nodes";
+  const int nodes = std::atoi(env);
+  int world = 0, rank = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  ASSERT_GT(nodes, 0);
+  ASSERT_EQ(world % nodes, 0);
+  const int per_node = world / nodes;
+  const auto topo = shm::NodeTopology::create(MPI_COMM_WORLD, 0);
+  EXPECT_EQ(topo->num_nodes, nodes);
+  EXPECT_EQ(topo->node_size, per_node);
+  EXPECT_EQ(topo->node_index, rank / per_node);
+  EXPECT_TRUE(topo->contiguous);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(topo->node_of[static_cast<std::size_t>(r)], r / per_node);
+    EXPECT_EQ(topo->host_of[static_cast<std::size_t>(r)],
+              "shardopt-node" + std::to_string(r / per_node));
+  }
+  const std::string want = per_node < 2 ? "mpi"
+                           : nodes == 1 ? "mpi-shm"
+                                        : "mpi-shm-hierarchical(" + std::to_string(nodes) + " nodes)";
+  EXPECT_EQ(make_mpi_communicator(MPI_COMM_WORLD)->name(), want);
 }
 
 // How waits poll (MpiWait): Auto and Yield yield the CPU, Block does not.
@@ -112,6 +144,8 @@ TEST_P(ShmCollectives, ReduceScatterFollowsTheDocumentedOrder) {
   // MPI computes (a + b). Across nodes the order between leaders is MPI's own: checked by
   // the exact test above.
   if (GetParam() > 1) GTEST_SKIP() << "single-node order";
+  if (const char* nodes = std::getenv("SHARDOPT_TEST_NODES"); nodes && std::atoi(nodes) > 1)
+    GTEST_SKIP() << "single-node order (on several nodes the leaders sum in MPI's order)";
   auto shm = shm_comm(0);
   auto plain = plain_comm();
   const int world = shm->size();

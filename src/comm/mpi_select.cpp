@@ -89,6 +89,7 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOption
             "simulated nodes; check SHARDOPT_COMM and SHARDOPT_SIMULATE_NODES)");
 
   auto topo = shm::NodeTopology::create(comm, options.simulate_nodes);
+  if (topo->num_nodes > 1) watchdog->set_nodes(topo->node_of, topo->host_of);
   // A spinning wait keeps whatever else wants this CPU off it: the rank being waited for
   // when ranks outnumber CPUs, another program on a shared machine.
   watchdog->set_yield(mpi::Watchdog::should_yield(options.wait));

@@ -154,6 +154,8 @@ void Watchdog::report_and_abort(const Ticket& t, double waited) {
            std::to_string(static_cast<int>(grace_seconds(timeout_) * 1000)) +
            " ms: in no shardopt call (skipped this one, left the loop, or busy elsewhere), "
            "stopped, gone, or waiting without a timeout)";
+  if (!silent.empty() && static_cast<int>(node_of_.size()) == size_)
+    msg += "; by node: " + ranks_by_node(silent, node_of_, host_of_);
   if (!behind.empty()) msg += (silent.empty() ? behind.substr(2) : behind);
   msg += "; arrived: " + arrived + ". An MPI collective cannot be cancelled: "
          "aborting the job (MPI_Abort, error code " + std::to_string(kCollectiveTimeoutExitCode) +

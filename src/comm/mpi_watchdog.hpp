@@ -27,6 +27,7 @@
 #include <functional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "mpi_util.hpp"
 #include "shardopt/mpi_comm.hpp"
@@ -49,6 +50,12 @@ class Watchdog {
   /// duplicate); set once, before the first wait.
   void attach(MPI_Comm comm);
   void set_timeout(double seconds) { timeout_ = seconds; }
+  /// Every rank's node and host (a job of several nodes): the timeout report then also names
+  /// the nodes of the ranks that have not arrived.
+  void set_nodes(std::vector<int> node_of, std::vector<std::string> host_of) {
+    node_of_ = std::move(node_of);
+    host_of_ = std::move(host_of);
+  }
   /// Called between the polls of every wait, which polls even without a timeout once set.
   void set_interrupt(std::function<void()> interrupt) { interrupt_ = std::move(interrupt); }
   /// Whether waits yield for the resolved `wait` (Auto after the environment): Auto and
@@ -94,6 +101,8 @@ class Watchdog {
   double timeout_ = 0.0;
   bool yield_ = false;
   std::function<void()> interrupt_;
+  std::vector<int> node_of_;
+  std::vector<std::string> host_of_;
   std::uint64_t entered_ = 0;
   Ticket current_;
 };

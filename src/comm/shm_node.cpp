@@ -3,6 +3,7 @@
 #include "shm_node.hpp"
 
 #include <algorithm>
+#include <cstring>
 
 #include "mpi_util.hpp"
 
@@ -58,6 +59,21 @@ std::shared_ptr<NodeTopology> NodeTopology::create(MPI_Comm world, int simulate_
       const int w = firsts[n] + k;
       if (w >= t->world_size || leader_of[w] != firsts[n]) t->contiguous = false;
     }
+  t->node_of.resize(static_cast<std::size_t>(t->world_size));
+  for (int w = 0; w < t->world_size; ++w)
+    t->node_of[static_cast<std::size_t>(w)] = static_cast<int>(
+        std::lower_bound(firsts.begin(), firsts.end(), leader_of[w]) - firsts.begin());
+  // The hosts: one all-gather of fixed-size names (at set-up only).
+  char host[MPI_MAX_PROCESSOR_NAME] = {};
+  int length = 0;
+  SHARDOPT_MPI(MPI_Get_processor_name(host, &length));
+  std::vector<char> hosts(static_cast<std::size_t>(t->world_size) * MPI_MAX_PROCESSOR_NAME);
+  SHARDOPT_MPI(MPI_Allgather(host, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, hosts.data(),
+                             MPI_MAX_PROCESSOR_NAME, MPI_CHAR, world));
+  for (int w = 0; w < t->world_size; ++w) {
+    const char* h = hosts.data() + static_cast<std::size_t>(w) * MPI_MAX_PROCESSOR_NAME;
+    t->host_of.emplace_back(h, strnlen(h, MPI_MAX_PROCESSOR_NAME));
+  }
   t->node_index =
       static_cast<int>(std::lower_bound(firsts.begin(), firsts.end(), leader) - firsts.begin());
   t->max_node_size = *std::max_element(t->node_ranks.begin(), t->node_ranks.end());

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace shardopt::shm {
@@ -21,6 +22,10 @@ struct NodeTopology {
   int max_node_size = 1;
   /// Per node (by node_index): first world rank and number of ranks.
   std::vector<int> node_first, node_ranks;
+  /// Per world rank: its node (node_index) and the host it runs on (MPI_Get_processor_name),
+  /// for messages that name where a rank was.
+  std::vector<int> node_of;
+  std::vector<std::string> host_of;
   /// Every node holds consecutive world ranks (true for mpiexec's default block placement);
   /// the hierarchical collectives need it.
   bool contiguous = true;
