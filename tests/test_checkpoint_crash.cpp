@@ -78,12 +78,19 @@ struct Crash {
   int stop_rank;
   int expect_steps;  // 3: the previous checkpoint survives; 5: the save had published
   int nodes = 0;     // > 0: on that many pretend nodes, ranks / nodes each; the node dies
+  // The job after the crash (nodes > 1): on resume_nodes pretend nodes of resume_per_node
+  // ranks; 0: the nodes left (nodes - 1), as many ranks each as before.
+  int resume_nodes = 0;
+  int resume_per_node = 0;
 };
 
 std::string crash_name(const testing::TestParamInfo<Crash>& i) {
   std::string s = i.param.point + "_np" + std::to_string(i.param.ranks) + "_rank" +
                   std::to_string(i.param.stop_rank) +
-                  (i.param.nodes ? "_nodes" + std::to_string(i.param.nodes) : "");
+                  (i.param.nodes ? "_nodes" + std::to_string(i.param.nodes) : "") +
+                  (i.param.resume_nodes ? "_resume" + std::to_string(i.param.resume_nodes) + "x" +
+                                              std::to_string(i.param.resume_per_node)
+                                        : "");
   for (char& c : s)
     if (c == '-') c = '_';
   return s;
@@ -214,10 +221,12 @@ TEST_P(KillDuringSave, PreviousCheckpointLoadsAndTemporariesAreCleaned) {
   EXPECT_TRUE(test::gather_state(*opt) == expected_after(c.expect_steps));
 #ifdef SHARDOPT_NODES_LAUNCHER
   if (c.nodes > 1) {
-    // The nodes left (one fewer, as many ranks each) load it, train steps 4 and 5 and save:
-    // the state of a run that never crashed, bit for bit (the model's sums are exact).
-    const int per_node = c.ranks / c.nodes;
-    const pid_t resume = spawn({"/bin/bash", SHARDOPT_NODES_LAUNCHER, std::to_string(c.nodes - 1),
+    // The nodes left (one fewer, as many ranks each), or the dead node restarted with another
+    // rank count per node, load it, train steps 4 and 5 and save: the state of a run that
+    // never crashed, bit for bit (the model's sums are exact).
+    const int nodes = c.resume_nodes ? c.resume_nodes : c.nodes - 1;
+    const int per_node = c.resume_per_node ? c.resume_per_node : c.ranks / c.nodes;
+    const pid_t resume = spawn({"/bin/bash", SHARDOPT_NODES_LAUNCHER, std::to_string(nodes),
                                 std::to_string(per_node), "--", SHARDOPT_CRASH_CHILD, dir.string(),
                                 "-", "0", "-", "resume"},
                                work / "resume.log");
@@ -317,5 +326,9 @@ INSTANTIATE_TEST_SUITE_P(
                     // A node dies mid-save: 2 nodes of 2 ranks, the stopped rank's node killed
                     // at three points of the save; the node left resumes.
                     Crash{"shard-partly-written", 4, 3, 3, 2}, Crash{"metadata-written", 4, 0, 3, 2},
-                    Crash{"renamed", 4, 0, 3, 2}),
+                    Crash{"renamed", 4, 0, 3, 2},
+                    // The killed node restarted with another rank count: 2 nodes of 1 rank,
+                    // and 2 nodes of 3 ranks (6 ranks, where the crashed job had 4).
+                    Crash{"metadata-written", 4, 0, 3, 2, 2, 1},
+                    Crash{"shard-partly-written", 4, 0, 3, 2, 2, 3}),
     crash_name);
