@@ -133,8 +133,8 @@ class CudaBackend final : public Backend {
     const std::size_t bytes = sums_offset + slices.size() * sizeof(double);
     char* host = reserve(norm_host_, bytes, MemCategory::Scratch, true).as<char>();
     char* device = reserve(norm_tables_, bytes, MemCategory::Scratch, false).as<char>();
-    std::memcpy(host, plan.entries.data(), entries_bytes);
-    std::memcpy(host + entries_bytes, plan.last.data(), last_bytes);
+    if (entries_bytes) std::memcpy(host, plan.entries.data(), entries_bytes);
+    std::memcpy(host + entries_bytes, plan.last.data(), last_bytes);  // a slice or more
     SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(device, host, entries_bytes + last_bytes,
                                         cudaMemcpyHostToDevice, stream_));
     double* sums = reinterpret_cast<double*>(device + sums_offset);
