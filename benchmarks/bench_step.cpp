@@ -18,6 +18,9 @@
 //   all-gather      2P (N-1)/N read + written   (stages 1/2; data-parallel needs none)
 //   data-parallel   all-reduce = 4P read + 4P/N + 2 x 4P (N-1)/N, update 30 B x P
 // The gradient buffers' clearing for the next step is reported apart (4P or 4P/N written).
+// Last columns: the nodes as MPI sees them and the bytes that crossed between nodes per step,
+// rank 0's count (Communicator::internode_bytes; rank 0 is a node leader) and the planner's
+// (MemoryPlan::internode_bytes); on pretend nodes: scripts/mpiexec_nodes.sh 2 1 -- bench_step.
 #include <mpi.h>
 
 #include <cstdio>
@@ -99,7 +102,23 @@ struct Phases {
 struct Extra {
   std::size_t reduce_bytes = 0;  ///< the planner's payload bytes of one step's reduction
   std::size_t grads_bytes = 0;   ///< this rank's gradient memory (tracker)
+  int nodes = 1;                      ///< as MPI sees them (MPI_COMM_TYPE_SHARED)
+  std::size_t internode_planned = 0;  ///< MemoryPlan::internode_bytes, per node and step
+  double internode_counted = 0;       ///< rank 0's Communicator::internode_bytes() per step
 };
+
+// The nodes as MPI sees them: how many ranks are node rank 0 of MPI_COMM_TYPE_SHARED.
+int count_nodes() {
+  int rank = 0, node_rank = 0, nodes = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+  MPI_Comm_rank(node, &node_rank);
+  MPI_Comm_free(&node);
+  const int leader = node_rank == 0 ? 1 : 0;
+  MPI_Allreduce(&leader, &nodes, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  return nodes;
+}
 
 Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& comm_name,
                  std::size_t& padded, Extra& extra) {
@@ -115,7 +134,13 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
   for (const ParamInfo& p : model.params()) opt.add_param(p.name, p.numel, p.group);
   opt.finalize();
   padded = opt.layout().padded_size();
-  extra.reduce_bytes = plan_memory(opt.layout(), plan_config(o, comm->size())).reduce_bytes;
+  PlanConfig plan = plan_config(o, comm->size());
+  extra.nodes = count_nodes();
+  if (comm->size() % extra.nodes == 0) plan.nodes = extra.nodes;  // else: unequal nodes, 0
+  const MemoryPlan planned = plan_memory(opt.layout(), plan);
+  extra.reduce_bytes = planned.reduce_bytes;
+  extra.internode_planned = plan.nodes > 1 ? planned.internode_bytes : 0;
+  std::uint64_t internode_start = 0;
   extra.grads_bytes = opt.memory_report()[MemCategory::Grads];
   const std::size_t n = opt.layout().num_params();
   Phases sum;
@@ -136,7 +161,10 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
     const double t0 = MPI_Wtime();
     for (std::size_t i = 0; i < n; ++i) opt.wait_param(i);
     const double wall = t.total + (MPI_Wtime() - t0);
-    if (s == 0) continue;
+    if (s == 0) {
+      internode_start = comm->internode_bytes();
+      continue;
+    }
     sum.reduce += max_over_ranks(t.reduce);
     sum.norm += max_over_ranks(t.norm);
     sum.update += max_over_ranks(t.update);
@@ -144,6 +172,7 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
     sum.total += max_over_ranks(wall);
   }
   const double k = 1.0 / a.steps;
+  extra.internode_counted = static_cast<double>(comm->internode_bytes() - internode_start) * k;
   return {sum.reduce * k, sum.norm * k, sum.update * k, sum.gather * k, sum.total * k};
 }
 
@@ -172,8 +201,9 @@ int main(int argc, char** argv) {
                   a.tensor_elems, a.bucket_elems, a.overlap ? "on" : "off", a.micro_batches);
       std::printf("in-place a+=s*b bandwidth per rank (all ranks at once): %.2f GB/s\n\n", bw / 1e9);
       std::printf("| stage | reduction | comm | reduce s | norm s | update s | gather s | step s "
-                  "| floor s | step/floor | clear s (not in floor) | reduce MiB/rank | grads MiB |\n"
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+                  "| floor s | step/floor | clear s (not in floor) | reduce MiB/rank | grads MiB "
+                  "| nodes | inter-node MiB/step counted | planned |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     }
     for (Stage stage : a.stages)
     for (Reduction reduction : a.reductions) {
@@ -193,11 +223,13 @@ int main(int argc, char** argv) {
       const double floor = bytes / bw;
       if (rank == 0)
         std::printf("| %s | %s | %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.2f | %.4f | %.1f "
-                    "| %.1f |\n",
+                    "| %.1f | %d | %.2f | %.2f |\n",
                     stage_name(stage), reduction_name(reduction), comm_name.c_str(), ph.reduce,
                     ph.norm, ph.update, ph.gather, ph.total, floor, ph.total / floor, clear / bw,
                     static_cast<double>(extra.reduce_bytes) / (1 << 20),
-                    static_cast<double>(extra.grads_bytes) / (1 << 20));
+                    static_cast<double>(extra.grads_bytes) / (1 << 20), extra.nodes,
+                    extra.internode_counted / (1 << 20),
+                    static_cast<double>(extra.internode_planned) / (1 << 20));
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_step: %s\n", e.what());

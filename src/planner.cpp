@@ -48,6 +48,9 @@ void check(const PlanConfig& c) {
           "plan_memory: buckets_in_flight must be at least 1");
   require(c.units_in_flight >= 1, Status::InvalidArgument,
           "plan_memory: units_in_flight must be at least 1");
+  require(c.nodes >= 1 && c.world_size % c.nodes == 0, Status::InvalidArgument,
+          "plan_memory: nodes must be at least 1 and divide the world size (" +
+              std::to_string(c.world_size) + " ranks on " + std::to_string(c.nodes) + " nodes)");
   require(c.reduction == Reduction::Default || c.reduction == Reduction::Reproducible,
           Status::InvalidArgument, "plan_memory: invalid reduction");
   require(c.reduce_dtype == DType::F32 ||
@@ -93,6 +96,20 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   plan.num_buckets = built.num_buckets();
   for (const Bucket& bk : built.buckets())
     plan.bucket_elems = std::max(plan.bucket_elems, bk.flat.size());
+  if (config.nodes > 1 && config.reduction == Reduction::Default) {
+    const std::size_t nodes = static_cast<std::size_t>(config.nodes);
+    const std::size_t wire = config.reduce_dtype == DType::BF16 ? 2 : 4;
+    const std::size_t param = config.param_dtype == DType::F32 ? 4 : 2;
+    for (const Bucket& bk : built.buckets()) {
+      const std::size_t others = bk.flat.size() - bk.flat.size() / nodes;  // elements
+      if (config.stage == Stage::DataParallel) {
+        plan.internode_bytes += 2 * others * wire;
+      } else {
+        plan.internode_bytes += others * wire;
+        if (config.stage != Stage::Zero3) plan.internode_bytes += others * param;
+      }
+    }
+  }
   plan.staged = b.grads_scheme == GradScheme::Staged;
   plan.unit_elems = b.unit_elems;
   plan.unit_buffers = b.unit_buffers;

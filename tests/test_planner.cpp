@@ -411,3 +411,40 @@ TEST(Planner, Zero3FallsAsOneOverN) {
   EXPECT_EQ(one.unit_buffers, 1);
   EXPECT_EQ(one.unit_elems, psi);
 }
+
+// The bytes that cross between nodes per node and step, as a ring between the nodes moves
+// them (test_shm_comm's InterNode tests check the communicators count the same): per bucket
+// the reduction (twice for data-parallel's all-reduce) and, at stages 1-2, the replica's
+// gather, each less the node's part.
+TEST(Planner, InternodeBytesPerNodeAndStep) {
+  FlatLayout layout;
+  for (std::size_t n : {5000, 3000, 9000, 100}) layout.add("p" + std::to_string(layout.num_params()), n, 0);
+  PlanConfig c{Stage::Zero1, 4, DType::BF16, DType::F32, 4096, 2};
+  EXPECT_EQ(plan_memory(layout, c).internode_bytes, 0u) << "one node";
+  c.nodes = 2;
+  FlatLayout built = layout;
+  built.build(4, 4096);
+  std::size_t half = 0;  // elements of every bucket less a node's half
+  for (const Bucket& bk : built.buckets()) half += bk.flat.size() - bk.flat.size() / 2;
+  EXPECT_EQ(plan_memory(layout, c).internode_bytes, half * (4 + 2));
+  c.stage = Stage::Zero2;
+  EXPECT_EQ(plan_memory(layout, c).internode_bytes, half * (4 + 2));
+  c.stage = Stage::DataParallel;
+  EXPECT_EQ(plan_memory(layout, c).internode_bytes, half * 2 * 4);
+  c.stage = Stage::Zero3;
+  EXPECT_EQ(plan_memory(layout, c).internode_bytes, half * 4) << "the reductions only";
+  c.stage = Stage::Zero1;
+  c.reduce_dtype = DType::BF16;
+  c.param_dtype = DType::F32;
+  EXPECT_EQ(plan_memory(layout, c).internode_bytes, half * (2 + 4));
+  c.reduce_dtype = DType::F32;
+  c.reduction = Reduction::Reproducible;
+  EXPECT_EQ(plan_memory(layout, c).internode_bytes, 0u) << "not modelled";
+  c.reduction = Reduction::Default;
+  c.nodes = 4;  // one rank per node: 3/4 of every bucket
+  std::size_t three_quarters = 0;
+  for (const Bucket& bk : built.buckets()) three_quarters += bk.flat.size() - bk.flat.size() / 4;
+  EXPECT_EQ(plan_memory(layout, c).internode_bytes, three_quarters * (4 + 4));
+  c.nodes = 3;
+  EXPECT_THROW(plan_memory(layout, c), Error) << "3 nodes do not divide 4 ranks";
+}

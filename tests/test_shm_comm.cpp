@@ -16,6 +16,7 @@
 
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/optimizer.hpp"
+#include "shardopt/planner.hpp"
 #include "comm/mpi_watchdog.hpp"
 #include "comm/shm_node.hpp"
 #include "support/reference.hpp"
@@ -333,6 +334,7 @@ class CountingComm final : public Communicator {
     in_->broadcast_bytes(b, n, root);
   }
   void barrier() override { in_->barrier(); }
+  std::uint64_t internode_bytes() const override { return in_->internode_bytes(); }
   Allocation allocate_collective_buffer(MemoryTracker* t, MemCategory c, std::size_t n) override {
     Allocation a = in_->allocate_collective_buffer(t, c, n);
     if (a.data()) ++windows;
@@ -442,3 +444,61 @@ INSTANTIATE_TEST_SUITE_P(Stages, ShmOptimizer,
                                           testing::Values(Stage::Zero1, Stage::Zero2),
                                           testing::Values(DType::BF16, DType::F32)),
                          optimizer_case_name);
+
+// What crosses between nodes in a step: the communicator's count (a node leader's; with one
+// rank per node, plain MPI's, every rank's) over 3 steps equals 3 times the planner's
+// MemoryPlan::internode_bytes for the nodes MPI reports (pretend nodes under tests/nodes) or
+// for two simulated nodes, at data-parallel, stage 1 and stage 2 with an fp32 wire and a
+// bf16 replica; a node's other ranks count 0; one node counts 0.
+namespace {
+void expect_internode_bytes(const std::function<std::shared_ptr<Communicator>()>& make,
+                            int nodes, const char* what) {
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (world % nodes != 0) GTEST_SKIP() << world << " ranks on " << nodes << " nodes: unequal nodes";
+  const int per_node = world / nodes;
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const bool leader = rank % per_node == 0;
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+    Training t(make(), stage, DType::BF16);
+    const std::uint64_t before = t.comm->internode_bytes();
+    for (int s = 1; s <= 3; ++s) t.step(s);
+    const std::uint64_t got = t.comm->internode_bytes() - before;
+    FlatLayout layout;
+    for (std::size_t i = 0; i < kSizes.size(); ++i) layout.add("p" + std::to_string(i), kSizes[i], 0);
+    PlanConfig c = plan_config(t.opt->options(), world);
+    c.nodes = nodes;
+    const MemoryPlan plan = plan_memory(layout, c);
+    if (nodes > 1) EXPECT_GT(plan.internode_bytes, 0u) << what;
+    EXPECT_EQ(got, leader ? 3 * static_cast<std::uint64_t>(plan.internode_bytes) : 0u)
+        << what << ", stage " << static_cast<int>(stage) << ", rank " << rank << " of "
+        << world << " on " << nodes << " nodes";
+  }
+}
+}  // namespace
+
+TEST(InterNode, BytesAreThePlannersFigure) {
+  if (std::getenv("SHARDOPT_COMM") || std::getenv("SHARDOPT_SIMULATE_NODES"))
+    GTEST_SKIP() << "environment overrides the default";
+  // The nodes as MPI sees them: leaders are node rank 0 of MPI_COMM_TYPE_SHARED.
+  MPI_Comm node;
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+  int node_rank = 0, nodes = 0;
+  MPI_Comm_rank(node, &node_rank);
+  MPI_Comm_free(&node);
+  const int is_leader = node_rank == 0 ? 1 : 0;
+  MPI_Allreduce(&is_leader, &nodes, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  expect_internode_bytes([] { return make_mpi_communicator(MPI_COMM_WORLD); }, nodes,
+                         "the default communicator");
+}
+
+TEST(InterNode, BytesOfSimulatedNodesAreThePlannersFigure) {
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (world < 2) GTEST_SKIP() << "one rank";
+  if (std::getenv("SHARDOPT_TEST_NODES")) GTEST_SKIP() << "pretend nodes: BytesAreThePlannersFigure";
+  expect_internode_bytes([] { return shm_comm(2); }, 2, "two simulated nodes");
+}

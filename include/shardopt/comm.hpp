@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
@@ -119,6 +120,18 @@ class Communicator {
                                                 std::size_t /*bytes*/) {
     return {};
   }
+
+  /// Local. Bytes of the data collectives above (reduce-scatter, all-gather, all-reduce)
+  /// that crossed between nodes for this rank since the communicator was made, counted as a
+  /// ring between the nodes moves them: a reduce-scatter or all-gather of B bytes in all
+  /// moves B minus this node's part of it, an all-reduce twice that. Counted by the node
+  /// leaders of the shared-memory communicator across nodes (node rank 0; the other ranks
+  /// hand their node's data to the leader in shared memory and count 0; a collective it
+  /// hands to plain MPI, such as a bf16 wire or a buffer outside its windows, is not
+  /// counted) and by plain MPI, which takes every rank as a node of its own (what
+  /// make_mpi_communicator chooses when every node holds one rank). 0 for the others.
+  /// The planner's MemoryPlan::internode_bytes is the same figure for one step.
+  virtual std::uint64_t internode_bytes() const { return 0; }
 
   /// Local. A rank that waits longer than `seconds` in one collective of this communicator
   /// prints to stderr which collective it waits in and which ranks have not arrived, then

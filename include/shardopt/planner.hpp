@@ -56,6 +56,9 @@ struct PlanConfig {
   /// per element) at every stage, and sends 9 bytes per element instead of 4.
   Reduction reduction = Reduction::Default;
   DType reduce_dtype = DType::F32;  ///< the wire of the default reduction: F32 or BF16
+  /// Nodes the ranks run on, world_size / nodes consecutive ranks each (MemoryPlan::
+  /// internode_bytes); world_size must be a multiple.
+  int nodes = 1;
   /// Where the optimizer's buffers live: sets the automatic bucket size's cap
   /// (auto_bucket_cap); the bytes are the same on either device.
   Device device = Device::Cpu;
@@ -85,6 +88,14 @@ struct MemoryPlan {
   /// wire, 2 with bf16, 9 in reproducible mode. What the transport moves on top of it
   /// depends on its algorithm (a ring reduce-scatter sends (N-1)/N of it).
   std::size_t reduce_bytes = 0;
+  /// Bytes that cross between nodes for one node in one step (one micro-batch, the default
+  /// reduction), as a ring between the `nodes` moves them: per bucket, its gradient
+  /// reduce-scatter (data-parallel: all-reduce, twice the bytes) and, at stages 1 and 2, its
+  /// replica all-gather, each the bucket's bytes less the node's part (1 / nodes of them).
+  /// Stage 3: the reductions only (each gathered unit adds its bytes less the node's part,
+  /// per acquire). 0 on one node and in reproducible mode (not modelled). What
+  /// Communicator::internode_bytes() counts on a node leader.
+  std::size_t internode_bytes = 0;
 
   std::size_t operator[](MemCategory c) const { return bytes[static_cast<int>(c)]; }
   std::size_t total() const;

@@ -89,6 +89,7 @@ class CheckedCommunicator final : public Communicator {
   bool device_buffers() const override { return in_->device_buffers(); }
   void* device_stream() const override { return in_->device_stream(); }
   void set_collective_timeout(double seconds) override { in_->set_collective_timeout(seconds); }
+  std::uint64_t internode_bytes() const override { return in_->internode_bytes(); }
 
   std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
                                                         CommType wire) override {

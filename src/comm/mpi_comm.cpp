@@ -186,6 +186,7 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string name() const override { return "mpi"; }
   void set_collective_timeout(double seconds) override { dog_->set_timeout(seconds); }
+  std::uint64_t internode_bytes() const override { return internode_; }
 
   // MPI's in-place reduce-scatter leaves the result at the start of the buffer; it is moved
   // to the rank's own block when the request completes (NCCL's convention), so no temporary
@@ -197,6 +198,7 @@ class MpiCommunicator final : public Communicator {
     require(wire == CommType::F32 || wire == CommType::BF16, Status::InvalidArgument,
             "reduce_scatter: wire F32 or BF16");
     auto req = std::make_unique<MpiRequest>(queue_, dog_, "reduce_scatter_sum");
+    count_internode(count, wire == CommType::BF16 ? 2 : 4);
     float* own = buf + static_cast<std::size_t>(rank_) * count;
     if (wire == CommType::BF16) {
       // Send bf16: convert, reduce the bf16 values, convert this rank's block back in place.
@@ -229,6 +231,8 @@ class MpiCommunicator final : public Communicator {
     require(wire == CommType::F32 || wire == CommType::BF16, Status::InvalidArgument,
             "all_reduce: wire F32 or BF16");
     auto req = std::make_unique<MpiRequest>(queue_, dog_, "start_all_reduce_sum");
+    // A ring all-reduce: a reduce-scatter and an all-gather of blocks of count / N.
+    count_internode(2 * (count / static_cast<std::size_t>(size_)), wire == CommType::BF16 ? 2 : 4);
     if (wire == CommType::BF16) {
       req->launch = [this, buf, n, count](MpiRequest& r) {
         r.wire.resize(count);
@@ -258,6 +262,7 @@ class MpiCommunicator final : public Communicator {
     const int n = mpi::checked_int(count / unit, "MPI_Iallgather");
     mpi::checked_int(count / unit * static_cast<std::size_t>(size_), "MPI_Iallgather");
     auto req = std::make_unique<MpiRequest>(queue_, dog_, "all_gather");
+    count_internode(count, mpi::type_size(type));
     req->launch = [this, buf, n, unit, type](MpiRequest& r) {
       MPI_Datatype elem = mpi::datatype(type);
       if (unit > 1) {
@@ -362,12 +367,19 @@ class MpiCommunicator final : public Communicator {
                                : IntOpMpi{MPI_UINT8_T, MPI_MAX, 1};
   }
 
+  // internode_bytes(): every rank a node of its own; a collective over blocks of `count`
+  // elements of `elem` bytes moves the other ranks' blocks.
+  void count_internode(std::size_t count, std::size_t elem) {
+    internode_ += static_cast<std::uint64_t>(count) * elem * static_cast<std::uint64_t>(size_ - 1);
+  }
+
   LaunchQueue queue_;
   std::shared_ptr<Watchdog> dog_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Op bf16_sum_op_ = MPI_OP_NULL;
   int rank_ = 0;
   int size_ = 1;
+  std::uint64_t internode_ = 0;
 };
 
 }  // namespace

@@ -95,6 +95,8 @@ class ShmCommunicator final : public Communicator {
   }
   void barrier() override { plain_->barrier(); }
   void set_collective_timeout(double seconds) override { plain_->set_collective_timeout(seconds); }
+  // The leader's count of what its node exchanged with the others (hierarchical paths).
+  std::uint64_t internode_bytes() const override { return internode_; }
 
   Allocation allocate_collective_buffer(MemoryTracker* tracker, MemCategory category,
                                         std::size_t bytes) override {
@@ -182,6 +184,7 @@ class ShmCommunicator final : public Communicator {
   }
 
   mutable std::vector<char> int_scratch_;  // all_reduce_int's part, reused
+  std::uint64_t internode_ = 0;            // internode_bytes(): node leaders only
 
   // Elements [begin, begin + n) reduced over the node's ranks; this rank does its part of
   // them and writes the result into `owner`'s buffer, or every rank's (owner -1). Only this
@@ -290,6 +293,7 @@ class ShmCommunicator final : public Communicator {
     const std::size_t node_begin =
         start[static_cast<std::size_t>(t.node_first[static_cast<std::size_t>(t.node_index)])];
     if (t.node_rank == 0) {
+      internode_ += (start.back() - node_count[static_cast<std::size_t>(t.node_index)]) * sizeof(float);
       std::vector<int> icounts(node_count.size());
       for (std::size_t n = 0; n < node_count.size(); ++n)
         icounts[n] = mpi::checked_int(node_count[n], "MPI_Reduce_scatter");
@@ -324,6 +328,9 @@ class ShmCommunicator final : public Communicator {
     if (t.node_rank != 0) std::memcpy(v.at(0) + start[me], v.at(t.node_rank) + start[me], start[me + 1] - start[me]);
     v.win->sync();
     if (t.node_rank == 0) {
+      const std::size_t n = static_cast<std::size_t>(t.node_index);
+      const std::size_t first = static_cast<std::size_t>(t.node_first[n]);
+      internode_ += start.back() - (start[first + static_cast<std::size_t>(t.node_ranks[n])] - start[first]);
       std::vector<int> recv(static_cast<std::size_t>(t.num_nodes)), displ(recv.size());
       for (std::size_t n = 0; n < recv.size(); ++n) {
         const std::size_t first = static_cast<std::size_t>(t.node_first[n]);

@@ -2,6 +2,7 @@
 // per-rank bytes of a model for each stage and rank count (a table, or CSV), and with
 // --budget the largest model that fits. See docs/memory.md.
 #include <cmath>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -78,12 +79,20 @@ struct Args {
   DType grad_dtype = DType::F32;
   std::size_t bucket_elems = PlanConfig{}.bucket_elems;
   Device device = Device::Cpu;
+  int ranks_per_node = 0;  // 0: no inter-node column
   int buckets_in_flight = PlanConfig{}.buckets_in_flight;
   bool accumulate_without_sync = false;
   bool reproducible = false;
   std::size_t tensor_elems = std::size_t{1} << 24;
   std::optional<std::size_t> budget;
   bool csv = false;
+
+  // Nodes of ranks_per_node ranks for n ranks (one node when n is smaller); 0 when they do
+  // not divide n (the planner models equal nodes only).
+  int nodes(int n) const {
+    if (ranks_per_node <= 0 || n <= ranks_per_node) return 1;
+    return n % ranks_per_node == 0 ? n / ranks_per_node : 0;
+  }
 
   PlanConfig config(Stage s, int n) const {
     PlanConfig c;
@@ -93,6 +102,7 @@ struct Args {
     c.grad_dtype = grad_dtype;
     c.bucket_elems = bucket_elems;
     c.device = device;
+    c.nodes = std::max(1, nodes(n));  // rows whose nodes do not divide are not printed
     c.buckets_in_flight = buckets_in_flight;
     c.accumulate_without_sync = accumulate_without_sync;
     c.reduction = reproducible ? Reduction::Reproducible : Reduction::Default;
@@ -153,6 +163,10 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
                  "bucket size in elements (default: automatic, as OptimizerOptions' 0: an "
                  "eighth of the model, 4Ki to 1Mi; to 16Mi with --device cuda)")
       ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("auto");
+  app.add_option("--ranks-per-node", a.ranks_per_node,
+                 "ranks per node: adds the bytes that cross between nodes per node per step "
+                 "(MemoryPlan::internode_bytes; rank counts it does not divide are left out)")
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--device", a.device,
                  "where the optimizer's buffers live (OptimizerOptions::device): sets the "
                  "automatic bucket size's cap")
@@ -221,20 +235,28 @@ void print_tables(const Args& a) {
               "formula: the ZeRO\nformula with shardopt's buffers (fp32 gradients, no padding "
               "or staging); paper: the ZeRO\npaper's formula, 16-bit parameters and gradients, "
               "K = 12, in decimal GB (its Figure 1)\n\n");
-  std::printf("%-14s %6s %11s %11s %11s %11s %11s %11s %8s %11s %10s %11s\n", "stage", "ranks",
+  std::printf("%-14s %6s %11s %11s %11s %11s %11s %11s %8s %11s %10s %11s%s\n", "stage", "ranks",
               "params", "grads", "master", "moments", "scratch", "total", "B/param", "formula",
-              "paper", "reduce/step");
+              "paper", "reduce/step", a.ranks_per_node ? "  inter-node/step" : "");
   for (Stage s : a.stages) {
     for (int n : a.ranks) {
+      if (a.nodes(n) == 0) {
+        std::printf("%-14s %6d  (%d ranks per node do not divide %d ranks)\n", stage_name(s), n,
+                    a.ranks_per_node, n);
+        continue;
+      }
       const MemoryPlan p = plan_memory(layout_for(a, s), a.config(s, n));
       std::printf("%-14s %6d", stage_name(s), n);
       for (std::size_t b : p.bytes) std::printf(" %11s", human_bytes(static_cast<double>(b)).c_str());
-      std::printf(" %11s %8.3f %11s %7.1f GB %11s\n",
+      std::printf(" %11s %8.3f %11s %7.1f GB %11s",
                   human_bytes(static_cast<double>(p.total())).c_str(),
                   static_cast<double>(p.total()) / psi,
                   human_bytes(zero_formula_bytes(s, psi, n, a.param_dtype)).c_str(),
                   paper_formula_bytes(s, psi, n) / 1e9,
                   human_bytes(static_cast<double>(p.reduce_bytes)).c_str());
+      if (a.ranks_per_node)
+        std::printf("  %15s", human_bytes(static_cast<double>(p.internode_bytes)).c_str());
+      std::printf("\n");
     }
   }
   if (!a.budget) return;
@@ -254,10 +276,12 @@ void print_csv(const Args& a) {
   std::printf("model,psi,padded_elems,stage,ranks,param_dtype,grad_dtype,bucket_elems,"
               "buckets_in_flight,accumulate_without_sync,params_bytes,grads_bytes,master_bytes,"
               "moments_bytes,scratch_bytes,total_bytes,formula_bytes,paper_bytes,reproducible,"
-              "reduce_bytes%s\n",
+              "reduce_bytes%s%s\n",
+              a.ranks_per_node ? ",ranks_per_node,internode_bytes" : "",
               a.budget ? ",budget_bytes,largest_psi" : "");
   for (Stage s : a.stages)
     for (int n : a.ranks) {
+      if (a.nodes(n) == 0) continue;  // the table says why
       const PlanConfig c = a.config(s, n);
       const MemoryPlan p = plan_memory(layout_for(a, s), c);
       const double psi = static_cast<double>(p.unpadded_elems);
@@ -268,6 +292,7 @@ void print_csv(const Args& a) {
       for (std::size_t b : p.bytes) std::printf(",%zu", b);
       std::printf(",%zu,%.0f,%.0f,%d,%zu", p.total(), zero_formula_bytes(s, psi, n, a.param_dtype),
                   paper_formula_bytes(s, psi, n), a.reproducible ? 1 : 0, p.reduce_bytes);
+      if (a.ranks_per_node) std::printf(",%d,%zu", a.ranks_per_node, p.internode_bytes);
       if (a.budget)
         std::printf(",%zu,%zu", *a.budget, largest_fitting_psi(*a.budget, c, a.tensor_elems));
       std::printf("\n");
