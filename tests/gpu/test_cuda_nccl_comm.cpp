@@ -151,7 +151,13 @@ TEST_F(NcclComm, AsynchronousErrorAbortsTheCommunicator) {
       communication_error([&] { comm->all_reduce_sum(buf.get(), 1024, CommType::F32); });
   test::inject_nccl_async_error(ncclSuccess);
   EXPECT_LT(seconds_since(start), 10.0);
-  EXPECT_EQ(message.rfind("NCCL communicator aborted: rank 0: asynchronous error: ", 0), 0u) << message;
+  // The causes listed are the ranks' that found the error themselves (a rank that hears a
+  // notice first follows it) and whose notices arrived within the grace period (0.5 s without
+  // a timeout: under load, as in a CI run with 3 ranks on 2 busy cores, rank 0's notice once
+  // came later than that to ranks 1 and 2), so which ranks are listed varies; every listed
+  // cause is the asynchronous error.
+  EXPECT_EQ(message.rfind("NCCL communicator aborted: rank ", 0), 0u) << message;
+  EXPECT_NE(message.find(": asynchronous error: "), std::string::npos) << message;
   EXPECT_NE(message.find(ncclGetErrorString(ncclRemoteError)), std::string::npos) << message;
   EXPECT_EQ(communication_error([&] { comm->all_reduce_sum(buf.get(), 1024, CommType::F32); }),
             message) << "a collective after the abort must throw the same error";
