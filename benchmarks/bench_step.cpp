@@ -205,6 +205,11 @@ int main(int argc, char** argv) {
                   "| nodes | inter-node MiB/step counted | planned |\n"
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     }
+    // Each phase against its own floor (the bytes above, phase by phase, over the same
+    // bandwidth), printed after the main table.
+    std::string phases =
+        "\neach phase over its own floor (bytes per rank / in-place bandwidth):\n\n"
+        "| stage | reduction | comm | reduce | norm | update | gather |\n|---|---|---|---|---|---|---|\n";
     for (Stage stage : a.stages)
     for (Reduction reduction : a.reductions) {
       std::string comm_name;
@@ -221,6 +226,19 @@ int main(int argc, char** argv) {
         clear = 4 * P;  // stage 1: the full buffer; stage 2: the slots once each + 4P/N
       }
       const double floor = bytes / bw;
+      // Per phase: data-parallel's all-reduce and full update (its norm reads 4P/N, which the
+      // step's floor above leaves out); stages 1-2 as in the header.
+      const bool dp = stage == Stage::DataParallel;
+      const double f_reduce = (dp ? 4 * P + 4 * P / N + 2 * 4 * P * (N - 1) / N : 4 * P + 4 * P / N) / bw;
+      const double f_norm = 4 * P / N / bw;
+      const double f_update = (dp ? 30 * P : 30 * P / N) / bw;
+      const double f_gather = dp ? 0.0 : 2 * 2 * P * (N - 1) / N / bw;
+      char row[256];
+      std::snprintf(row, sizeof row, "| %s | %s | %s | %.2f | %.2f | %.2f | %s |\n",
+                    stage_name(stage), reduction_name(reduction), comm_name.c_str(),
+                    ph.reduce / f_reduce, ph.norm / f_norm, ph.update / f_update,
+                    f_gather > 0 ? std::to_string(ph.gather / f_gather).substr(0, 4).c_str() : "-");
+      phases += row;
       if (rank == 0)
         std::printf("| %s | %s | %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.2f | %.4f | %.1f "
                     "| %.1f | %d | %.2f | %.2f |\n",
@@ -231,6 +249,7 @@ int main(int argc, char** argv) {
                     extra.internode_counted / (1 << 20),
                     static_cast<double>(extra.internode_planned) / (1 << 20));
     }
+    if (rank == 0) std::fputs(phases.c_str(), stdout);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_step: %s\n", e.what());
     rc = 2;
