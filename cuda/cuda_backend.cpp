@@ -7,7 +7,6 @@
 // communication. The host waits only where it reads device data (copies to host memory,
 // the norm) or must keep a host buffer alive (copies from host memory), and then through
 // dev::host_wait, which watches the NCCL communicators for errors while it polls.
-#include <algorithm>
 #include <array>
 #include <cstring>
 #include <string>
@@ -116,12 +115,12 @@ class CudaBackend final : public Backend {
   // launch per level and one for the slices' sums (sum_squares.hpp), one copy of the sums to
   // the host, one wait. The host adds the sums in order, as the loop over sum_squares() does.
   double sum_squares_in_order(std::span<const Slice> slices) override {
-    if (slices.empty()) return 0.0;
     norm_slices_.clear();
     for (const Slice& s : slices) norm_slices_.push_back({s.data, s.n});
-    double* scratch = reserve(norm_scratch_,
-                              std::max<std::size_t>(1, dev::norm_plan_scratch_count(norm_slices_)) *
-                                  sizeof(double),
+    // Nothing to read (no slice, or empty ones only): the loop's 0.0 + 0.0 + ... is 0.0.
+    const std::size_t scratch_count = dev::norm_plan_scratch_count(norm_slices_);
+    if (scratch_count == 0) return 0.0;
+    double* scratch = reserve(norm_scratch_, scratch_count * sizeof(double),
                               MemCategory::Scratch, false)
                           .as<double>();
     const dev::NormPlan plan = dev::plan_sum_squares(norm_slices_, scratch);
@@ -133,8 +132,8 @@ class CudaBackend final : public Backend {
     const std::size_t bytes = sums_offset + slices.size() * sizeof(double);
     char* host = reserve(norm_host_, bytes, MemCategory::Scratch, true).as<char>();
     char* device = reserve(norm_tables_, bytes, MemCategory::Scratch, false).as<char>();
-    if (entries_bytes) std::memcpy(host, plan.entries.data(), entries_bytes);
-    std::memcpy(host + entries_bytes, plan.last.data(), last_bytes);  // a slice or more
+    std::memcpy(host, plan.entries.data(), entries_bytes);  // both non-empty here
+    std::memcpy(host + entries_bytes, plan.last.data(), last_bytes);
     SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(device, host, entries_bytes + last_bytes,
                                         cudaMemcpyHostToDevice, stream_));
     double* sums = reinterpret_cast<double*>(device + sums_offset);

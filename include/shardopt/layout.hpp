@@ -106,7 +106,7 @@ class FlatLayout {
   /// more buckets that is at most a quarter of it, where one bucket holding the whole model
   /// saves nothing; 4096 fp32 elements (16 KiB) keeps a small model's collectives few; CPU
   /// models above 8 Mi elements get 2^20, the fixed default of earlier releases. A GPU pays
-  /// about 6.5 us of launches and copies per bucket and step beyond the kernels' own time
+  /// about 6.2 us of launches and copies per bucket and step beyond the kernels' own time
   /// (measured on an H200: a 1 Gi-parameter step took 18.2 ms in 1024 buckets, 10.3 ms in 64,
   /// against 7.7 ms for the update kernel alone; docs/performance.md), hence the larger cap.
   /// The same at every stage and rank count, so stages share one layout.

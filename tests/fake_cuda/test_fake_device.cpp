@@ -421,28 +421,29 @@ TEST(NcclCommunicatorOnFake, TimeoutAbortsWithTheSameErrorOnEveryWaitingRank) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-// The C API's one-process constructor gives a CUDA optimizer the device communicator.
-TEST(CApiOnFake, CreatesACudaOptimizerInOneProcess) {
+// A CUDA optimizer of one parameter of `numel` elements from the C API's one-process
+// constructor, finalized (null after a failed ASSERT).
+void create_cuda_c_optimizer(std::size_t numel, shardopt_optimizer_t& opt) {
   shardopt_config_t cfg;
   ASSERT_EQ(shardopt_config_init(&cfg), SHARDOPT_SUCCESS);
   cfg.device = SHARDOPT_DEVICE_CUDA;
-  shardopt_optimizer_t opt = nullptr;
   ASSERT_EQ(shardopt_create(&opt, &cfg), SHARDOPT_SUCCESS);
-  ASSERT_EQ(shardopt_add_param(opt, "w", 1000, 0, nullptr), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param(opt, "w", numel, 0, nullptr), SHARDOPT_SUCCESS);
   ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS);
+}
+
+// The C API's one-process constructor gives a CUDA optimizer the device communicator.
+TEST(CApiOnFake, CreatesACudaOptimizerInOneProcess) {
+  shardopt_optimizer_t opt = nullptr;
+  ASSERT_NO_FATAL_FAILURE(create_cuda_c_optimizer(1000, opt));
   EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
 }
 
 // The automatic bucket size with SHARDOPT_DEVICE_CUDA: an eighth of a 16 Mi-element model
 // (2 Mi), where the CPU's cap is 1 Mi (docs/c_api.md).
 TEST(CApiOnFake, AutomaticBucketSizeOfACudaOptimizer) {
-  shardopt_config_t cfg;
-  ASSERT_EQ(shardopt_config_init(&cfg), SHARDOPT_SUCCESS);
-  cfg.device = SHARDOPT_DEVICE_CUDA;
   shardopt_optimizer_t opt = nullptr;
-  ASSERT_EQ(shardopt_create(&opt, &cfg), SHARDOPT_SUCCESS);
-  ASSERT_EQ(shardopt_add_param(opt, "w", std::size_t{16} << 20, 0, nullptr), SHARDOPT_SUCCESS);
-  ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(create_cuda_c_optimizer(std::size_t{16} << 20, opt));
   shardopt_config_t got;
   ASSERT_EQ(shardopt_config_init(&got), SHARDOPT_SUCCESS);
   ASSERT_EQ(shardopt_get_config(opt, &got), SHARDOPT_SUCCESS);

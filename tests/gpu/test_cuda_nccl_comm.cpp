@@ -187,7 +187,11 @@ TEST_F(NcclComm, CollectiveTimeoutAbortsTheCommunicator) {
   // A rank may stop a little before its own 1 s: another rank's timeout started earlier and
   // its abort notice arrives first (measured 0.9986 s at 3 ranks on the fake).
   EXPECT_GE(took, 0.8);
+#if SHARDOPT_FAKE_DEVICE
+  EXPECT_LT(took, 4.5) << "the fake's abort returns at once: it must not wait for the held stream";
+#else
   EXPECT_LT(took, 5.0 + 3.0) << "bounded: the timeout, or the held kernel that NCCL's abort waits for";
+#endif
   EXPECT_NE(message.find("ncclAllReduce (collective #0) did not complete within 1 s"),
             std::string::npos) << message;
   EXPECT_EQ(communication_error([&] { comm->barrier(); }), message)
