@@ -145,6 +145,12 @@ TEST_F(NcclComm, AsynchronousErrorAbortsTheCommunicator) {
   DeviceBuffer buf = device_buffer(1024 * sizeof(float));
   ASSERT_EQ(cudaMemset(buf.get(), 0, 1024 * sizeof(float)), cudaSuccess);
   comm->all_reduce_sum(buf.get(), 1024, CommType::F32);  // a working communicator first
+  // Every rank finishes it before any rank injects: a rank that finds the error first sends
+  // its abort notice, and a rank still inside the working collective would throw there,
+  // outside the check below (seen at 3 ranks on 2 busy cores: rank 2 left the test early and
+  // the others waited for it at the next test's collective until ctest's timeout).
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  MPI_Barrier(MPI_COMM_WORLD);
   test::inject_nccl_async_error(ncclRemoteError);
   const auto start = std::chrono::steady_clock::now();
   const std::string message =
