@@ -17,6 +17,7 @@
 //   update          30 B x P/N                  (master, m, v read+written, grad read, bf16 out)
 //   all-gather      2P (N-1)/N read + written   (stages 1/2; data-parallel needs none)
 //   data-parallel   all-reduce = 4P read + 4P/N + 2 x 4P (N-1)/N, update 30 B x P
+// One rank (N = 1) reduces nothing: its reduce floor is 0.
 // The gradient buffers' clearing for the next step is reported apart (4P or 4P/N written).
 // Last columns: the nodes as MPI sees them and the bytes that crossed between nodes per step,
 // rank 0's count (Communicator::internode_bytes; rank 0 is a node leader) and the planner's
@@ -217,27 +218,27 @@ int main(int argc, char** argv) {
       Extra extra;
       const Phases ph = run_stage(a, stage, reduction, comm_name, padded, extra);
       const double P = static_cast<double>(padded);
-      double bytes = 0, clear = 0;
-      if (stage == Stage::DataParallel) {
-        bytes = 4 * P + 4 * P / N + 2 * 4 * P * (N - 1) / N + 30 * P;
-        clear = 4 * P;
-      } else {
-        bytes = 4 * P + 4 * P / N + 4 * P / N + 30 * P / N + 2 * 2 * P * (N - 1) / N;
-        clear = 4 * P;  // stage 1: the full buffer; stage 2: the slots once each + 4P/N
-      }
-      const double floor = bytes / bw;
-      // Per phase: data-parallel's all-reduce and full update (its norm reads 4P/N, which the
-      // step's floor above leaves out); stages 1-2 as in the header.
       const bool dp = stage == Stage::DataParallel;
-      const double f_reduce = (dp ? 4 * P + 4 * P / N + 2 * 4 * P * (N - 1) / N : 4 * P + 4 * P / N) / bw;
+      // Per phase: data-parallel's all-reduce and full update (its norm reads 4P/N, which the
+      // step's floor leaves out); stages 1-2 as in the header. One rank reduces nothing.
+      const double f_reduce =
+          N == 1 ? 0.0 : (dp ? 4 * P + 4 * P / N + 2 * 4 * P * (N - 1) / N : 4 * P + 4 * P / N) / bw;
       const double f_norm = 4 * P / N / bw;
       const double f_update = (dp ? 30 * P : 30 * P / N) / bw;
       const double f_gather = dp ? 0.0 : 2 * 2 * P * (N - 1) / N / bw;
+      const double floor = f_reduce + (dp ? 0.0 : f_norm) + f_update + f_gather;
+      // stage 1 and data-parallel: the full buffer; stage 2: the slots once each + 4P/N
+      const double clear = 4 * P;
+      auto over = [](double t, double f) {
+        char c[32] = "-";
+        if (f > 0) std::snprintf(c, sizeof c, "%.2f", t / f);
+        return std::string(c);
+      };
       char row[256];
-      std::snprintf(row, sizeof row, "| %s | %s | %s | %.2f | %.2f | %.2f | %s |\n",
+      std::snprintf(row, sizeof row, "| %s | %s | %s | %s | %s | %s | %s |\n",
                     stage_name(stage), reduction_name(reduction), comm_name.c_str(),
-                    ph.reduce / f_reduce, ph.norm / f_norm, ph.update / f_update,
-                    f_gather > 0 ? std::to_string(ph.gather / f_gather).substr(0, 4).c_str() : "-");
+                    over(ph.reduce, f_reduce).c_str(), over(ph.norm, f_norm).c_str(),
+                    over(ph.update, f_update).c_str(), over(ph.gather, f_gather).c_str());
       phases += row;
       if (rank == 0)
         std::printf("| %s | %s | %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.2f | %.4f | %.1f "

@@ -348,8 +348,13 @@ void BucketSet::wait_params() {
 }
 
 void BucketSet::progress() {
-  for (std::size_t b : grad_in_flight_)
-    if (!state_[b].request->test()) break;
+  if (!grad_in_flight_.empty()) {
+    // A test may do the collective's work (MPI progresses inside its calls): that is time the
+    // trainer's thread spends on gradient communication too.
+    const ScopedSeconds timed(blocked_seconds_);
+    for (std::size_t b : grad_in_flight_)
+      if (!state_[b].request->test()) break;
+  }
   for (std::size_t b = 0; b < state_.size(); ++b)
     if (state_[b].op == Op::ParamSync && state_[b].request->test()) finish_op(b);
 }

@@ -81,7 +81,8 @@ class BucketSet {
   int micro_batches() const { return micro_batches_ > 0 ? micro_batches_ : 1; }
   /// Waits for gradient syncs in flight and clears every gradient and the pass state.
   void zero_grads();
-  /// Seconds blocked in gradient communication since the last zero_grads(), on this rank.
+  /// Seconds this rank's thread spent in gradient communication since the last zero_grads():
+  /// starting, testing and waiting for reductions (during backward too).
   double blocked_seconds() const { return blocked_seconds_; }
 
   // ---- parameters ------------------------------------------------------------------------

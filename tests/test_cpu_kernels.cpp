@@ -151,6 +151,7 @@ struct Outputs {
   std::vector<float> cast_up;           // half -> f32
   std::vector<float> acc_f32, acc_bf16;  // acc + special, acc + half
   std::vector<float> scaled;            // special * 0.37
+  std::vector<float> zeroed;            // 1.5, special zeroed, 2.5: fill_zero and its bounds
   double sumsq_finite = 0, sumsq_special = 0;
   bool finite_ok = false, special_ok = true;
 };
@@ -209,6 +210,13 @@ Outputs run_kernels(const Inputs& in) {
     float* x = place(sm, in.special, off + 3);
     scale(x, n, 0.37f);
     out.scaled = to_vec(x, n);
+    std::vector<float> guarded{1.5f};
+    guarded.insert(guarded.end(), in.special.begin(), in.special.end());
+    guarded.push_back(2.5f);
+    std::vector<float> sz;
+    float* z = place(sz, guarded, off + 2);
+    fill_zero(z + 1, n);
+    out.zeroed = to_vec(z, n + 2);
     out.special_ok = all_finite(src, n);
     out.sumsq_special = sum_squares(src, n);
     const float* fin = place(sv, in.finite, off + 1);
@@ -304,7 +312,10 @@ void check_against_references(const Inputs& in, const Outputs& out) {
     ASSERT_TRUE(matches_rounded(out.acc_f32[i], double{in.acc[i]} + in.special[i])) << i;
     ASSERT_TRUE(matches_rounded(out.acc_bf16[i], double{in.acc[i]} + up)) << i;
     ASSERT_TRUE(matches_rounded(out.scaled[i], double{in.special[i]} * 0.37f)) << i;
+    ASSERT_EQ(float_bits(out.zeroed[i + 1]), 0u) << "fill_zero at " << i;
   }
+  ASSERT_EQ(out.zeroed.front(), 1.5f) << "fill_zero wrote before its range";
+  ASSERT_EQ(out.zeroed.back(), 2.5f) << "fill_zero wrote past its range";
   long double exact = 0;
   for (float x : in.finite) exact += static_cast<long double>(x) * x;
   const double bound = static_cast<double>(n + kSumLanes) * 0x1p-53 * static_cast<double>(exact);
@@ -343,6 +354,7 @@ void expect_identical(const Outputs& a, const Outputs& b, const std::string& wha
   same(a.acc_f32, b.acc_f32, "accumulate f32");
   same(a.acc_bf16, b.acc_bf16, "accumulate bf16");
   same(a.scaled, b.scaled, "scale");
+  same(a.zeroed, b.zeroed, "fill_zero");
   EXPECT_EQ(float_bits(static_cast<float>(a.sumsq_finite)),
             float_bits(static_cast<float>(b.sumsq_finite)));
   EXPECT_EQ(std::memcmp(&a.sumsq_finite, &b.sumsq_finite, sizeof(double)), 0) << what << ": sumsq";
@@ -355,9 +367,10 @@ void expect_identical(const Outputs& a, const Outputs& b, const std::string& wha
 class CpuKernels : public ::testing::TestWithParam<std::size_t> {};
 
 // Sizes below, at and just past the vector widths, the OpenMP grain (65536) and the sum
-// block (8192), and one large odd size.
+// block (8192) and its groups of 8 (27 blocks: 3 groups and 3 single blocks), and one large
+// odd size.
 INSTANTIATE_TEST_SUITE_P(Sizes, CpuKernels,
-                         ::testing::Values(0, 1, 7, 15, 16, 17, 33, 8193, 65536 * 2 + 37,
+                         ::testing::Values(0, 1, 7, 15, 16, 17, 33, 8193, 65536 * 2 + 37, 8192 * 27,
                                            1000003));
 
 TEST_P(CpuKernels, EveryIsaStreamAndThreadCountMatchesTheReference) {

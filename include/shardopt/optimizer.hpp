@@ -30,9 +30,9 @@
 namespace shardopt {
 
 /// Wall-clock seconds of the phases of one step on this rank (a few steady-clock reads per
-/// step). reduce: time blocked in gradient reductions, both inside step() and during backward
-/// since the previous step (overlapped reductions that finished in the background cost
-/// nothing here). norm: local sum of squares + one scalar all-reduce. update: the fused AdamW
+/// step). reduce: time this rank's thread spent in gradient reductions (starting, testing and
+/// waiting), both inside step() and during backward since the previous step (what finished in
+/// the background, between the library's calls, costs nothing here). norm: local sum of squares + one scalar all-reduce. update: the fused AdamW
 /// pass. gather: the all-gather of the updated shards (with overlap only the time to start
 /// it; waiting happens in param()). total: step() from entry to return plus the time blocked
 /// in reductions during backward.

@@ -25,8 +25,16 @@ struct RangeKernels {
   void (*accumulate_bf16)(float* dst, const bf16* src, std::size_t n);
   /// One block (n <= kSumBlock) in the lane order documented in kernels.hpp.
   double (*sum_squares_block)(const float* x, std::size_t n);
+  /// `blocks` full blocks of kSumBlock elements: out[b] is sum_squares_block of block b, bit
+  /// for bit. The SIMD tables work on kSumGroup blocks at once, each in its own accumulators:
+  /// one block's lanes form two (AVX-512) or four (AVX2) chains of dependent additions, so a
+  /// single block waits on the adder's latency, while several blocks keep it busy.
+  void (*sum_squares_blocks)(const float* x, std::size_t blocks, double* out);
   bool (*any_nonfinite)(const float* x, std::size_t n);
   void (*scale)(float* x, std::size_t n, float factor);
+  /// x[0, n) = +0; stream: non-temporal stores (a large buffer is not read back soon, and
+  /// ordinary stores would read every line before writing it: twice the traffic).
+  void (*fill_zero)(float* x, std::size_t n, bool stream);
 };
 
 extern const RangeKernels kPortableKernels;
@@ -51,9 +59,13 @@ void accumulate_f32(float* dst, const float* src, std::size_t n);
 void accumulate_bf16(float* dst, const bf16* src, std::size_t n);
 bool any_nonfinite(const float* x, std::size_t n);
 void scale(float* x, std::size_t n, float factor);
+void fill_zero(float* x, std::size_t n, bool stream);
 /// Adds the tail elements (fewer than kSumLanes) to lanes 0.. and folds the lanes: the one
 /// definition of the in-block order.
 double finish_sum_lanes(double* lanes, const float* tail, std::size_t tail_n);
 }  // namespace portable
+
+/// Blocks per call of a SIMD table's interleaved sum of squares (and the OpenMP unit).
+inline constexpr std::size_t kSumGroup = 8;
 
 }  // namespace shardopt::cpu

@@ -79,13 +79,17 @@ void accumulate(float* dst, const bf16* src, std::size_t n) {
 
 double sum_squares(const float* x, std::size_t n) {
   const RangeKernels& k = active_kernels();
+  const std::size_t full = n / kSumBlock;
   const std::size_t blocks = (n + kSumBlock - 1) / kSumBlock;
   std::vector<double> partial(blocks);
-#pragma omp parallel for schedule(static) if (blocks > 1)
-  for (std::ptrdiff_t blk = 0; blk < static_cast<std::ptrdiff_t>(blocks); ++blk) {
-    const std::size_t b = static_cast<std::size_t>(blk) * kSumBlock;
-    partial[static_cast<std::size_t>(blk)] = k.sum_squares_block(x + b, std::min(kSumBlock, n - b));
+  // Every block's partial is the same whoever computes it; threads take groups of blocks.
+  const std::size_t groups = (full + kSumGroup - 1) / kSumGroup;
+#pragma omp parallel for schedule(static) if (groups > 1)
+  for (std::ptrdiff_t gi = 0; gi < static_cast<std::ptrdiff_t>(groups); ++gi) {
+    const std::size_t b = static_cast<std::size_t>(gi) * kSumGroup;
+    k.sum_squares_blocks(x + b * kSumBlock, std::min(kSumGroup, full - b), partial.data() + b);
   }
+  if (full < blocks) partial[full] = k.sum_squares_block(x + full * kSumBlock, n - full * kSumBlock);
   double total = 0.0;
   for (double p : partial) total += p;  // in block order
   return total;
@@ -109,9 +113,9 @@ void scale(float* x, std::size_t n, float factor) {
 }
 
 void fill_zero(float* x, std::size_t n) {
-  parallel_chunks(n, [&](std::size_t b, std::size_t e) {
-    std::memset(x + b, 0, (e - b) * sizeof(float));
-  });
+  const RangeKernels& k = active_kernels();
+  const bool stream = use_streaming_stores(n * sizeof(float));
+  parallel_chunks(n, [&](std::size_t b, std::size_t e) { k.fill_zero(x + b, e - b, stream); });
 }
 
 }  // namespace shardopt::cpu

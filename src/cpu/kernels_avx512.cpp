@@ -181,6 +181,34 @@ double sum_squares_block(const float* x, std::size_t n) {
   return portable::finish_sum_lanes(lanes, x + i, n - i);
 }
 
+// kSumGroup full blocks side by side: block g's lanes 0-7 and 8-15 in acc[2g] and acc[2g + 1],
+// the same additions in the same order as sum_squares_block, 2 x kSumGroup independent chains.
+void sum_squares_group(const float* x, double* out) {
+  __m512d acc[2 * kSumGroup];
+  for (__m512d& a : acc) a = _mm512_setzero_pd();
+  for (std::size_t i = 0; i < kSumBlock; i += kW) {
+    for (std::size_t g = 0; g < kSumGroup; ++g) {
+      const float* p = x + g * kSumBlock + i;
+      const __m512d d0 = _mm512_cvtps_pd(_mm256_loadu_ps(p));
+      const __m512d d1 = _mm512_cvtps_pd(_mm256_loadu_ps(p + kW / 2));
+      acc[2 * g] = _mm512_add_pd(acc[2 * g], _mm512_mul_pd(d0, d0));
+      acc[2 * g + 1] = _mm512_add_pd(acc[2 * g + 1], _mm512_mul_pd(d1, d1));
+    }
+  }
+  for (std::size_t g = 0; g < kSumGroup; ++g) {
+    alignas(64) double lanes[kSumLanes];
+    _mm512_store_pd(lanes, acc[2 * g]);
+    _mm512_store_pd(lanes + 8, acc[2 * g + 1]);
+    out[g] = portable::finish_sum_lanes(lanes, nullptr, 0);
+  }
+}
+
+void sum_squares_blocks(const float* x, std::size_t blocks, double* out) {
+  std::size_t b = 0;
+  for (; b + kSumGroup <= blocks; b += kSumGroup) sum_squares_group(x + b * kSumBlock, out + b);
+  for (; b < blocks; ++b) out[b] = sum_squares_block(x + b * kSumBlock, kSumBlock);
+}
+
 bool any_nonfinite(const float* x, std::size_t n) {
   const __m512i exp_mask = _mm512_set1_epi32(0x7F800000);
   __mmask16 bad = 0;
@@ -200,6 +228,17 @@ void scale(float* x, std::size_t n, float factor) {
   portable::scale(x + i, n - i, factor);
 }
 
+void fill_zero(float* x, std::size_t n, bool stream) {
+  if (!stream) return portable::fill_zero(x, n, false);
+  const std::size_t head = head_to_align(x, n, 64);
+  portable::fill_zero(x, head, false);
+  const __m512 z = _mm512_setzero_ps();
+  std::size_t i = head;
+  for (; i + kW <= n; i += kW) _mm512_stream_ps(x + i, z);
+  portable::fill_zero(x + i, n - i, false);
+  _mm_sfence();
+}
+
 }  // namespace
 }  // namespace shardopt::cpu::avx512
 
@@ -213,8 +252,10 @@ const RangeKernels kAvx512Kernels = {
     avx512::accumulate_f32,
     avx512::accumulate_bf16,
     avx512::sum_squares_block,
+    avx512::sum_squares_blocks,
     avx512::any_nonfinite,
     avx512::scale,
+    avx512::fill_zero,
 };
 
 }  // namespace shardopt::cpu

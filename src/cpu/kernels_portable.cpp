@@ -49,6 +49,8 @@ void scale(float* x, std::size_t n, float factor) {
   for (std::size_t i = 0; i < n; ++i) x[i] *= factor;
 }
 
+void fill_zero(float* x, std::size_t n, bool /*stream*/) { std::memset(x, 0, n * sizeof(float)); }
+
 double finish_sum_lanes(double* lanes, const float* tail, std::size_t tail_n) {
   for (std::size_t k = 0; k < tail_n; ++k) lanes[k] += ops::SquareF64{}(tail[k]);
   for (std::size_t w = kSumLanes / 2; w >= 1; w /= 2)
@@ -68,6 +70,10 @@ double sum_squares_block(const float* x, std::size_t n) {
   return finish_sum_lanes(lanes, x + i, n - i);
 }
 
+void sum_squares_blocks(const float* x, std::size_t blocks, double* out) {
+  for (std::size_t b = 0; b < blocks; ++b) out[b] = sum_squares_block(x + b * kSumBlock, kSumBlock);
+}
+
 }  // namespace
 }  // namespace shardopt::cpu::portable
 
@@ -81,8 +87,10 @@ const RangeKernels kPortableKernels = {
     portable::accumulate_f32,
     portable::accumulate_bf16,
     portable::sum_squares_block,
+    portable::sum_squares_blocks,
     portable::any_nonfinite,
     portable::scale,
+    portable::fill_zero,
 };
 
 }  // namespace shardopt::cpu
