@@ -9,7 +9,8 @@ launcher=$(sed -n 's/^MPIEXEC_EXECUTABLE:FILEPATH=//p' "$build/CMakeCache.txt")
 flags=$(sed -n 's/^SHARDOPT_MPIEXEC_FLAGS_CACHED:INTERNAL=//p' "$build/CMakeCache.txt")
 export OMP_NUM_THREADS=1
 # Plain MPI's non-blocking collectives are what overlap hides; the shared-memory collectives
-# (the default on one node) complete inside the call. SHARDOPT_COMM=shm measures those.
+# (the default on one node) are non-blocking on one node since 2026-11-26: SHARDOPT_COMM=shm
+# measures them (docs/performance.md, "The default communicator").
 export SHARDOPT_COMM=${SHARDOPT_COMM:-mpi}
 for compute in device cpu; do
   for stage in 1 2 3; do

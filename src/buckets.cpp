@@ -33,6 +33,7 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
       cfg_(config), replica_(static_cast<char*>(replica)), grads_(std::move(storage.grads)),
       staging_(std::move(storage.staging)), spill_param_(kNone) {
   state_.resize(layout_.num_buckets());
+  if (cfg_.eager_norm) norm_sums_.assign(layout_.num_buckets(), 0.0);
   param_ready_.assign(layout_.num_params(), 0);
   if (staged())
     for (int s = plan_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
@@ -70,16 +71,25 @@ void BucketSet::finish_op(std::size_t b) {
   s.request.reset();
   const Op op = s.op;
   s.op = Op::None;
-  if (op != Op::GradSync || !staged()) return;  // reduced in place
-  // Staged: this rank's reduced slice joins the owned gradient; the slot is free again.
-  const Bucket& bk = layout_.bucket(b);
-  float* slot = slot_data(s.slot);
-  backend_.accumulate(grads_.as<float>() + bk.local_begin,
-                      slot + static_cast<std::size_t>(comm_.rank()) * bk.slice_elems, DType::F32,
-                      bk.slice_elems);
-  backend_.fill_zero(slot, bk.flat.size() * sizeof(float));
-  free_slots_.push_back(s.slot);
-  s.slot = -1;
+  if (op != Op::GradSync) return;
+  if (staged()) {
+    // This rank's reduced slice joins the owned gradient and the slot is cleared; it stays
+    // the bucket's until release_slot() (complete_oldest_grad_sync), so that every rank hands
+    // slots out in the same order: the shared-memory collectives read a peer's slot at this
+    // rank's offset, and when a reduction completes differs between ranks.
+    const Bucket& bk = layout_.bucket(b);
+    float* slot = slot_data(s.slot);
+    backend_.accumulate(grads_.as<float>() + bk.local_begin,
+                        slot + static_cast<std::size_t>(comm_.rank()) * bk.slice_elems,
+                        DType::F32, bk.slice_elems);
+    backend_.fill_zero(slot, bk.flat.size() * sizeof(float));
+  }
+  // The norm's part now, while the slice just written is in cache; a later reduction of the
+  // same bucket (stage 2's next synchronised micro-batch) takes it again.
+  if (cfg_.eager_norm) {
+    const Backend::Slice slice = norm_slice(b);
+    norm_sums_[b] = backend_.sum_squares(slice.data, slice.n);
+  }
 }
 
 // ---- gradients ------------------------------------------------------------------------------
@@ -236,11 +246,31 @@ void BucketSet::start_grad_sync(std::size_t b) {
   }
 }
 
+// Completed reductions at the front are finished now, not at the step: a staging slot frees
+// sooner, and the norm's sum of squares reads a slice that was just written.
+void BucketSet::retire_completed_grad_syncs() {
+  if (grad_in_flight_.empty()) return;
+  // A test may do the collective's work (MPI progresses inside its calls): that is time the
+  // trainer's thread spends on gradient communication too.
+  const ScopedSeconds timed(blocked_seconds_);
+  for (std::size_t b : grad_in_flight_) {
+    if (state_[b].op == Op::None) continue;  // finished here already, slot not released
+    if (!state_[b].request->test()) break;
+    finish_op(b);
+  }
+}
+
+// In start order, at points every rank reaches alike (a slot is needed, or the step).
 void BucketSet::complete_oldest_grad_sync() {
   const ScopedSeconds timed(blocked_seconds_);
   const std::size_t b = grad_in_flight_.front();
   grad_in_flight_.pop_front();
   finish_op(b);
+  State& s = state_[b];
+  if (staged() && s.slot >= 0) {
+    free_slots_.push_back(s.slot);
+    s.slot = -1;
+  }
 }
 
 float* BucketSet::slot_for(std::size_t b) {
@@ -302,6 +332,16 @@ const float* BucketSet::reduced_grad(std::size_t b) const {
   return grads_.as<float>() + window(b).begin;
 }
 
+Backend::Slice BucketSet::norm_slice(std::size_t b) const {
+  const Bucket& bk = layout_.bucket(b);
+  const std::size_t skip = cfg_.stage == Stage::DataParallel
+                               ? static_cast<std::size_t>(comm_.rank()) * bk.slice_elems
+                               : 0;
+  return {reduced_grad(b) + skip, bk.slice_elems};
+}
+
+std::span<const double> BucketSet::norm_sums() const { return norm_sums_; }
+
 void BucketSet::zero_grads() {
   while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
   backend_.fill_zero(grads_.data(), grads_.bytes());
@@ -348,13 +388,7 @@ void BucketSet::wait_params() {
 }
 
 void BucketSet::progress() {
-  if (!grad_in_flight_.empty()) {
-    // A test may do the collective's work (MPI progresses inside its calls): that is time the
-    // trainer's thread spends on gradient communication too.
-    const ScopedSeconds timed(blocked_seconds_);
-    for (std::size_t b : grad_in_flight_)
-      if (!state_[b].request->test()) break;
-  }
+  retire_completed_grad_syncs();
   for (std::size_t b = 0; b < state_.size(); ++b)
     if (state_[b].op == Op::ParamSync && state_[b].request->test()) finish_op(b);
 }

@@ -41,6 +41,9 @@ class BucketSet {
     /// Reduction::Reproducible: micro-batches are deposited into exact bins (exact_sum.hpp)
     /// and every bucket is reduced exactly inside finish_grad_sync(), none during backward.
     bool reproducible = false;
+    /// Host memory: each bucket's sum of squares (the norm's part) is taken as soon as its
+    /// reduction completes, while the reduced slice is still in cache (norm_sums()).
+    bool eager_norm = false;
   };
   /// The gradient buffers, allocated by the caller (the constructor allocates nothing, so
   /// that the caller can make the collective allocations first on every rank): plan.grads,
@@ -77,6 +80,12 @@ class BucketSet {
   std::size_t window_local(std::size_t b) const;
   /// After finish_grad_sync(): the reduced gradient over window(b).
   const float* reduced_grad(std::size_t b) const;
+  /// The part of bucket b's reduced gradient that this rank adds to the global norm: its
+  /// slice (data-parallel ranks hold the whole bucket and take their own slice of it).
+  Backend::Slice norm_slice(std::size_t b) const;
+  /// After finish_grad_sync() with eager_norm: Backend::sum_squares of every norm_slice(b),
+  /// taken when each bucket's last reduction completed; empty when eager_norm is off.
+  std::span<const double> norm_sums() const;
   /// Micro-batches accumulated since the last zero_grads() (at least 1).
   int micro_batches() const { return micro_batches_ > 0 ? micro_batches_ : 1; }
   /// Waits for gradient syncs in flight and clears every gradient and the pass state.
@@ -115,6 +124,7 @@ class BucketSet {
   void require_open(std::size_t i, bool writing) const;
   bool staged() const { return plan_.grads_scheme == GradScheme::Staged; }
   void reduce_exactly();  // reproducible: deposits the last micro-batch, reduces every bucket
+  void retire_completed_grad_syncs();  // finishes (not releases) those test() completes, in order
 
   Communicator& comm_;
   Backend& backend_;
@@ -134,6 +144,7 @@ class BucketSet {
   std::size_t spill_param_;
   std::vector<int> free_slots_;
 
+  std::vector<double> norm_sums_;           ///< eager_norm: per bucket, after its reduction
   std::deque<std::size_t> grad_in_flight_;  ///< buckets whose gradient sync is outstanding
   std::size_t next_start_ = 0;              ///< buckets before it were started in this step
   int micro_batches_ = 0;

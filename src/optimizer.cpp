@@ -293,7 +293,9 @@ void ShardedOptimizer::finalize() {
       BucketSet::Config{options_.stage,
                         options_.reduce_dtype == DType::BF16 ? CommType::BF16 : CommType::F32,
                         f32 ? CommType::F32 : CommType::U16, options_.overlap,
-                        options_.reduction == Reduction::Reproducible},
+                        options_.reduction == Reduction::Reproducible,
+                        options_.device == Device::Cpu &&
+                            options_.reduction != Reduction::Reproducible},
       std::move(grads), b.replica.data());
   if (zero3)
     units_ = std::make_unique<UnitSet>(*comm_, be, layout_, plan, options_.param_dtype,
@@ -679,19 +681,19 @@ StepResult ShardedOptimizer::step() {
   double sumsq = 0.0;
   exact::SquareSum exact_sumsq;
   const LocalOutcome local = capture("step", [&] {
+    // Last bucket first, as the buckets' sums always were: the order pins the bits. On the
+    // CPU each bucket's sum was taken when its reduction completed (BucketSet::norm_sums,
+    // the same sum_squares of the same slice); a device backend sums every slice here.
+    const std::span<const double> eager = buckets_->norm_sums();
     std::vector<Backend::Slice> slices;
     slices.reserve(layout_.num_buckets());
     for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
-      const Bucket& bk = layout_.bucket(k);
-      const std::size_t skip = options_.stage == Stage::DataParallel
-                                   ? static_cast<std::size_t>(comm_->rank()) * bk.slice_elems
-                                   : 0;
-      const float* g = buckets_->reduced_grad(k) + skip;
-      if (reproducible) exact_sumsq.add(g, bk.slice_elems);
-      else slices.push_back({g, bk.slice_elems});
+      const Backend::Slice slice = buckets_->norm_slice(k);
+      if (reproducible) exact_sumsq.add(slice.data, slice.n);
+      else if (!eager.empty()) sumsq += eager[k];
+      else slices.push_back(slice);
     }
-    // Last bucket first, as the buckets' sums always were: the order pins the bits.
-    sumsq = backend_->sum_squares_in_order(slices);
+    if (!reproducible && eager.empty()) sumsq = backend_->sum_squares_in_order(slices);
   });
   sumsq = sum_over_ranks_checked(
       *comm_, sumsq, local,

@@ -2,6 +2,7 @@
 // rank count the binary runs with (1 without MPI; 1-4 under mpiexec).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -103,6 +104,69 @@ TEST(Optimizer, StagesGiveTheSameParameters) {
       ASSERT_EQ(a1[k], a2[k]) << "p" << i << "[" << k << "]";
     }
   }
+}
+
+// The norm is the documented sum: each bucket's sum of squares of this rank's reduced slice
+// in the kernels' order (blocks of 8192, 16 lanes folded pairwise, blocks in order), the
+// buckets last first. On the CPU those sums are taken as each reduction completes (during
+// backward with overlap, when the slice is still in cache); this pins that they are the
+// step's sums bit for bit, at every stage, with overlap on and off and two micro-batches.
+// One rank: its reduced slice is its own gradient (data-parallel: the whole bucket).
+TEST(Optimizer, GradNormIsTheDocumentedSumOverTheBuckets) {
+  if (test::world_size() != 1) GTEST_SKIP() << "the expected sum is one rank's";
+  auto documented = [](const float* x, std::size_t n) {
+    double total = 0;
+    for (std::size_t b = 0; b < n; b += 8192) {
+      double lanes[16] = {};
+      for (std::size_t i = b; i < std::min(n, b + 8192); ++i)
+        lanes[(i - b) % 16] += static_cast<double>(x[i]) * x[i];
+      for (std::size_t w = 8; w >= 1; w /= 2)
+        for (std::size_t j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+      total += lanes[0];
+    }
+    return total;
+  };
+  // Many buckets; the last parameter's (summed first) are 2^27 times larger, so that each
+  // other bucket's sum is under half an ulp of the running total and is lost in the documented
+  // order, but not in another one (the norm would differ by several ulps).
+  const std::vector<std::size_t> sizes{70000, 5, 20000, 9000, 33, 12000, 7, 15000, 3000, 40000};
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+    for (bool overlap : {true, false})
+      for (int micro : {1, 2}) {
+        OptimizerOptions o;
+        o.stage = stage;
+        o.overlap = overlap;
+        o.bucket_elems = 8192;
+        ShardedOptimizer opt(test::world(), o);
+        for (std::size_t i = 0; i < sizes.size(); ++i)
+          opt.add_param("p" + std::to_string(i), sizes[i]);
+        opt.finalize();
+        const FlatLayout& layout = opt.layout();
+        std::vector<float> flat(layout.padded_size(), 0.0f);  // the summed gradient
+        for (int mb = 0; mb < micro; ++mb) {
+          opt.begin_backward(mb + 1 == micro);
+          for (std::size_t i = sizes.size(); i-- > 0;) {
+            const std::span<float> g = opt.grad(i);
+            const std::size_t at = layout.param(i).flat.begin;
+            for (std::size_t k = 0; k < g.size(); ++k) {
+              const float v = test::synth(i, 5, static_cast<std::uint64_t>(mb), k) *
+                              (i + 1 == sizes.size() ? 0x1p30f : 8.0f);
+              g[k] += v;
+              flat[at + k] += v;
+            }
+            opt.grad_ready(i);
+          }
+        }
+        double want = 0;
+        for (std::size_t b = layout.num_buckets(); b-- > 0;) {
+          const Bucket& bk = layout.bucket(b);
+          want += documented(flat.data() + bk.flat.begin, bk.flat.size());
+        }
+        const StepResult r = opt.step();
+        const double norm = std::sqrt(want) / micro;
+        EXPECT_EQ(r.grad_norm, norm) << stage_name(stage) << (overlap ? " overlap" : "")
+                                     << " micro-batches " << micro;
+      }
 }
 
 // get_master gathers: every bit of the master comes back, -0.0 and NaN payloads included

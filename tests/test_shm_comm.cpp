@@ -6,6 +6,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
@@ -285,6 +286,150 @@ TEST(PlainMpiLaunchQueue, DroppedRequestsStillComplete) {
   EXPECT_EQ(b[at], 2.0f * static_cast<float>(comm->size()));
 }
 
+// ---- non-blocking collectives on one node (ShmRequest) -------------------------------------
+
+// Reduce-scatters, all-gathers and all-reduces in one shared window, in flight together: each
+// completes right whatever order they are waited in, with a blocking collective between
+// starts and one rank alone driving progress (so ranks differ in how far each has run).
+TEST(ShmNonBlocking, CollectivesInFlightCompleteInCallOrderWhateverTheWaitOrder) {
+  auto comm = shm_comm(0);
+  const int world = comm->size();
+  const int me = comm->rank();
+  constexpr int kOps = 9;
+  const std::size_t count = 1031;  // per rank, not a multiple of 64
+  const auto total = count * static_cast<std::size_t>(world);
+  Allocation win =
+      comm->allocate_collective_buffer(nullptr, MemCategory::Scratch, kOps * total * sizeof(float));
+  ASSERT_NE(win.data(), nullptr);
+  auto buf = [&](int op) { return win.as<float>() + static_cast<std::size_t>(op) * total; };
+  std::vector<std::unique_ptr<CommRequest>> reqs;
+  double scalar = 0.0;
+  for (int op = 0; op < kOps; ++op) {
+    float* b = buf(op);
+    if (op % 3 == 1) {  // all-gather: each rank fills its own block
+      for (std::size_t k = 0; k < count; ++k)
+        b[static_cast<std::size_t>(me) * count + k] = exact_value(me, k, op);
+      reqs.push_back(comm->start_all_gather(b, count, CommType::F32));
+    } else {
+      for (std::size_t k = 0; k < total; ++k) b[k] = exact_value(me, k, op);
+      reqs.push_back(op % 3 == 0 ? comm->start_reduce_scatter_sum(b, count, CommType::F32)
+                                 : comm->start_all_reduce_sum(b, total, CommType::F32));
+    }
+    if (me == 0)
+      for (auto& r : reqs) r->test();
+    if (op == 4) {  // a blocking collective while earlier ones are pending
+      scalar = me + 1.0;
+      comm->all_reduce_sum(&scalar, 1, CommType::F64);
+    }
+  }
+  for (int op = kOps; op-- > 0;) {
+    for (int other = 0; other < op; ++other) reqs[static_cast<std::size_t>(other)]->test();
+    reqs[static_cast<std::size_t>(op)]->wait();
+  }
+  EXPECT_EQ(scalar, world * (world + 1) / 2.0);
+  for (int op = 0; op < kOps; ++op) {
+    const float* b = buf(op);
+    for (int r = 0; r < world; ++r)
+      for (std::size_t k = 0; k < count; ++k) {
+        const std::size_t at = static_cast<std::size_t>(r) * count + k;
+        if (op % 3 == 1) {
+          ASSERT_EQ(b[at], exact_value(r, k, op)) << "all-gather " << op;
+        } else if (op % 3 == 2 || r == me) {  // all-reduce: every block; else the own one
+          double want = 0;
+          for (int q = 0; q < world; ++q) want += exact_value(q, at, op);
+          ASSERT_EQ(static_cast<double>(b[at]), want) << "op " << op << " at " << at;
+        }
+      }
+  }
+}
+
+// A start returns without waiting for the peers, and test() alone completes the collective:
+// rank 0 starts while the others are still asleep (0.3 s), sees test() false without
+// blocking, then polls until it is done. A collective that completed inside the start (as
+// before 2026-11-26) fails the first expectation.
+TEST(ShmNonBlocking, StartReturnsBeforeThePeersArriveAndTestCompletesIt) {
+  auto comm = shm_comm(0);
+  const int world = comm->size();
+  const int me = comm->rank();
+  const std::size_t count = 4096;
+  const auto total = count * static_cast<std::size_t>(world);
+  Allocation win = comm->allocate_collective_buffer(nullptr, MemCategory::Scratch, total * 4);
+  ASSERT_NE(win.data(), nullptr);
+  float* b = win.as<float>();
+  for (std::size_t k = 0; k < total; ++k) b[k] = exact_value(me, k, 3);
+  comm->barrier();
+  if (me != 0) usleep(300000);
+  const double t0 = MPI_Wtime();
+  auto r = comm->start_reduce_scatter_sum(b, count, CommType::F32);
+  const double start_took = MPI_Wtime() - t0;
+  if (me == 0 && world > 1) {
+    EXPECT_LT(start_took, 0.15) << "the start waited for the peers";
+    EXPECT_FALSE(r->test()) << "complete before the peers started";
+  }
+  while (!r->test()) {
+    ASSERT_LT(MPI_Wtime() - t0, 30.0) << "test() never completed the collective";
+    usleep(1000);
+  }
+  for (std::size_t k = 0; k < count; ++k) {
+    const std::size_t at = static_cast<std::size_t>(me) * count + k;
+    double want = 0;
+    for (int q = 0; q < world; ++q) want += exact_value(q, at, 3);
+    ASSERT_EQ(static_cast<double>(b[at]), want) << at;
+  }
+  r->wait();  // a completed request waits for nothing
+}
+
+// SHARDOPT_SHM_BLOCKING=1 (the measurement switch of docs/performance.md): the start waits
+// for the peers, as before the non-blocking form.
+TEST(ShmNonBlocking, BlockingSwitchMakesTheStartWait) {
+  setenv("SHARDOPT_SHM_BLOCKING", "1", 1);
+  auto comm = shm_comm(0);
+  unsetenv("SHARDOPT_SHM_BLOCKING");
+  const int world = comm->size();
+  const std::size_t count = 64;
+  const auto total = count * static_cast<std::size_t>(world);
+  Allocation win = comm->allocate_collective_buffer(nullptr, MemCategory::Scratch, total * 4);
+  ASSERT_NE(win.data(), nullptr);
+  std::fill(win.as<float>(), win.as<float>() + total, 1.0f);
+  comm->barrier();
+  if (comm->rank() != 0) usleep(300000);
+  const double t0 = MPI_Wtime();
+  auto r = comm->start_reduce_scatter_sum(win.as<float>(), count, CommType::F32);
+  const double took = MPI_Wtime() - t0;
+  EXPECT_TRUE(r->test());
+  if (comm->rank() == 0 && world > 1) EXPECT_GT(took, 0.2) << "the start did not wait";
+  EXPECT_EQ(win.as<float>()[static_cast<std::size_t>(comm->rank()) * count],
+            static_cast<float>(world));
+}
+
+// Requests dropped without a wait complete in their destructors, in order, on every rank;
+// so does one still pending when a blocking collective drains the queue.
+TEST(ShmNonBlocking, DroppedRequestsStillComplete) {
+  auto comm = shm_comm(0);
+  const std::size_t count = 100;
+  const auto total = count * static_cast<std::size_t>(comm->size());
+  Allocation win = comm->allocate_collective_buffer(nullptr, MemCategory::Scratch, 3 * total * 4);
+  ASSERT_NE(win.data(), nullptr);
+  float* a = win.as<float>();
+  float* b = a + total;
+  float* c = b + total;
+  std::fill(a, a + 3 * total, 0.0f);
+  std::fill(a, a + total, 1.0f);
+  std::fill(b, b + total, 2.0f);
+  std::fill(c, c + total, 3.0f);
+  {
+    auto ra = comm->start_reduce_scatter_sum(a, count, CommType::F32);
+    auto rb = comm->start_reduce_scatter_sum(b, count, CommType::F32);
+  }
+  auto rc = comm->start_reduce_scatter_sum(c, count, CommType::F32);
+  comm->barrier();  // completes rc first
+  const std::size_t at = static_cast<std::size_t>(comm->rank()) * count;
+  EXPECT_TRUE(rc->test());
+  EXPECT_EQ(a[at], static_cast<float>(comm->size()));
+  EXPECT_EQ(b[at], 2.0f * static_cast<float>(comm->size()));
+  EXPECT_EQ(c[at + count - 1], 3.0f * static_cast<float>(comm->size()));
+}
+
 TEST(PlainMpiLaunchQueue, BadEnvironmentValueIsRejectedOnEveryRank) {
   setenv("SHARDOPT_MPI_IN_FLIGHT", "0", 1);
   try {
@@ -444,6 +589,53 @@ INSTANTIATE_TEST_SUITE_P(Stages, ShmOptimizer,
                                           testing::Values(Stage::Zero1, Stage::Zero2),
                                           testing::Values(DType::BF16, DType::F32)),
                          optimizer_case_name);
+
+// Reductions complete at different moments on different ranks (non-blocking on one node):
+// here rank 0 drives progress after every gradient and the others never do, so rank 0
+// finishes its stage-2 reductions during backward and the others only when they need a slot
+// or step. The staging slots must still be handed out in the same order on every rank (the
+// shared-memory reduce-scatter reads a peer's slot at this rank's offset): the trained
+// parameters equal plain MPI's bit for bit, at stage 2 and stage 3 (2 slots, 40 buckets).
+TEST(ShmOptimizer, RanksThatProgressDifferentlyStillAgree) {
+  for (Stage stage : {Stage::Zero2, Stage::Zero3}) {
+    auto train = [&](std::shared_ptr<Communicator> comm, bool drive) {
+      OptimizerOptions o;
+      o.stage = stage;
+      o.bucket_elems = 256;
+      o.adam.lr = 1e-2;
+      auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
+      for (std::size_t i = 0; i < 20; ++i) opt->add_param("p" + std::to_string(i), 200 + 37 * i);
+      opt->finalize();
+      const int me = opt->comm().rank();
+      for (int step = 0; step < 3; ++step) {
+        opt->begin_backward(true);
+        for (std::size_t i = 20; i-- > 0;) {
+          const std::span<float> g = opt->grad(i);
+          for (std::size_t k = 0; k < g.size(); ++k)
+            g[k] = exact_value(me, k + 1000 * i, step);
+          opt->grad_ready(i);
+          if (drive && me == 0)
+            for (int t = 0; t < 20; ++t) {
+              opt->progress();
+              usleep(50);
+            }
+        }
+        opt->step();
+      }
+      std::vector<std::vector<float>> out;
+      for (std::size_t i = 0; i < 20; ++i) {
+        out.emplace_back(200 + 37 * i);
+        opt->get_master(i, out.back());
+      }
+      return out;
+    };
+    const auto shm = train(shm_comm(0), true);
+    const auto plain = train(plain_comm(), false);
+    for (std::size_t i = 0; i < shm.size(); ++i)
+      for (std::size_t k = 0; k < shm[i].size(); ++k)
+        ASSERT_EQ(shm[i][k], plain[i][k]) << stage_name(stage) << " p" << i << "[" << k << "]";
+  }
+}
 
 // What crosses between nodes in a step: the communicator's count (a node leader's; with one
 // rank per node, plain MPI's, every rank's) over 3 steps equals 3 times the planner's

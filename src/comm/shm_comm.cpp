@@ -8,6 +8,21 @@
 // blocks. ShmWindow::sync() (MPI_Win_sync + node
 // barrier) separates the phases in which a buffer is read from those in which it is written.
 //
+// Non-blocking on one node. start_reduce_scatter_sum, start_all_gather and
+// start_all_reduce_sum return a request (ShmRequest) that is a list of local steps separated
+// by node barriers (MPI_Ibarrier): it starts the first barrier and returns; test() runs
+// whatever steps the barriers completed so far allow, without waiting; wait() runs the rest.
+// So a trainer that calls test() (BucketSet::progress) while its accelerator computes does
+// the copies then, as MPI does its own collectives' work inside MPI_Test. Requests advance in
+// the order they were started (ShmQueue), the same on every rank, and only the oldest one has
+// barriers in flight: MPI matches the node communicator's barriers by the order each rank
+// issues them, so a later request's first barrier must not come between an earlier one's
+// barriers on one rank and after them on another. Every blocking
+// collective of this communicator first completes the pending ones (drain), so no rank can
+// block in one collective while a peer waits for its part of an earlier one. Several nodes
+// keep the blocking form. SHARDOPT_SHM_BLOCKING=1 makes every start wait for its request
+// (the behaviour before 2026-11-26), to measure what the non-blocking form hides.
+//
 // Summation order: within a node, node ranks 0, 1, 2, ... left to right in fp32 (node ranks
 // follow world ranks). Across nodes, the node sums are combined by MPI_Reduce_scatter on the
 // leaders (MPI's own order).
@@ -17,7 +32,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -33,6 +51,7 @@ namespace {
 struct WindowView {
   const ShmWindow* win = nullptr;
   std::size_t offset = 0;
+  std::shared_ptr<const ShmWindow> keep;  ///< holds the window while a request uses it
   char* at(int node_rank) const { return win->segment(node_rank) + offset; }
   float* f32(int node_rank) const { return reinterpret_cast<float*>(at(node_rank)); }
 };
@@ -45,11 +64,132 @@ bool shm_has_room(std::size_t bytes) {
          static_cast<double>(bytes);
 }
 
+class ShmRequest;
+
+// The node collectives started and not yet complete, in start order (the same on every rank).
+class ShmQueue {
+ public:
+  /// Queues r; it starts (its first barrier) once every earlier request has completed.
+  void push(ShmRequest* r);
+  /// Advances the requests up to and including r, in order; without `block`, only as far as
+  /// completed barriers allow. Returns whether r is complete.
+  bool advance_to(ShmRequest* r, bool block);
+  /// Completes every pending request (before a blocking collective).
+  void drain();
+  /// A request going away (completed, or its wait failed).
+  void forget(ShmRequest* r) { std::erase(pending_, r); }
+
+ private:
+  void pop_front();  // the front completed: the next one starts
+  std::deque<ShmRequest*> pending_;
+};
+
+// One node collective in flight: steps of local work, each after a node barrier, and a last
+// barrier after them (barrier, step 0, barrier, step 1, ..., barrier).
+class ShmRequest final : public CommRequest {
+ public:
+  ShmRequest(ShmQueue& queue, std::shared_ptr<mpi::Watchdog> dog, mpi::Watchdog::Ticket ticket,
+             std::shared_ptr<const ShmWindow> win, std::vector<std::function<void()>> steps)
+      : queue_(queue), dog_(std::move(dog)), ticket_(ticket), win_(std::move(win)),
+        steps_(std::move(steps)) {
+    queue_.push(this);
+  }
+  ~ShmRequest() override {
+    if (!done_) {
+      try {
+        wait();
+      } catch (...) {  // a destructor cannot report; the next collective will
+      }
+    }
+    queue_.forget(this);
+  }
+  bool test() override { return done_ || queue_.advance_to(this, false); }
+  void wait() override {
+    if (!done_) queue_.advance_to(this, true);
+  }
+
+  /// Starts the first barrier (the queue's front only).
+  void start() {
+    if (started_) return;
+    started_ = true;
+    win_->start_sync(&barrier_);
+  }
+  /// Runs the steps whose barriers have completed (all of them with `block`, waiting under
+  /// the watchdog: timeouts and yielding as for every other wait). Returns whether done.
+  bool advance(bool block) {
+    start();
+    while (!done_) {
+      if (block) {
+        dog_->wait(ticket_, 1, &barrier_);
+      } else {
+        int flag = 0;
+        SHARDOPT_MPI(MPI_Test(&barrier_, &flag, MPI_STATUS_IGNORE));
+        if (flag == 0) return false;
+      }
+      win_->finish_sync();
+      if (next_ == steps_.size()) {
+        done_ = true;
+        break;
+      }
+      steps_[next_++]();
+      win_->start_sync(&barrier_);
+    }
+    return true;
+  }
+  bool done() const { return done_; }
+
+ private:
+  ShmQueue& queue_;
+  std::shared_ptr<mpi::Watchdog> dog_;
+  mpi::Watchdog::Ticket ticket_;
+  std::shared_ptr<const ShmWindow> win_;
+  std::vector<std::function<void()>> steps_;
+  std::size_t next_ = 0;  ///< steps run
+  MPI_Request barrier_ = MPI_REQUEST_NULL;
+  bool started_ = false;
+  bool done_ = false;
+};
+
+void ShmQueue::push(ShmRequest* r) {
+  pending_.push_back(r);
+  if (pending_.size() == 1) r->start();
+}
+
+void ShmQueue::pop_front() {
+  pending_.pop_front();
+  if (!pending_.empty()) pending_.front()->start();
+}
+
+bool ShmQueue::advance_to(ShmRequest* r, bool block) {
+  while (!r->done()) {
+    ShmRequest* front = pending_.front();  // r is pending, so there is a front
+    if (!front->advance(block)) return false;
+    pop_front();
+  }
+  return true;
+}
+
+void ShmQueue::drain() {
+  while (!pending_.empty()) {
+    pending_.front()->advance(true);
+    pop_front();
+  }
+}
+
 class ShmCommunicator final : public Communicator {
  public:
   ShmCommunicator(std::shared_ptr<Communicator> plain, std::shared_ptr<NodeTopology> topo,
                   std::shared_ptr<mpi::Watchdog> dog)
-      : plain_(std::move(plain)), topo_(std::move(topo)), dog_(std::move(dog)) {}
+      : plain_(std::move(plain)), topo_(std::move(topo)), dog_(std::move(dog)) {
+    const char* env = std::getenv("SHARDOPT_SHM_BLOCKING");
+    blocking_ = env != nullptr && std::string(env) == "1";
+  }
+  ~ShmCommunicator() override {
+    try {
+      queue_.drain();
+    } catch (...) {  // a destructor cannot report
+    }
+  }
 
   int rank() const override { return topo_->world_rank; }
   int size() const override { return topo_->world_size; }
@@ -59,6 +199,7 @@ class ShmCommunicator final : public Communicator {
   }
 
   void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
+    queue_.drain();
     plain_->all_reduce_sum(buf, count, type);
   }
   // Reproducible mode: inside a window on one node, by loads and stores like the fp32
@@ -67,6 +208,7 @@ class ShmCommunicator final : public Communicator {
   void reduce_scatter_int(void* buf, std::size_t count, IntOp op) override {
     const std::size_t elem = op == IntOp::SumI64 ? sizeof(std::int64_t) : 1;
     const std::size_t n = static_cast<std::size_t>(size());
+    queue_.drain();
     const WindowView v = find(buf, count * n * elem);
     if (v.win == nullptr || topo_->num_nodes != 1) return plain_->reduce_scatter_int(buf, count, op);
     dog_->enter("reduce_scatter_int (shared memory)");
@@ -77,6 +219,7 @@ class ShmCommunicator final : public Communicator {
   }
   void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
     const std::size_t elem = op == IntOp::SumI64 ? sizeof(std::int64_t) : 1;
+    queue_.drain();
     const WindowView v = find(buf, count * elem);
     if (v.win == nullptr || topo_->num_nodes != 1) return plain_->all_reduce_int(buf, count, op);
     dog_->enter("all_reduce_int (shared memory)");
@@ -85,15 +228,21 @@ class ShmCommunicator final : public Communicator {
     v.win->sync();
   }
   void all_reduce_sum_host(double* buf, std::size_t count) override {
+    queue_.drain();
     plain_->all_reduce_sum_host(buf, count);
   }
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
+    queue_.drain();
     plain_->all_gather_bytes(send, recv, bytes);
   }
   void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
+    queue_.drain();
     plain_->broadcast_bytes(buf, bytes, root);
   }
-  void barrier() override { plain_->barrier(); }
+  void barrier() override {
+    queue_.drain();
+    plain_->barrier();
+  }
   void set_collective_timeout(double seconds) override { plain_->set_collective_timeout(seconds); }
   // The leader's count of what its node exchanged with the others (hierarchical paths).
   std::uint64_t internode_bytes() const override { return internode_; }
@@ -101,6 +250,7 @@ class ShmCommunicator final : public Communicator {
   Allocation allocate_collective_buffer(MemoryTracker* tracker, MemCategory category,
                                         std::size_t bytes) override {
     if (bytes == 0) return {};
+    queue_.drain();
     // Shared segments live in tmpfs, which overcommits: a full /dev/shm (containers default
     // to 64 MiB) would fault on first touch instead of failing here. Every rank falls back to
     // its backend's memory (and plain MPI) if any node lacks the room.
@@ -116,15 +266,18 @@ class ShmCommunicator final : public Communicator {
     return Allocation(data, bytes, std::move(win), tracker, category);
   }
 
-  // The shared-memory collectives complete before they return (node barriers inside), so
-  // their requests are complete; everything else is the plain MPI communicator's.
+  // On one node the shared-memory collectives return a pending ShmRequest; on several they
+  // complete before they return (node barriers and leader collectives inside). Everything
+  // else is the plain MPI communicator's.
   std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
                                                         CommType wire) override {
     const std::vector<std::size_t> start = offsets(count, 1);
     const WindowView v = find(buf, start.back() * sizeof(float));
     if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32)
       return plain_->start_reduce_scatter_sum(buf, count, wire);
-    dog_->enter("reduce_scatter_sum (shared memory)");
+    const mpi::Watchdog::Ticket t = dog_->enter("reduce_scatter_sum (shared memory)");
+    if (topo_->num_nodes == 1) return pending(t, v, {node_reduce_scatter_step(v, count, start)});
+    queue_.drain();
     reduce_scatter(v, count, start);
     return completed_request();
   }
@@ -134,7 +287,9 @@ class ShmCommunicator final : public Communicator {
     const std::vector<std::size_t> start = offsets(count, mpi::type_size(type));  // bytes
     const WindowView v = find(buf, start.back());
     if (v.win == nullptr || !hierarchy_usable()) return plain_->start_all_gather(buf, count, type);
-    dog_->enter("all_gather (shared memory)");
+    const mpi::Watchdog::Ticket t = dog_->enter("all_gather (shared memory)");
+    if (topo_->num_nodes == 1) return pending(t, v, {node_all_gather_step(v, start)});
+    queue_.drain();
     all_gather(v, start);
     return completed_request();
   }
@@ -148,13 +303,25 @@ class ShmCommunicator final : public Communicator {
     const WindowView v = find(buf, count * sizeof(float));
     if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32 || count % n != 0)
       return plain_->start_all_reduce_sum(buf, count, wire);
-    dog_->enter("all_reduce_sum (shared memory)");
+    const mpi::Watchdog::Ticket t = dog_->enter("all_reduce_sum (shared memory)");
+    if (topo_->num_nodes == 1)
+      return pending(t, v,
+                     {node_reduce_scatter_step(v, count / n, offsets(count / n, 1)),
+                      node_all_gather_step(v, offsets(count / n, sizeof(float)))});
+    queue_.drain();
     reduce_scatter(v, count / n, offsets(count / n, 1));
     all_gather(v, offsets(count / n, sizeof(float)));
     return completed_request();
   }
 
  private:
+  std::unique_ptr<CommRequest> pending(const mpi::Watchdog::Ticket& t, const WindowView& v,
+                                       std::vector<std::function<void()>> steps) {
+    auto r = std::make_unique<ShmRequest>(queue_, dog_, t, v.keep, std::move(steps));
+    if (blocking_) r->wait();
+    return r;
+  }
+
   // Non-consecutive placements would need a permutation between the node and leader
   // levels; they take the plain path instead.
   bool hierarchy_usable() const { return topo_->num_nodes == 1 || topo_->contiguous; }
@@ -168,7 +335,7 @@ class ShmCommunicator final : public Communicator {
       if (!win) continue;
       const char* mine = win->mine();
       if (c >= mine && c + bytes <= mine + win->bytes())
-        return WindowView{win.get(), static_cast<std::size_t>(c - mine)};
+        return WindowView{win.get(), static_cast<std::size_t>(c - mine), win};
     }
     return {};
   }
@@ -234,47 +401,44 @@ class ShmCommunicator final : public Communicator {
     return off;
   }
 
+  // Several nodes (the one-node forms are the ShmRequest steps below).
   void reduce_scatter(const WindowView& v, std::size_t count, const std::vector<std::size_t>& start) {
     const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), count);
-    if (topo_->num_nodes == 1) {
-      node_reduce_scatter(v, counts, start);
-    } else {
-      hierarchical_reduce_scatter(v, counts, start);
-    }
+    hierarchical_reduce_scatter(v, counts, start);
   }
   void all_gather(const WindowView& v, const std::vector<std::size_t>& start) {
-    if (topo_->num_nodes == 1) {
-      node_all_gather(v, start);
-    } else {
-      hierarchical_all_gather(v, start);
-    }
+    hierarchical_all_gather(v, start);
   }
 
   // One node: every block k is summed by all node ranks together, each rank one part of it,
   // written in place into block k of its owner's buffer. The part a rank writes is read by
-  // that rank alone (from every peer), so reads and writes never race: one sync before
-  // (inputs complete) and one after (results visible, buffers free again).
-  void node_reduce_scatter(const WindowView& v, std::span<const std::size_t> counts,
-                           const std::vector<std::size_t>& start) {
-    v.win->sync();
-    for (int k = 0; k < topo_->node_size; ++k) {
-      const std::size_t c = counts[static_cast<std::size_t>(k)];
-      const std::size_t s = start[static_cast<std::size_t>(k)];
-      if (c != 0) sum_part(v, s, c, v.f32(k) + s);
-    }
-    v.win->sync();
+  // that rank alone (from every peer), so reads and writes never race: a sync before (inputs
+  // complete) and one after (results visible, buffers free again). This is the step between
+  // them, for `count` elements per rank.
+  std::function<void()> node_reduce_scatter_step(const WindowView& v, std::size_t count,
+                                                 std::vector<std::size_t> start) const {
+    return [this, v, count, start = std::move(start)] {
+      if (count == 0) return;
+      for (int k = 0; k < topo_->node_size; ++k) {
+        const std::size_t s = start[static_cast<std::size_t>(k)];
+        sum_part(v, s, count, v.f32(k) + s);
+      }
+    };
   }
 
-  void node_all_gather(const WindowView& v, const std::vector<std::size_t>& start) {
-    const int n = topo_->node_size;
-    const int me = topo_->node_rank;
-    v.win->sync();  // every rank's block is complete
-    char* mine = v.at(me);
-    for (int j = 1; j < n; ++j) {  // start at the next rank: ranks read different peers
-      const std::size_t p = static_cast<std::size_t>((me + j) % n);
-      std::memcpy(mine + start[p], v.at(static_cast<int>(p)) + start[p], start[p + 1] - start[p]);
-    }
-    v.win->sync();  // nobody reads this rank's buffer any more
+  // The step between the two syncs of a node all-gather: every rank's block is complete
+  // before it; nobody reads this rank's buffer after it.
+  std::function<void()> node_all_gather_step(const WindowView& v,
+                                             std::vector<std::size_t> start) const {
+    return [this, v, start = std::move(start)] {
+      const int n = topo_->node_size;
+      const int me = topo_->node_rank;
+      char* mine = v.at(me);
+      for (int j = 1; j < n; ++j) {  // start at the next rank: ranks read different peers
+        const std::size_t p = static_cast<std::size_t>((me + j) % n);
+        std::memcpy(mine + start[p], v.at(static_cast<int>(p)) + start[p], start[p + 1] - start[p]);
+      }
+    };
   }
 
   // Several nodes, each holding consecutive world ranks: node sum of the whole buffer into
@@ -369,6 +533,8 @@ class ShmCommunicator final : public Communicator {
   std::shared_ptr<NodeTopology> topo_;
   std::shared_ptr<mpi::Watchdog> dog_;
   std::vector<std::weak_ptr<ShmWindow>> windows_;
+  ShmQueue queue_;
+  bool blocking_ = false;  ///< SHARDOPT_SHM_BLOCKING=1: every start waits
 };
 
 }  // namespace

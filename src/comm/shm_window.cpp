@@ -75,4 +75,11 @@ void ShmWindow::sync() const {
   SHARDOPT_MPI(MPI_Win_sync(win_));
 }
 
+void ShmWindow::start_sync(MPI_Request* barrier) const {
+  SHARDOPT_MPI(MPI_Win_sync(win_));
+  SHARDOPT_MPI(MPI_Ibarrier(topo_->node, barrier));
+}
+
+void ShmWindow::finish_sync() const { SHARDOPT_MPI(MPI_Win_sync(win_)); }
+
 }  // namespace shardopt::shm

@@ -33,6 +33,11 @@ class ShmWindow {
   /// sides of MPI_Barrier): stores any node rank made to the window before it are visible to
   /// every node rank after it.
   void sync() const;
+  /// sync() in two halves, for collectives that complete later (non-blocking): start_sync()
+  /// makes this rank's stores visible and starts the node barrier in `barrier`;
+  /// finish_sync(), after that barrier completed, makes every node rank's stores visible.
+  void start_sync(MPI_Request* barrier) const;
+  void finish_sync() const;
 
  private:
   std::shared_ptr<const NodeTopology> topo_;
