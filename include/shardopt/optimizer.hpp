@@ -32,10 +32,11 @@ namespace shardopt {
 /// Wall-clock seconds of the phases of one step on this rank (a few steady-clock reads per
 /// step). reduce: time this rank's thread spent in gradient reductions (starting, testing and
 /// waiting), both inside step() and during backward since the previous step (what finished in
-/// the background, between the library's calls, costs nothing here). norm: local sum of squares + one scalar all-reduce. update: the fused AdamW
-/// pass. gather: the all-gather of the updated shards (with overlap only the time to start
-/// it; waiting happens in param()). total: step() from entry to return plus the time blocked
-/// in reductions during backward.
+/// the background, between the library's calls, costs nothing here). norm: the local sum of
+/// squares (on the CPU already taken per bucket as its reduction completed, and counted in
+/// reduce) + one scalar all-reduce. update: the fused AdamW pass. gather: the all-gather of the
+/// updated shards (with overlap only the time to start it; waiting happens in param()).
+/// total: step() from entry to return plus the time blocked in reductions during backward.
 struct StepTimings {
   double reduce = 0.0;
   double norm = 0.0;

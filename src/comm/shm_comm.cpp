@@ -10,7 +10,8 @@
 //
 // Non-blocking on one node. start_reduce_scatter_sum, start_all_gather and
 // start_all_reduce_sum return a request (ShmRequest) that is a list of local steps separated
-// by node barriers (MPI_Ibarrier): it starts the first barrier and returns; test() runs
+// by node barriers (MPI_Ibarrier): it posts the first barrier (or queues behind earlier
+// requests, see below) and returns; test() runs
 // whatever steps the barriers completed so far allow, without waiting; wait() runs the rest.
 // So a trainer that calls test() (BucketSet::progress) while its accelerator computes does
 // the copies then, as MPI does its own collectives' work inside MPI_Test. Requests advance in
