@@ -148,6 +148,24 @@ std::vector<Kernel> kernels() {
   auto sumsq = [](Buffers& b) { return cpu::sum_squares(b.g.get(), b.n); };
   auto finite = [](Buffers& b) { return cpu::all_finite(b.g.get(), b.n) ? 1.0 : 0.0; };
   auto scale = [](Buffers& b) { cpu::scale(b.g.get(), b.n, 1.0f); return 0.0; };
+  // Reproducible mode's direct exchange on one rank of two: g and v are the two ranks' raw
+  // values, m the result; the exact squares of the result in the same pass.
+  auto combine = [](Buffers& b) {
+    const float* src[2] = {b.g.get(), b.v.get()};
+    cpu::SquareDigits sq;
+    cpu::exact_combine(src, 2, b.m.get(), b.n, &sq);
+    return static_cast<double>(sq.digit[0]);
+  };
+  auto combine_only = [](Buffers& b) {
+    const float* src[2] = {b.g.get(), b.v.get()};
+    cpu::exact_combine(src, 2, b.m.get(), b.n, nullptr);
+    return 0.0;
+  };
+  auto exact_sq = [](Buffers& b) {
+    cpu::SquareDigits sq;
+    cpu::exact_square_add(b.g.get(), b.n, sq);
+    return static_cast<double>(sq.digit[0]);
+  };
 
   struct Entry {
     const char* name;
@@ -195,6 +213,37 @@ std::vector<Kernel> kernels() {
          return 0.0;
        }},
       {"sum_squares", 4, sumsq, false,
+       [](Buffers& b) {
+         const float* x = b.g.get();
+         double acc = 0;
+#pragma omp parallel for schedule(static) reduction(+ : acc)
+         for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i)
+           acc += static_cast<double>(x[i]) * x[i];
+         return acc;
+       }},
+      // The scalar loop here is the default reduction's work on the same bytes (an fp32 sum
+      // and a double sum of squares), for comparison.
+      {"exact_combine_2", 12, combine, false,
+       [](Buffers& b) {
+         float* d = b.m.get();
+         const float *x = b.g.get(), *y = b.v.get();
+         double acc = 0;
+#pragma omp parallel for schedule(static) reduction(+ : acc)
+         for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) {
+           d[i] = x[i] + y[i];
+           acc += static_cast<double>(d[i]) * d[i];
+         }
+         return acc;
+       }},
+      {"exact_combine_2_nosq", 12, combine_only, false,
+       [](Buffers& b) {
+         float* d = b.m.get();
+         const float *x = b.g.get(), *y = b.v.get();
+#pragma omp parallel for schedule(static)
+         for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) d[i] = x[i] + y[i];
+         return 0.0;
+       }},
+      {"exact_square_add", 4, exact_sq, false,
        [](Buffers& b) {
          const float* x = b.g.get();
          double acc = 0;

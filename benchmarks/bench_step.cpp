@@ -139,10 +139,10 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
   extra.nodes = count_nodes();
   if (comm->size() % extra.nodes == 0) plan.nodes = extra.nodes;  // else: unequal nodes, 0
   const MemoryPlan planned = plan_memory(opt.layout(), plan);
-  extra.reduce_bytes = planned.reduce_bytes;
+  // Several micro-batches: reproducible mode's two-phase method (9 bytes per element).
+  extra.reduce_bytes = a.micro_batches > 1 ? planned.reduce_bytes_accumulated : planned.reduce_bytes;
   extra.internode_planned = plan.nodes > 1 ? planned.internode_bytes : 0;
   std::uint64_t internode_start = 0;
-  extra.grads_bytes = opt.memory_report()[MemCategory::Grads];
   const std::size_t n = opt.layout().num_params();
   Phases sum;
   for (int s = 0; s <= a.steps; ++s) {  // step 0 warms up
@@ -164,6 +164,8 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
     const double wall = t.total + (MPI_Wtime() - t0);
     if (s == 0) {
       internode_start = comm->internode_bytes();
+      // After a step: what is allocated on demand (reproducible mode's accumulator) counts.
+      extra.grads_bytes = opt.memory_report()[MemCategory::Grads];
       continue;
     }
     sum.reduce += max_over_ranks(t.reduce);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
@@ -38,9 +39,14 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
   if (staged())
     for (int s = plan_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
   if (cfg_.reproducible) {
-    std::size_t max_bucket = 0;
-    for (const Bucket& b : layout_.buckets()) max_bucket = std::max(max_bucket, b.flat.size());
-    exact_ = exact::ExactGrads(std::move(storage.exact), layout_.padded_size(), max_bucket);
+    // The method switch, for A/B measurements and tests; any rank's "two-phase" makes every
+    // rank use it (reduce_exactly agrees).
+    if (const char* env = std::getenv("SHARDOPT_REPRO_EXCHANGE")) {
+      const std::string m = env;
+      require(m == "direct" || m == "two-phase", Status::InvalidArgument,
+              "SHARDOPT_REPRO_EXCHANGE: '" + m + "' is neither direct nor two-phase");
+      exact_direct_allowed_ = m == "direct";
+    }
   }
 }
 
@@ -100,6 +106,7 @@ void BucketSet::begin_backward(bool sync) {
     require(next_start_ == 0, Status::InvalidState,
             "begin_backward: gradients of this step were already reduced; call step() first");
     if (micro_batches_ > 0) {
+      ensure_exact();  // local: an OutOfMemory here is this rank's, before any collective
       exact_.deposit(grads_.as<float>(), layout_.padded_size());
       backend_.fill_zero(grads_.data(), grads_.bytes());
     }
@@ -300,20 +307,52 @@ void BucketSet::finish_grad_sync() {
   while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
 }
 
+void BucketSet::ensure_exact() {
+  if (exact_allocated_) return;
+  std::size_t max_bucket = 0;
+  for (const Bucket& b : layout_.buckets()) max_bucket = std::max(max_bucket, b.flat.size());
+  exact_ = exact::ExactGrads(backend_.allocate(&tracker_, plan_.exact.category, plan_.exact.bytes),
+                             layout_.padded_size(), max_bucket);
+  exact_allocated_ = true;
+}
+
 void BucketSet::reduce_exactly() {
   if (next_start_ == state_.size()) return;  // reduced already in this step
-  collective(comm_, "reduce_gradients (reproducible)", [&] {
-    const std::int64_t values = std::int64_t{micro_batches()} * comm_.size();
-    require(values <= exact::kMaxContributions, Status::InvalidArgument,
-            "reproducible reduction: " + std::to_string(micro_batches()) +
-                " micro-batches on each of " + std::to_string(comm_.size()) + " ranks make " +
-                std::to_string(values) + " gradients per element; the exact int64 sum holds at "
-                "most " + std::to_string(exact::kMaxContributions));
-  });
+  collective(comm_, "reduce_gradients (reproducible)", [] {});  // every rank is here
+  // The direct exchange needs every rank's raw values: one micro-batch on every rank
+  // (nothing deposited anywhere; a rank without any micro-batch contributes zeros). One
+  // small all-reduce agrees on it, and counts the step's micro-batches over the ranks (the
+  // average divides by it: counts may differ between ranks).
+  double agreed[2] = {exact_.deposited() || !exact_direct_allowed_ ? 1.0 : 0.0,
+                      static_cast<double>(micro_batches_)};
+  comm_.all_reduce_sum_host(agreed, 2);
+  exact_direct_ = agreed[0] == 0.0;
+  total_micro_batches_ = static_cast<std::int64_t>(agreed[1]);
+  // The same figures on every rank: the same error on every rank.
+  const std::int64_t values = std::max<std::int64_t>(total_micro_batches_, comm_.size());
+  require(values <= exact::kMaxContributions, Status::InvalidArgument,
+          "reproducible reduction: " + std::to_string(total_micro_batches_) + " micro-batches on " +
+              std::to_string(comm_.size()) + " ranks make " + std::to_string(values) +
+              " gradients per element; the exact int64 sum holds at most " +
+              std::to_string(exact::kMaxContributions));
+  if (!exact_direct_)  // the two-phase method's bins (this rank may have none yet)
+    collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_exact(); });
   const ScopedSeconds timed(blocked_seconds_);
   const bool whole = cfg_.stage == Stage::DataParallel;
-  for (std::size_t b = 0; b < state_.size(); ++b)
-    exact_.reduce(comm_, layout_.bucket(b), whole, grads_.as<float>());
+  exact_squares_ = exact::SquareSum();
+  for (std::size_t b = 0; b < state_.size(); ++b) {
+    const Bucket& bk = layout_.bucket(b);
+    // A communicator that cannot exchange raw values says so on every rank alike.
+    if (exact_direct_ && exact_.reduce_direct(comm_, bk, whole, grads_.as<float>(), exact_squares_))
+      continue;
+    if (exact_direct_) {  // the communicator cannot: the two-phase method from here on
+      collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_exact(); });
+      exact_direct_ = false;
+    }
+    exact_.reduce(comm_, bk, whole, grads_.as<float>());
+    const Backend::Slice slice = norm_slice(b);
+    exact_squares_.add(slice.data, slice.n);
+  }
   next_start_ = state_.size();
 }
 
@@ -345,7 +384,7 @@ std::span<const double> BucketSet::norm_sums() const { return norm_sums_; }
 void BucketSet::zero_grads() {
   while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
   backend_.fill_zero(grads_.data(), grads_.bytes());
-  if (cfg_.reproducible) exact_.clear();
+  if (exact_allocated_) exact_.clear();
   if (staged()) {
     for (std::size_t b = 0; b < state_.size(); ++b) {
       State& s = state_[b];
@@ -360,6 +399,7 @@ void BucketSet::zero_grads() {
   }
   next_start_ = 0;
   micro_batches_ = 0;
+  total_micro_batches_ = 0;
   sync_ = true;
   blocked_seconds_ = 0.0;
   for (State& s : state_) s.ready = 0;

@@ -52,7 +52,6 @@ class BucketSet {
   struct Storage {
     Allocation grads;
     Allocation staging;
-    Allocation exact;  ///< reproducible: plan.exact
   };
   BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracker,
             const FlatLayout& layout, const BufferPlan& plan, Config config, Storage storage,
@@ -86,8 +85,18 @@ class BucketSet {
   /// After finish_grad_sync() with eager_norm: Backend::sum_squares of every norm_slice(b),
   /// taken when each bucket's last reduction completed; empty when eager_norm is off.
   std::span<const double> norm_sums() const;
+  /// Reproducible mode, after finish_grad_sync(): this rank's part of the exact sum of
+  /// squares of the reduced gradient (summed over ranks: every element once), taken by the
+  /// reduction itself (the direct exchange combines and squares in one pass; the two-phase
+  /// method adds norm_slice(b) of each bucket).
+  const exact::SquareSum& exact_squares() const { return exact_squares_; }
+  /// Reproducible mode: how the last step's buckets were reduced ("direct", "two-phase").
+  const char* exact_method() const { return exact_direct_ ? "direct" : "two-phase"; }
   /// Micro-batches accumulated since the last zero_grads() (at least 1).
   int micro_batches() const { return micro_batches_ > 0 ? micro_batches_ : 1; }
+  /// Reproducible mode, after finish_grad_sync(): the micro-batches of this step summed over
+  /// every rank (counts may differ between ranks, a rank may have none; at least 1).
+  std::int64_t total_micro_batches() const { return total_micro_batches_ > 0 ? total_micro_batches_ : 1; }
   /// Waits for gradient syncs in flight and clears every gradient and the pass state.
   void zero_grads();
   /// Seconds this rank's thread spent in gradient communication since the last zero_grads():
@@ -124,6 +133,7 @@ class BucketSet {
   void require_open(std::size_t i, bool writing) const;
   bool staged() const { return plan_.grads_scheme == GradScheme::Staged; }
   void reduce_exactly();  // reproducible: deposits the last micro-batch, reduces every bucket
+  void ensure_exact();    // reproducible: allocates the exact accumulator (plan_.exact) once
   void retire_completed_grad_syncs();  // finishes (not releases) those test() completes, in order
 
   Communicator& comm_;
@@ -140,7 +150,12 @@ class BucketSet {
   Allocation staging_;     ///< Staged: plan_.slots slots of plan_.slot_elems floats
   Allocation accumulate_;  ///< Staged, on demand: full-size accumulation without sync
   Allocation spill_;       ///< Staged, on demand: grad() view of a parameter across buckets
-  exact::ExactGrads exact_;  ///< reproducible: the exact sums of the micro-batches
+  exact::ExactGrads exact_;  ///< reproducible: the exact sums of the micro-batches (on demand)
+  bool exact_allocated_ = false;
+  exact::SquareSum exact_squares_;  ///< reproducible: the norm's part, by the reduction
+  bool exact_direct_allowed_ = true;  ///< SHARDOPT_REPRO_EXCHANGE is not "two-phase"
+  bool exact_direct_ = false;         ///< the last step used the direct exchange
+  std::int64_t total_micro_batches_ = 0;  ///< reproducible: over all ranks, at the reduction
   std::size_t spill_param_;
   std::vector<int> free_slots_;
 

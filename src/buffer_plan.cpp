@@ -56,9 +56,10 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
   if (reproducible) {
     std::size_t max_bucket = 0;
     for (const Bucket& b : layout.buckets()) max_bucket = std::max(max_bucket, b.flat.size());
-    p.exact = {MemCategory::Grads, exact::grads_bytes(padded, max_bucket), false};
+    p.exact = {MemCategory::Grads, exact::grads_bytes(padded, max_bucket), true};
   }
-  p.reduce_bytes = padded * (reproducible ? 9 : reduce_dtype == DType::BF16 ? 2 : 4);
+  p.reduce_bytes = padded * (reduce_dtype == DType::BF16 && !reproducible ? 2 : 4);
+  p.reduce_bytes_accumulated = reproducible ? padded * 9 : p.reduce_bytes;
   if (param_dtype != DType::F32) p.master = {MemCategory::Master, p.local_elems * f32, false};
   p.exp_avg = {MemCategory::Moments, p.local_elems * f32, false};
   p.exp_avg_sq = {MemCategory::Moments, p.local_elems * f32, false};

@@ -49,14 +49,21 @@ struct BufferPlan {
   BufferSpec accumulate;
   /// Staged, on demand: a grad(i) view of a parameter that spans several buckets (its size).
   BufferSpec spill;
-  /// Reduction::Reproducible: the exact accumulator (exact::grads_bytes: 17 bytes per flat
-  /// element and one byte per element of the largest bucket), accounted as Grads. The mode
-  /// keeps the full fp32 gradient buffer (GradScheme::Full) at every stage.
+  /// Reduction::Reproducible, on demand: the exact accumulator (exact::grads_bytes: 17 bytes
+  /// per flat element and one byte per element of the largest bucket), accounted as Grads,
+  /// allocated (local memory) by the first micro-batch or step that needs it: a second
+  /// micro-batch on this rank, or a step that takes the two-phase method. The mode keeps the
+  /// full fp32 gradient buffer (GradScheme::Full) at every stage.
   BufferSpec exact;
   /// Payload bytes of one reduction of every bucket (per rank): 4 per element with an fp32
-  /// wire, 2 with bf16, 9 in reproducible mode (a 1-byte level maximum and an int64 sum).
-  /// Stage 3 without reproducible mode pays it for every micro-batch.
+  /// wire, 2 with bf16; in reproducible mode 4 as well (the direct exchange of raw fp32
+  /// values, one micro-batch per rank). Stage 3 without reproducible mode pays it for every
+  /// micro-batch.
   std::size_t reduce_bytes = 0;
+  /// Reproducible mode when some rank accumulated several micro-batches (or the communicator
+  /// cannot exchange raw values): the two-phase method's 9 bytes per element (a 1-byte level
+  /// maximum and an int64 sum). reduce_bytes otherwise.
+  std::size_t reduce_bytes_accumulated = 0;
 
   /// Every buffer with its bytes, allocated ones first.
   std::vector<BufferSpec> all() const {

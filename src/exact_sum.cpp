@@ -202,89 +202,63 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
   }
 }
 
+namespace {
+
+// The direct exchange's combine: cpu::exact_combine, with the squares of what it writes.
+class ExactCombiner final : public BlockCombiner {
+ public:
+  explicit ExactCombiner(cpu::SquareDigits& squares) : squares_(squares) {}
+  void combine(float* dst, const float* const* src, int nsrc, std::size_t n) override {
+    cpu::exact_combine(src, nsrc, dst, n, &squares_);
+  }
+
+ private:
+  cpu::SquareDigits& squares_;
+};
+
+}  // namespace
+
+bool ExactGrads::reduce_direct(Communicator& comm, const Bucket& bk, bool whole, float* grads,
+                               SquareSum& squares) {
+  float* data = grads + bk.flat.begin;
+  ExactCombiner op(squares.digits());
+  if (!comm.reduce_scatter_combine(data, bk.slice_elems, op)) return false;
+  if (whole) comm.all_gather_inplace(data, bk.slice_elems, CommType::F32);
+  return true;
+}
+
 // ---- SquareSum -------------------------------------------------------------------------
 
-void SquareSum::add_one(float v) {
-  const std::uint32_t vb = std::bit_cast<std::uint32_t>(v) & 0x7fffffffu;
-  if (vb == 0) return;
-  if (vb >= 0x7f800000u) {  // Inf or NaN
-    (vb == 0x7f800000u ? infs_ : nans_) += 1;
-    return;
-  }
-  const double sq = static_cast<double>(v) * static_cast<double>(v);  // exact: 48 bits
-  // Squares of fp32 values are normal doubles: sq = m * 2^(E - 1075), m = 1.fraction (53 bits).
-  const std::uint64_t bits = std::bit_cast<std::uint64_t>(sq);
-  const std::uint64_t m = (bits & ((std::uint64_t{1} << 52) - 1)) | (std::uint64_t{1} << 52);
-  const int s = static_cast<int>((bits >> 52) & 0x7ff) - 1075 - kSquareBase;  // m's lowest bit, >= 2
-  const auto at = static_cast<std::size_t>(s / 32);
-  const int o = s % 32;
-  // m * 2^o (up to 84 bits) added as three digits: each addend below 2^33.
-  const std::uint64_t lo = (m & 0xffffffffu) << o;  // < 2^63
-  const std::uint64_t hi = (m >> 32) << o;           // < 2^53
-  digit_[at] += lo & 0xffffffffu;
-  digit_[at + 1] += (lo >> 32) + (hi & 0xffffffffu);
-  digit_[at + 2] += hi >> 32;
-  if (++pending_ == (std::uint64_t{1} << 29)) normalize();  // digits stay below 2^63
-}
+void SquareSum::add(const float* x, std::size_t n) { cpu::exact_square_add(x, n, d_); }
 
-void SquareSum::add(const float* x, std::size_t n) {
-  // Integer sums: the threads' split cannot change the result.
-  const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
-#pragma omp parallel
-  {
-    SquareSum part;
-#pragma omp for schedule(static)
-    for (std::ptrdiff_t j = 0; j < count; ++j) part.add_one(x[j]);
-#pragma omp critical(shardopt_square_sum)
-    merge(part);
-  }
-}
-
-void SquareSum::merge(SquareSum& other) {
-  normalize();
-  other.normalize();
-  for (int i = 0; i < kDigits; ++i)
-    digit_[static_cast<std::size_t>(i)] += other.digit_[static_cast<std::size_t>(i)];
-  nans_ += other.nans_;
-  infs_ += other.infs_;
-  normalize();
-}
-
-void SquareSum::normalize() {
-  std::uint64_t carry = 0;
-  for (std::uint64_t& d : digit_) {
-    const std::uint64_t v = d + carry;
-    d = v & 0xffffffffu;
-    carry = v >> 32;
-  }
-  digit_.back() += carry << 32;  // never reached by fp32 squares
-  pending_ = 0;
-}
+void SquareSum::merge(SquareSum& other) { d_.merge(other.d_); }
 
 void SquareSum::sum_over_ranks(Communicator& comm) {
-  normalize();
+  constexpr int kDigits = cpu::SquareDigits::kDigits;
+  d_.normalize();
   // Digits below 2^32 sum exactly in doubles over fewer than 2^21 ranks.
   std::array<double, kDigits + 2> buf{};
-  for (int i = 0; i < kDigits; ++i) buf[static_cast<std::size_t>(i)] = static_cast<double>(digit_[static_cast<std::size_t>(i)]);
-  buf[kDigits] = nans_;
-  buf[kDigits + 1] = infs_;
+  for (int i = 0; i < kDigits; ++i) buf[static_cast<std::size_t>(i)] = static_cast<double>(d_.digit[static_cast<std::size_t>(i)]);
+  buf[kDigits] = d_.nans;
+  buf[kDigits + 1] = d_.infs;
   comm.all_reduce_sum_host(buf.data(), buf.size());
   for (int i = 0; i < kDigits; ++i)
-    digit_[static_cast<std::size_t>(i)] = static_cast<std::uint64_t>(buf[static_cast<std::size_t>(i)]);
-  nans_ = buf[kDigits];
-  infs_ = buf[kDigits + 1];
-  normalize();
+    d_.digit[static_cast<std::size_t>(i)] = static_cast<std::uint64_t>(buf[static_cast<std::size_t>(i)]);
+  d_.nans = buf[kDigits];
+  d_.infs = buf[kDigits + 1];
+  d_.normalize();
 }
 
 double SquareSum::value() const {
-  if (nans_ > 0) return std::numeric_limits<double>::quiet_NaN();
-  if (infs_ > 0) return std::numeric_limits<double>::infinity();
-  SquareSum c = *this;
+  if (d_.nans > 0) return std::numeric_limits<double>::quiet_NaN();
+  if (d_.infs > 0) return std::numeric_limits<double>::infinity();
+  cpu::SquareDigits c = d_;
   c.normalize();
   // From the lowest digit up: a fixed sequence of roundings of the same integers.
   double v = 0.0;
-  for (int i = 0; i < kDigits; ++i)
-    v += std::ldexp(static_cast<double>(c.digit_[static_cast<std::size_t>(i)]), 32 * i + kSquareBase);
+  for (int i = 0; i < cpu::SquareDigits::kDigits; ++i)
+    v += std::ldexp(static_cast<double>(c.digit[static_cast<std::size_t>(i)]),
+                    32 * i + cpu::SquareDigits::kBase);
   return v;
 }
 

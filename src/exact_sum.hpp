@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cpu/kernels.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/layout.hpp"
 #include "shardopt/memory.hpp"
@@ -63,6 +64,24 @@ float to_float(std::int64_t n, int exp2);
 /// of the largest bucket's levels.
 std::size_t grads_bytes(std::size_t padded_elems, std::size_t max_bucket_elems);
 
+/// The exact sum of the squares of fp32 values (the digits are cpu::SquareDigits; the SIMD
+/// kernels add them, exact_kernels.cpp).
+class SquareSum {
+ public:
+  void add(const float* x, std::size_t n);
+  /// Adds another partial sum (local).
+  void merge(SquareSum& other);
+  /// Collective: the sum over all ranks (one all-reduce of kDigits + 2 doubles, exact).
+  void sum_over_ranks(Communicator& comm);
+  /// The sum, rounded to double (NaN if a value was NaN, +Inf if one was infinite).
+  double value() const;
+  /// The integer itself, for kernels that add to it (and tests that compare sums).
+  cpu::SquareDigits& digits() { return d_; }
+
+ private:
+  cpu::SquareDigits d_;
+};
+
 /// Reproducible mode's gradient accumulator over the whole flat buffer (host memory).
 class ExactGrads {
  public:
@@ -80,6 +99,16 @@ class ExactGrads {
   /// (one micro-batch per rank) the values are packed straight from `grads`: rounding v to
   /// the low bin of the final level is what splitting it into the two bins and packing gives.
   void reduce(Communicator& comm, const Bucket& bk, bool whole, float* grads);
+  /// Collective, for one micro-batch per rank on every rank (nothing deposited anywhere):
+  /// the same result as reduce(), by the direct exchange (Communicator::
+  /// reduce_scatter_combine: 4 bytes per element, one pass, cpu::exact_combine), and the
+  /// exact squares of the elements this rank combined join `squares` (summed over ranks:
+  /// every element of the bucket once). Returns false, having done nothing, when the
+  /// communicator cannot exchange raw values (the same answer on every rank).
+  bool reduce_direct(Communicator& comm, const Bucket& bk, bool whole, float* grads,
+                     SquareSum& squares);
+  /// Whether deposit() was called since clear() (several micro-batches on this rank).
+  bool deposited() const { return deposited_; }
   /// Forgets everything deposited (clears the levels; bins are reset on first use).
   void clear();
 
@@ -92,28 +121,6 @@ class ExactGrads {
   std::uint8_t* level_ = nullptr;
   std::uint8_t* scratch_ = nullptr;
   bool deposited_ = false;  ///< deposit() was called since clear()
-};
-
-/// The exact sum of the squares of fp32 values.
-class SquareSum {
- public:
-  void add(const float* x, std::size_t n);
-  /// Adds another partial sum (local; both are normalised).
-  void merge(SquareSum& other);
-  /// Collective: the sum over all ranks (one all-reduce of kDigits + 2 doubles, exact).
-  void sum_over_ranks(Communicator& comm);
-  /// The sum, rounded to double (NaN if a value was NaN, +Inf if one was infinite).
-  double value() const;
-
- private:
-  static constexpr int kDigits = 22;    ///< 32-bit digits: 2^-352 .. 2^352
-  static constexpr int kSquareBase = -352;
-  void normalize();
-  void add_one(float v);
-  std::array<std::uint64_t, kDigits> digit_{};
-  std::uint64_t pending_ = 0;  ///< values added since the last normalisation
-  double nans_ = 0;
-  double infs_ = 0;
 };
 
 }  // namespace shardopt::exact

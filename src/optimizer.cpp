@@ -276,7 +276,6 @@ void ShardedOptimizer::finalize() {
   if (staged) grads.staging = shared_buffer(plan.staging);
   else grads.grads = shared_buffer(plan.grads);
   if (zero3) unit_pool = shared_buffer(plan.units);
-  if (plan.exact.bytes > 0) grads.exact = shared_buffer(plan.exact);  // its integer collectives
   collective(*comm_, "finalize", [&] {
     if (zero3) b.replica = local_buffer(plan.replica);
     if (staged) grads.grads = local_buffer(plan.grads);
@@ -678,9 +677,14 @@ StepResult ShardedOptimizer::step() {
   // Reproducible mode sums the squares exactly (exact::SquareSum): the slices' boundaries
   // move with the number of ranks.
   const bool reproducible = options_.reduction == Reduction::Reproducible;
+  // Every rank must step after the same number of micro-batches, except in reproducible
+  // mode, which averages over the step's micro-batches of all ranks, however they are spread
+  // (the check then compares that total).
+  const int micro_batches = reproducible ? static_cast<int>(buckets_->total_micro_batches())
+                                         : buckets_->micro_batches();
   double sumsq = 0.0;
-  exact::SquareSum exact_sumsq;
   const LocalOutcome local = capture("step", [&] {
+    if (reproducible) return;  // the reduction took the exact squares (exact_squares())
     // Last bucket first, as the buckets' sums always were: the order pins the bits. On the
     // CPU each bucket's sum was taken when its reduction completed (BucketSet::norm_sums,
     // the same sum_squares of the same slice); a device backend sums every slice here.
@@ -689,23 +693,24 @@ StepResult ShardedOptimizer::step() {
     slices.reserve(layout_.num_buckets());
     for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
       const Backend::Slice slice = buckets_->norm_slice(k);
-      if (reproducible) exact_sumsq.add(slice.data, slice.n);
-      else if (!eager.empty()) sumsq += eager[k];
+      if (!eager.empty()) sumsq += eager[k];
       else slices.push_back(slice);
     }
-    if (!reproducible && eager.empty()) sumsq = backend_->sum_squares_in_order(slices);
+    if (eager.empty()) sumsq = backend_->sum_squares_in_order(slices);
   });
   sumsq = sum_over_ranks_checked(
       *comm_, sumsq, local,
-      StepSettings{options_.adam, groups_, options_.loss_scaling, buckets_->micro_batches(),
+      StepSettings{options_.adam, groups_, options_.loss_scaling, micro_batches,
                    step_count_, loss_scale_});
   if (reproducible) {
+    exact::SquareSum exact_sumsq = buckets_->exact_squares();  // a retried step sums it again
     exact_sumsq.sum_over_ranks(*comm_);
     sumsq = exact_sumsq.value();
   }
   r.timings.norm = timer.lap();
 
-  const double average = 1.0 / (static_cast<double>(world) * buckets_->micro_batches());
+  const double average = reproducible ? 1.0 / static_cast<double>(buckets_->total_micro_batches())
+                                      : 1.0 / (static_cast<double>(world) * buckets_->micro_batches());
   const double unscale = 1.0 / loss_scale_.scale;  // 1 without loss scaling
   r.grad_norm = std::sqrt(sumsq) * average * unscale;
   // 3. A NaN or Inf anywhere makes the global sum non-finite on every rank alike.

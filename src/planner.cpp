@@ -90,6 +90,7 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
                    config.units_in_flight, config.reduction, config.reduce_dtype);
   MemoryPlan plan;
   plan.reduce_bytes = b.reduce_bytes;
+  plan.reduce_bytes_accumulated = b.reduce_bytes_accumulated;
   plan.unpadded_elems = built.unpadded_size();
   plan.padded_elems = built.padded_size();
   plan.owned_elems = b.local_elems;
@@ -117,6 +118,7 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
     if (!s.on_demand) plan.bytes[static_cast<int>(s.category)] += s.bytes;
   if (config.accumulate_without_sync && plan.staged)
     plan.bytes[static_cast<int>(b.accumulate.category)] += b.accumulate.bytes;
+  if (config.accumulate_without_sync) plan.bytes[static_cast<int>(b.exact.category)] += b.exact.bytes;
   if (config.grad_views_across_buckets && plan.staged)
     plan.bytes[static_cast<int>(b.spill.category)] += b.spill.bytes;
   return plan;

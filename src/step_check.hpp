@@ -1,6 +1,7 @@
 // step_check.hpp: step()'s cross-rank check, folded into the all-reduce of the gradient norm:
-// every rank must step with the same hyperparameters, group settings, micro-batch count, step
-// count and loss scaling state. Internal.
+// every rank must step with the same hyperparameters, group settings, micro-batch count (in
+// reproducible mode: the same total over the ranks, which every rank computed), step count
+// and loss scaling state. Internal.
 #pragma once
 
 #include <cstdint>

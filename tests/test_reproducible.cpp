@@ -272,6 +272,161 @@ TEST(Reproducible, OneMicroBatchPerRankMatchesOneProcess) {
   expect_same(run(w, 1), one, "one micro-batch per rank");
 }
 
+namespace {
+
+// Forwards to another communicator and counts the payload bytes of the gradient reductions
+// (per rank, as MemoryPlan::reduce_bytes counts them): the direct exchange's raw fp32 values
+// and the two-phase method's integer collectives.
+class CountingComm final : public Communicator {
+ public:
+  explicit CountingComm(std::shared_ptr<Communicator> in) : in_(std::move(in)) {}
+  std::size_t combine_bytes = 0;
+  std::size_t int_bytes = 0;
+
+  int rank() const override { return in_->rank(); }
+  int size() const override { return in_->size(); }
+  std::string name() const override { return in_->name(); }
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* b, std::size_t c, CommType w) override {
+    return in_->start_reduce_scatter_sum(b, c, w);
+  }
+  std::unique_ptr<CommRequest> start_all_gather(void* b, std::size_t c, CommType t) override {
+    return in_->start_all_gather(b, c, t);
+  }
+  std::unique_ptr<CommRequest> start_all_reduce_sum(float* b, std::size_t c, CommType w) override {
+    return in_->start_all_reduce_sum(b, c, w);
+  }
+  void all_reduce_sum(void* b, std::size_t c, CommType t) override { in_->all_reduce_sum(b, c, t); }
+  void reduce_scatter_int(void* b, std::size_t c, IntOp op) override {
+    int_bytes += c * static_cast<std::size_t>(size()) * (op == IntOp::SumI64 ? 8 : 1);
+    in_->reduce_scatter_int(b, c, op);
+  }
+  void all_reduce_int(void* b, std::size_t c, IntOp op) override {
+    int_bytes += c * (op == IntOp::SumI64 ? 8 : 1);
+    in_->all_reduce_int(b, c, op);
+  }
+  bool reduce_scatter_combine(float* b, std::size_t c, BlockCombiner& op) override {
+    const bool done = in_->reduce_scatter_combine(b, c, op);
+    if (done) combine_bytes += c * static_cast<std::size_t>(size()) * sizeof(float);
+    return done;
+  }
+  void all_reduce_sum_host(double* b, std::size_t c) override { in_->all_reduce_sum_host(b, c); }
+  void all_gather_bytes(const void* s, void* r, std::size_t b) override { in_->all_gather_bytes(s, r, b); }
+  void broadcast_bytes(void* b, std::size_t n, int root) override { in_->broadcast_bytes(b, n, root); }
+  void barrier() override { in_->barrier(); }
+  Allocation allocate_collective_buffer(MemoryTracker* t, MemCategory c, std::size_t b) override {
+    return in_->allocate_collective_buffer(t, c, b);
+  }
+
+ private:
+  std::shared_ptr<Communicator> in_;
+};
+
+// Sets an environment variable for one scope (the same on every rank).
+struct EnvScope {
+  std::string name;
+  EnvScope(const char* n, const char* value) : name(n) { setenv(n, value, 1); }
+  ~EnvScope() { unsetenv(name.c_str()); }
+};
+
+// Trains two steps in which rank r runs the micro-batches counts[r] .. of the global list
+// 0, 1, ..., sum(counts) - 1 (some ranks may have none): what one process depositing all
+// of them gives, at every stage and on both communicators.
+Trained train_split(std::shared_ptr<Communicator> comm, Stage stage, const std::vector<int>& counts,
+                    MemoryPlan* plan = nullptr) {
+  ShardedOptimizer opt(comm, options(stage, 1024));
+  build(opt);
+  if (plan != nullptr) *plan = plan_memory(opt.layout(), plan_config(opt.options(), comm->size()));
+  const int rank = comm->rank();
+  int first = 0;
+  for (int r = 0; r < rank; ++r) first += counts[static_cast<std::size_t>(r)];
+  const int mine = counts.size() == 1 ? counts[0] : counts[static_cast<std::size_t>(rank)];
+  std::vector<StepResult> rs;
+  for (int step = 0; step < 2; ++step) {
+    for (int q = 0; q < mine; ++q) {
+      opt.begin_backward(false);
+      for (std::size_t i = std::size(kSizes); i-- > 0;) {
+        std::span<float> g = opt.grad(i);
+        for (std::size_t j = 0; j < g.size(); ++j) g[j] = grad_value(step, first + q, i, j, -1);
+        opt.grad_ready(i);
+      }
+    }
+    rs.push_back(opt.step());
+  }
+  return snapshot(opt, rs);
+}
+
+}  // namespace
+
+// The direct exchange (one micro-batch per rank) and the two-phase method
+// (SHARDOPT_REPRO_EXCHANGE=two-phase) give the same bits as one process that deposits every
+// micro-batch into its bins, at every stage, on plain MPI and shared memory; each moves the
+// bytes the planner says (4 and 9 per element), and the direct one no integer reductions.
+TEST(Reproducible, DirectExchangeAndTwoPhaseGiveTheSameBitsAndTheirBytes) {
+  auto w = mpi(MpiCommKind::Plain);
+  const int world = w->size();
+  const Trained one = train_split(make_single_process_communicator(), Stage::Zero1, {world});
+  for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
+    for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
+      for (bool two_phase : {false, true}) {
+        const std::string what = std::string(kind == MpiCommKind::Plain ? "mpi " : "shm ") +
+                                 stage_name(stage) + (two_phase ? " two-phase" : " direct");
+        std::unique_ptr<EnvScope> env;
+        if (two_phase) env = std::make_unique<EnvScope>("SHARDOPT_REPRO_EXCHANGE", "two-phase");
+        auto counting = std::make_shared<CountingComm>(mpi(kind));
+        MemoryPlan plan;
+        const Trained got =
+            train_split(counting, stage, std::vector<int>(static_cast<std::size_t>(world), 1), &plan);
+        expect_same(got, one, what);
+        if (HasFatalFailure()) return;
+        // Two steps; data-parallel ranks get the whole bucket: the combine's blocks, then the
+        // all-gather of the results (not counted here) where the two-phase method all-reduces.
+        if (two_phase) {
+          EXPECT_EQ(counting->combine_bytes, 0u) << what;
+          if (stage != Stage::DataParallel) EXPECT_EQ(counting->int_bytes, 2 * plan.reduce_bytes_accumulated) << what;
+        } else {
+          EXPECT_EQ(counting->int_bytes, 0u) << what;
+          EXPECT_EQ(counting->combine_bytes, 2 * plan.reduce_bytes) << what;
+        }
+      }
+  // Two simulated nodes (the hierarchical communicator hands the exchange to plain MPI).
+  if (world >= 2) {
+    auto counting = std::make_shared<CountingComm>(
+        make_mpi_communicator(MPI_COMM_WORLD, MpiCommOptions{MpiCommKind::SharedMemory, 2, 0}));
+    expect_same(train_split(counting, Stage::Zero2, std::vector<int>(static_cast<std::size_t>(world), 1)),
+                one, "shm hierarchical zero-2 direct");
+    EXPECT_EQ(counting->int_bytes, 0u);
+    EXPECT_GT(counting->combine_bytes, 0u);
+  }
+}
+
+// Uneven micro-batch counts, including ranks with none: the same bits as one process. With
+// at most one per rank the direct exchange runs (an idle rank contributes zeros); with more
+// on some rank, the two-phase method.
+TEST(Reproducible, UnevenMicroBatchCountsIncludingNone) {
+  auto w = mpi(MpiCommKind::Plain);
+  const int world = w->size();
+  std::vector<std::vector<int>> splits;
+  if (world == 1) splits = {{0}, {3}};
+  if (world == 2) splits = {{1, 0}, {0, 1}, {3, 0}, {2, 5}};
+  if (world == 3) splits = {{1, 0, 1}, {0, 4, 1}, {2, 0, 0}};
+  if (world == 4) splits = {{0, 1, 1, 1}, {1, 0, 0, 0}, {3, 0, 2, 1}, {0, 0, 0, 0}};
+  for (const std::vector<int>& split : splits) {
+    int total = 0;
+    std::string what = "split";
+    for (int c : split) {
+      total += c;
+      what += " " + std::to_string(c);
+    }
+    const Trained one = train_split(make_single_process_communicator(), Stage::Zero1, {total});
+    for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
+      for (Stage stage : {Stage::Zero1, Stage::Zero3}) {
+        expect_same(train_split(mpi(kind), stage, split), one,
+                    what + (kind == MpiCommKind::Plain ? " mpi " : " shm ") + stage_name(stage));
+        if (HasFatalFailure()) return;
+      }
+  }
+}
+
 // The default reduction is not reproducible across rank counts on these gradients: the check
 // above would catch a reproducible mode that quietly used fp32 sums (one rank: nothing to
 // compare, the launch at 1 rank skips).
@@ -390,9 +545,15 @@ TEST(Reproducible, PlannerCountsTheAccumulatorAndTheWire) {
   c.reduction = Reduction::Reproducible;
   const MemoryPlan r = plan_memory(l, c);
   EXPECT_EQ(d.reduce_bytes, d.padded_elems * 4);
-  EXPECT_EQ(r.reduce_bytes, r.padded_elems * 9);
+  EXPECT_EQ(r.reduce_bytes, r.padded_elems * 4);  // one micro-batch per rank: raw fp32 values
+  EXPECT_EQ(r.reduce_bytes_accumulated, r.padded_elems * 9);
+  EXPECT_EQ(d.reduce_bytes_accumulated, d.reduce_bytes);
   EXPECT_FALSE(r.staged);  // the full fp32 buffer stays
-  EXPECT_EQ(r[MemCategory::Grads], r.padded_elems * (4 + 17) + r.bucket_elems);
+  // One micro-batch per rank needs only the fp32 buffer; the accumulator comes with several.
+  EXPECT_EQ(r[MemCategory::Grads], r.padded_elems * 4);
+  c.accumulate_without_sync = true;
+  const MemoryPlan ra = plan_memory(l, c);
+  EXPECT_EQ(ra[MemCategory::Grads], ra.padded_elems * (4 + 17) + ra.bucket_elems);
   // What finalize allocates is what the planner says.
   auto w = make_single_process_communicator();
   OptimizerOptions o = options(Stage::Zero2, 4096);
@@ -402,6 +563,20 @@ TEST(Reproducible, PlannerCountsTheAccumulatorAndTheWire) {
   opt.finalize();
   const MemoryPlan p1 = plan_memory(opt.layout(), plan_config(o, 1));
   EXPECT_EQ(opt.memory_report()[MemCategory::Grads], p1[MemCategory::Grads]);
+  // A step of one micro-batch allocates nothing more; the first step of two allocates the
+  // accumulator, which is what the planner adds for accumulate_without_sync.
+  opt.begin_backward(false);
+  opt.grad(0)[0] = 1.0f;
+  opt.step();
+  EXPECT_EQ(opt.memory_report()[MemCategory::Grads], p1[MemCategory::Grads]);
+  for (int k = 0; k < 2; ++k) {
+    opt.begin_backward(false);
+    opt.grad(0)[0] = 1.0f;
+  }
+  opt.step();
+  PlanConfig ca = plan_config(o, 1);
+  ca.accumulate_without_sync = true;
+  EXPECT_EQ(opt.memory_report()[MemCategory::Grads], plan_memory(opt.layout(), ca)[MemCategory::Grads]);
 }
 
 // ---- the primitives --------------------------------------------------------------------

@@ -30,6 +30,16 @@ enum class IntOp {
   MaxU8,   ///< std::uint8_t, maximum
 };
 
+/// What a reduce-scatter that delivers raw values (Communicator::reduce_scatter_combine) does
+/// with them: for i < n, dst[i] = a function of src[0][i], ..., src[nsrc - 1][i] (one value
+/// per rank, in rank order). dst may be one of the sources (the same pointer). A combiner may
+/// keep side results (reproducible mode takes the exact squares of what it writes).
+class BlockCombiner {
+ public:
+  virtual ~BlockCombiner() = default;
+  virtual void combine(float* dst, const float* const* src, int nsrc, std::size_t n) = 0;
+};
+
 /// A collective that was started and may still be running. Every started collective must be
 /// completed (wait) on every rank; destroying an unfinished request waits for it.
 class CommRequest {
@@ -98,6 +108,16 @@ class Communicator {
   virtual void reduce_scatter_int(void* buf, std::size_t count_per_rank, IntOp op);
   /// Blocking, in place, host memory: `count` elements reduced over all ranks.
   virtual void all_reduce_int(void* buf, std::size_t count, IntOp op);
+  /// Blocking, in place, host fp32 memory, in the shape of the reduce-scatter above: block
+  /// rank() ends up holding, element by element, `op`'s combination of every rank's raw value
+  /// of that element (4 bytes per element on the wire, no partial sums in between). Which
+  /// rank calls `op` on which elements is the communicator's choice (shared memory splits
+  /// every block between the node's ranks), so side results of `op` mean something only
+  /// summed over all ranks; each element of every block is combined exactly once. The other
+  /// blocks are undefined afterwards. Returns false, having done nothing, when this
+  /// communicator cannot deliver raw values (the default); the answer is the same on every
+  /// rank for buffers obtained the same way.
+  virtual bool reduce_scatter_combine(float* buf, std::size_t count_per_rank, BlockCombiner& op);
 
   // ---- host collectives for small metadata ------------------------------------------------------
 

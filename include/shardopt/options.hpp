@@ -26,9 +26,12 @@ enum class Reduction : int {
   Default = 0,
   /// Every sum between the trainer's micro-batch gradients and the update is exact (integer
   /// bins with absolute boundaries), so a step is the same bit for bit at any number of
-  /// ranks, assignment of micro-batches to ranks, bucket size and communicator. Costs
-  /// memory (21 bytes per gradient element on every rank) and wire bytes (9 per element
-  /// instead of 4); CPU only; the reduction runs inside step(), not during backward.
+  /// ranks, assignment of micro-batches to ranks (counts may differ between ranks, a rank
+  /// may have none: the average is over the step's micro-batches of all ranks), bucket size
+  /// and communicator. One micro-batch per rank moves 4 wire bytes per element (the direct
+  /// exchange of raw values); several on some rank, 9 (the two-phase method). Costs memory
+  /// (21 bytes per gradient element on every rank); CPU only; the reduction runs inside
+  /// step(), not during backward.
   Reproducible = 1,
 };
 const char* reduction_name(Reduction r) noexcept;

@@ -47,13 +47,17 @@ struct PlanConfig {
   int buckets_in_flight = OptimizerOptions{}.buckets_in_flight;  ///< stage-2/3 staging slots
   int units_in_flight = OptimizerOptions{}.units_in_flight;  ///< stage-3 gathered-unit buffers
   /// Stage 2 with micro-batches that accumulate without synchronising (begin_backward(false))
-  /// keeps a full-size local fp32 accumulation buffer.
+  /// keeps a full-size local fp32 accumulation buffer; reproducible mode with several
+  /// micro-batches on a rank in one step (or on any rank: the two-phase method) keeps its
+  /// exact accumulator (17 bytes per element).
   bool accumulate_without_sync = false;
   /// Stage 2 with grad() views of parameters that span several buckets (a buffer of the
   /// largest such parameter); accumulate_grad() needs none.
   bool grad_views_across_buckets = false;
-  /// Reduction::Reproducible keeps a full fp32 gradient and an exact accumulator (17 bytes
-  /// per element) at every stage, and sends 9 bytes per element instead of 4.
+  /// Reduction::Reproducible keeps a full fp32 gradient at every stage (and, with
+  /// accumulate_without_sync, an exact accumulator of 17 bytes per element, allocated at the
+  /// first step that needs it), and sends 4 bytes per element (9 with several micro-batches
+  /// per rank).
   Reduction reduction = Reduction::Default;
   DType reduce_dtype = DType::F32;  ///< the wire of the default reduction: F32 or BF16
   /// Nodes the ranks run on, world_size / nodes consecutive ranks each (MemoryPlan::
@@ -85,9 +89,14 @@ struct MemoryPlan {
   int unit_buffers = 0;            ///< stage 3: gathered-unit buffers
   /// Payload bytes one rank passes to the gradient reductions of one step (every bucket once;
   /// stage 3 without reproducible mode: per micro-batch): 4 per padded element with an fp32
-  /// wire, 2 with bf16, 9 in reproducible mode. What the transport moves on top of it
-  /// depends on its algorithm (a ring reduce-scatter sends (N-1)/N of it).
+  /// wire, 2 with bf16, and 4 in reproducible mode with one micro-batch per rank (the direct
+  /// exchange of raw values). What the transport moves on top of it depends on its algorithm
+  /// (a ring reduce-scatter sends (N-1)/N of it).
   std::size_t reduce_bytes = 0;
+  /// Reproducible mode when any rank accumulated several micro-batches in the step (or its
+  /// communicator cannot exchange raw values, Communicator::reduce_scatter_combine): the two-phase method,
+  /// 9 per padded element (a 1-byte level maximum and an int64 sum). Otherwise reduce_bytes.
+  std::size_t reduce_bytes_accumulated = 0;
   /// Bytes that cross between nodes for one node in one step (one micro-batch, the default
   /// reduction), as a ring between the `nodes` moves them: per bucket, its gradient
   /// reduce-scatter (data-parallel: all-reduce, twice the bytes) and, at stages 1 and 2, its

@@ -14,7 +14,7 @@ namespace {
 enum class Op : std::uint32_t {
   ReduceScatterSum, AllGather, AllReduceSumStarted, AllReduceSum, AllReduceSumHost,
   AllGatherBytes, BroadcastBytes, Barrier, AllocateCollectiveBuffer, ReduceScatterInt,
-  AllReduceInt,
+  AllReduceInt, ReduceScatterCombine,
 };
 
 const char* op_name(Op op) {
@@ -30,6 +30,7 @@ const char* op_name(Op op) {
     case Op::AllocateCollectiveBuffer: return "allocate_collective_buffer";
     case Op::ReduceScatterInt: return "reduce_scatter_int";
     case Op::AllReduceInt: return "all_reduce_int";
+    case Op::ReduceScatterCombine: return "reduce_scatter_combine";
   }
   return "?";
 }
@@ -65,6 +66,7 @@ std::string describe(const Entry& e) {
       return s + "(" + std::to_string(e.count) + (op == Op::ReduceScatterInt ? " per rank, " : " ") +
              (static_cast<IntOp>(e.type) == IntOp::SumI64 ? "sum i64" : "max u8") + ")";
     case Op::ReduceScatterSum:
+    case Op::ReduceScatterCombine:
     case Op::AllGather:
       return s + "(" + std::to_string(e.count) + " per rank, " +
              type_name(static_cast<CommType>(e.type)) + ")";
@@ -118,6 +120,10 @@ class CheckedCommunicator final : public Communicator {
   void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
     check(Op::AllReduceInt, static_cast<CommType>(op), count);
     in_->all_reduce_int(buf, count, op);
+  }
+  bool reduce_scatter_combine(float* buf, std::size_t count, BlockCombiner& op) override {
+    check(Op::ReduceScatterCombine, CommType::F32, count);
+    return in_->reduce_scatter_combine(buf, count, op);
   }
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     check(Op::AllReduceSumHost, CommType::F64, count);

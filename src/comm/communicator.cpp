@@ -27,6 +27,8 @@ void Communicator::reduce_scatter_int(void*, std::size_t, IntOp) {
               "(reproducible mode needs a host communicator)");
 }
 
+bool Communicator::reduce_scatter_combine(float*, std::size_t, BlockCombiner&) { return false; }
+
 void Communicator::all_reduce_int(void*, std::size_t, IntOp) {
   throw Error(Status::Unsupported,
               "all_reduce_int: the " + name() + " communicator has no integer reductions "

@@ -316,6 +316,45 @@ class MpiCommunicator final : public Communicator {
                   count * elem);
   }
 
+  // Reproducible mode's direct exchange: chunks of every rank's block go to their owner
+  // (MPI_Alltoallv into a scratch buffer of about kCombineScratch bytes), which combines them.
+  bool reduce_scatter_combine(float* buf, std::size_t count, BlockCombiner& op) override {
+    constexpr std::size_t kCombineScratch = std::size_t{8} << 20;
+    const std::size_t ranks = static_cast<std::size_t>(size_);
+    mpi::checked_int(count * ranks, "MPI_Alltoallv");
+    const std::size_t chunk = std::max<std::size_t>(1, kCombineScratch / sizeof(float) / ranks);
+    const Watchdog::Ticket t = dog_->enter("reduce_scatter_combine");
+    queue_.flush();
+    if (count == 0) return true;
+    combine_scratch_.resize(std::min(chunk, count) * ranks);
+    std::vector<int> counts(ranks), sdispl(ranks), rdispl(ranks);
+    std::vector<const float*> src(ranks);
+    float* own = buf + static_cast<std::size_t>(rank_) * count;
+    for (std::size_t c0 = 0; c0 < count; c0 += chunk) {
+      const std::size_t k = std::min(chunk, count - c0);
+      for (std::size_t r = 0; r < ranks; ++r) {
+        counts[r] = static_cast<int>(k);
+        sdispl[r] = static_cast<int>(r * count + c0);
+        rdispl[r] = static_cast<int>(r * k);
+        src[r] = combine_scratch_.data() + r * k;
+      }
+      dog_->run(
+          t,
+          [&] {
+            SHARDOPT_MPI(MPI_Alltoallv(buf, counts.data(), sdispl.data(), MPI_FLOAT,
+                                       combine_scratch_.data(), counts.data(), rdispl.data(),
+                                       MPI_FLOAT, comm_));
+          },
+          [&](MPI_Request* r) {
+            SHARDOPT_MPI(MPI_Ialltoallv(buf, counts.data(), sdispl.data(), MPI_FLOAT,
+                                        combine_scratch_.data(), counts.data(), rdispl.data(),
+                                        MPI_FLOAT, comm_, r));
+          });
+      op.combine(own + c0, src.data(), size_, k);
+    }
+    return true;
+  }
+
   void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
     const int n = mpi::checked_int(count, "MPI_Allreduce");
     const auto [dt, mop, elem] = int_op(op);
@@ -375,6 +414,7 @@ class MpiCommunicator final : public Communicator {
 
   LaunchQueue queue_;
   std::shared_ptr<Watchdog> dog_;
+  std::vector<float> combine_scratch_;  ///< reduce_scatter_combine's chunk, reused
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Op bf16_sum_op_ = MPI_OP_NULL;
   int rank_ = 0;

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 
+#include "kernels.hpp"
 #include "shardopt/adam_math.hpp"
 #include "shardopt/bf16.hpp"
 
@@ -35,7 +36,17 @@ struct RangeKernels {
   /// x[0, n) = +0; stream: non-temporal stores (a large buffer is not read back soon, and
   /// ordinary stores would read every line before writing it: twice the traffic).
   void (*fill_zero)(float* x, std::size_t n, bool stream);
+  /// exact_combine (kernels.hpp) on one range, without the squares.
+  void (*exact_combine)(const float* const* src, int ranks, float* dst, std::size_t n);
+  /// exact_square_add on one range: the SIMD tables take each run of kExactChunk values
+  /// relative to its largest exponent (a fixed-point sum of 96 bits per lane) and hand values
+  /// more than 2^24 times smaller, NaN and Inf to SquareDigits::add.
+  void (*exact_square_add)(const float* x, std::size_t n, SquareDigits& squares);
 };
+
+/// Values per fixed-point window of the SIMD exact_square_add: each lane adds at most
+/// kExactChunk / 4 values below 2^48, so its two 64-bit words cannot overflow.
+inline constexpr std::size_t kExactChunk = 4096;
 
 extern const RangeKernels kPortableKernels;
 #if defined(__x86_64__) || defined(_M_X64)
@@ -63,6 +74,11 @@ void fill_zero(float* x, std::size_t n, bool stream);
 /// Adds the tail elements (fewer than kSumLanes) to lanes 0.. and folds the lanes: the one
 /// definition of the in-block order.
 double finish_sum_lanes(double* lanes, const float* tail, std::size_t tail_n);
+void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n);
+void exact_square_add(const float* x, std::size_t n, SquareDigits& squares);
+/// The largest of lanes[0, nlanes) (exponent fields a SIMD loop collected) and of the biased
+/// exponent fields of x[0, n) (its tail).
+std::uint32_t max_exponent_field(const std::uint32_t* lanes, int nlanes, const float* x, std::size_t n);
 }  // namespace portable
 
 /// Blocks per call of a SIMD table's interleaved sum of squares (and the OpenMP unit).

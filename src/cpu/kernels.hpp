@@ -6,7 +6,9 @@
 // bit for bit what the portable path computes (no FMA; see docs/performance.md).
 #pragma once
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 
 #include "shardopt/adam_math.hpp"
@@ -40,6 +42,48 @@ bool all_finite(const float* x, std::size_t n);
 /// x[i] *= factor (e.g. the clipping coefficient).
 void scale(float* x, std::size_t n, float factor);
 void fill_zero(float* x, std::size_t n);
+
+// ---- reproducible mode's exact arithmetic (src/exact_sum.hpp defines the method) -------------
+
+/// An exact sum of squares of fp32 values: the integer sum of v^2 / 2^kBase held in 32-bit
+/// digits (a digit word may exceed 32 bits until normalize()), plus counts of NaN and Inf.
+/// Every fp32 square is an integer multiple of 2^-298, so every split of the values among
+/// threads or ranks gives the same integer.
+struct SquareDigits {
+  static constexpr int kDigits = 22;  ///< 2^-352 .. 2^352
+  static constexpr int kBase = -352;
+  std::array<std::uint64_t, kDigits> digit{};
+  std::uint64_t pending = 0;  ///< additions since the last normalize(): each below 2^33
+  double nans = 0;
+  double infs = 0;
+  /// Adds v^2 (NaN and +-Inf are counted instead).
+  void add(float v);
+  /// Adds value * 2^exp2 (value < 2^62, exp2 >= kBase, the result below 2^(kBase + 32 * kDigits)).
+  void add_scaled(std::uint64_t value, int exp2);
+  void normalize();
+  /// Adds another sum (both are normalised).
+  void merge(SquareDigits& other);
+};
+
+/// The exponent g of the grid that reproducible mode rounds a value to, from the largest
+/// biased exponent field `e` (0..254) among an element's values: the level L = (e + 24) / 24
+/// (at least 1) and g = b(L - 1) = 24 L - 174 (exact_sum.hpp: kBinBits 24, kBase -150).
+constexpr int exact_grid_exponent(std::uint32_t e) { return 24 * static_cast<int>((e + 24) / 24) - 174; }
+
+/// Ranks above this take the int64 path of exact_combine (the SIMD paths sum in doubles: each
+/// rounded value is below 2^47 in magnitude, so 64 of them sum exactly).
+inline constexpr int kExactCombineMaxSimdRanks = 64;
+
+/// Reproducible mode's sum of one value per rank (the direct exchange): for each i,
+///   dst[i] = RNE32(2^g * sum over r of RNE(src[r][i] / 2^g)),
+/// g = exact_grid_exponent(the largest exponent field among src[.][i]), the quiet NaN if any
+/// src[r][i] is NaN or +-Inf; and the exact squares of dst join `squares` (if not null). Bit
+/// for bit what exact::ExactGrads computes for one micro-batch per rank, on every ISA and
+/// thread count. dst may be one of the sources (the same pointer), not otherwise overlap them.
+void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n,
+                   SquareDigits* squares);
+/// The exact squares of x[0, n) join `squares`.
+void exact_square_add(const float* x, std::size_t n, SquareDigits& squares);
 
 // ---- instruction set -------------------------------------------------------------------------
 

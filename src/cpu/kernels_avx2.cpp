@@ -262,6 +262,113 @@ void fill_zero(float* x, std::size_t n, bool stream) {
   _mm_sfence();
 }
 
+
+// ---- reproducible mode's exact arithmetic (exact_kernels.cpp has the reference) ------------
+
+// 4 doubles = 2^g for 4 int64 lanes of g (biased-exponent construction, no libm).
+__m256d pow2_pd(__m256i g) {
+  return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(g, _mm256_set1_epi64x(1023)), 52));
+}
+
+// One half (4 lanes) of 8: sum over ranks of RNE(v / 2^g), times 2^g, rounded once to fp32.
+__m128 combine_half(const float* const* src, int ranks, std::size_t i, int half, __m256i g64) {
+  const __m256d down = pow2_pd(_mm256_sub_epi64(_mm256_setzero_si256(), g64));
+  const __m256d shift = _mm256_set1_pd(6755399441055744.0);  // 1.5 * 2^52: round to integer
+  __m256d sum = _mm256_setzero_pd();
+  for (int r = 0; r < ranks; ++r) {
+    const __m128 v = _mm_loadu_ps(src[r] + i + 4 * static_cast<std::size_t>(half));
+    __m256d x = _mm256_mul_pd(_mm256_cvtps_pd(v), down);
+    x = _mm256_sub_pd(_mm256_add_pd(x, shift), shift);
+    sum = _mm256_add_pd(sum, x);
+  }
+  return _mm256_cvtpd_ps(_mm256_mul_pd(sum, pow2_pd(g64)));
+}
+
+void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n) {
+  if (ranks > kExactCombineMaxSimdRanks) return portable::exact_combine(src, ranks, dst, n);
+  const __m256i ff = _mm256_set1_epi32(0xff);
+  std::size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    __m256i e = _mm256_setzero_si256();
+    for (int r = 0; r < ranks; ++r)
+      e = _mm256_max_epu32(e, _mm256_and_si256(
+                                  _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r] + i)), 23), ff));
+    const __m256 nonfinite = _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, ff));
+    // g = 24 * ((e + 24) / 24) - 174; x / 24 = (x * 2731) >> 16 for every x below 300.
+    const __m256i level = _mm256_srli_epi32(
+        _mm256_mullo_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(24)), _mm256_set1_epi32(2731)), 16);
+    const __m256i g = _mm256_sub_epi32(_mm256_mullo_epi32(level, _mm256_set1_epi32(24)),
+                                       _mm256_set1_epi32(174));
+    const __m128 lo = combine_half(src, ranks, i, 0, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(g)));
+    const __m128 hi = combine_half(src, ranks, i, 1, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(g, 1)));
+    const __m256 both = _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+    // The stores come after every load of this vector: dst may be one of the sources.
+    _mm256_storeu_ps(dst + i, _mm256_blendv_ps(both, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                                               nonfinite));
+  }
+  if (i < n) {
+    const float* rest[kExactCombineMaxSimdRanks];
+    for (int r = 0; r < ranks; ++r) rest[r] = src[r] + i;
+    portable::exact_combine(rest, ranks, dst + i, n - i);
+  }
+}
+
+// As kernels_avx512.cpp's exact_square_window (the method is described there), 4 lanes.
+void exact_square_window(const float* x, std::size_t n, SquareDigits& squares) {
+  std::uint32_t emax;
+  {
+    __m256i e8 = _mm256_setzero_si256();
+    const __m256i ff = _mm256_set1_epi32(0xff);
+    std::size_t i = 0;
+    for (; i + kW <= n; i += kW)
+      e8 = _mm256_max_epu32(e8, _mm256_and_si256(
+                                    _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), 23), ff));
+    alignas(32) std::uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), e8);
+    emax = portable::max_exponent_field(lanes, 8, x + i, n - i);
+  }
+  if (emax == 0xffu) return portable::exact_square_add(x, n, squares);  // NaN or Inf inside
+  const std::int64_t e0 = emax > 25 ? static_cast<std::int64_t>(emax) - 24 : 1;
+  const __m256i e0m1 = _mm256_set1_epi64x(e0 - 1);
+  const __m256i e0v = _mm256_set1_epi64x(e0);
+  const __m256i mask48 = _mm256_set1_epi64x((std::int64_t{1} << 48) - 1);
+  const __m256i one = _mm256_set1_epi64x(1);
+  const __m256i zero = _mm256_setzero_si256();
+  __m256i acc_lo = zero, acc_hi = zero;
+  std::size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m256i u = _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+    const __m256i e = _mm256_and_si256(_mm256_srli_epi64(u, 23), _mm256_set1_epi64x(0xff));
+    const __m256i normal = _mm256_cmpgt_epi64(e, zero);
+    __m256i m = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi64x(0x7fffff)),
+                                _mm256_and_si256(normal, _mm256_set1_epi64x(0x800000)));
+    const __m256i ee = _mm256_blendv_epi8(one, e, normal);  // max(e, 1)
+    const __m256i inside = _mm256_cmpgt_epi64(ee, e0m1);     // ee >= e0
+    const __m256i nonzero = _mm256_xor_si256(_mm256_cmpeq_epi64(m, zero), _mm256_set1_epi64x(-1));
+    const int below = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_andnot_si256(inside, nonzero)));
+    if (below != 0) {
+      for (int k = 0; k < 4; ++k)
+        if ((below >> k) & 1) squares.add(x[i + static_cast<std::size_t>(k)]);
+    }
+    m = _mm256_and_si256(m, inside);
+    const __m256i s = _mm256_and_si256(_mm256_slli_epi64(_mm256_sub_epi64(ee, e0v), 1), inside);
+    const __m256i m2 = _mm256_mul_epu32(m, m);  // < 2^48
+    acc_lo = _mm256_add_epi64(acc_lo, _mm256_and_si256(_mm256_sllv_epi64(m2, s), mask48));
+    acc_hi = _mm256_add_epi64(acc_hi, _mm256_srlv_epi64(m2, _mm256_sub_epi64(_mm256_set1_epi64x(48), s)));
+  }
+  for (; i < n; ++i) squares.add(x[i]);
+  alignas(32) std::uint64_t lo[4], hi[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lo), acc_lo);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(hi), acc_hi);
+  const int base = 2 * static_cast<int>(e0) - 300;
+  squares.add_scaled(lo[0] + lo[1] + lo[2] + lo[3], base);
+  squares.add_scaled(hi[0] + hi[1] + hi[2] + hi[3], base + 48);
+}
+
+void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {
+  for (std::size_t w = 0; w < n; w += kExactChunk)
+    exact_square_window(x + w, n - w < kExactChunk ? n - w : kExactChunk, squares);
+}
 }  // namespace
 }  // namespace shardopt::cpu::avx2
 
@@ -279,6 +386,8 @@ const RangeKernels kAvx2Kernels = {
     avx2::any_nonfinite,
     avx2::scale,
     avx2::fill_zero,
+    avx2::exact_combine,
+    avx2::exact_square_add,
 };
 
 }  // namespace shardopt::cpu

@@ -1,6 +1,7 @@
 // kernels_avx512.cpp: AVX-512F range kernels (compiled with -mavx512f -ffp-contract=off).
 //
-// Same structure and the same arithmetic as kernels_avx2.cpp, 16 floats per vector: each
+// Standard-library templates are not used here (they could be linked as AVX-512 code for the
+// whole program). Same structure and the same arithmetic as kernels_avx2.cpp, 16 floats per vector: each
 // loop mirrors the portable kernel operation for operation (no FMA), so it returns the same
 // bits. Heads and tails go to the portable kernels (see kernel_table.hpp).
 #include <immintrin.h>
@@ -239,6 +240,137 @@ void fill_zero(float* x, std::size_t n, bool stream) {
   _mm_sfence();
 }
 
+
+// ---- reproducible mode's exact arithmetic (exact_kernels.cpp has the reference) ------------
+
+// exact_combine, 16 elements at a time. The grid exponent g comes from the largest
+// exponent field e by a table: (e + 24) / 24 = ((e >> 3) + 3) / 3, so g = 24 L - 174 is a
+// function of e >> 3 (32 entries, one vpermt2ps). Each value is scaled by 2^-g with vscalefps
+// (exact: the result is below 2^47, and one small enough to be rounded as a subnormal is
+// below half a unit either way) and rounded to an integer in fp32 (exact); the integers sum
+// exactly in doubles (up to 64 of them). The sum is rounded once to fp32 and scaled by 2^g
+// with vscalefps: in the normal range scaling commutes with rounding, and a result in the
+// subnormal range comes from level 1 (g = -150), whose values are multiples of 2^-149 and
+// whose sum is then exact in fp32 before the scaling.
+struct GridTables {
+  __m512 minus_g_lo, minus_g_hi, g_lo, g_hi;  // -g and g as floats for e >> 3 = 0..31
+};
+
+GridTables grid_tables() {
+  alignas(64) float minus_g[32], g[32];
+  for (int j = 0; j < 32; ++j) {
+    const int level = (j + 3) / 3;
+    g[j] = static_cast<float>(24 * level - 174);
+    minus_g[j] = -g[j];
+  }
+  return {_mm512_load_ps(minus_g), _mm512_load_ps(minus_g + 16), _mm512_load_ps(g), _mm512_load_ps(g + 16)};
+}
+
+void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n) {
+  if (ranks > kExactCombineMaxSimdRanks) return portable::exact_combine(src, ranks, dst, n);
+  const GridTables t = grid_tables();
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i inf_bits = _mm512_set1_epi32(0x7f800000);
+  std::size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    // The largest magnitude's bits: its exponent field is the largest (NaN/Inf above all).
+    __m512i big = _mm512_setzero_si512();
+    for (int r = 0; r < ranks; ++r)
+      big = _mm512_max_epu32(big, _mm512_and_si512(_mm512_loadu_si512(src[r] + i), abs_mask));
+    const __mmask16 nonfinite = _mm512_cmpge_epu32_mask(big, inf_bits);
+    const __m512i idx = _mm512_srli_epi32(big, 26);  // e >> 3
+    const __m512 minus_g = _mm512_permutex2var_ps(t.minus_g_lo, idx, t.minus_g_hi);
+    const __m512 g = _mm512_permutex2var_ps(t.g_lo, idx, t.g_hi);
+    __m512d sum_lo = _mm512_setzero_pd(), sum_hi = _mm512_setzero_pd();
+    for (int r = 0; r < ranks; ++r) {
+      const __m512 x = _mm512_roundscale_ps(_mm512_scalef_ps(_mm512_loadu_ps(src[r] + i), minus_g),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      sum_lo = _mm512_add_pd(sum_lo, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+      sum_hi = _mm512_add_pd(sum_hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+    }
+    const __m512 rounded = _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castpd256_pd512(_mm256_castps_pd(_mm512_cvtpd_ps(sum_lo))),
+        _mm256_castps_pd(_mm512_cvtpd_ps(sum_hi)), 1));
+    // The stores come after every load of this vector: dst may be one of the sources.
+    _mm512_storeu_ps(dst + i, _mm512_mask_blend_ps(nonfinite, _mm512_scalef_ps(rounded, g),
+                                                   _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000))));
+  }
+  if (i < n) {
+    const float* rest[kExactCombineMaxSimdRanks];
+    for (int r = 0; r < ranks; ++r) rest[r] = src[r] + i;
+    portable::exact_combine(rest, ranks, dst + i, n - i);
+  }
+}
+
+// Squares relative to the window's largest exponent emax: with m the 24-bit significand
+// and e' = max(e, 1), v = m * 2^(e' - 150) and v^2 = m^2 * 2^(2 e' - 300). For the values
+// with e' >= e0 = max(emax - 24, 1), q = (v * 2^(150 - e0))^2 = m^2 * 2^(2 (e' - e0)) is an
+// integer below 2^96 with 48 significant bits: exact in a double. It is split exactly into
+// a multiple of 2^48 (adding and subtracting 1.5 * 2^100 rounds to it) and a rest below 2^47
+// in magnitude, and both go to int64 lanes by the 1.5 * 2^52 bit trick: every operation is
+// exact. Values below the window (rare) go to SquareDigits::add one by one.
+void exact_square_window(const float* x, std::size_t n, SquareDigits& squares) {
+  __m512i emax16 = _mm512_setzero_si512();
+  const __m512i ff = _mm512_set1_epi32(0xff);
+  std::size_t i = 0;
+  for (; i + kW <= n; i += kW)
+    emax16 = _mm512_max_epu32(emax16, _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(x + i), 23), ff));
+  // (Not _mm512_reduce_*: GCC 12's versions warn inside avx512fintrin.h.)
+  alignas(64) std::uint32_t lanes[16];
+  _mm512_store_si512(lanes, emax16);
+  const std::uint32_t emax = portable::max_exponent_field(lanes, 16, x + i, n - i);
+  if (emax == 0xffu) return portable::exact_square_add(x, n, squares);  // NaN or Inf inside
+  const std::int64_t e0 = emax > 25 ? static_cast<std::int64_t>(emax) - 24 : 1;
+  // Nonzero magnitudes below e0's binade (none when e0 is 1: subnormals count as e' = 1).
+  const __m512i below_bits = _mm512_set1_epi32(e0 >= 2 ? static_cast<int>(e0 << 23) : 0);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512d scale = _mm512_castsi512_pd(_mm512_set1_epi64((1023 + 150 - e0) << 52));
+  const __m512d split = _mm512_set1_pd(0x1.8p100);  // rounds q to a multiple of 2^48
+  const __m512d magic = _mm512_set1_pd(0x1.8p52);   // integers below 2^51 <-> int64 bits
+  const __m512i magic_bits = _mm512_castpd_si512(magic);
+  const __m512d down48 = _mm512_set1_pd(0x1p-48);
+  __m512i acc_lo = _mm512_setzero_si512(), acc_hi = _mm512_setzero_si512();
+  auto add8 = [&](__m256 v8) {
+    const __m512d y = _mm512_mul_pd(_mm512_cvtps_pd(v8), scale);
+    const __m512d q = _mm512_mul_pd(y, y);
+    const __m512d hi = _mm512_sub_pd(_mm512_add_pd(q, split), split);
+    const __m512d lo = _mm512_sub_pd(q, hi);
+    acc_lo = _mm512_add_epi64(acc_lo, _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(lo, magic)), magic_bits));
+    acc_hi = _mm512_add_epi64(
+        acc_hi, _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(_mm512_mul_pd(hi, down48), magic)), magic_bits));
+  };
+  i = 0;
+  for (; i + kW <= n; i += kW) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    const __m512i a = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
+    const __mmask16 below = _mm512_mask_cmplt_epu32_mask(_mm512_test_epi32_mask(a, a), a, below_bits);
+    if (below != 0) {
+      for (int k = 0; k < 16; ++k)
+        if ((below >> k) & 1) squares.add(x[i + static_cast<std::size_t>(k)]);
+      v = _mm512_maskz_mov_ps(static_cast<__mmask16>(~below), v);
+    }
+    add8(_mm512_castps512_ps256(v));
+    add8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  for (; i < n; ++i) squares.add(x[i]);
+  alignas(64) std::int64_t lo[8], hi[8];
+  _mm512_store_si512(lo, acc_lo);
+  _mm512_store_si512(hi, acc_hi);
+  std::int64_t sum_lo = 0, sum_hi = 0;
+  for (int k = 0; k < 8; ++k) {
+    sum_lo += lo[k];
+    sum_hi += hi[k];
+  }
+  // sum_hi * 2^48 + sum_lo >= 0; sum_lo may be negative: carry its multiple of 2^48 over.
+  const int base = 2 * static_cast<int>(e0) - 300;
+  squares.add_scaled(static_cast<std::uint64_t>(sum_lo) & ((std::uint64_t{1} << 48) - 1), base);
+  squares.add_scaled(static_cast<std::uint64_t>(sum_hi + (sum_lo >> 48)), base + 48);
+}
+
+void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {
+  for (std::size_t w = 0; w < n; w += kExactChunk)
+    exact_square_window(x + w, n - w < kExactChunk ? n - w : kExactChunk, squares);
+}
 }  // namespace
 }  // namespace shardopt::cpu::avx512
 
@@ -256,6 +388,8 @@ const RangeKernels kAvx512Kernels = {
     avx512::any_nonfinite,
     avx512::scale,
     avx512::fill_zero,
+    avx512::exact_combine,
+    avx512::exact_square_add,
 };
 
 }  // namespace shardopt::cpu

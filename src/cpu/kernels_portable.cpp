@@ -91,6 +91,8 @@ const RangeKernels kPortableKernels = {
     portable::any_nonfinite,
     portable::scale,
     portable::fill_zero,
+    portable::exact_combine,
+    portable::exact_square_add,
 };
 
 }  // namespace shardopt::cpu

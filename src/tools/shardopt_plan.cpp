@@ -176,11 +176,12 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
                  "stage-2 staging slots (OptimizerOptions::buckets_in_flight)")
       ->check(CLI::Range(1, 1 << 20))->capture_default_str();
   app.add_flag("--accumulate-without-sync", a.accumulate_without_sync,
-               "stage 2 with micro-batches that accumulate without synchronising "
-               "(begin_backward(false)): a full fp32 accumulation buffer per rank");
+               "several micro-batches per step that accumulate without synchronising "
+               "(begin_backward(false)): stage 2 keeps a full fp32 accumulation buffer per "
+               "rank, reproducible mode its exact accumulator and the 9-byte two-phase reduction");
   app.add_flag("--reproducible", a.reproducible,
-               "reduction Reproducible: exact sums (a full fp32 gradient plus 17 bytes per "
-               "element, 9 wire bytes per element)");
+               "reduction Reproducible: exact sums (a full fp32 gradient at every stage; 4 wire "
+               "bytes per element with one micro-batch per rank)");
   app.add_option("--tensor-elems", a.tensor_elems, "tensor size assumed with --psi and --budget")
       ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("16Mi");
   app.add_option("--budget", a.budget, "also print the largest model that fits in BYTES per rank (e.g. 80GiB, 40GB)")
@@ -220,6 +221,12 @@ FlatLayout layout_for(const Args& a, Stage s) {
   return s == Stage::Zero3 ? unit_per_tensor(a.layout) : a.layout;
 }
 
+// The reduction's payload bytes of one step: with several micro-batches per rank,
+// reproducible mode takes the two-phase method.
+std::size_t reduce_per_step(const Args& a, const MemoryPlan& p) {
+  return a.accumulate_without_sync ? p.reduce_bytes_accumulated : p.reduce_bytes;
+}
+
 void print_tables(const Args& a) {
   FlatLayout probe = a.layout;
   probe.build(1, OptimizerOptions{}.bucket_elems);
@@ -253,7 +260,7 @@ void print_tables(const Args& a) {
                   static_cast<double>(p.total()) / psi,
                   human_bytes(zero_formula_bytes(s, psi, n, a.param_dtype)).c_str(),
                   paper_formula_bytes(s, psi, n) / 1e9,
-                  human_bytes(static_cast<double>(p.reduce_bytes)).c_str());
+                  human_bytes(static_cast<double>(reduce_per_step(a, p))).c_str());
       if (a.ranks_per_node)
         std::printf("  %15s", human_bytes(static_cast<double>(p.internode_bytes)).c_str());
       std::printf("\n");
@@ -291,7 +298,7 @@ void print_csv(const Args& a) {
                   a.accumulate_without_sync ? 1 : 0);
       for (std::size_t b : p.bytes) std::printf(",%zu", b);
       std::printf(",%zu,%.0f,%.0f,%d,%zu", p.total(), zero_formula_bytes(s, psi, n, a.param_dtype),
-                  paper_formula_bytes(s, psi, n), a.reproducible ? 1 : 0, p.reduce_bytes);
+                  paper_formula_bytes(s, psi, n), a.reproducible ? 1 : 0, reduce_per_step(a, p));
       if (a.ranks_per_node) std::printf(",%d,%zu", a.ranks_per_node, p.internode_bytes);
       if (a.budget)
         std::printf(",%zu,%zu", *a.budget, largest_fitting_psi(*a.budget, c, a.tensor_elems));

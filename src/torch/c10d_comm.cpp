@@ -282,6 +282,20 @@ class C10dCommunicator final : public Communicator {
       max_u8(data_of<std::uint8_t>(received), size_, count, reinterpret_cast<std::uint8_t*>(own));
   }
 
+  // Reproducible mode's direct exchange: the all-to-all, then the owner combines the raw
+  // values of its block.
+  bool reduce_scatter_combine(float* buf, std::size_t count, BlockCombiner& op) override {
+    if (count == 0) return true;
+    const std::size_t bytes = count * static_cast<std::size_t>(size_) * sizeof(float);
+    torch::Tensor received = scratch_bytes(bytes);
+    start_all_to_all("reduce_scatter_combine", view_bytes(buf, bytes), received, nullptr)->wait();
+    const float* all = data_of<float>(received);
+    std::vector<const float*> src(static_cast<std::size_t>(size_));
+    for (int r = 0; r < size_; ++r) src[static_cast<std::size_t>(r)] = all + static_cast<std::size_t>(r) * count;
+    op.combine(buf + static_cast<std::size_t>(rank_) * count, src.data(), size_, count);
+    return true;
+  }
+
   void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
     require(op == IntOp::SumI64 || op == IntOp::MaxU8, Status::InvalidArgument,
             "all_reduce_int: unknown operation");

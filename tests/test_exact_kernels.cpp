@@ -1,0 +1,376 @@
+// test_exact_kernels.cpp: reproducible mode's vectorised kernels (src/cpu/exact_kernels.cpp,
+// kernels_avx2.cpp, kernels_avx512.cpp) against the method they replace.
+//
+// exact_combine (the direct exchange's one-pass sum of one value per rank) on every ISA this
+// CPU has must give bit for bit
+//   - an independent eager oracle written from exact_sum.hpp's primitives (level_of, the grid
+//     of the largest level, nearbyint, exact::to_float), and
+//   - the accumulator it replaces (exact::ExactGrads: every rank's value deposited as a
+//     micro-batch of one process, lazy bins with level lifts, then the int64 sum),
+// on heavy-tailed random data and on a boundary corpus: level edges, ties of the split and of
+// the final rounding, lifts by one and by several levels, subnormal inputs, FLT_MAX and sums
+// that round to Inf, cancellation to zero, -0, NaN and Inf; 1 to 100 ranks (the SIMD paths
+// sum in doubles up to 64 ranks and hand more to the int64 path). exact_square_add must
+// give the same integer as adding every square one by one (SquareDigits::add).
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/kernels.hpp"
+#include "exact_sum.hpp"
+
+using namespace shardopt;
+
+namespace {
+
+std::vector<cpu::Isa> isas() {
+  std::vector<cpu::Isa> out;
+  for (cpu::Isa isa : {cpu::Isa::Portable, cpu::Isa::Avx2, cpu::Isa::Avx512})
+    if (cpu::isa_supported(isa)) out.push_back(isa);
+  return out;
+}
+
+// Restores the ISA the process started with.
+struct IsaScope {
+  cpu::Isa saved = cpu::active_isa();
+  ~IsaScope() { cpu::set_isa(saved); }
+};
+
+std::uint32_t bits(float v) { return std::bit_cast<std::uint32_t>(v); }
+
+// rank r's values: vals[r][i].
+using PerRank = std::vector<std::vector<float>>;
+
+// The eager oracle: the level of the element is the largest among its values, every value is
+// rounded once to that level's low grid, the integers are summed, and the sum rounded once.
+float oracle_one(const PerRank& vals, std::size_t i) {
+  int level = exact::kEmpty;
+  for (const auto& r : vals) {
+    const float v = r[i];
+    if (!std::isfinite(v)) return std::numeric_limits<float>::quiet_NaN();
+    if (v != 0.0f) level = std::max(level, exact::level_of(v));
+  }
+  if (level == exact::kEmpty) return 0.0f;
+  const int g = exact::bin_exponent(level - 1);
+  std::int64_t sum = 0;
+  for (const auto& r : vals)
+    sum += static_cast<std::int64_t>(std::nearbyint(std::ldexp(static_cast<double>(r[i]), -g)));
+  return exact::to_float(sum, g);
+}
+
+// The accumulator of today's reproducible mode on one process: ranks 0..R-2 deposited as
+// micro-batches, the last one in the gradient buffer, then the reduction.
+std::vector<float> oracle_binned(const PerRank& vals) {
+  const std::size_t n = vals[0].size();
+  const std::size_t bytes = exact::grads_bytes(n, n);
+  auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
+  exact::ExactGrads acc(Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n, n);
+  for (std::size_t r = 0; r + 1 < vals.size(); ++r) acc.deposit(vals[r].data(), n);
+  std::vector<float> out = vals.back();
+  Bucket bk;
+  bk.flat = Range{0, n};
+  bk.slice_elems = n;
+  auto comm = make_single_process_communicator();
+  acc.reduce(*comm, bk, false, out.data());
+  return out;
+}
+
+float random_value(std::mt19937_64& rng) {
+  switch (rng() % 16) {
+    case 0: return 0.0f;
+    case 1: return -0.0f;
+    case 2: return std::ldexp(static_cast<float>(rng() % 0x800000), -149) * ((rng() & 1) ? -1.0f : 1.0f);
+    default: break;
+  }
+  const int e = static_cast<int>(rng() % 254) + 1;  // biased exponent 1..254
+  const std::uint32_t b = (static_cast<std::uint32_t>(e) << 23) | static_cast<std::uint32_t>(rng() & 0x7fffff) |
+                          ((rng() & 1) ? 0x80000000u : 0u);
+  return std::bit_cast<float>(b);
+}
+
+float with_exponent(std::mt19937_64& rng, int e) {
+  const std::uint32_t b = (static_cast<std::uint32_t>(e) << 23) | static_cast<std::uint32_t>(rng() & 0x7fffff) |
+                          ((rng() & 1) ? 0x80000000u : 0u);
+  return std::bit_cast<float>(b);
+}
+
+// Element patterns for `ranks` values each, cycling through the cases named in the header.
+PerRank corpus(int ranks, std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  PerRank v(static_cast<std::size_t>(ranks), std::vector<float>(n));
+  const float fmax = std::numeric_limits<float>::max();
+  for (std::size_t i = 0; i < n; ++i) {
+    auto set = [&](int r, float x) { v[static_cast<std::size_t>(r % ranks)][i] = x; };
+    for (int r = 0; r < ranks; ++r) set(r, 0.0f);
+    const int kind = static_cast<int>(rng() % 14);
+    const int base = static_cast<int>(rng() % 230) + 12;  // an exponent field with room around it
+    switch (kind) {
+      case 0:  // heavy-tailed, anything
+        for (int r = 0; r < ranks; ++r) set(r, random_value(rng));
+        break;
+      case 1:  // exponents within a few binades: ordinary gradients
+        for (int r = 0; r < ranks; ++r) set(r, with_exponent(rng, base + static_cast<int>(rng() % 5)));
+        break;
+      case 2: {  // level edges: exponent fields 24k - 1 and 24k (levels change between them)
+        const int k = static_cast<int>(rng() % 10) + 1;
+        for (int r = 0; r < ranks; ++r) set(r, with_exponent(rng, 24 * k - static_cast<int>(rng() % 2)));
+        break;
+      }
+      case 3: {  // a lift by one or several levels: one large value among small ones
+        for (int r = 0; r < ranks; ++r) set(r, with_exponent(rng, 1 + static_cast<int>(rng() % 60)));
+        set(static_cast<int>(rng() % static_cast<std::uint64_t>(ranks)), with_exponent(rng, 60 + static_cast<int>(rng() % 190)));
+        break;
+      }
+      case 4: {  // ties of the split: x and (odd + 1/2) grid units
+        const int L = static_cast<int>(rng() % 10) + 2;
+        const int g = exact::bin_exponent(L - 1);
+        set(0, std::ldexp(1.0f, exact::bin_exponent(L)));  // sets the level
+        for (int r = 1; r < ranks; ++r)
+          set(r, std::ldexp(static_cast<float>(2 * (rng() % 1000) + 1), g - 1) * ((rng() & 1) ? -1.0f : 1.0f));
+        break;
+      }
+      case 5: {  // ties of the final rounding: 2^x + 2^(x-24) (+ 2^(x-23) for odd)
+        const int L = static_cast<int>(rng() % 9) + 2;
+        const int x = exact::bin_exponent(L) + static_cast<int>(rng() % 20);
+        set(0, std::ldexp((rng() & 1) ? 1.0f : 1.0f + 0x1p-23f, x));
+        set(1, std::ldexp(1.0f, x - 24));
+        break;
+      }
+      case 6:  // subnormals only
+        for (int r = 0; r < ranks; ++r)
+          set(r, std::ldexp(static_cast<float>(rng() % 0x800000), -149) * ((rng() & 1) ? -1.0f : 1.0f));
+        break;
+      case 7:  // near FLT_MAX: sums that round to Inf, or just below it
+        for (int r = 0; r < ranks; ++r) set(r, (rng() & 1) ? fmax : with_exponent(rng, 250 + static_cast<int>(rng() % 5)));
+        if (rng() & 1)
+          for (int r = 0; r < ranks; ++r) set(r, -v[static_cast<std::size_t>(r)][i]);
+        break;
+      case 8: {  // cancellation to zero (pairs of opposite values)
+        for (int r = 0; r + 1 < ranks; r += 2) {
+          const float x = random_value(rng);
+          set(r, x);
+          set(r + 1, -x);
+        }
+        break;
+      }
+      case 9:  // -0 everywhere
+        for (int r = 0; r < ranks; ++r) set(r, -0.0f);
+        break;
+      case 10: {  // one non-finite value
+        const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                             -std::numeric_limits<float>::infinity()};
+        for (int r = 0; r < ranks; ++r) set(r, random_value(rng));
+        set(static_cast<int>(rng() % static_cast<std::uint64_t>(ranks)), bad[rng() % 3]);
+        break;
+      }
+      case 11:  // values below half a grid unit of the level (dropped) and just above
+        set(0, with_exponent(rng, base));
+        for (int r = 1; r < ranks; ++r) set(r, with_exponent(rng, std::max(1, base - 23 - static_cast<int>(rng() % 4))));
+        break;
+      case 12:  // the smallest normal and subnormal neighbours
+        for (int r = 0; r < ranks; ++r)
+          set(r, (rng() & 1) ? std::numeric_limits<float>::min() : std::ldexp(1.0f, -149) * static_cast<float>(rng() % 4));
+        break;
+      default:  // sparse: one nonzero rank
+        set(static_cast<int>(rng() % static_cast<std::uint64_t>(ranks)), random_value(rng));
+        break;
+    }
+  }
+  return v;
+}
+
+std::vector<const float*> pointers(const PerRank& v, std::size_t offset = 0) {
+  std::vector<const float*> p;
+  for (const auto& r : v) p.push_back(r.data() + offset);
+  return p;
+}
+
+void expect_same_digits(cpu::SquareDigits a, cpu::SquareDigits b, const std::string& what) {
+  a.normalize();
+  b.normalize();
+  EXPECT_EQ(a.digit, b.digit) << what;
+  EXPECT_EQ(a.nans, b.nans) << what;
+  EXPECT_EQ(a.infs, b.infs) << what;
+}
+
+cpu::SquareDigits squares_one_by_one(const float* x, std::size_t n) {
+  cpu::SquareDigits d;
+  for (std::size_t i = 0; i < n; ++i) d.add(x[i]);
+  return d;
+}
+
+}  // namespace
+
+TEST(ExactKernels, CombineEqualsTheOraclesOnEveryIsa) {
+  const IsaScope restore;
+  for (int ranks : {1, 2, 3, 4, 5, 8, 17, 64, 65, 100}) {
+    const std::size_t n = ranks > 8 ? 3000 : 20011;  // not a multiple of any vector width
+    const PerRank vals = corpus(ranks, n, 1000u + static_cast<std::uint64_t>(ranks));
+    std::vector<float> eager(n);
+    for (std::size_t i = 0; i < n; ++i) eager[i] = oracle_one(vals, i);
+    const std::vector<float> binned = oracle_binned(vals);
+    for (std::size_t i = 0; i < n; ++i)
+      ASSERT_EQ(bits(eager[i]), bits(binned[i])) << "the oracles disagree, " << ranks << " ranks, element " << i;
+    const cpu::SquareDigits want_sq = squares_one_by_one(eager.data(), n);
+    for (cpu::Isa isa : isas()) {
+      cpu::set_isa(isa);
+      for (std::size_t offset : {std::size_t{0}, std::size_t{3}}) {  // unaligned starts too
+        const std::vector<const float*> src = pointers(vals, offset);
+        std::vector<float> got(n - offset);
+        cpu::SquareDigits sq;
+        cpu::exact_combine(src.data(), ranks, got.data(), got.size(), &sq);
+        const std::string what = std::string(cpu::isa_name(isa)) + ", " + std::to_string(ranks) +
+                                 " ranks, offset " + std::to_string(offset);
+        for (std::size_t i = 0; i < got.size(); ++i)
+          ASSERT_EQ(bits(got[i]), bits(eager[i + offset]))
+              << what << ", element " << i + offset << ": " << got[i] << " vs " << eager[i + offset];
+        expect_same_digits(sq, squares_one_by_one(eager.data() + offset, got.size()), what + " squares");
+        if (offset == 0) expect_same_digits(sq, want_sq, what + " squares (all)");
+      }
+    }
+  }
+}
+
+// In place: the destination is one of the sources (the shared-memory exchange writes into
+// the owner's block).
+TEST(ExactKernels, CombineInPlace) {
+  const IsaScope restore;
+  for (cpu::Isa isa : isas()) {
+    cpu::set_isa(isa);
+    for (int ranks : {1, 3}) {
+      PerRank vals = corpus(ranks, 5003, 77);
+      std::vector<float> want(vals[0].size());
+      for (std::size_t i = 0; i < want.size(); ++i) want[i] = oracle_one(vals, i);
+      const std::vector<const float*> src = pointers(vals);
+      const int own = ranks - 1;
+      cpu::exact_combine(src.data(), ranks, vals[static_cast<std::size_t>(own)].data(), want.size(), nullptr);
+      for (std::size_t i = 0; i < want.size(); ++i)
+        ASSERT_EQ(bits(vals[static_cast<std::size_t>(own)][i]), bits(want[i])) << cpu::isa_name(isa) << " " << i;
+    }
+  }
+}
+
+// Metamorphic: negating every input negates every output (zeros stay +0, NaN stays NaN): a
+// truncating or away-from-zero rounding breaks the symmetry of round-to-nearest-even at ties.
+// Scaling every input by 2^24 moves every value up exactly one level and the grid with it,
+// so the outputs scale exactly (inputs kept inside the normal range on both sides).
+TEST(ExactKernels, CombineIsOddAndScalesByLevels) {
+  const IsaScope restore;
+  for (cpu::Isa isa : isas()) {
+    cpu::set_isa(isa);
+    for (int ranks : {2, 4, 7}) {
+      const std::size_t n = 8191;
+      const PerRank vals = corpus(ranks, n, 4242u + static_cast<std::uint64_t>(ranks));
+      PerRank neg = vals;
+      for (auto& r : neg)
+        for (float& x : r) x = -x;
+      std::vector<float> a(n), b(n);
+      cpu::exact_combine(pointers(vals).data(), ranks, a.data(), n, nullptr);
+      cpu::exact_combine(pointers(neg).data(), ranks, b.data(), n, nullptr);
+      for (std::size_t i = 0; i < n; ++i) {
+        if (std::isnan(a[i])) {
+          ASSERT_TRUE(std::isnan(b[i])) << i;
+        } else if (a[i] == 0.0f) {
+          ASSERT_EQ(bits(b[i]), 0u) << i;
+          ASSERT_EQ(bits(a[i]), 0u) << i;
+        } else {
+          ASSERT_EQ(bits(b[i]), bits(-a[i])) << cpu::isa_name(isa) << " element " << i << ": " << a[i];
+        }
+      }
+      // Scaling: random values with exponent fields 48..200 (levels 3..9; 2^24 more is 72..224).
+      std::mt19937_64 rng(99u + static_cast<std::uint64_t>(ranks));
+      PerRank lo(static_cast<std::size_t>(ranks), std::vector<float>(n)), hi = lo;
+      for (std::size_t i = 0; i < n; ++i) {
+        const int centre = 48 + static_cast<int>(rng() % 153);
+        for (int r = 0; r < ranks; ++r) {
+          const int e = std::min(200, std::max(48, centre - static_cast<int>(rng() % 30)));
+          const float x = (rng() % 5 == 0) ? 0.0f : with_exponent(rng, e);
+          lo[static_cast<std::size_t>(r)][i] = x;
+          hi[static_cast<std::size_t>(r)][i] = std::ldexp(x, 24);
+        }
+      }
+      cpu::exact_combine(pointers(lo).data(), ranks, a.data(), n, nullptr);
+      cpu::exact_combine(pointers(hi).data(), ranks, b.data(), n, nullptr);
+      for (std::size_t i = 0; i < n; ++i)
+        ASSERT_EQ(bits(b[i]), bits(std::ldexp(a[i], 24))) << cpu::isa_name(isa) << " element " << i << ": " << a[i];
+    }
+  }
+}
+
+TEST(ExactKernels, SquaresEqualAddingOneByOne) {
+  const IsaScope restore;
+  std::mt19937_64 rng(5);
+  struct Case {
+    std::string name;
+    std::vector<float> x;
+  };
+  std::vector<Case> cases;
+  auto make = [&](const std::string& name, std::size_t n, auto gen) {
+    Case c{name, std::vector<float>(n)};
+    for (float& v : c.x) v = gen();
+    cases.push_back(std::move(c));
+  };
+  make("narrow", 3 * 4096 + 7, [&] { return with_exponent(rng, 120 + static_cast<int>(rng() % 6)); });
+  make("anything", 20000, [&] { return random_value(rng); });
+  make("window edge", 9000, [&] { return with_exponent(rng, 100 - static_cast<int>(rng() % 27)); });
+  make("outliers", 9001, [&] {
+    return rng() % 500 == 0 ? with_exponent(rng, 250) : with_exponent(rng, 30 + static_cast<int>(rng() % 4));
+  });
+  make("subnormal", 4099, [&] { return std::ldexp(static_cast<float>(rng() % 0x800000), -149); });
+  make("low normals", 4100, [&] {
+    return (rng() & 1) ? with_exponent(rng, 1 + static_cast<int>(rng() % 30))
+                       : std::ldexp(static_cast<float>(rng() % 0x800000), -149);
+  });
+  make("huge", 5000, [&] { return (rng() & 1) ? std::numeric_limits<float>::max() : with_exponent(rng, 254); });
+  make("zeros", 4096, [&] { return (rng() & 1) ? 0.0f : -0.0f; });
+  make("nonfinite", 7000, [&] {
+    const int k = static_cast<int>(rng() % 2000);
+    if (k == 0) return std::numeric_limits<float>::quiet_NaN();
+    if (k == 1) return -std::numeric_limits<float>::infinity();
+    return with_exponent(rng, 60 + static_cast<int>(rng() % 10));
+  });
+  make("short", 5, [&] { return random_value(rng); });
+  for (const Case& c : cases) {
+    const cpu::SquareDigits want = squares_one_by_one(c.x.data(), c.x.size());
+    for (cpu::Isa isa : isas()) {
+      cpu::set_isa(isa);
+      cpu::SquareDigits got;
+      cpu::exact_square_add(c.x.data(), c.x.size(), got);
+      expect_same_digits(got, want, c.name + " " + cpu::isa_name(isa));
+      // exact::SquareSum's value is the same double as well.
+      exact::SquareSum s;
+      s.add(c.x.data(), c.x.size());
+      exact::SquareSum ref;
+      ref.digits() = want;
+      const double a = s.value(), b = ref.value();
+      if (std::isnan(b)) {
+        EXPECT_TRUE(std::isnan(a)) << c.name;
+      } else {
+        EXPECT_EQ(a, b) << c.name;
+      }
+    }
+  }
+}
+
+// The long-double check of a square sum whose exact value a double can hold.
+TEST(ExactKernels, SquareSumValueIsExactWhereADoubleHoldsIt) {
+  const IsaScope restore;
+  std::mt19937_64 rng(8);
+  std::vector<float> x(50000);
+  for (float& v : x) v = std::ldexp(1.0f + static_cast<float>(rng() & 0xff) * 0x1p-8f, static_cast<int>(rng() % 8) - 4);
+  long double want = 0;  // 18-bit squares over 16 binades: exact in long double
+  for (float v : x) want += static_cast<long double>(v) * v;
+  for (cpu::Isa isa : isas()) {
+    cpu::set_isa(isa);
+    exact::SquareSum s;
+    s.add(x.data(), x.size());
+    EXPECT_EQ(s.value(), static_cast<double>(want)) << cpu::isa_name(isa);
+  }
+}
