@@ -304,7 +304,9 @@ class CountingComm final : public Communicator {
     int_bytes += c * (op == IntOp::SumI64 ? 8 : 1);
     in_->all_reduce_int(b, c, op);
   }
+  bool refuse_combine = false;  ///< act as a communicator without the direct exchange
   bool reduce_scatter_combine(float* b, std::size_t c, BlockCombiner& op) override {
+    if (refuse_combine) return false;
     const bool done = in_->reduce_scatter_combine(b, c, op);
     if (done) combine_bytes += c * static_cast<std::size_t>(size()) * sizeof(float);
     return done;
@@ -388,6 +390,16 @@ TEST(Reproducible, DirectExchangeAndTwoPhaseGiveTheSameBitsAndTheirBytes) {
           EXPECT_EQ(counting->combine_bytes, 2 * plan.reduce_bytes) << what;
         }
       }
+  // A communicator that cannot exchange raw values: the two-phase method, the same bits.
+  {
+    auto counting = std::make_shared<CountingComm>(mpi(MpiCommKind::SharedMemory));
+    counting->refuse_combine = true;
+    MemoryPlan plan;
+    expect_same(train_split(counting, Stage::Zero1, std::vector<int>(static_cast<std::size_t>(world), 1), &plan),
+                one, "shm zero-1, no direct exchange");
+    EXPECT_EQ(counting->combine_bytes, 0u);
+    EXPECT_EQ(counting->int_bytes, 2 * plan.reduce_bytes_accumulated);
+  }
   // Two simulated nodes (the hierarchical communicator hands the exchange to plain MPI).
   if (world >= 2) {
     auto counting = std::make_shared<CountingComm>(
