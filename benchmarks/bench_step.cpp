@@ -139,7 +139,7 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
   extra.nodes = count_nodes();
   if (comm->size() % extra.nodes == 0) plan.nodes = extra.nodes;  // else: unequal nodes, 0
   const MemoryPlan planned = plan_memory(opt.layout(), plan);
-  // Several micro-batches: reproducible mode's two-phase method (9 bytes per element).
+  // Several micro-batches: reproducible mode exchanges its packed state (8 bytes per element).
   extra.reduce_bytes = a.micro_batches > 1 ? planned.reduce_bytes_accumulated : planned.reduce_bytes;
   extra.internode_planned = plan.nodes > 1 ? planned.internode_bytes : 0;
   std::uint64_t internode_start = 0;

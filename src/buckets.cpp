@@ -32,20 +32,25 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
                      Storage storage, void* replica)
     : comm_(comm), backend_(backend), tracker_(tracker), layout_(layout), plan_(plan),
       cfg_(config), replica_(static_cast<char*>(replica)), grads_(std::move(storage.grads)),
-      staging_(std::move(storage.staging)), spill_param_(kNone) {
+      staging_(std::move(storage.staging)), exact_wire_(std::move(storage.exact_wire)),
+      spill_param_(kNone) {
   state_.resize(layout_.num_buckets());
   if (cfg_.eager_norm) norm_sums_.assign(layout_.num_buckets(), 0.0);
   param_ready_.assign(layout_.num_params(), 0);
   if (staged())
     for (int s = plan_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
   if (cfg_.reproducible) {
-    // The method switch, for A/B measurements and tests; any rank's "two-phase" makes every
-    // rank use it (reduce_exactly agrees).
+    // The method switch, for A/B measurements and tests: the fastest method allowed ("auto"
+    // or "direct": any; "packed": the packed exchange or two-phase; "two-phase": only it).
+    // The slowest any rank allows is what every rank uses (reduce_exactly agrees).
     if (const char* env = std::getenv("SHARDOPT_REPRO_EXCHANGE")) {
       const std::string m = env;
-      require(m == "direct" || m == "two-phase", Status::InvalidArgument,
-              "SHARDOPT_REPRO_EXCHANGE: '" + m + "' is neither direct nor two-phase");
-      exact_direct_allowed_ = m == "direct";
+      require(m == "auto" || m == "direct" || m == "packed" || m == "two-phase",
+              Status::InvalidArgument,
+              "SHARDOPT_REPRO_EXCHANGE: '" + m + "' is none of auto, direct, packed, two-phase");
+      exact_floor_ = m == "packed"      ? ExactMethod::Packed
+                     : m == "two-phase" ? ExactMethod::TwoPhase
+                                        : ExactMethod::Direct;
     }
   }
 }
@@ -319,15 +324,22 @@ void BucketSet::ensure_exact() {
 void BucketSet::reduce_exactly() {
   if (next_start_ == state_.size()) return;  // reduced already in this step
   collective(comm_, "reduce_gradients (reproducible)", [] {});  // every rank is here
-  // The direct exchange needs every rank's raw values: one micro-batch on every rank
-  // (nothing deposited anywhere; a rank without any micro-batch contributes zeros). One
-  // small all-reduce agrees on it, and counts the step's micro-batches over the ranks (the
-  // average divides by it: counts may differ between ranks).
-  double agreed[2] = {exact_.deposited() || !exact_direct_allowed_ ? 1.0 : 0.0,
+  // The method (docs/architecture.md, "Reproducible mode"): the direct exchange of raw values
+  // when no rank deposited anything (at most one micro-batch each; an idle rank contributes
+  // zeros), the packed exchange when every rank's bins fit the packed word (at most 63
+  // micro-batches), else the two-phase method. One small all-reduce agrees on it: each rank
+  // states the slowest method it needs, and counts its micro-batches (the average divides
+  // by the step's total: counts may differ between ranks).
+  ExactMethod need = exact_floor_;
+  if (micro_batches_ > cpu::kPackedMaxMicroBatches) need = ExactMethod::TwoPhase;
+  else if (exact_.deposited() && need == ExactMethod::Direct) need = ExactMethod::Packed;
+  double agreed[3] = {need != ExactMethod::Direct ? 1.0 : 0.0, need == ExactMethod::TwoPhase ? 1.0 : 0.0,
                       static_cast<double>(micro_batches_)};
-  comm_.all_reduce_sum_host(agreed, 2);
-  exact_direct_ = agreed[0] == 0.0;
-  total_micro_batches_ = static_cast<std::int64_t>(agreed[1]);
+  comm_.all_reduce_sum_host(agreed, 3);
+  exact_method_ = agreed[1] > 0   ? ExactMethod::TwoPhase
+                  : agreed[0] > 0 ? ExactMethod::Packed
+                                  : ExactMethod::Direct;
+  total_micro_batches_ = static_cast<std::int64_t>(agreed[2]);
   // The same figures on every rank: the same error on every rank.
   const std::int64_t values = std::max<std::int64_t>(total_micro_batches_, comm_.size());
   require(values <= exact::kMaxContributions, Status::InvalidArgument,
@@ -335,21 +347,27 @@ void BucketSet::reduce_exactly() {
               std::to_string(comm_.size()) + " ranks make " + std::to_string(values) +
               " gradients per element; the exact int64 sum holds at most " +
               std::to_string(exact::kMaxContributions));
-  if (!exact_direct_)  // the two-phase method's bins (this rank may have none yet)
+  // Both exchanges of bins need them on every rank (this rank may have none yet).
+  if (exact_method_ != ExactMethod::Direct)
     collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_exact(); });
   const ScopedSeconds timed(blocked_seconds_);
   const bool whole = cfg_.stage == Stage::DataParallel;
   exact_squares_ = exact::SquareSum();
+  float* grads = grads_.as<float>();
   for (std::size_t b = 0; b < state_.size(); ++b) {
     const Bucket& bk = layout_.bucket(b);
-    // A communicator that cannot exchange raw values says so on every rank alike.
-    if (exact_direct_ && exact_.reduce_direct(comm_, bk, whole, grads_.as<float>(), exact_squares_))
-      continue;
-    if (exact_direct_) {  // the communicator cannot: the two-phase method from here on
+    // A communicator that cannot exchange raw values says so on every rank alike; the
+    // remaining buckets then take the two-phase method.
+    if (exact_method_ == ExactMethod::Direct) {
+      if (exact_.reduce_direct(comm_, bk, whole, grads, exact_squares_)) continue;
       collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_exact(); });
-      exact_direct_ = false;
+      exact_method_ = ExactMethod::TwoPhase;
+    } else if (exact_method_ == ExactMethod::Packed) {
+      if (exact_.reduce_packed(comm_, bk, whole, grads, exact_wire_.as<std::uint64_t>(), exact_squares_))
+        continue;
+      exact_method_ = ExactMethod::TwoPhase;
     }
-    exact_.reduce(comm_, bk, whole, grads_.as<float>());
+    exact_.reduce(comm_, bk, whole, grads);
     const Backend::Slice slice = norm_slice(b);
     exact_squares_.add(slice.data, slice.n);
   }

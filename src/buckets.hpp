@@ -52,6 +52,7 @@ class BucketSet {
   struct Storage {
     Allocation grads;
     Allocation staging;
+    Allocation exact_wire;  ///< reproducible: plan.exact_wire (collective)
   };
   BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracker,
             const FlatLayout& layout, const BufferPlan& plan, Config config, Storage storage,
@@ -90,8 +91,9 @@ class BucketSet {
   /// reduction itself (the direct exchange combines and squares in one pass; the two-phase
   /// method adds norm_slice(b) of each bucket).
   const exact::SquareSum& exact_squares() const { return exact_squares_; }
-  /// Reproducible mode: how the last step's buckets were reduced ("direct", "two-phase").
-  const char* exact_method() const { return exact_direct_ ? "direct" : "two-phase"; }
+  /// Reproducible mode: how the last step's buckets were reduced.
+  enum class ExactMethod { Direct, Packed, TwoPhase };
+  ExactMethod exact_method() const { return exact_method_; }
   /// Micro-batches accumulated since the last zero_grads() (at least 1).
   int micro_batches() const { return micro_batches_ > 0 ? micro_batches_ : 1; }
   /// Reproducible mode, after finish_grad_sync(): the micro-batches of this step summed over
@@ -153,8 +155,9 @@ class BucketSet {
   exact::ExactGrads exact_;  ///< reproducible: the exact sums of the micro-batches (on demand)
   bool exact_allocated_ = false;
   exact::SquareSum exact_squares_;  ///< reproducible: the norm's part, by the reduction
-  bool exact_direct_allowed_ = true;  ///< SHARDOPT_REPRO_EXCHANGE is not "two-phase"
-  bool exact_direct_ = false;         ///< the last step used the direct exchange
+  Allocation exact_wire_;              ///< reproducible: the packed exchange's buffer
+  ExactMethod exact_floor_ = ExactMethod::Direct;  ///< SHARDOPT_REPRO_EXCHANGE: the fastest allowed
+  ExactMethod exact_method_ = ExactMethod::Direct;  ///< the last step's
   std::int64_t total_micro_batches_ = 0;  ///< reproducible: over all ranks, at the reduction
   std::size_t spill_param_;
   std::vector<int> free_slots_;

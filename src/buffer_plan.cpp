@@ -57,9 +57,10 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
     std::size_t max_bucket = 0;
     for (const Bucket& b : layout.buckets()) max_bucket = std::max(max_bucket, b.flat.size());
     p.exact = {MemCategory::Grads, exact::grads_bytes(padded, max_bucket), true};
+    p.exact_wire = {MemCategory::Scratch, max_bucket * sizeof(std::uint64_t), false};
   }
   p.reduce_bytes = padded * (reduce_dtype == DType::BF16 && !reproducible ? 2 : 4);
-  p.reduce_bytes_accumulated = reproducible ? padded * 9 : p.reduce_bytes;
+  p.reduce_bytes_accumulated = reproducible ? padded * 8 : p.reduce_bytes;
   if (param_dtype != DType::F32) p.master = {MemCategory::Master, p.local_elems * f32, false};
   p.exp_avg = {MemCategory::Moments, p.local_elems * f32, false};
   p.exp_avg_sq = {MemCategory::Moments, p.local_elems * f32, false};

@@ -55,19 +55,22 @@ struct BufferPlan {
   /// micro-batch on this rank, or a step that takes the two-phase method. The mode keeps the
   /// full fp32 gradient buffer (GradScheme::Full) at every stage.
   BufferSpec exact;
+  /// Reduction::Reproducible: the packed exchange's wire buffer (8 bytes per element of the
+  /// largest bucket), allocated collectively at finalize (a shared-memory window on one node).
+  BufferSpec exact_wire;
   /// Payload bytes of one reduction of every bucket (per rank): 4 per element with an fp32
   /// wire, 2 with bf16; in reproducible mode 4 as well (the direct exchange of raw fp32
   /// values, one micro-batch per rank). Stage 3 without reproducible mode pays it for every
   /// micro-batch.
   std::size_t reduce_bytes = 0;
-  /// Reproducible mode when some rank accumulated several micro-batches (or the communicator
-  /// cannot exchange raw values): the two-phase method's 9 bytes per element (a 1-byte level
-  /// maximum and an int64 sum). reduce_bytes otherwise.
+  /// Reproducible mode when some rank accumulated several micro-batches (at most 63): the
+  /// packed exchange's 8 bytes per element. reduce_bytes otherwise.
   std::size_t reduce_bytes_accumulated = 0;
 
   /// Every buffer with its bytes, allocated ones first.
   std::vector<BufferSpec> all() const {
-    return {replica, units, grads, staging, master, exp_avg, exp_avg_sq, accumulate, spill, exact};
+    return {replica, units,      grads,      staging, master,
+            exp_avg, exp_avg_sq, accumulate, spill,   exact, exact_wire};
   }
 };
 

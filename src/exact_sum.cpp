@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace shardopt::exact {
 namespace {
@@ -108,40 +109,13 @@ void ExactGrads::deposit(const float* g, std::size_t n) {
 }
 
 void ExactGrads::deposit_range(const float* g, std::size_t begin, std::size_t n) {
-  g += begin;
-  std::int64_t* top = top_ + begin;
-  std::int64_t* low = low_ + begin;
-  std::uint8_t* level = level_ + begin;
-  const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
-#pragma omp parallel for schedule(static)
-  for (std::ptrdiff_t j = 0; j < count; ++j) {
-    const float v = g[j];
-    if (v == 0.0f) continue;
-    std::uint8_t l = level[j];
-    if (l == kNonFinite) continue;
-    if (!std::isfinite(v)) {
-      level[j] = kNonFinite;
-      continue;
-    }
-    const int want = level_of(v);
-    if (want > l) {
-      if (l == kEmpty || want - l >= 2) {
-        top[j] = 0;
-        low[j] = 0;
-      } else {
-        low[j] = top[j];
-        top[j] = 0;
-      }
-      l = static_cast<std::uint8_t>(want);
-      level[j] = l;
-    }
-    const double d = v;
-    const double hi = round_to_integer(d * kPow.down[l]);  // |hi| <= 2^23
-    const double rest = d - hi * kPow.up[l];  // exact: a multiple of v's ulp, |rest| <= 2^(b(l)-1)
-    const double lo = round_to_integer(rest * kPow.down[l - 1]);  // |lo| <= 2^23; the rest is dropped
-    top[j] += static_cast<std::int64_t>(hi);
-    low[j] += static_cast<std::int64_t>(lo);
-  }
+  static_assert(kEmpty == 0 && kNonFinite == 127 && kBinBits == 24 && kBase == -150,
+                "cpu::exact_deposit's encoding");
+  cpu::exact_deposit(g + begin, n, top_ + begin, low_ + begin, level_ + begin);
+}
+
+void ExactGrads::pack(std::size_t begin, std::size_t n, std::uint64_t* out) const {
+  cpu::exact_pack(level_ + begin, top_ + begin, low_ + begin, out, n);
 }
 
 void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float* grads) {
@@ -204,16 +178,35 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
 
 namespace {
 
-// The direct exchange's combine: cpu::exact_combine, with the squares of what it writes.
-class ExactCombiner final : public BlockCombiner {
+// The direct exchange's combine: cpu::exact_combine of raw fp32 values, with the squares of
+// what it writes.
+class RawCombiner final : public BlockCombiner {
  public:
-  explicit ExactCombiner(cpu::SquareDigits& squares) : squares_(squares) {}
-  void combine(float* dst, const float* const* src, int nsrc, std::size_t n) override {
-    cpu::exact_combine(src, nsrc, dst, n, &squares_);
+  explicit RawCombiner(cpu::SquareDigits& squares) : squares_(squares) {}
+  void combine(float* dst, const void* const* src, int nsrc, std::size_t n) override {
+    at_.resize(static_cast<std::size_t>(nsrc));
+    for (int r = 0; r < nsrc; ++r) at_[static_cast<std::size_t>(r)] = static_cast<const float*>(src[r]);
+    cpu::exact_combine(at_.data(), nsrc, dst, n, &squares_);
   }
 
  private:
   cpu::SquareDigits& squares_;
+  std::vector<const float*> at_;
+};
+
+// The packed exchange's combine: cpu::exact_combine_packed of every rank's state.
+class PackedCombiner final : public BlockCombiner {
+ public:
+  explicit PackedCombiner(cpu::SquareDigits& squares) : squares_(squares) {}
+  void combine(float* dst, const void* const* src, int nsrc, std::size_t n) override {
+    at_.resize(static_cast<std::size_t>(nsrc));
+    for (int r = 0; r < nsrc; ++r) at_[static_cast<std::size_t>(r)] = static_cast<const std::uint64_t*>(src[r]);
+    cpu::exact_combine_packed(at_.data(), nsrc, dst, n, &squares_);
+  }
+
+ private:
+  cpu::SquareDigits& squares_;
+  std::vector<const std::uint64_t*> at_;
 };
 
 }  // namespace
@@ -221,9 +214,22 @@ class ExactCombiner final : public BlockCombiner {
 bool ExactGrads::reduce_direct(Communicator& comm, const Bucket& bk, bool whole, float* grads,
                                SquareSum& squares) {
   float* data = grads + bk.flat.begin;
-  ExactCombiner op(squares.digits());
-  if (!comm.reduce_scatter_combine(data, bk.slice_elems, op)) return false;
+  RawCombiner op(squares.digits());
+  if (!comm.reduce_scatter_combine(data, sizeof(float), data, bk.slice_elems, op)) return false;
   if (whole) comm.all_gather_inplace(data, bk.slice_elems, CommType::F32);
+  return true;
+}
+
+bool ExactGrads::reduce_packed(Communicator& comm, const Bucket& bk, bool whole, float* grads,
+                               std::uint64_t* wire, SquareSum& squares) {
+  const std::size_t b = bk.flat.begin;
+  const std::size_t n = bk.flat.size();
+  // The state with the last micro-batch deposited, straight into the wire buffer (the bins
+  // stay as they were: a refusal leaves reduce() everything to do).
+  cpu::exact_deposit_pack(grads + b, n, top_ + b, low_ + b, level_ + b, wire);
+  PackedCombiner op(squares.digits());
+  if (!comm.reduce_scatter_combine(wire, sizeof(std::uint64_t), grads + b, bk.slice_elems, op)) return false;
+  if (whole) comm.all_gather_inplace(grads + b, bk.slice_elems, CommType::F32);
   return true;
 }
 

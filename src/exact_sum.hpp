@@ -107,6 +107,19 @@ class ExactGrads {
   /// communicator cannot exchange raw values (the same answer on every rank).
   bool reduce_direct(Communicator& comm, const Bucket& bk, bool whole, float* grads,
                      SquareSum& squares);
+  /// Collective, when some rank accumulated several micro-batches (each at most
+  /// cpu::kPackedMaxMicroBatches): the same result as reduce(), by the packed exchange. The
+  /// bucket's state with the last micro-batch (in `grads`) deposited is packed into `wire`
+  /// (the bucket's size, 8 bytes per element, a buffer the communicator moves fast) and
+  /// every owner combines all ranks' states (Communicator::reduce_scatter_combine, 8 bytes
+  /// per element, cpu::exact_combine_packed) into its slice of `grads`, taking the exact
+  /// squares of the result into `squares`. Returns false, the bins and `grads` untouched,
+  /// when the communicator cannot exchange (reduce() then does the bucket).
+  bool reduce_packed(Communicator& comm, const Bucket& bk, bool whole, float* grads,
+                     std::uint64_t* wire, SquareSum& squares);
+  /// The packed state (cpu::exact_pack) of flat elements [begin, begin + n): level and bins
+  /// as deposited so far. Exact while at most cpu::kPackedMaxMicroBatches were deposited.
+  void pack(std::size_t begin, std::size_t n, std::uint64_t* out) const;
   /// Whether deposit() was called since clear() (several micro-batches on this rank).
   bool deposited() const { return deposited_; }
   /// Forgets everything deposited (clears the levels; bins are reset on first use).

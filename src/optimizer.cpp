@@ -276,6 +276,7 @@ void ShardedOptimizer::finalize() {
   if (staged) grads.staging = shared_buffer(plan.staging);
   else grads.grads = shared_buffer(plan.grads);
   if (zero3) unit_pool = shared_buffer(plan.units);
+  if (plan.exact_wire.bytes > 0) grads.exact_wire = shared_buffer(plan.exact_wire);
   collective(*comm_, "finalize", [&] {
     if (zero3) b.replica = local_buffer(plan.replica);
     if (staged) grads.grads = local_buffer(plan.grads);

@@ -374,3 +374,143 @@ TEST(ExactKernels, SquareSumValueIsExactWhereADoubleHoldsIt) {
     EXPECT_EQ(s.value(), static_cast<double>(want)) << cpu::isa_name(isa);
   }
 }
+
+// ---- the packed state (several micro-batches per rank) ---------------------------------------
+
+namespace {
+
+// Rank r's micro-batches are rows r, r + ranks, r + 2 ranks, ... of `rows`; each rank
+// deposits its own into its bins and packs them.
+std::vector<std::vector<std::uint64_t>> packed_states(const PerRank& rows, int ranks) {
+  const std::size_t n = rows[0].size();
+  std::vector<std::vector<std::uint64_t>> out;
+  for (int r = 0; r < ranks; ++r) {
+    const std::size_t bytes = exact::grads_bytes(n, n);
+    auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
+    exact::ExactGrads acc(Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n, n);
+    for (std::size_t k = static_cast<std::size_t>(r); k < rows.size(); k += static_cast<std::size_t>(ranks))
+      acc.deposit(rows[k].data(), n);
+    std::vector<std::uint64_t> words(n);
+    acc.pack(0, n, words.data());
+    out.push_back(std::move(words));
+  }
+  return out;
+}
+
+}  // namespace
+
+// Every rank's packed bins combined at the owner give what one process that deposited every
+// micro-batch gives (the two-phase method's result), on every ISA: 1-8 ranks, 1-63
+// micro-batches per rank (some ranks with none), the boundary corpus, and sums large enough
+// for the rounding-to-odd path (63 values near the top of a level per rank).
+TEST(ExactKernels, PackedStatesCombineToTheOneProcessResult) {
+  const IsaScope restore;
+  struct Case {
+    int ranks, per_rank;
+    std::size_t rows;  // total micro-batches (fewer than ranks * per_rank: some ranks idle)
+  };
+  for (const Case& c : {Case{1, 3, 3}, Case{2, 2, 4}, Case{3, 5, 13}, Case{4, 1, 3}, Case{8, 2, 16},
+                        Case{2, 63, 126}, Case{5, 7, 30}}) {
+    const std::size_t n = c.per_rank > 10 ? 4099 : 9001;
+    PerRank rows = corpus(static_cast<int>(c.rows), n, 777u + c.rows);
+    if (c.per_rank == 63)  // near the top of level 5 on every micro-batch: wide sums
+      for (std::size_t i = 0; i < n; i += 3)
+        for (auto& row : rows) row[i] = std::bit_cast<float>(0x3b7fff00u | static_cast<std::uint32_t>(i & 0xff));
+    const std::vector<float> want = oracle_binned(rows);
+    const auto states = packed_states(rows, c.ranks);
+    std::vector<const std::uint64_t*> src;
+    for (const auto& s : states) src.push_back(s.data());
+    for (cpu::Isa isa : isas()) {
+      cpu::set_isa(isa);
+      std::vector<float> got(n);
+      cpu::SquareDigits sq;
+      cpu::exact_combine_packed(src.data(), c.ranks, got.data(), n, &sq);
+      const std::string what = std::string(cpu::isa_name(isa)) + ", " + std::to_string(c.ranks) +
+                               " ranks, " + std::to_string(c.rows) + " micro-batches";
+      for (std::size_t i = 0; i < n; ++i)
+        ASSERT_EQ(bits(got[i]), bits(want[i])) << what << ", element " << i << ": " << got[i] << " vs " << want[i];
+      expect_same_digits(sq, squares_one_by_one(want.data(), n), what + " squares");
+    }
+  }
+}
+
+// Sums of 2^50 and more go to fp32 through a rounding to odd; a sum one unit above or below
+// a tie of the final rounding (and on it) must round as the exact integer does.
+TEST(ExactKernels, LargePackedSumsRoundOnce) {
+  const IsaScope restore;
+  auto word = [](std::uint64_t level, std::int64_t top, std::int64_t low) {
+    return level | ((static_cast<std::uint64_t>(top) & 0x3fffffffu) << 4) | (static_cast<std::uint64_t>(low) << 34);
+  };
+  std::vector<std::uint64_t> a, b;  // two ranks
+  std::vector<float> want;
+  for (std::uint64_t level : {std::uint64_t{2}, std::uint64_t{6}, std::uint64_t{11}})
+    for (int p = 45; p <= 53; ++p)
+      for (std::int64_t d : {std::int64_t{-1}, std::int64_t{0}, std::int64_t{1}, std::int64_t{4096}, std::int64_t{8191}})
+        for (int sign : {1, -1}) {
+          const std::int64_t s = sign * ((std::int64_t{1} << p) + (std::int64_t{1} << (p - 24)) + d);
+          // Split over the two ranks: each within the 30-bit bins.
+          const std::int64_t half = s / 2, rest = s - half;
+          a.push_back(word(level, half >> 24, half - ((half >> 24) << 24)));
+          b.push_back(word(level, rest >> 24, rest - ((rest >> 24) << 24)));
+          want.push_back(exact::to_float(s, exact::bin_exponent(static_cast<int>(level) - 1)));
+        }
+  const std::uint64_t* src[2] = {a.data(), b.data()};
+  for (cpu::Isa isa : isas()) {
+    cpu::set_isa(isa);
+    std::vector<float> got(want.size());
+    cpu::exact_combine_packed(src, 2, got.data(), got.size(), nullptr);
+    for (std::size_t i = 0; i < want.size(); ++i)
+      ASSERT_EQ(bits(got[i]), bits(want[i])) << cpu::isa_name(isa) << " case " << i << ": " << got[i] << " vs " << want[i];
+  }
+}
+
+// The deposit on every ISA leaves the same levels and bins as the portable one (and so as
+// the accumulator before it was vectorised, whose code the portable one is), micro-batch
+// after micro-batch on the boundary corpus: rises by one and by several levels, non-finite
+// values, zeros, subnormals; unaligned starts and ragged ends.
+TEST(ExactKernels, DepositEqualsThePortableDeposit) {
+  const IsaScope restore;
+  const std::size_t n = 10007;
+  const PerRank rows = corpus(24, n, 31337);
+  struct Bins {
+    std::vector<std::int64_t> top, low;
+    std::vector<std::uint8_t> level;
+  };
+  auto run = [&](cpu::Isa isa, std::size_t offset) {
+    cpu::set_isa(isa);
+    Bins b{std::vector<std::int64_t>(n, 0), std::vector<std::int64_t>(n, 0), std::vector<std::uint8_t>(n, 0)};
+    for (const auto& row : rows)
+      cpu::exact_deposit(row.data() + offset, n - offset, b.top.data() + offset, b.low.data() + offset,
+                         b.level.data() + offset);
+    return b;
+  };
+  // The last micro-batch straight to the packed state equals depositing it, then packing.
+  {
+    cpu::set_isa(cpu::Isa::Portable);
+    Bins b{std::vector<std::int64_t>(n, 0), std::vector<std::int64_t>(n, 0), std::vector<std::uint8_t>(n, 0)};
+    for (std::size_t k = 0; k + 1 < rows.size(); ++k)
+      cpu::exact_deposit(rows[k].data(), n, b.top.data(), b.low.data(), b.level.data());
+    Bins after = b;
+    cpu::exact_deposit(rows.back().data(), n, after.top.data(), after.low.data(), after.level.data());
+    std::vector<std::uint64_t> want(n);
+    cpu::exact_pack(after.level.data(), after.top.data(), after.low.data(), want.data(), n);
+    for (cpu::Isa isa : isas()) {
+      cpu::set_isa(isa);
+      std::vector<std::uint64_t> got(n);
+      cpu::exact_deposit_pack(rows.back().data(), n, b.top.data(), b.low.data(), b.level.data(), got.data());
+      EXPECT_EQ(got, want) << cpu::isa_name(isa);
+    }
+  }
+  for (std::size_t offset : {std::size_t{0}, std::size_t{5}}) {
+    const Bins want = run(cpu::Isa::Portable, offset);
+    for (cpu::Isa isa : isas()) {
+      const Bins got = run(isa, offset);
+      for (std::size_t i = offset; i < n; ++i) {
+        ASSERT_EQ(got.level[i], want.level[i]) << cpu::isa_name(isa) << " element " << i;
+        if (want.level[i] == 0 || want.level[i] == 127) continue;  // bins unused
+        ASSERT_EQ(got.top[i], want.top[i]) << cpu::isa_name(isa) << " element " << i;
+        ASSERT_EQ(got.low[i], want.low[i]) << cpu::isa_name(isa) << " element " << i;
+      }
+    }
+  }
+}

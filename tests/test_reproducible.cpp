@@ -305,10 +305,11 @@ class CountingComm final : public Communicator {
     in_->all_reduce_int(b, c, op);
   }
   bool refuse_combine = false;  ///< act as a communicator without the direct exchange
-  bool reduce_scatter_combine(float* b, std::size_t c, BlockCombiner& op) override {
+  bool reduce_scatter_combine(const void* in, std::size_t elem, float* out, std::size_t c,
+                              BlockCombiner& op) override {
     if (refuse_combine) return false;
-    const bool done = in_->reduce_scatter_combine(b, c, op);
-    if (done) combine_bytes += c * static_cast<std::size_t>(size()) * sizeof(float);
+    const bool done = in_->reduce_scatter_combine(in, elem, out, c, op);
+    if (done) combine_bytes += c * static_cast<std::size_t>(size()) * elem;
     return done;
   }
   void all_reduce_sum_host(double* b, std::size_t c) override { in_->all_reduce_sum_host(b, c); }
@@ -369,11 +370,12 @@ TEST(Reproducible, DirectExchangeAndTwoPhaseGiveTheSameBitsAndTheirBytes) {
   const Trained one = train_split(make_single_process_communicator(), Stage::Zero1, {world});
   for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
     for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
-      for (bool two_phase : {false, true}) {
+      for (const char* method : {"direct", "packed", "two-phase"}) {
         const std::string what = std::string(kind == MpiCommKind::Plain ? "mpi " : "shm ") +
-                                 stage_name(stage) + (two_phase ? " two-phase" : " direct");
-        std::unique_ptr<EnvScope> env;
-        if (two_phase) env = std::make_unique<EnvScope>("SHARDOPT_REPRO_EXCHANGE", "two-phase");
+                                 stage_name(stage) + " " + method;
+        const EnvScope env("SHARDOPT_REPRO_EXCHANGE", method);
+        const bool two_phase = std::string(method) == "two-phase";
+        const bool packed = std::string(method) == "packed";
         auto counting = std::make_shared<CountingComm>(mpi(kind));
         MemoryPlan plan;
         const Trained got =
@@ -384,7 +386,10 @@ TEST(Reproducible, DirectExchangeAndTwoPhaseGiveTheSameBitsAndTheirBytes) {
         // all-gather of the results (not counted here) where the two-phase method all-reduces.
         if (two_phase) {
           EXPECT_EQ(counting->combine_bytes, 0u) << what;
-          if (stage != Stage::DataParallel) EXPECT_EQ(counting->int_bytes, 2 * plan.reduce_bytes_accumulated) << what;
+          if (stage != Stage::DataParallel) EXPECT_EQ(counting->int_bytes, 2 * 9 * plan.padded_elems) << what;
+        } else if (packed) {
+          EXPECT_EQ(counting->int_bytes, 0u) << what;
+          EXPECT_EQ(counting->combine_bytes, 2 * plan.reduce_bytes_accumulated) << what;
         } else {
           EXPECT_EQ(counting->int_bytes, 0u) << what;
           EXPECT_EQ(counting->combine_bytes, 2 * plan.reduce_bytes) << what;
@@ -398,7 +403,7 @@ TEST(Reproducible, DirectExchangeAndTwoPhaseGiveTheSameBitsAndTheirBytes) {
     expect_same(train_split(counting, Stage::Zero1, std::vector<int>(static_cast<std::size_t>(world), 1), &plan),
                 one, "shm zero-1, no direct exchange");
     EXPECT_EQ(counting->combine_bytes, 0u);
-    EXPECT_EQ(counting->int_bytes, 2 * plan.reduce_bytes_accumulated);
+    EXPECT_EQ(counting->int_bytes, 2 * 9 * plan.padded_elems);
   }
   // Two simulated nodes (the hierarchical communicator hands the exchange to plain MPI).
   if (world >= 2) {
@@ -558,7 +563,7 @@ TEST(Reproducible, PlannerCountsTheAccumulatorAndTheWire) {
   const MemoryPlan r = plan_memory(l, c);
   EXPECT_EQ(d.reduce_bytes, d.padded_elems * 4);
   EXPECT_EQ(r.reduce_bytes, r.padded_elems * 4);  // one micro-batch per rank: raw fp32 values
-  EXPECT_EQ(r.reduce_bytes_accumulated, r.padded_elems * 9);
+  EXPECT_EQ(r.reduce_bytes_accumulated, r.padded_elems * 8);  // the packed exchange
   EXPECT_EQ(d.reduce_bytes_accumulated, d.reduce_bytes);
   EXPECT_FALSE(r.staged);  // the full fp32 buffer stays
   // One micro-batch per rank needs only the fp32 buffer; the accumulator comes with several.

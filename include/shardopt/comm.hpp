@@ -31,13 +31,14 @@ enum class IntOp {
 };
 
 /// What a reduce-scatter that delivers raw values (Communicator::reduce_scatter_combine) does
-/// with them: for i < n, dst[i] = a function of src[0][i], ..., src[nsrc - 1][i] (one value
-/// per rank, in rank order). dst may be one of the sources (the same pointer). A combiner may
-/// keep side results (reproducible mode takes the exact squares of what it writes).
+/// with them: for i < n, dst[i] = a function of element i of src[0], ..., src[nsrc - 1] (one
+/// array per rank, in rank order, of the call's element type). dst may be one of the sources
+/// (the same address). A combiner may keep side results (reproducible mode takes the exact
+/// squares of what it writes).
 class BlockCombiner {
  public:
   virtual ~BlockCombiner() = default;
-  virtual void combine(float* dst, const float* const* src, int nsrc, std::size_t n) = 0;
+  virtual void combine(float* dst, const void* const* src, int nsrc, std::size_t n) = 0;
 };
 
 /// A collective that was started and may still be running. Every started collective must be
@@ -108,16 +109,19 @@ class Communicator {
   virtual void reduce_scatter_int(void* buf, std::size_t count_per_rank, IntOp op);
   /// Blocking, in place, host memory: `count` elements reduced over all ranks.
   virtual void all_reduce_int(void* buf, std::size_t count, IntOp op);
-  /// Blocking, in place, host fp32 memory, in the shape of the reduce-scatter above: block
-  /// rank() ends up holding, element by element, `op`'s combination of every rank's raw value
-  /// of that element (4 bytes per element on the wire, no partial sums in between). Which
-  /// rank calls `op` on which elements is the communicator's choice (shared memory splits
-  /// every block between the node's ranks), so side results of `op` mean something only
-  /// summed over all ranks; each element of every block is combined exactly once. The other
-  /// blocks are undefined afterwards. Returns false, having done nothing, when this
-  /// communicator cannot deliver raw values (the default); the answer is the same on every
-  /// rank for buffers obtained the same way.
-  virtual bool reduce_scatter_combine(float* buf, std::size_t count_per_rank, BlockCombiner& op);
+  /// Blocking, host memory, in the shape of the reduce-scatter above: `in` holds size()
+  /// blocks of `count_per_rank` elements of `elem_bytes` bytes each, `out` as many fp32
+  /// values; block rank() of `out` ends up holding, element by element, `op`'s combination of
+  /// every rank's element of block rank() of `in` (elem_bytes on the wire per element, no
+  /// partial results in between). `out` may be `in` (fp32 elements, in place). Which rank
+  /// calls `op` on which elements is the communicator's choice (shared memory splits every
+  /// block between the node's ranks and writes into the owner's `out`), so side results of
+  /// `op` mean something only summed over all ranks; each element of every block is combined
+  /// exactly once. The other blocks of `out` (and all of `in`) are undefined afterwards.
+  /// Returns false, having done nothing, when this communicator cannot deliver raw values
+  /// (the default); the answer is the same on every rank for buffers obtained the same way.
+  virtual bool reduce_scatter_combine(const void* in, std::size_t elem_bytes, float* out,
+                                      std::size_t count_per_rank, BlockCombiner& op);
 
   // ---- host collectives for small metadata ------------------------------------------------------
 

@@ -29,9 +29,9 @@ enum class Reduction : int {
   /// ranks, assignment of micro-batches to ranks (counts may differ between ranks, a rank
   /// may have none: the average is over the step's micro-batches of all ranks), bucket size
   /// and communicator. One micro-batch per rank moves 4 wire bytes per element (the direct
-  /// exchange of raw values); several on some rank, 9 (the two-phase method). Costs memory
-  /// (21 bytes per gradient element on every rank); CPU only; the reduction runs inside
-  /// step(), not during backward.
+  /// exchange of raw values) and needs no memory beyond the full fp32 gradient; several on
+  /// some rank, 8 (the packed exchange; 9 past 63 per rank) and an exact accumulator of 17
+  /// bytes per element. CPU only; the reduction runs inside step(), not during backward.
   Reproducible = 1,
 };
 const char* reduction_name(Reduction r) noexcept;

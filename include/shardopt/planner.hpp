@@ -56,7 +56,7 @@ struct PlanConfig {
   bool grad_views_across_buckets = false;
   /// Reduction::Reproducible keeps a full fp32 gradient at every stage (and, with
   /// accumulate_without_sync, an exact accumulator of 17 bytes per element, allocated at the
-  /// first step that needs it), and sends 4 bytes per element (9 with several micro-batches
+  /// first step that needs it), and sends 4 bytes per element (8 with several micro-batches
   /// per rank).
   Reduction reduction = Reduction::Default;
   DType reduce_dtype = DType::F32;  ///< the wire of the default reduction: F32 or BF16
@@ -93,9 +93,11 @@ struct MemoryPlan {
   /// exchange of raw values). What the transport moves on top of it depends on its algorithm
   /// (a ring reduce-scatter sends (N-1)/N of it).
   std::size_t reduce_bytes = 0;
-  /// Reproducible mode when any rank accumulated several micro-batches in the step (or its
-  /// communicator cannot exchange raw values, Communicator::reduce_scatter_combine): the two-phase method,
-  /// 9 per padded element (a 1-byte level maximum and an int64 sum). Otherwise reduce_bytes.
+  /// Reproducible mode when any rank accumulated several micro-batches in the step (at most
+  /// 63 per rank): the packed exchange, 8 per padded element (a level and two 30-bit bins).
+  /// More micro-batches on a rank, or a communicator that cannot exchange raw values
+  /// (Communicator::reduce_scatter_combine), take the two-phase method: 9 (a 1-byte level
+  /// maximum and an int64 sum). Otherwise reduce_bytes.
   std::size_t reduce_bytes_accumulated = 0;
   /// Bytes that cross between nodes for one node in one step (one micro-batch, the default
   /// reduction), as a ring between the `nodes` moves them: per bucket, its gradient

@@ -121,9 +121,10 @@ class CheckedCommunicator final : public Communicator {
     check(Op::AllReduceInt, static_cast<CommType>(op), count);
     in_->all_reduce_int(buf, count, op);
   }
-  bool reduce_scatter_combine(float* buf, std::size_t count, BlockCombiner& op) override {
-    check(Op::ReduceScatterCombine, CommType::F32, count);
-    return in_->reduce_scatter_combine(buf, count, op);
+  bool reduce_scatter_combine(const void* in, std::size_t elem_bytes, float* out, std::size_t count,
+                              BlockCombiner& op) override {
+    check(Op::ReduceScatterCombine, elem_bytes == 8 ? CommType::F64 : CommType::F32, count);
+    return in_->reduce_scatter_combine(in, elem_bytes, out, count, op);
   }
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     check(Op::AllReduceSumHost, CommType::F64, count);

@@ -27,7 +27,10 @@ void Communicator::reduce_scatter_int(void*, std::size_t, IntOp) {
               "(reproducible mode needs a host communicator)");
 }
 
-bool Communicator::reduce_scatter_combine(float*, std::size_t, BlockCombiner&) { return false; }
+bool Communicator::reduce_scatter_combine(const void*, std::size_t, float*, std::size_t,
+                                          BlockCombiner&) {
+  return false;
+}
 
 void Communicator::all_reduce_int(void*, std::size_t, IntOp) {
   throw Error(Status::Unsupported,

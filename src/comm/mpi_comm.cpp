@@ -317,38 +317,47 @@ class MpiCommunicator final : public Communicator {
   }
 
   // Reproducible mode's direct exchange: chunks of every rank's block go to their owner
-  // (MPI_Alltoallv into a scratch buffer of about kCombineScratch bytes), which combines them.
-  bool reduce_scatter_combine(float* buf, std::size_t count, BlockCombiner& op) override {
+  // (MPI_Alltoallv of elem_bytes-sized elements into a scratch buffer of about
+  // kCombineScratch bytes), which combines them.
+  bool reduce_scatter_combine(const void* in, std::size_t elem_bytes, float* out, std::size_t count,
+                              BlockCombiner& op) override {
     constexpr std::size_t kCombineScratch = std::size_t{8} << 20;
     const std::size_t ranks = static_cast<std::size_t>(size_);
     mpi::checked_int(count * ranks, "MPI_Alltoallv");
-    const std::size_t chunk = std::max<std::size_t>(1, kCombineScratch / sizeof(float) / ranks);
+    const std::size_t chunk = std::max<std::size_t>(1, kCombineScratch / elem_bytes / ranks);
     const Watchdog::Ticket t = dog_->enter("reduce_scatter_combine");
     queue_.flush();
     if (count == 0) return true;
-    combine_scratch_.resize(std::min(chunk, count) * ranks);
+    combine_scratch_.resize(std::min(chunk, count) * ranks * elem_bytes);
+    MPI_Datatype elem = MPI_DATATYPE_NULL;
+    SHARDOPT_MPI(MPI_Type_contiguous(mpi::checked_int(elem_bytes, "MPI_Type_contiguous"), MPI_BYTE, &elem));
+    SHARDOPT_MPI(MPI_Type_commit(&elem));
+    struct FreeType {
+      MPI_Datatype* t;
+      ~FreeType() { MPI_Type_free(t); }
+    } free_elem{&elem};
     std::vector<int> counts(ranks), sdispl(ranks), rdispl(ranks);
-    std::vector<const float*> src(ranks);
-    float* own = buf + static_cast<std::size_t>(rank_) * count;
+    std::vector<const void*> src(ranks);
+    float* own = out + static_cast<std::size_t>(rank_) * count;
     for (std::size_t c0 = 0; c0 < count; c0 += chunk) {
       const std::size_t k = std::min(chunk, count - c0);
       for (std::size_t r = 0; r < ranks; ++r) {
         counts[r] = static_cast<int>(k);
         sdispl[r] = static_cast<int>(r * count + c0);
         rdispl[r] = static_cast<int>(r * k);
-        src[r] = combine_scratch_.data() + r * k;
+        src[r] = combine_scratch_.data() + r * k * elem_bytes;
       }
       dog_->run(
           t,
           [&] {
-            SHARDOPT_MPI(MPI_Alltoallv(buf, counts.data(), sdispl.data(), MPI_FLOAT,
-                                       combine_scratch_.data(), counts.data(), rdispl.data(),
-                                       MPI_FLOAT, comm_));
+            SHARDOPT_MPI(MPI_Alltoallv(in, counts.data(), sdispl.data(), elem,
+                                       combine_scratch_.data(), counts.data(), rdispl.data(), elem,
+                                       comm_));
           },
           [&](MPI_Request* r) {
-            SHARDOPT_MPI(MPI_Ialltoallv(buf, counts.data(), sdispl.data(), MPI_FLOAT,
-                                        combine_scratch_.data(), counts.data(), rdispl.data(),
-                                        MPI_FLOAT, comm_, r));
+            SHARDOPT_MPI(MPI_Ialltoallv(in, counts.data(), sdispl.data(), elem,
+                                        combine_scratch_.data(), counts.data(), rdispl.data(), elem,
+                                        comm_, r));
           });
       op.combine(own + c0, src.data(), size_, k);
     }
@@ -414,7 +423,7 @@ class MpiCommunicator final : public Communicator {
 
   LaunchQueue queue_;
   std::shared_ptr<Watchdog> dog_;
-  std::vector<float> combine_scratch_;  ///< reduce_scatter_combine's chunk, reused
+  std::vector<char> combine_scratch_;  ///< reduce_scatter_combine's chunk, reused
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Op bf16_sum_op_ = MPI_OP_NULL;
   int rank_ = 0;

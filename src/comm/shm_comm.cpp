@@ -218,27 +218,33 @@ class ShmCommunicator final : public Communicator {
       reduce_int_part(v, op, static_cast<std::size_t>(k) * count, count, k);
     v.win->sync();
   }
-  // Reproducible mode's direct exchange inside a window on one node: every block is split
+  // Reproducible mode's direct exchange inside windows on one node: every block is split
   // between the node's ranks like the fp32 reduce-scatter, and each rank combines its part
-  // from every peer's raw values, in place in the block's owner's buffer. Several nodes (or a
-  // buffer outside the windows) take plain MPI's all-to-all.
-  bool reduce_scatter_combine(float* buf, std::size_t count, BlockCombiner& op) override {
+  // from every peer's elements, writing into the block's owner's `out` (both buffers in
+  // windows). Several nodes, or a buffer outside the windows, take plain MPI's all-to-all.
+  bool reduce_scatter_combine(const void* in, std::size_t elem_bytes, float* out, std::size_t count,
+                              BlockCombiner& op) override {
     const std::size_t n = static_cast<std::size_t>(size());
     queue_.drain();
-    const WindowView v = find(buf, count * n * sizeof(float));
-    if (v.win == nullptr || topo_->num_nodes != 1) return plain_->reduce_scatter_combine(buf, count, op);
+    const WindowView vin = find(in, count * n * elem_bytes);
+    const WindowView vout = find(out, count * n * sizeof(float));
+    if (vin.win == nullptr || vout.win == nullptr || topo_->num_nodes != 1)
+      return plain_->reduce_scatter_combine(in, elem_bytes, out, count, op);
     dog_->enter("reduce_scatter_combine (shared memory)");
-    v.win->sync();
+    vin.win->sync();
+    if (vout.win != vin.win) vout.win->sync();
     const Range part = split_part(count, topo_->node_size, topo_->node_rank);
     if (!part.empty()) {
-      std::vector<const float*> src(n);
+      std::vector<const void*> src(n);
       for (std::size_t k = 0; k < n; ++k) {
         const std::size_t first = k * count + part.begin;
-        for (int p = 0; p < topo_->node_size; ++p) src[static_cast<std::size_t>(p)] = v.f32(p) + first;
-        op.combine(v.f32(static_cast<int>(k)) + first, src.data(), topo_->node_size, part.size());
+        for (int p = 0; p < topo_->node_size; ++p)
+          src[static_cast<std::size_t>(p)] = vin.at(p) + first * elem_bytes;
+        op.combine(vout.f32(static_cast<int>(k)) + first, src.data(), topo_->node_size, part.size());
       }
     }
-    v.win->sync();
+    vin.win->sync();
+    if (vout.win != vin.win) vout.win->sync();
     return true;
   }
   void all_reduce_int(void* buf, std::size_t count, IntOp op) override {

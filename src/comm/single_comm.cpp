@@ -35,9 +35,10 @@ class SingleProcessCommunicator final : public Communicator {
   void all_reduce_sum(void*, std::size_t, CommType) override {}
   void reduce_scatter_int(void*, std::size_t, IntOp) override {}
   void all_reduce_int(void*, std::size_t, IntOp) override {}
-  bool reduce_scatter_combine(float* buf, std::size_t count, BlockCombiner& op) override {
-    const float* src[1] = {buf};
-    if (count != 0) op.combine(buf, src, 1, count);
+  bool reduce_scatter_combine(const void* in, std::size_t, float* out, std::size_t count,
+                              BlockCombiner& op) override {
+    const void* src[1] = {in};
+    if (count != 0) op.combine(out, src, 1, count);
     return true;
   }
   void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {

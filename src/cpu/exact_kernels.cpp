@@ -126,6 +126,105 @@ void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {
   for (std::size_t i = 0; i < n; ++i) squares.add(x[i]);
 }
 
+namespace {
+
+// n * 2^e rounded once to fp32 (round to nearest even, subnormals and overflow included),
+// for any int64 n: round to odd at 51 bits keeps the one rounding correct (51 >= 24 + 2).
+inline float int64_to_float(std::int64_t n, int e) {
+  const bool wide = n >= (std::int64_t{1} << 50) || n < -(std::int64_t{1} << 50);
+  if (wide) {
+    const std::int64_t t = (n >> 13) | ((n & 0x1fff) != 0 ? 1 : 0);  // floor, sticky bit
+    return static_cast<float>(static_cast<double>(t) * pow2(13 + e));
+  }
+  // Exact in a double; the product with 2^e too (e >= -150, |n| < 2^51).
+  return static_cast<float>(static_cast<double>(n) * pow2(e));
+}
+
+}  // namespace
+
+void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint64_t g = 0;
+    for (int r = 0; r < ranks; ++r) g = std::max(g, src[r][i] & 15u);
+    if (g == kPackedNonFinite) {
+      dst[i] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    if (g == 0) {
+      dst[i] = 0.0f;
+      continue;
+    }
+    std::int64_t sum = 0;
+    for (int r = 0; r < ranks; ++r) {
+      const std::uint64_t w = src[r][i];
+      const std::int64_t top = static_cast<std::int64_t>(w << 30) >> 34;
+      const std::int64_t low = static_cast<std::int64_t>(w) >> 34;
+      const std::uint64_t l = w & 15u;
+      if (l == g) sum += top * (std::int64_t{1} << 24) + low;
+      else if (l + 1 == g) sum += top;
+    }
+    dst[i] = int64_to_float(sum, 24 * static_cast<int>(g) - 174);  // the grid b(G - 1)
+  }
+}
+
+namespace {
+
+// One element of exact_deposit.
+inline void deposit_one(float v, std::int64_t& top, std::int64_t& low, std::uint8_t& level) {
+  if (v == 0.0f) return;
+  std::uint8_t l = level;
+  if (l == 127) return;  // non-finite already
+  const std::uint32_t e = (std::bit_cast<std::uint32_t>(v) >> 23) & 0xffu;
+  if (e == 0xffu) {
+    level = 127;
+    return;
+  }
+  const std::uint8_t want = static_cast<std::uint8_t>((e + 24) / 24);
+  if (want > l) {
+    if (l == 0 || want - l >= 2) {
+      top = 0;
+      low = 0;
+    } else {
+      low = top;
+      top = 0;
+    }
+    l = want;
+    level = l;
+  }
+  const int b = 24 * l - 150;  // b(l); the low bin's is b - 24
+  const double d = v;
+  const double hi = round_to_integer(d * pow2(-b));         // |hi| <= 2^23
+  const double rest = d - hi * pow2(b);                     // exact: |rest| <= 2^(b-1)
+  const double lo = round_to_integer(rest * pow2(24 - b));  // |lo| <= 2^23; below is dropped
+  top += static_cast<std::int64_t>(hi);
+  low += static_cast<std::int64_t>(lo);
+}
+
+inline std::uint64_t pack_one(std::uint8_t l, std::int64_t top, std::int64_t low) {
+  // An empty element's bins are stale (reset on first use); a non-finite one's unused.
+  return l == 0     ? 0
+         : l == 127 ? kPackedNonFinite
+                    : l | ((static_cast<std::uint64_t>(top) & 0x3fffffffu) << 4) |
+                          (static_cast<std::uint64_t>(low) << 34);
+}
+
+}  // namespace
+
+void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
+                   std::uint8_t* level) {
+  for (std::size_t j = 0; j < n; ++j) deposit_one(g[j], top[j], low[j], level[j]);
+}
+
+void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
+                        const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out) {
+  for (std::size_t j = 0; j < n; ++j) {
+    std::int64_t t = top[j], lo = low[j];
+    std::uint8_t l = level[j];
+    deposit_one(g[j], t, lo, l);
+    out[j] = pack_one(l, t, lo);
+  }
+}
+
 std::uint32_t max_exponent_field(const std::uint32_t* lanes, int nlanes, const float* x, std::size_t n) {
   std::uint32_t e = 0;
   for (int k = 0; k < nlanes; ++k) e = std::max(e, lanes[k]);
@@ -145,23 +244,28 @@ constexpr std::size_t kExactGrain = kExactChunk * 16;
 
 }  // namespace
 
-void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n,
-                   SquareDigits* squares) {
+namespace {
+
+// The threading of both combines: fixed chunks of kExactGrain, each a window of kExactChunk
+// at a time, whose results are still in cache when their squares are taken; every thread's
+// squares join `squares` (integers: any split gives the same sum).
+template <class T>
+void combine_threaded(void (*kernel)(const T* const*, int, float*, std::size_t), const T* const* src,
+                      int ranks, float* dst, std::size_t n, SquareDigits* squares) {
   const RangeKernels& k = active_kernels();
   const std::ptrdiff_t items = static_cast<std::ptrdiff_t>((n + kExactGrain - 1) / kExactGrain);
 #pragma omp parallel if (items > 1)
   {
     SquareDigits part;
-    std::vector<const float*> at(static_cast<std::size_t>(ranks));
+    std::vector<const T*> at(static_cast<std::size_t>(ranks));
 #pragma omp for schedule(static)
     for (std::ptrdiff_t c = 0; c < items; ++c) {
       const std::size_t b = static_cast<std::size_t>(c) * kExactGrain;
       const std::size_t e = std::min(b + kExactGrain, n);
-      // A window at a time: its results are still in cache when their squares are taken.
       for (std::size_t w = b; w < e; w += kExactChunk) {
         const std::size_t len = std::min(kExactChunk, e - w);
         for (int r = 0; r < ranks; ++r) at[static_cast<std::size_t>(r)] = src[r] + w;
-        k.exact_combine(at.data(), ranks, dst + w, len);
+        kernel(at.data(), ranks, dst + w, len);
         if (squares != nullptr) k.exact_square_add(dst + w, len, part);
       }
     }
@@ -170,6 +274,49 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
       squares->merge(part);
     }
   }
+}
+
+}  // namespace
+
+void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n,
+                   SquareDigits* squares) {
+  combine_threaded(active_kernels().exact_combine, src, ranks, dst, n, squares);
+}
+
+void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
+                   std::uint8_t* level) {
+  const RangeKernels& k = active_kernels();
+  const std::ptrdiff_t items = static_cast<std::ptrdiff_t>((n + kExactGrain - 1) / kExactGrain);
+#pragma omp parallel for schedule(static) if (items > 1)
+  for (std::ptrdiff_t c = 0; c < items; ++c) {
+    const std::size_t b = static_cast<std::size_t>(c) * kExactGrain;
+    k.exact_deposit(g + b, std::min(kExactGrain, n - b), top + b, low + b, level + b);
+  }
+}
+
+void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
+                        const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out) {
+  const RangeKernels& k = active_kernels();
+  const std::ptrdiff_t items = static_cast<std::ptrdiff_t>((n + kExactGrain - 1) / kExactGrain);
+#pragma omp parallel for schedule(static) if (items > 1)
+  for (std::ptrdiff_t c = 0; c < items; ++c) {
+    const std::size_t b = static_cast<std::size_t>(c) * kExactGrain;
+    k.exact_deposit_pack(g + b, std::min(kExactGrain, n - b), top + b, low + b, level + b, out + b);
+  }
+}
+
+void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::int64_t* low,
+                std::uint64_t* out, std::size_t n) {
+  const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
+#pragma omp parallel for schedule(static) if (count > std::ptrdiff_t{1} << 16)
+  for (std::ptrdiff_t i = 0; i < count; ++i) {
+    out[i] = portable::pack_one(level[i], top[i], low[i]);
+  }
+}
+
+void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n,
+                          SquareDigits* squares) {
+  combine_threaded(active_kernels().exact_combine_packed, src, ranks, dst, n, squares);
 }
 
 void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {

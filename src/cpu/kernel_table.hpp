@@ -42,6 +42,14 @@ struct RangeKernels {
   /// relative to its largest exponent (a fixed-point sum of 96 bits per lane) and hand values
   /// more than 2^24 times smaller, NaN and Inf to SquareDigits::add.
   void (*exact_square_add)(const float* x, std::size_t n, SquareDigits& squares);
+  /// exact_combine_packed (kernels.hpp) on one range, without the squares.
+  void (*exact_combine_packed)(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n);
+  /// exact_deposit (kernels.hpp) on one range.
+  void (*exact_deposit)(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
+                        std::uint8_t* level);
+  /// exact_deposit_pack (kernels.hpp) on one range.
+  void (*exact_deposit_pack)(const float* g, std::size_t n, const std::int64_t* top,
+                             const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out);
 };
 
 /// Values per fixed-point window of the SIMD exact_square_add: each lane adds at most
@@ -79,6 +87,11 @@ void exact_square_add(const float* x, std::size_t n, SquareDigits& squares);
 /// The largest of lanes[0, nlanes) (exponent fields a SIMD loop collected) and of the biased
 /// exponent fields of x[0, n) (its tail).
 std::uint32_t max_exponent_field(const std::uint32_t* lanes, int nlanes, const float* x, std::size_t n);
+void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n);
+void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
+                   std::uint8_t* level);
+void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
+                        const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out);
 }  // namespace portable
 
 /// Blocks per call of a SIMD table's interleaved sum of squares (and the OpenMP unit).

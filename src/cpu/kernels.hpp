@@ -85,6 +85,38 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
 /// The exact squares of x[0, n) join `squares`.
 void exact_square_add(const float* x, std::size_t n, SquareDigits& squares);
 
+/// Reproducible mode's deposit of one micro-batch into the exact bins of exact_sum.hpp (the
+/// accumulator's arrays: level per element, 0 empty, 1-11, 127 non-finite; top and low bins
+/// in units of 2^b(level) and 2^b(level - 1)): each nonzero g[i] raises the level if it needs
+/// a higher one (a rise by one moves top into low, by more clears both), then adds its parts
+/// round(g / 2^b) and round(rest / 2^b(level - 1)) (nearest even); NaN or Inf marks the
+/// element non-finite. The same bits on every ISA and thread count.
+void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
+                   std::uint8_t* level);
+
+/// The packed state (exact_pack) that exact_deposit of g would leave, without changing the
+/// bins: the last micro-batch of a step goes straight to the exchange.
+void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
+                        const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out);
+
+/// Reproducible mode's packed per-element state (several micro-batches on a rank): one 64-bit
+/// word per element, bits 0-3 the level (0 empty, 1-11, kPackedNonFinite), bits 4-33 the top
+/// bin and bits 34-63 the low bin as signed 30-bit integers (exact for up to
+/// kPackedMaxMicroBatches values per rank: each adds at most 2^23 to either bin).
+inline constexpr std::uint64_t kPackedNonFinite = 15;
+inline constexpr int kPackedMaxMicroBatches = 63;
+/// out[i] = the packed word of level[i] (0: empty, whatever the bins hold; 127: non-finite),
+/// top[i], low[i].
+void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::int64_t* low,
+                std::uint64_t* out, std::size_t n);
+/// The two-phase result from every rank's packed state: for each i, with G the largest level
+/// among src[.][i], dst[i] = RNE32(2^b(G-1) * sum over r of the state lifted to G: top * 2^24 +
+/// low at level G, top at G - 1, nothing below), +0 when every state is empty, the quiet NaN
+/// when any is non-finite; the exact squares of dst join `squares` (if not null). Bit for
+/// bit what exact::ExactGrads::reduce computes from the same bins.
+void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n,
+                          SquareDigits* squares);
+
 // ---- instruction set -------------------------------------------------------------------------
 
 enum class Isa { Portable, Avx2, Avx512 };

@@ -388,6 +388,9 @@ const RangeKernels kAvx2Kernels = {
     avx2::fill_zero,
     avx2::exact_combine,
     avx2::exact_square_add,
+    portable::exact_combine_packed,
+    portable::exact_deposit,
+    portable::exact_deposit_pack,
 };
 
 }  // namespace shardopt::cpu

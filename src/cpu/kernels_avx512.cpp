@@ -302,6 +302,151 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
   }
 }
 
+// exact_combine_packed, 8 elements (64-bit words) at a time. The int64 sum goes to fp32 with
+// one rounding without AVX-512DQ: below 2^50 in magnitude it converts to a double exactly
+// (the 1.5 * 2^52 bit trick); above, it is first rounded to odd at 2^13 (floor plus a
+// sticky bit), which keeps the final rounding to 24 bits correct. The scaling by 2^g is
+// exact in double, and the conversion to fp32 rounds once (subnormals included).
+void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n) {
+  if (ranks > kExactCombineMaxSimdRanks) return portable::exact_combine_packed(src, ranks, dst, n);
+  const __m512i fifteen = _mm512_set1_epi64(15);
+  const __m512i one = _mm512_set1_epi64(1);
+  const __m512d magic = _mm512_set1_pd(0x1.8p52);
+  const __m512i magic_bits = _mm512_castpd_si512(magic);
+  const __m512i wide_from = _mm512_set1_epi64(std::int64_t{1} << 50);
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m512i g = _mm512_setzero_si512();
+    for (int r = 0; r < ranks; ++r)
+      g = _mm512_max_epu64(g, _mm512_and_si512(_mm512_loadu_si512(src[r] + i), fifteen));
+    const __mmask8 nonfinite = _mm512_cmpeq_epi64_mask(g, fifteen);
+    const __m512i g_minus_1 = _mm512_sub_epi64(g, one);
+    __m512i sum = _mm512_setzero_si512();
+    for (int r = 0; r < ranks; ++r) {
+      const __m512i w = _mm512_loadu_si512(src[r] + i);
+      const __m512i l = _mm512_and_si512(w, fifteen);
+      const __m512i top = _mm512_srai_epi64(_mm512_slli_epi64(w, 30), 34);
+      const __m512i low = _mm512_srai_epi64(w, 34);
+      const __mmask8 at = _mm512_cmpeq_epi64_mask(l, g);
+      const __mmask8 below = _mm512_cmpeq_epi64_mask(l, g_minus_1);
+      sum = _mm512_mask_add_epi64(sum, at, sum, _mm512_add_epi64(_mm512_slli_epi64(top, 24), low));
+      sum = _mm512_mask_add_epi64(sum, below, sum, top);
+    }
+    const __mmask8 wide = _mm512_cmpge_epi64_mask(_mm512_abs_epi64(sum), wide_from);
+    __m512i t = sum;
+    if (wide != 0) {
+      const __m512i sticky = _mm512_maskz_mov_epi64(
+          _mm512_test_epi64_mask(sum, _mm512_set1_epi64(0x1fff)), one);
+      t = _mm512_mask_or_epi64(sum, wide, _mm512_srai_epi64(sum, 13), sticky);
+    }
+    // e = 24 g - 174 (the grid of level g - 1), plus 13 where t was shifted.
+    __m512i e = _mm512_sub_epi64(_mm512_add_epi64(_mm512_slli_epi64(g, 4), _mm512_slli_epi64(g, 3)),
+                                 _mm512_set1_epi64(174));
+    e = _mm512_mask_add_epi64(e, wide, e, _mm512_set1_epi64(13));
+    const __m512d exact = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_add_epi64(t, magic_bits)), magic);
+    const __m512d scaled = _mm512_mul_pd(
+        exact, _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52)));
+    const __m256 f = _mm512_cvtpd_ps(scaled);
+    const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+    _mm256_storeu_ps(dst + i, _mm512_castps512_ps256(_mm512_mask_blend_ps(
+                                  static_cast<__mmask16>(nonfinite), _mm512_castps256_ps512(f),
+                                  _mm512_castps256_ps512(nan))));
+  }
+  if (i < n) {
+    const std::uint64_t* rest[kExactCombineMaxSimdRanks];
+    for (int r = 0; r < ranks; ++r) rest[r] = src[r] + i;
+    portable::exact_combine_packed(rest, ranks, dst + i, n - i);
+  }
+}
+
+// exact_deposit, 8 elements at a time, operation for operation the portable loop: the level
+// rise by masks, the two parts by exact double arithmetic (scale by 2^-b, round to an integer,
+// subtract, scale, round), the integers to int64 by the 1.5 * 2^52 bit trick (|part| <= 2^23).
+struct Bins8 {
+  __m512i top, low, level;
+};
+
+Bins8 deposit8(__m256 v8, Bins8 b) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i nonfinite_level = _mm512_set1_epi64(127);
+  const __m512i ff = _mm512_set1_epi64(0xff);
+  const __m512d magic = _mm512_set1_pd(0x1.8p52);
+  const __m512i magic_bits = _mm512_castpd_si512(magic);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i u = _mm512_cvtepu32_epi64(_mm256_castps_si256(v8));
+  const __mmask8 nonzero = _mm512_test_epi64_mask(u, _mm512_set1_epi64(0x7fffffff));
+  const __mmask8 active = nonzero & static_cast<__mmask8>(~_mm512_cmpeq_epi64_mask(b.level, nonfinite_level));
+  if (active == 0) return b;  // sparse gradients: nothing to add here
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi64(u, 23), ff);
+  const __mmask8 becomes_nonfinite = active & _mm512_cmpeq_epi64_mask(e, ff);
+  const __mmask8 finite = active & static_cast<__mmask8>(~becomes_nonfinite);
+  // want = (e + 24) / 24 = ((e + 24) * 2731) >> 16 for e below 300.
+  const __m512i want = _mm512_srli_epi64(
+      _mm512_mul_epu32(_mm512_add_epi64(e, _mm512_set1_epi64(24)), _mm512_set1_epi64(2731)), 16);
+  const __m512i l = b.level;
+  const __mmask8 raise = finite & _mm512_cmpgt_epu64_mask(want, l);
+  const __mmask8 clear = raise & (_mm512_cmpeq_epi64_mask(l, zero) |
+                                  _mm512_cmpge_epu64_mask(_mm512_sub_epi64(want, l), _mm512_set1_epi64(2)));
+  const __mmask8 down_one = raise & static_cast<__mmask8>(~clear);
+  b.low = _mm512_mask_mov_epi64(b.low, down_one, b.top);
+  b.low = _mm512_mask_mov_epi64(b.low, clear, zero);
+  b.top = _mm512_mask_mov_epi64(b.top, raise, zero);
+  b.level = _mm512_mask_mov_epi64(l, raise, want);
+  b.level = _mm512_mask_mov_epi64(b.level, becomes_nonfinite, nonfinite_level);
+  // 2^-b, 2^b and 2^(24 - b) for b = 24 L - 150 (meaningless in lanes not finite: unused).
+  const __m512i l24 = _mm512_add_epi64(_mm512_slli_epi64(b.level, 4), _mm512_slli_epi64(b.level, 3));
+  const __m512d down = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_sub_epi64(_mm512_set1_epi64(1173), l24), 52));
+  const __m512d up = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(_mm512_set1_epi64(873), l24), 52));
+  const __m512d down_low = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_sub_epi64(_mm512_set1_epi64(1197), l24), 52));
+  const __m512d d = _mm512_cvtps_pd(v8);
+  const __m512d hi = _mm512_roundscale_pd(_mm512_mul_pd(d, down), kRound);
+  const __m512d rest = _mm512_sub_pd(d, _mm512_mul_pd(hi, up));
+  const __m512d part = _mm512_roundscale_pd(_mm512_mul_pd(rest, down_low), kRound);
+  b.top = _mm512_mask_add_epi64(b.top, finite, b.top,
+                                _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(hi, magic)), magic_bits));
+  b.low = _mm512_mask_add_epi64(b.low, finite, b.low,
+                                _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(part, magic)), magic_bits));
+  return b;
+}
+
+Bins8 load_bins8(const std::int64_t* top, const std::int64_t* low, const std::uint8_t* level) {
+  return {_mm512_loadu_si512(top), _mm512_loadu_si512(low),
+          _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(level)))};
+}
+
+void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
+                   std::uint8_t* level) {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v8 = _mm256_loadu_ps(g + i);
+    if (_mm256_testz_si256(_mm256_castps_si256(v8), _mm256_set1_epi32(0x7fffffff))) continue;  // all zero
+    const Bins8 b = deposit8(v8, load_bins8(top + i, low + i, level + i));
+    _mm512_storeu_si512(top + i, b.top);
+    _mm512_storeu_si512(low + i, b.low);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(level + i), _mm512_cvtepi64_epi8(b.level));
+  }
+  portable::exact_deposit(g + i, n - i, top + i, low + i, level + i);
+}
+
+// The packed word of 8 elements' bins: empty 0, non-finite 15, else level | top << 4 | low << 34.
+__m512i pack8(const Bins8& b) {
+  const __m512i word = _mm512_or_si512(
+      _mm512_or_si512(b.level, _mm512_slli_epi64(_mm512_and_si512(b.top, _mm512_set1_epi64(0x3fffffff)), 4)),
+      _mm512_slli_epi64(b.low, 34));
+  const __mmask8 empty = _mm512_cmpeq_epi64_mask(b.level, _mm512_setzero_si512());
+  const __mmask8 nonfinite = _mm512_cmpeq_epi64_mask(b.level, _mm512_set1_epi64(127));
+  return _mm512_mask_mov_epi64(_mm512_maskz_mov_epi64(static_cast<__mmask8>(~empty), word), nonfinite,
+                               _mm512_set1_epi64(15));
+}
+
+void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
+                        const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out) {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm512_storeu_si512(out + i, pack8(deposit8(_mm256_loadu_ps(g + i), load_bins8(top + i, low + i, level + i))));
+  portable::exact_deposit_pack(g + i, n - i, top + i, low + i, level + i, out + i);
+}
+
 // Squares relative to the window's largest exponent emax: with m the 24-bit significand
 // and e' = max(e, 1), v = m * 2^(e' - 150) and v^2 = m^2 * 2^(2 e' - 300). For the values
 // with e' >= e0 = max(emax - 24, 1), q = (v * 2^(150 - e0))^2 = m^2 * 2^(2 (e' - e0)) is an
@@ -390,6 +535,9 @@ const RangeKernels kAvx512Kernels = {
     avx512::fill_zero,
     avx512::exact_combine,
     avx512::exact_square_add,
+    avx512::exact_combine_packed,
+    avx512::exact_deposit,
+    avx512::exact_deposit_pack,
 };
 
 }  // namespace shardopt::cpu

@@ -93,6 +93,9 @@ const RangeKernels kPortableKernels = {
     portable::fill_zero,
     portable::exact_combine,
     portable::exact_square_add,
+    portable::exact_combine_packed,
+    portable::exact_deposit,
+    portable::exact_deposit_pack,
 };
 
 }  // namespace shardopt::cpu

@@ -178,7 +178,7 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
   app.add_flag("--accumulate-without-sync", a.accumulate_without_sync,
                "several micro-batches per step that accumulate without synchronising "
                "(begin_backward(false)): stage 2 keeps a full fp32 accumulation buffer per "
-               "rank, reproducible mode its exact accumulator and the 9-byte two-phase reduction");
+               "rank, reproducible mode its exact accumulator and the 8-byte packed exchange");
   app.add_flag("--reproducible", a.reproducible,
                "reduction Reproducible: exact sums (a full fp32 gradient at every stage; 4 wire "
                "bytes per element with one micro-batch per rank)");
@@ -222,7 +222,7 @@ FlatLayout layout_for(const Args& a, Stage s) {
 }
 
 // The reduction's payload bytes of one step: with several micro-batches per rank,
-// reproducible mode takes the two-phase method.
+// reproducible mode exchanges its packed state (8 bytes per element).
 std::size_t reduce_per_step(const Args& a, const MemoryPlan& p) {
   return a.accumulate_without_sync ? p.reduce_bytes_accumulated : p.reduce_bytes;
 }

@@ -282,17 +282,19 @@ class C10dCommunicator final : public Communicator {
       max_u8(data_of<std::uint8_t>(received), size_, count, reinterpret_cast<std::uint8_t*>(own));
   }
 
-  // Reproducible mode's direct exchange: the all-to-all, then the owner combines the raw
-  // values of its block.
-  bool reduce_scatter_combine(float* buf, std::size_t count, BlockCombiner& op) override {
+  // Reproducible mode's direct exchange: the all-to-all, then the owner combines the
+  // elements of its block.
+  bool reduce_scatter_combine(const void* in, std::size_t elem_bytes, float* out, std::size_t count,
+                              BlockCombiner& op) override {
     if (count == 0) return true;
-    const std::size_t bytes = count * static_cast<std::size_t>(size_) * sizeof(float);
+    const std::size_t bytes = count * static_cast<std::size_t>(size_) * elem_bytes;
     torch::Tensor received = scratch_bytes(bytes);
-    start_all_to_all("reduce_scatter_combine", view_bytes(buf, bytes), received, nullptr)->wait();
-    const float* all = data_of<float>(received);
-    std::vector<const float*> src(static_cast<std::size_t>(size_));
-    for (int r = 0; r < size_; ++r) src[static_cast<std::size_t>(r)] = all + static_cast<std::size_t>(r) * count;
-    op.combine(buf + static_cast<std::size_t>(rank_) * count, src.data(), size_, count);
+    start_all_to_all("reduce_scatter_combine", view_bytes(const_cast<void*>(in), bytes), received, nullptr)->wait();
+    const char* all = data_of<char>(received);
+    std::vector<const void*> src(static_cast<std::size_t>(size_));
+    for (int r = 0; r < size_; ++r)
+      src[static_cast<std::size_t>(r)] = all + static_cast<std::size_t>(r) * count * elem_bytes;
+    op.combine(out + static_cast<std::size_t>(rank_) * count, src.data(), size_, count);
     return true;
   }
 
