@@ -91,9 +91,6 @@ class BucketSet {
   /// reduction itself (the direct exchange combines and squares in one pass; the two-phase
   /// method adds norm_slice(b) of each bucket).
   const exact::SquareSum& exact_squares() const { return exact_squares_; }
-  /// Reproducible mode: how the last step's buckets were reduced.
-  enum class ExactMethod { Direct, Packed, TwoPhase };
-  ExactMethod exact_method() const { return exact_method_; }
   /// Micro-batches accumulated since the last zero_grads() (at least 1).
   int micro_batches() const { return micro_batches_ > 0 ? micro_batches_ : 1; }
   /// Reproducible mode, after finish_grad_sync(): the micro-batches of this step summed over
@@ -118,6 +115,8 @@ class BucketSet {
 
  private:
   enum class Op : unsigned char { None, GradSync, ParamSync };
+  /// Reproducible mode's reduction of a step (docs/architecture.md, "Reproducible mode").
+  enum class ExactMethod { Direct, Packed, TwoPhase };
   struct State {
     Op op = Op::None;
     std::unique_ptr<CommRequest> request;
@@ -157,7 +156,7 @@ class BucketSet {
   exact::SquareSum exact_squares_;  ///< reproducible: the norm's part, by the reduction
   Allocation exact_wire_;              ///< reproducible: the packed exchange's buffer
   ExactMethod exact_floor_ = ExactMethod::Direct;  ///< SHARDOPT_REPRO_EXCHANGE: the fastest allowed
-  ExactMethod exact_method_ = ExactMethod::Direct;  ///< the last step's
+  ExactMethod exact_method_ = ExactMethod::Direct;  ///< this step's (agreed in reduce_exactly)
   std::int64_t total_micro_batches_ = 0;  ///< reproducible: over all ranks, at the reduction
   std::size_t spill_param_;
   std::vector<int> free_slots_;

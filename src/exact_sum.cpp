@@ -43,43 +43,7 @@ inline double round_to_integer(double x) {
   return (x + kShift) - kShift;  // IEEE semantics (no -ffast-math): not folded
 }
 
-// The fp32 bits of m * 2^e (no sign), which is exactly representable or overflows: m < 2^25
-// and, when m * 2^e is below 2^-126, e >= -149. Plain integer work (no libm call).
-inline std::uint32_t compose(std::uint64_t m, int e) {
-  if (m == 0) return 0;
-  const int p = 63 - std::countl_zero(m);  // m's leading bit, <= 24
-  if (p + e < -126) return static_cast<std::uint32_t>(m << (e + 149));  // subnormal
-  const int biased = p + e + 127;
-  if (biased >= 255) return 0x7f800000u;  // +Inf
-  const std::uint64_t norm = p <= 23 ? m << (23 - p) : m >> (p - 23);  // p = 24: m = 2^24
-  return (static_cast<std::uint32_t>(biased) << 23) | (static_cast<std::uint32_t>(norm) & 0x7fffffu);
-}
-
 }  // namespace
-
-float to_float(std::int64_t n, int exp2) {
-  if (n == 0) return 0.0f;
-  const bool negative = n < 0;
-  const std::uint64_t u = negative ? 0 - static_cast<std::uint64_t>(n) : static_cast<std::uint64_t>(n);
-  const int msb = 63 - std::countl_zero(u);
-  // Drop the bits below fp32's precision: 24 significant bits, or down to 2^-149.
-  int shift = msb - 23;
-  const int lowest = -149 - exp2;
-  if (shift < lowest) shift = lowest;
-  std::uint64_t m = u;
-  if (shift >= 64) {
-    m = 0;  // below half of the smallest subnormal
-  } else if (shift > 0) {
-    m = u >> shift;
-    const std::uint64_t rest = u & ((std::uint64_t{1} << shift) - 1);
-    const std::uint64_t half = std::uint64_t{1} << (shift - 1);
-    if (rest > half || (rest == half && (m & 1) != 0)) ++m;
-  } else {
-    shift = 0;
-  }
-  const std::uint32_t r = compose(m, exp2 + shift);
-  return std::bit_cast<float>(negative ? r | 0x80000000u : r);
-}
 
 std::size_t grads_bytes(std::size_t padded, std::size_t max_bucket) {
   return padded * (2 * sizeof(std::int64_t) + 1) + max_bucket;
@@ -172,7 +136,7 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
     const std::uint8_t l = lv[j];
     dst[j] = l == kEmpty        ? 0.0f
              : l == kNonFinite ? std::numeric_limits<float>::quiet_NaN()
-                               : to_float(sum[j], bin_exponent(l - 1));
+                               : cpu::exact_to_float(sum[j], bin_exponent(l - 1));
   }
 }
 

@@ -57,8 +57,6 @@ inline int level_of(float v) {
   const std::uint32_t e = (std::bit_cast<std::uint32_t>(v) >> 23) & 0xffu;
   return static_cast<int>((e + 24) / 24);
 }
-/// n * 2^exp2 rounded once to fp32 (to nearest even, subnormals and overflow included).
-float to_float(std::int64_t n, int exp2);
 
 /// Host bytes of the gradient accumulator of a layout: levels, two bins and a scratch copy
 /// of the largest bucket's levels.

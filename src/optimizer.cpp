@@ -710,8 +710,8 @@ StepResult ShardedOptimizer::step() {
   }
   r.timings.norm = timer.lap();
 
-  const double average = reproducible ? 1.0 / static_cast<double>(buckets_->total_micro_batches())
-                                      : 1.0 / (static_cast<double>(world) * buckets_->micro_batches());
+  const double average = 1.0 / (reproducible ? static_cast<double>(micro_batches)
+                                             : static_cast<double>(world) * micro_batches);
   const double unscale = 1.0 / loss_scale_.scale;  // 1 without loss scaling
   r.grad_norm = std::sqrt(sumsq) * average * unscale;
   // 3. A NaN or Inf anywhere makes the global sum non-finite on every rank alike.

@@ -4,7 +4,8 @@
 // exact_combine (the direct exchange's one-pass sum of one value per rank) on every ISA this
 // CPU has must give bit for bit
 //   - an independent eager oracle written from exact_sum.hpp's primitives (level_of, the grid
-//     of the largest level, nearbyint, exact::to_float), and
+//     of the largest level, nearbyint, int64 sums, cpu::exact_to_float, which
+//     ExactSum.ToFloatRoundsOnceToNearestEven checks against long double), and
 //   - the accumulator it replaces (exact::ExactGrads: every rank's value deposited as a
 //     micro-batch of one process, lazy bins with level lifts, then the int64 sum),
 // on heavy-tailed random data and on a boundary corpus: level edges, ties of the split and of
@@ -62,7 +63,7 @@ float oracle_one(const PerRank& vals, std::size_t i) {
   std::int64_t sum = 0;
   for (const auto& r : vals)
     sum += static_cast<std::int64_t>(std::nearbyint(std::ldexp(static_cast<double>(r[i]), -g)));
-  return exact::to_float(sum, g);
+  return cpu::exact_to_float(sum, g);
 }
 
 // The accumulator of today's reproducible mode on one process: ranks 0..R-2 deposited as
@@ -452,7 +453,7 @@ TEST(ExactKernels, LargePackedSumsRoundOnce) {
           const std::int64_t half = s / 2, rest = s - half;
           a.push_back(word(level, half >> 24, half - ((half >> 24) << 24)));
           b.push_back(word(level, rest >> 24, rest - ((rest >> 24) << 24)));
-          want.push_back(exact::to_float(s, exact::bin_exponent(static_cast<int>(level) - 1)));
+          want.push_back(cpu::exact_to_float(s, exact::bin_exponent(static_cast<int>(level) - 1)));
         }
   const std::uint64_t* src[2] = {a.data(), b.data()};
   for (cpu::Isa isa : isas()) {

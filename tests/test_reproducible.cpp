@@ -599,21 +599,32 @@ TEST(Reproducible, PlannerCountsTheAccumulatorAndTheWire) {
 // ---- the primitives --------------------------------------------------------------------
 
 TEST(ExactSum, ToFloatRoundsOnceToNearestEven) {
+  // long double holds n exactly (64-bit significand) and scales exactly; one rounding.
+  auto want_of = [](std::int64_t n, int e) { return static_cast<float>(std::ldexp(static_cast<long double>(n), e)); };
   std::mt19937_64 rng(7);
   for (int t = 0; t < 200000; ++t) {
     std::int64_t n = static_cast<std::int64_t>(rng() >> (1 + rng() % 63));
     if (rng() & 1) n = -n;
     const int e = static_cast<int>(rng() % 400) - 250;  // subnormal, normal and overflow
-    // long double holds n exactly (64-bit significand) and scales exactly; one rounding.
-    const float want = static_cast<float>(std::ldexp(static_cast<long double>(n), e));
-    const float got = exact::to_float(n, e);
-    ASSERT_EQ(std::bit_cast<std::uint32_t>(got), std::bit_cast<std::uint32_t>(want))
+    const float got = cpu::exact_to_float(n, e);
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(got), std::bit_cast<std::uint32_t>(want_of(n, e)))
         << n << " * 2^" << e;
   }
-  EXPECT_EQ(exact::to_float(1, -150), 0.0f);  // a tie to even: 0
-  EXPECT_EQ(exact::to_float(3, -150), std::ldexp(1.0f, -148));
-  EXPECT_EQ(exact::to_float(std::numeric_limits<std::int64_t>::min(), 0), -0x1p63f);
-  EXPECT_TRUE(std::isinf(exact::to_float(1, 128)));
+  // Wide integers on, just above and just below a tie of the rounding to 24 bits: the bits
+  // below 2^50 that a plain conversion to double would drop decide them.
+  for (int p = 40; p <= 62; ++p)
+    for (std::int64_t d : {std::int64_t{-1}, std::int64_t{0}, std::int64_t{1}, std::int64_t{4097}})
+      for (std::int64_t sign : {std::int64_t{1}, std::int64_t{-1}})
+        for (int e : {-150, -140, 0, 60}) {
+          const std::int64_t n = sign * ((std::int64_t{1} << p) + (std::int64_t{1} << (p - 24)) + d);
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(cpu::exact_to_float(n, e)),
+                    std::bit_cast<std::uint32_t>(want_of(n, e)))
+              << n << " * 2^" << e;
+        }
+  EXPECT_EQ(cpu::exact_to_float(1, -150), 0.0f);  // a tie to even: 0
+  EXPECT_EQ(cpu::exact_to_float(3, -150), std::ldexp(1.0f, -148));
+  EXPECT_EQ(cpu::exact_to_float(std::numeric_limits<std::int64_t>::min(), 0), -0x1p63f);
+  EXPECT_TRUE(std::isinf(cpu::exact_to_float(1, 128)));
 }
 
 TEST(ExactSum, LevelsHoldTheirValues) {

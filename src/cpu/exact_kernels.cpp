@@ -1,7 +1,8 @@
 // exact_kernels.cpp: reproducible mode's exact arithmetic on the CPU (kernels.hpp): the
-// integer sum of squares, the portable reference of the direct combine, and the threading of
-// both. The SIMD versions live in kernels_avx2.cpp and kernels_avx512.cpp and return the same
-// bits (test_cpu_kernels.cpp compares every path with exact_sum.cpp's two-phase method).
+// integer sum of squares, the one rounding of an exact sum, the portable references of the
+// combines and deposits, and their threading. The SIMD versions live in kernels_avx2.cpp and
+// kernels_avx512.cpp and return the same bits (test_exact_kernels.cpp compares every path
+// with an independent oracle and with exact_sum.cpp's accumulator).
 #include <algorithm>
 #include <bit>
 #include <cstdint>
@@ -76,9 +77,6 @@ void SquareDigits::merge(SquareDigits& other) {
   normalize();
 }
 
-// ---- the portable range kernels (the reference) --------------------------------------------
-
-namespace portable {
 namespace {
 
 // x rounded to the nearest integer, ties to even (|x| <= 2^51; the default rounding mode):
@@ -93,6 +91,22 @@ inline double pow2(int e) {  // 2^e for -1022 <= e <= 1023
 }
 
 }  // namespace
+
+// Below 2^50 in magnitude n is exact in a double, and so is n * 2^e; the conversion to fp32
+// rounds once. Above, n is first rounded to odd at 2^13 (floor plus a sticky bit), which
+// keeps that one rounding to 24 bits correct (the double then holds 37 to 50 bits).
+float exact_to_float(std::int64_t n, int e) {
+  const bool wide = n >= (std::int64_t{1} << 50) || n < -(std::int64_t{1} << 50);
+  if (wide) {
+    const std::int64_t t = (n >> 13) | ((n & 0x1fff) != 0 ? 1 : 0);
+    return static_cast<float>(static_cast<double>(t) * pow2(13 + e));
+  }
+  return static_cast<float>(static_cast<double>(n) * pow2(e));
+}
+
+// ---- the portable range kernels (the reference) --------------------------------------------
+
+namespace portable {
 
 void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
@@ -111,13 +125,11 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
       for (int r = 0; r < ranks; ++r) sum += round_to_integer(static_cast<double>(src[r][i]) * down);
       dst[i] = static_cast<float>(sum * pow2(g));
     } else {
-      // More ranks: an int64 sum, converted through long double (64-bit significand on x86,
-      // 113 bits elsewhere: exact), then rounded once to fp32.
+      // More ranks: an int64 sum, rounded once to fp32.
       std::int64_t sum = 0;
       for (int r = 0; r < ranks; ++r)
         sum += static_cast<std::int64_t>(round_to_integer(static_cast<double>(src[r][i]) * down));
-      const long double exact = static_cast<long double>(sum) * static_cast<long double>(pow2(g));
-      dst[i] = static_cast<float>(exact);
+      dst[i] = exact_to_float(sum, g);
     }
   }
 }
@@ -125,22 +137,6 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
 void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {
   for (std::size_t i = 0; i < n; ++i) squares.add(x[i]);
 }
-
-namespace {
-
-// n * 2^e rounded once to fp32 (round to nearest even, subnormals and overflow included),
-// for any int64 n: round to odd at 51 bits keeps the one rounding correct (51 >= 24 + 2).
-inline float int64_to_float(std::int64_t n, int e) {
-  const bool wide = n >= (std::int64_t{1} << 50) || n < -(std::int64_t{1} << 50);
-  if (wide) {
-    const std::int64_t t = (n >> 13) | ((n & 0x1fff) != 0 ? 1 : 0);  // floor, sticky bit
-    return static_cast<float>(static_cast<double>(t) * pow2(13 + e));
-  }
-  // Exact in a double; the product with 2^e too (e >= -150, |n| < 2^51).
-  return static_cast<float>(static_cast<double>(n) * pow2(e));
-}
-
-}  // namespace
 
 void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
@@ -163,7 +159,7 @@ void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst
       if (l == g) sum += top * (std::int64_t{1} << 24) + low;
       else if (l + 1 == g) sum += top;
     }
-    dst[i] = int64_to_float(sum, 24 * static_cast<int>(g) - 174);  // the grid b(G - 1)
+    dst[i] = exact_to_float(sum, 24 * static_cast<int>(g) - 174);  // the grid b(G - 1)
   }
 }
 
@@ -241,10 +237,6 @@ namespace {
 // Elements per OpenMP work item (a multiple of kExactChunk, so the SIMD windows do not
 // depend on the thread count; the digits do not either: they are integers).
 constexpr std::size_t kExactGrain = kExactChunk * 16;
-
-}  // namespace
-
-namespace {
 
 // The threading of both combines: fixed chunks of kExactGrain, each a window of kExactChunk
 // at a time, whose results are still in cache when their squares are taken; every thread's

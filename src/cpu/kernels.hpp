@@ -70,6 +70,10 @@ struct SquareDigits {
 /// (at least 1) and g = b(L - 1) = 24 L - 174 (exact_sum.hpp: kBinBits 24, kBase -150).
 constexpr int exact_grid_exponent(std::uint32_t e) { return 24 * static_cast<int>((e + 24) / 24) - 174; }
 
+/// n * 2^e rounded once to fp32 (to nearest even, subnormals included, Inf past the range),
+/// for any int64 n and -900 <= e <= 900: the one rounding of reproducible mode's exact sums.
+float exact_to_float(std::int64_t n, int e);
+
 /// Ranks above this take the int64 path of exact_combine (the SIMD paths sum in doubles: each
 /// rounded value is below 2^47 in magnitude, so 64 of them sum exactly).
 inline constexpr int kExactCombineMaxSimdRanks = 64;

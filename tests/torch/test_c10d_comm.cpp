@@ -530,23 +530,29 @@ Snapshot train_reproducible(std::shared_ptr<Communicator> comm, Stage stage,
 
 }  // namespace
 
-// Reproducible mode (its integer collectives: reduce_scatter_int, all_reduce_int): N ranks
-// over gloo, one micro-batch each, give bit for bit the steps of one process that computes
-// all N micro-batches (the single-process communicator).
+// Reproducible mode over gloo (reduce_scatter_combine's all-to-all): N ranks with one
+// micro-batch each (the direct exchange of raw values) and with two each (the packed
+// exchange of the bins) give bit for bit the steps of one process that computes all of them
+// (the single-process communicator).
 TEST(C10dOptimizerReproducible, EqualsOneProcessWithEveryMicroBatchBitForBit) {
-  std::vector<int> all;
-  for (int r = 0; r < ranks(); ++r) all.push_back(r);
-  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
-    SCOPED_TRACE(stage_name(stage));
-    const Snapshot one = train_reproducible(make_single_process_communicator(), stage, all);
-    const Snapshot got = train_reproducible(test::world(), stage, {rank()});
-    for (std::size_t s = 0; s < one.norms.size(); ++s)
-      EXPECT_EQ(std::bit_cast<std::uint64_t>(got.norms[s]), std::bit_cast<std::uint64_t>(one.norms[s]))
-          << "step " << s + 1 << ": norm " << got.norms[s] << " vs " << one.norms[s];
-    for (std::size_t i = 0; i < one.master.size(); ++i) {
-      ASSERT_EQ(std::memcmp(got.master[i].data(), one.master[i].data(), one.master[i].size() * 4), 0)
-          << "master of p" << i;
-      ASSERT_EQ(got.replica[i], one.replica[i]) << "replica of p" << i;
+  for (int per_rank : {1, 2}) {
+    for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+      SCOPED_TRACE(std::string(stage_name(stage)) + ", " + std::to_string(per_rank) + " per rank");
+      std::vector<int> all, mine;
+      for (int k = 0; k < per_rank * ranks(); ++k) {
+        all.push_back(k);
+        if (k % ranks() == rank()) mine.push_back(k);
+      }
+      const Snapshot one = train_reproducible(make_single_process_communicator(), stage, all);
+      const Snapshot got = train_reproducible(test::world(), stage, mine);
+      for (std::size_t s = 0; s < one.norms.size(); ++s)
+        EXPECT_EQ(std::bit_cast<std::uint64_t>(got.norms[s]), std::bit_cast<std::uint64_t>(one.norms[s]))
+            << "step " << s + 1 << ": norm " << got.norms[s] << " vs " << one.norms[s];
+      for (std::size_t i = 0; i < one.master.size(); ++i) {
+        ASSERT_EQ(std::memcmp(got.master[i].data(), one.master[i].data(), one.master[i].size() * 4), 0)
+            << "master of p" << i;
+        ASSERT_EQ(got.replica[i], one.replica[i]) << "replica of p" << i;
+      }
     }
   }
 }
