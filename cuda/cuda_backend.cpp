@@ -203,6 +203,23 @@ class CudaBackend final : public Backend {
     dev::adam_update(stream_, kernel_, op);
   }
 
+  void lion_update(std::span<const LionSegment> segments, float* master, const float* grad,
+                   float* m, void* replica, DType replica_dtype) override {
+    // Groups are few: one launch per segment, its scalars by value (no upload).
+    for (const LionSegment& seg : segments) {
+      const std::size_t n = seg.end - seg.begin;
+      if (n == 0) continue;
+      dev::LionOp op;
+      op.s = seg.scalars;
+      op.master = master + seg.begin;
+      op.grad = grad + seg.begin;
+      op.m = m + seg.begin;
+      if (replica && replica_dtype == DType::BF16) op.out_bf16 = static_cast<bf16*>(replica) + seg.begin;
+      if (replica && replica_dtype == DType::F32) op.out_f32 = static_cast<float*>(replica) + seg.begin;
+      dev::lion_update(stream_, op, n);
+    }
+  }
+
   void synchronize() override { dev::host_wait(stream_); }
 
  private:

@@ -8,6 +8,7 @@
 #include <cstddef>
 
 #include "adam_chunk.hpp"
+#include "lion_op.hpp"
 #include "shardopt/bf16.hpp"
 #include "sum_squares.hpp"
 
@@ -20,6 +21,8 @@ enum class AdamKernel { Thrust, GridStride };
 void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op);
 /// The grid-stride kernel, for the occupancy query (launch_config.cpp).
 const void* adam_grid_stride_kernel_address();
+/// Lion on one segment of n elements (op's pointers at the segment's start).
+void lion_update(cudaStream_t stream, const LionOp& op, std::size_t n);
 void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::size_t n);
 void cast_bf16_to_f32(cudaStream_t stream, const bf16* src, float* dst, std::size_t n);
 /// buf[i] = to_float(to_bf16(buf[i])): the bf16 wire of a one-rank group.

@@ -59,6 +59,11 @@ void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op) 
   SHARDOPT_CUDA_CHECK(cudaGetLastError());
 }
 
+void lion_update(cudaStream_t stream, const LionOp& op, std::size_t n) {
+  guarded("thrust::for_each_n (Lion update)", [&] { lion_update(on(stream), op, n); });
+  SHARDOPT_CUDA_CHECK(cudaGetLastError());
+}
+
 void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::size_t n) {
   guarded("thrust::transform (fp32 -> bf16)",
           [&] { cast_f32_to_bf16(on(stream), src, dst, n); });

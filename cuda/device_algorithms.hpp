@@ -19,6 +19,7 @@
 #include <span>
 
 #include "adam_chunk.hpp"
+#include "lion_op.hpp"
 #include "shardopt/element_ops.hpp"
 #include "sum_squares.hpp"
 
@@ -31,6 +32,12 @@ template <class Policy>
 void adam_update(Policy&& exec, const AdamChunkOp& op) {
   const std::size_t chunks = adam_chunk_count(op.n);
   if (chunks) thrust::for_each_n(exec, Index(0), chunks, op);
+}
+
+/// Lion on one segment of n elements.
+template <class Policy>
+void lion_update(Policy&& exec, const LionOp& op, std::size_t n) {
+  if (n) thrust::for_each_n(exec, Index(0), n, op);
 }
 
 template <class Policy>

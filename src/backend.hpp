@@ -12,6 +12,7 @@
 
 #include "shardopt/adam_math.hpp"
 #include "shardopt/dtype.hpp"
+#include "shardopt/lion_math.hpp"
 #include "shardopt/memory.hpp"
 #include "shardopt/options.hpp"
 
@@ -65,6 +66,11 @@ class Backend {
   virtual void adam_update(const StepScalars& s, std::span<const UpdateSegment> segments,
                            float* master, const float* grad, float* m, float* v, void* replica,
                            DType replica_dtype) = 0;
+
+  /// Lion (lion_math.hpp) over segments covering [front().begin, back().end) of master,
+  /// grad and m (the momentum, indexed like master); the replica as in adam_update().
+  virtual void lion_update(std::span<const LionSegment> segments, float* master,
+                           const float* grad, float* m, void* replica, DType replica_dtype) = 0;
 
   /// Waits for queued work (device backends); a no-op on the CPU.
   virtual void synchronize() {}

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
 #include <vector>
 
 #include "shardopt/layout.hpp"
@@ -43,6 +44,8 @@ struct BufferPlan {
   BufferSpec grads;                 ///< Full: the full gradient; Staged: the owned shard
   BufferSpec staging;               ///< Staged: slots x slot_elems fp32
   BufferSpec master;                ///< absent (0 bytes) when the fp32 replica is the master
+  /// The rules' state slots (rules/state_layout.hpp): exp_avg for the elements under AdamW
+  /// or Lion, exp_avg_sq for those under AdamW (fp32 each).
   BufferSpec exp_avg, exp_avg_sq;
   /// Stage 2 staged, on demand: micro-batches that accumulate without synchronising (full
   /// size). Stage 3 never needs it: every micro-batch is reduce-scattered into the shard.
@@ -75,9 +78,12 @@ struct BufferPlan {
 };
 
 /// The plan for `layout` (built for the group's size) under these options.
+/// `group_rules[g]` is group g's update rule (empty: every group AdamW) and `rank` the rank
+/// whose state is planned (with mixed rules the ranks' state sizes differ).
 BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype,
                         int buckets_in_flight, int units_in_flight,
                         Reduction reduction = Reduction::Default,
-                        DType reduce_dtype = DType::F32);
+                        DType reduce_dtype = DType::F32, std::span<const Rule> group_rules = {},
+                        int rank = 0);
 
 }  // namespace shardopt

@@ -2,6 +2,7 @@
 // Communicator: reduce(-scatter), global norm and clipping, fused update, all-gather.
 #include "shardopt/optimizer.hpp"
 
+#include <array>
 #include <chrono>
 #include <algorithm>
 #include <cmath>
@@ -13,6 +14,8 @@
 #include "buckets.hpp"
 #include "buffer_plan.hpp"
 #include "exact_sum.hpp"
+#include "rules/rule_step.hpp"
+#include "rules/state_layout.hpp"
 #include "shardopt/planner.hpp"
 #include "step_check.hpp"
 #include "units.hpp"
@@ -22,8 +25,13 @@ namespace shardopt {
 struct ShardedOptimizer::Buffers {
   Allocation replica;     ///< full parameter replica (stage 3: this rank's slices), param dtype
   Allocation master;      ///< local fp32 master (absent when the replica is fp32)
-  Allocation exp_avg;     ///< local arrays (see layout.hpp)
-  Allocation exp_avg_sq;
+  /// The rules' state slots (rules/rules.hpp), packed per rule (rules/state_layout.hpp).
+  std::array<Allocation, rules::kNumSlots> slots;
+  std::array<float*, rules::kNumSlots> slot_data() const {
+    std::array<float*, rules::kNumSlots> out{};
+    for (int k = 0; k < rules::kNumSlots; ++k) out[static_cast<std::size_t>(k)] = slots[static_cast<std::size_t>(k)].as<float>();
+    return out;
+  }
 };
 
 namespace {
@@ -164,6 +172,11 @@ void ShardedOptimizer::set_group(int group, const GroupOptions& g) {
           Status::InvalidArgument, "set_group: no group " + std::to_string(group));
   const std::string problem = validate(g);
   require(problem.empty(), Status::InvalidArgument, "set_group: " + problem);
+  const GroupOptions& old = groups_[static_cast<std::size_t>(group)];
+  require(!finalized_ || g.rule == old.rule, Status::InvalidArgument,
+          "set_group: group " + std::to_string(group) + "'s rule is " + rule_name(old.rule) +
+              " since finalize() (its state is laid out for it); it cannot become " +
+              rule_name(g.rule));
   groups_[static_cast<std::size_t>(group)] = g;
 }
 
@@ -202,7 +215,8 @@ std::uint64_t configuration_fingerprint(const FlatLayout& layout, const Optimize
                            o.adam.weight_decay, o.adam.max_grad_norm};
   h = fnv1a64(reals, sizeof reals, h);
   for (const GroupOptions& g : groups) {
-    const double rec[2] = {g.lr_scale, g.weight_decay ? 1.0 : 0.0};
+    const double rec[5] = {g.lr_scale, g.weight_decay ? 1.0 : 0.0, static_cast<double>(g.rule),
+                           g.lion.beta1, g.lion.beta2};
     h = fnv1a64(rec, sizeof rec, h);
   }
   return h;
@@ -255,9 +269,11 @@ void ShardedOptimizer::finalize() {
   // then holds the same shared buffers, so on an error they are freed (MPI_Win_free is
   // collective) in the same order everywhere; nothing is kept unless every rank has every
   // buffer.
+  const std::vector<Rule> group_rules = rules::rules_of(groups_);
   const BufferPlan plan =
       plan_buffers(layout, options_.stage, options_.param_dtype, options_.buckets_in_flight,
-                   options_.units_in_flight, options_.reduction, options_.reduce_dtype);
+                   options_.units_in_flight, options_.reduction, options_.reduce_dtype,
+                   group_rules, comm_->rank());
   Backend& be = *backend_;
   const auto shared_buffer = [&](const BufferSpec& spec) {
     return collective(*comm_, "finalize", [&] {
@@ -281,11 +297,13 @@ void ShardedOptimizer::finalize() {
     if (zero3) b.replica = local_buffer(plan.replica);
     if (staged) grads.grads = local_buffer(plan.grads);
     if (plan.master.bytes > 0) b.master = local_buffer(plan.master);
-    b.exp_avg = local_buffer(plan.exp_avg);
-    b.exp_avg_sq = local_buffer(plan.exp_avg_sq);
+    b.slots[static_cast<int>(rules::Slot::ExpAvg)] = local_buffer(plan.exp_avg);
+    b.slots[static_cast<int>(rules::Slot::ExpAvgSq)] = local_buffer(plan.exp_avg_sq);
   });
 
   layout_ = std::move(layout);  // BucketSet and UnitSet keep a reference to it
+  state_ = std::make_unique<rules::StateLayout>(layout_, group_rules, options_.stage,
+                                                comm_->rank());
   options_.bucket_elems = layout_.bucket_elems();  // the size chosen when it was 0 (auto)
   const bool f32 = options_.param_dtype == DType::F32;
   buckets_ = std::make_unique<BucketSet>(
@@ -323,8 +341,13 @@ float* ShardedOptimizer::master_at(std::size_t b) const {
   return buf_->master.as<float>() + buckets_->window_local(b);
 }
 
-float* ShardedOptimizer::state_base(StateArray a) const {
-  return a == StateArray::ExpAvg ? buf_->exp_avg.as<float>() : buf_->exp_avg_sq.as<float>();
+template <class F>
+void ShardedOptimizer::for_each_state_piece(StateArray a, Range local, F&& f) const {
+  const rules::Slot slot = rules::slot_of(a);
+  float* base = buf_->slots[static_cast<std::size_t>(slot)].as<float>();
+  state_->for_each_run(local, [&](const rules::RuleRun& run, Range part) {
+    f(part, rules::keeps(run.rule, slot) ? base + run.slot_index(slot, part.begin) : nullptr);
+  });
 }
 
 template <class F>
@@ -417,6 +440,11 @@ void ShardedOptimizer::gather_state(const char* what, StateArray a, std::size_t 
                 std::to_string(layout_.param(i).numel) + " elements, got a buffer of " +
                 std::to_string(out.size()));
     require(out.data() != nullptr, Status::InvalidArgument, w + ": the output buffer is null");
+    const GroupOptions& g = groups_[static_cast<std::size_t>(layout_.param(i).group)];
+    require(a == StateArray::Master || rules::keeps(g.rule, rules::slot_of(a)),
+            Status::InvalidArgument,
+            w + ": parameter '" + layout_.param(i).name + "' is updated by " +
+                rule_name(g.rule) + ", which keeps no " + rules::state_array_name(a));
   });
   const ParamInfo& p = layout_.param(i);
   buckets_->wait_params();
@@ -427,10 +455,16 @@ void ShardedOptimizer::gather_state(const char* what, StateArray a, std::size_t 
       const Range w = buckets_->window(b);
       const Range mine = want.intersect(w);
       if (mine.empty()) continue;
-      const float* src = a == StateArray::Master ? master_at(b)
-                                                 : state_base(a) + buckets_->window_local(b);
-      backend_->copy_to_host(dst + (mine.begin - want.begin), src + (mine.begin - w.begin),
-                             mine.size() * sizeof(float));
+      float* out = dst + (mine.begin - want.begin);
+      if (a == StateArray::Master) {
+        backend_->copy_to_host(out, master_at(b) + (mine.begin - w.begin),
+                               mine.size() * sizeof(float));
+        continue;
+      }
+      const std::size_t lb = buckets_->window_local(b) + (mine.begin - w.begin);
+      for_each_state_piece(a, Range{lb, lb + mine.size()}, [&](Range part, const float* src) {
+        if (src) backend_->copy_to_host(out + (part.begin - lb), src, part.size() * sizeof(float));
+      });
     }
   };
   const int world = comm_->size();
@@ -583,32 +617,6 @@ void ShardedOptimizer::set_adam_config(const AdamConfig& c) {
   options_.adam = c;
 }
 
-std::vector<UpdateSegment> ShardedOptimizer::make_segments(const StepHyper& h,
-                                                           Range window) const {
-  std::vector<SegmentScalars> per_group;
-  for (const GroupOptions& g : groups_)
-    per_group.push_back(make_segment_scalars(h, g.lr_scale, g.weight_decay));
-  // Each piece is extended over the padding that follows it (always zero, so any scalars
-  // keep it zero); neighbours of the same group merge into one segment. Offsets are
-  // relative to window.begin.
-  std::vector<UpdateSegment> segs;
-  int last_group = -1;
-  for (const ShardPiece& piece : layout_.pieces_in(window)) {
-    const int g = layout_.param(piece.param).group;
-    if (g == last_group) {
-      segs.back().end = piece.local.end;
-      continue;
-    }
-    if (!segs.empty()) segs.back().end = piece.local.begin;
-    segs.push_back(UpdateSegment{segs.empty() ? 0 : piece.local.begin, piece.local.end,
-                                 per_group[static_cast<std::size_t>(g)]});
-    last_group = g;
-  }
-  if (segs.empty()) segs.push_back(UpdateSegment{0, 0, per_group[0]});
-  segs.back().end = window.size();
-  return segs;
-}
-
 // Gathers every bucket's updated slices into the replica and waits (blocking form).
 void ShardedOptimizer::all_gather_replica() {
   if (options_.stage == Stage::DataParallel || options_.stage == Stage::Zero3 ||
@@ -622,21 +630,22 @@ void ShardedOptimizer::all_gather_replica() {
 // replica; returns the seconds spent updating. With gather_per_bucket each bucket's
 // all-gather starts right after its update, and the next forward waits only for the buckets
 // it reads (param()).
-double ShardedOptimizer::update_and_gather(const StepScalars& s, const StepHyper& h,
+double ShardedOptimizer::update_and_gather(const StepHyper& h, double grad_scale,
                                            bool gather_per_bucket) {
   Buffers& b = *buf_;
   const bool low_precision_copy = options_.param_dtype != DType::F32;
   const bool gathers = options_.stage != Stage::DataParallel &&
                        options_.stage != Stage::Zero3 && comm_->size() > 1;
   double update_seconds = 0.0;
+  const std::array<float*, rules::kNumSlots> slots = b.slot_data();
+  const rules::StepInputs in{&groups_, h, grad_scale};
   for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
-    const Range window = buckets_->window(k);
-    const std::size_t local = buckets_->window_local(k);
     const Clock::time_point start = Clock::now();
-    backend_->adam_update(s, make_segments(h, window), master_at(k), buckets_->reduced_grad(k),
-                          b.exp_avg.as<float>() + local, b.exp_avg_sq.as<float>() + local,
-                          low_precision_copy ? replica_at(k) : nullptr,
-                          options_.param_dtype);
+    rules::update_window(*backend_, layout_, *state_, slots, in,
+                         rules::Window{buckets_->window(k), buckets_->window_local(k),
+                                       master_at(k), buckets_->reduced_grad(k),
+                                       low_precision_copy ? replica_at(k) : nullptr,
+                                       options_.param_dtype});
     update_seconds += seconds(Clock::now() - start);
     if (gathers && gather_per_bucket) buckets_->start_param_sync(k);
   }
@@ -738,8 +747,7 @@ StepResult ShardedOptimizer::step() {
   ++step_count_;
   const AdamConfig& a = options_.adam;
   const StepHyper h{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.mode, step_count_};
-  r.timings.update = update_and_gather(make_step_scalars(h, average * r.clip_coef * unscale), h,
-                                       options_.overlap);
+  r.timings.update = update_and_gather(h, average * r.clip_coef * unscale, options_.overlap);
   r.timings.gather = timer.lap() - r.timings.update;
 
   // 6. Clear the gradients for the next step.
@@ -802,9 +810,16 @@ void ShardedOptimizer::copy_state_to_host(StateArray a, std::size_t offset,
   require(offset <= local_size() && out.size() <= local_size() - offset,
           Status::InvalidArgument, "copy_state_to_host: range outside the local arrays");
   wait_gathers_of(a);
+  if (a != StateArray::Master) {  // a rule without this array reads as zeros
+    for_each_state_piece(a, Range{offset, offset + out.size()}, [&](Range part, const float* src) {
+      float* dst = out.data() + (part.begin - offset);
+      if (src) backend_->copy_to_host(dst, src, part.size() * sizeof(float));
+      else std::fill(dst, dst + part.size(), 0.0f);
+    });
+    return;
+  }
   for_each_local(offset, out.size(), [&](std::size_t b, std::size_t in_window, std::size_t local, std::size_t n) {
-    const float* src = a == StateArray::Master ? master_at(b) + in_window : state_base(a) + local;
-    backend_->copy_to_host(out.data() + (local - offset), src, n * sizeof(float));
+    backend_->copy_to_host(out.data() + (local - offset), master_at(b) + in_window, n * sizeof(float));
   });
 }
 
@@ -814,9 +829,14 @@ void ShardedOptimizer::copy_state_from_host(StateArray a, std::size_t offset,
   require(offset <= local_size() && in.size() <= local_size() - offset,
           Status::InvalidArgument, "copy_state_from_host: range outside the local arrays");
   wait_gathers_of(a);
+  if (a != StateArray::Master) {  // a rule without this array ignores it
+    for_each_state_piece(a, Range{offset, offset + in.size()}, [&](Range part, float* dst) {
+      if (dst) backend_->copy_from_host(dst, in.data() + (part.begin - offset), part.size() * sizeof(float));
+    });
+    return;
+  }
   for_each_local(offset, in.size(), [&](std::size_t b, std::size_t in_window, std::size_t local, std::size_t n) {
-    float* dst = a == StateArray::Master ? master_at(b) + in_window : state_base(a) + local;
-    backend_->copy_from_host(dst, in.data() + (local - offset), n * sizeof(float));
+    backend_->copy_from_host(master_at(b) + in_window, in.data() + (local - offset), n * sizeof(float));
   });
 }
 

@@ -62,9 +62,24 @@ std::string validate(const AdamConfig& c) {
   return {};
 }
 
+const char* rule_name(Rule r) noexcept {
+  switch (r) {
+    case Rule::AdamW: return "AdamW";
+    case Rule::Lion: return "Lion";
+  }
+  return "unknown rule";
+}
+
 std::string validate(const GroupOptions& g) {
   if (!std::isfinite(g.lr_scale) || g.lr_scale < 0)
     return "invalid group lr_scale " + std::to_string(g.lr_scale) + " (need >= 0)";
+  if (g.rule != Rule::AdamW && g.rule != Rule::Lion)
+    return "invalid group rule " + std::to_string(static_cast<int>(g.rule)) +
+           " (AdamW 0, Lion 1)";
+  auto beta_ok = [](double b) { return std::isfinite(b) && b >= 0 && b < 1; };
+  if (!beta_ok(g.lion.beta1) || !beta_ok(g.lion.beta2))
+    return "invalid Lion betas " + std::to_string(g.lion.beta1) + ", " +
+           std::to_string(g.lion.beta2) + " (need 0 <= beta < 1)";
   return {};
 }
 

@@ -53,6 +53,12 @@ void check(const PlanConfig& c) {
               std::to_string(c.world_size) + " ranks on " + std::to_string(c.nodes) + " nodes)");
   require(c.reduction == Reduction::Default || c.reduction == Reduction::Reproducible,
           Status::InvalidArgument, "plan_memory: invalid reduction");
+  require(c.rank >= 0 && c.rank < c.world_size, Status::InvalidArgument,
+          "plan_memory: rank " + std::to_string(c.rank) + " outside the " +
+              std::to_string(c.world_size) + " ranks");
+  for (const Rule r : c.group_rules)
+    require(r == Rule::AdamW || r == Rule::Lion, Status::InvalidArgument,
+            "plan_memory: invalid rule " + std::to_string(static_cast<int>(r)));
   require(c.reduce_dtype == DType::F32 ||
               (c.reduce_dtype == DType::BF16 && c.reduction == Reduction::Default),
           Status::InvalidArgument,
@@ -87,7 +93,8 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   // The very plan ShardedOptimizer::finalize() allocates from.
   const BufferPlan b =
       plan_buffers(built, config.stage, config.param_dtype, config.buckets_in_flight,
-                   config.units_in_flight, config.reduction, config.reduce_dtype);
+                   config.units_in_flight, config.reduction, config.reduce_dtype,
+                   config.group_rules, config.rank);
   MemoryPlan plan;
   plan.reduce_bytes = b.reduce_bytes;
   plan.reduce_bytes_accumulated = b.reduce_bytes_accumulated;
@@ -124,10 +131,11 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   return plan;
 }
 
-double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype) {
+double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype, Rule rule) {
   const double p = static_cast<double>(dtype_size(param_dtype));
   const double g = 4.0;
-  const double k = param_dtype == DType::F32 ? 8.0 : 12.0;
+  const double state = rule == Rule::Lion ? 4.0 : 8.0;  // the rule's fp32 arrays
+  const double k = state + (param_dtype == DType::F32 ? 0.0 : 4.0);
   switch (stage) {
     case Stage::DataParallel: return (p + g + k) * psi;
     case Stage::Zero1: return (p + g) * psi + k * psi / ranks;

@@ -54,12 +54,16 @@ Wire wire_of(const StepSettings& s) {
   return w;
 }
 
-// Per group: lr_scale and the weight-decay flag.
+// Per group: lr_scale, the weight-decay flag, the rule and Lion's betas.
+constexpr std::size_t kGroupFields = 5;
 std::vector<double> groups_of(const StepSettings& s) {
   std::vector<double> g;
   for (const GroupOptions& o : s.groups) {
     g.push_back(canonical(o.lr_scale));
     g.push_back(o.weight_decay ? 1.0 : 0.0);
+    g.push_back(static_cast<double>(o.rule));
+    g.push_back(canonical(o.lion.beta1));
+    g.push_back(canonical(o.lion.beta2));
   }
   return g;
 }
@@ -134,11 +138,18 @@ void describe(std::string& out, const std::string& name, int ranks,
     for (std::size_t k = 0; k < w.num_groups; ++k) {
       auto field = [&](std::size_t j) {
         return [&, j](int r) {
-          return text(gs[static_cast<std::size_t>(r) * g.size() + 2 * k + j]);
+          return text(gs[static_cast<std::size_t>(r) * g.size() + kGroupFields * k + j]);
         };
       };
-      describe(diff, "group " + std::to_string(k) + " lr_scale", n, field(0));
-      describe(diff, "group " + std::to_string(k) + " weight_decay", n, field(1));
+      const std::string group = "group " + std::to_string(k);
+      describe(diff, group + " lr_scale", n, field(0));
+      describe(diff, group + " weight_decay", n, field(1));
+      describe(diff, group + " rule", n, [&](int r) {
+        return std::string(rule_name(static_cast<Rule>(
+            static_cast<int>(gs[static_cast<std::size_t>(r) * g.size() + kGroupFields * k + 2]))));
+      });
+      describe(diff, group + " lion.beta1", n, field(3));
+      describe(diff, group + " lion.beta2", n, field(4));
     }
   }
   if (diff.empty()) diff = " (the settings hash differently but compare equal)";

@@ -472,4 +472,108 @@ TEST(CApi, TrainingEqualsCppApi) {
     for (int dtype : {SHARDOPT_DTYPE_F32, SHARDOPT_DTYPE_BF16}) train_both(stage, dtype);
 }
 
+// shardopt_group_t: defaults, a Lion group trained through the C ABI equals the C++ API bit
+// for bit (weights and momentum), the AdamW-era calls keep a group's rule, and bad structs,
+// rules and rule changes are clear errors.
+TEST(CApi, LionGroupThroughTheGroupStructEqualsCppApi) {
+  shardopt_group_t d;
+  shardopt_group_init(&d);
+  EXPECT_EQ(d.struct_size, sizeof(shardopt_group_t));
+  EXPECT_EQ(d.lr_scale, 1.0);
+  EXPECT_EQ(d.weight_decay, 1);
+  EXPECT_EQ(d.rule, SHARDOPT_RULE_ADAMW);
+  EXPECT_EQ(d.lion_beta1, 0.9);
+  EXPECT_EQ(d.lion_beta2, 0.99);
+
+  const shardopt_config_t c = config(SHARDOPT_STAGE_ZERO2, SHARDOPT_DTYPE_BF16);
+  shardopt_optimizer_t opt = nullptr;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  shardopt_group_t lion = d;
+  lion.rule = SHARDOPT_RULE_LION;
+  lion.lr_scale = 0.3;
+  lion.lion_beta2 = 0.95;
+  int g = -1;
+  ASSERT_EQ(shardopt_add_group_ex(opt, &lion, &g), SHARDOPT_SUCCESS);
+  EXPECT_EQ(g, 1);
+  shardopt_group_t bad = lion;
+  bad.rule = 5;
+  EXPECT_EQ(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardopt_last_error(opt)).find("is not a shardopt_rule_t"), std::string::npos);
+  bad = lion;
+  bad.struct_size = 12;
+  EXPECT_EQ(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardopt_last_error(opt)).find("shardopt_group_init"), std::string::npos);
+  bad = lion;
+  bad.lion_beta1 = 1.5;
+  EXPECT_EQ(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT);
+
+  shardopt::OptimizerOptions o;
+  o.stage = shardopt::Stage::Zero2;
+  o.adam.lr = c.lr;
+  o.adam.max_grad_norm = c.max_grad_norm;
+  o.bucket_elems = c.bucket_elems;
+  shardopt::ShardedOptimizer ref(shardopt::make_single_process_communicator(), o);
+  shardopt::GroupOptions rg;
+  rg.lr_scale = 0.3;
+  rg.rule = shardopt::Rule::Lion;
+  rg.lion.beta2 = 0.95;
+  ref.add_group(rg);
+  const std::size_t sizes[3] = {300, 65, 9};
+  for (std::size_t p = 0; p < 3; ++p) {
+    const std::string name = "p" + std::to_string(p);
+    const int group = p == 2 ? 0 : 1;
+    ASSERT_EQ(shardopt_add_param(opt, name.c_str(), sizes[p], group, nullptr), SHARDOPT_SUCCESS);
+    ref.add_param(name, sizes[p], group);
+  }
+  ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS);
+  ref.finalize();
+  for (std::size_t p = 0; p < 3; ++p) {
+    std::vector<float> v(sizes[p]);
+    for (std::size_t k = 0; k < v.size(); ++k) v[k] = synth(0, 0, p, k);
+    ASSERT_EQ(shardopt_set_param(opt, p, v.data(), v.size()), SHARDOPT_SUCCESS);
+    ref.set_param(p, v);
+  }
+  // The AdamW-era setter changes lr_scale and keeps the rule; changing the rule is refused.
+  ASSERT_EQ(shardopt_set_group(opt, 1, 0.6, 1), SHARDOPT_SUCCESS);
+  rg.lr_scale = 0.6;
+  ref.set_group(1, rg);
+  shardopt_group_t now;
+  now.struct_size = sizeof now;
+  ASSERT_EQ(shardopt_get_group_ex(opt, 1, &now), SHARDOPT_SUCCESS);
+  EXPECT_EQ(now.rule, SHARDOPT_RULE_LION);
+  EXPECT_EQ(now.lr_scale, 0.6);
+  EXPECT_EQ(now.lion_beta2, 0.95);
+  now.rule = SHARDOPT_RULE_ADAMW;
+  EXPECT_EQ(shardopt_set_group_ex(opt, 1, &now), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardopt_last_error(opt)).find("rule is Lion"), std::string::npos);
+
+  for (int step = 0; step < 4; ++step) {
+    for (std::size_t q = 3; q-- > 0;) {
+      std::vector<float> gr(sizes[q]);
+      for (std::size_t k = 0; k < gr.size(); ++k) gr[k] = synth(1, step, q, k);
+      ASSERT_EQ(shardopt_accumulate_grad_f32(opt, q, gr.data(), gr.size()), SHARDOPT_SUCCESS);
+      ref.accumulate_grad(q, std::span<const float>(gr));
+      ASSERT_EQ(shardopt_grad_ready(opt, q), SHARDOPT_SUCCESS);
+      ref.grad_ready(q);
+    }
+    shardopt_step_result_t r = step_result();
+    ASSERT_EQ(shardopt_step(opt, &r), SHARDOPT_SUCCESS);
+    EXPECT_EQ(r.grad_norm, ref.step().grad_norm);
+  }
+  for (std::size_t p = 0; p < 3; ++p) {
+    std::vector<float> a(sizes[p]), b(sizes[p]);
+    ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+    ref.get_master(p, b);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+    ASSERT_EQ(shardopt_get_exp_avg(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+    ref.get_state(shardopt::StateArray::ExpAvg, p, b);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+  }
+  std::vector<float> sq(sizes[0]);
+  EXPECT_EQ(shardopt_get_exp_avg_sq(opt, 0, sq.data(), sq.size()), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardopt_last_error(opt)).find("keeps no exp_avg_sq"), std::string::npos);
+  EXPECT_EQ(shardopt_get_exp_avg_sq(opt, 2, sq.data(), sizes[2]), SHARDOPT_SUCCESS);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+}
+
 }  // namespace

@@ -39,7 +39,12 @@ Metadata sample() {
   m.adam.mode = AdamMode::AdamL2;
   m.loss_scaling.enabled = true;
   m.loss_state = LossScaleState{1024.0, 17, 3};
-  m.groups = {GroupOptions{}, GroupOptions{0.25, false}};
+  GroupOptions lion;
+  lion.lr_scale = 0.25;
+  lion.weight_decay = false;
+  lion.rule = Rule::Lion;
+  lion.lion = {0.95, 0.975};
+  m.groups = {GroupOptions{}, lion};
   m.params = {{"embed", 100, 0, 0}, {"w\"eird name", 1000, 1, 0}, {"b", 3, 0, 0}};
   auto shard = [](std::vector<Block> blocks) {
     MetaShard s;
@@ -52,6 +57,14 @@ Metadata sample() {
   m.shards = {shard({{0, 400, 0x1234u, 0}}), shard({{400, 300, 0x1235u, 0}, {700, 100, 0x99u, 0}}),
               shard({}), shard({{800, 303, 0x1236u, 0}})};
   return m;
+}
+
+// Recomputes a metadata file's body and header checksums after a test edited its body.
+void reseal(std::vector<unsigned char>& bytes) {
+  const std::uint32_t body_crc = crc32c(bytes.data() + 32, bytes.size() - 32);
+  std::memcpy(bytes.data() + 24, &body_crc, 4);
+  const std::uint32_t header_crc = crc32c(bytes.data(), 28);
+  std::memcpy(bytes.data() + 28, &header_crc, 4);
 }
 
 std::vector<unsigned char> fixture_file(const char* name) {
@@ -103,6 +116,10 @@ TEST(Format, MetadataRoundTrip) {
   EXPECT_EQ(d.loss_state.skipped_steps, 3);
   ASSERT_EQ(d.groups.size(), 2u);
   EXPECT_FALSE(d.groups[1].weight_decay);
+  EXPECT_EQ(d.groups[0].rule, Rule::AdamW);
+  EXPECT_EQ(d.groups[1].rule, Rule::Lion);  // format 4: the rule and Lion's betas
+  EXPECT_EQ(d.groups[1].lion.beta1, 0.95);
+  EXPECT_EQ(d.groups[1].lion.beta2, 0.975);
   ASSERT_EQ(d.params.size(), 3u);
   EXPECT_EQ(d.params[1].name, "w\"eird name");
   EXPECT_EQ(canonical_offsets(d), (std::vector<std::uint64_t>{0, 100, 1100, 1103}));
@@ -237,18 +254,15 @@ TEST(Format, HugeCountsAreRefusedBeforeAllocating) {
   // A parameter count of 2^60 with a valid checksum: refused by the remaining-bytes bound.
   Metadata m = sample();
   std::vector<unsigned char> bytes = encode_metadata(m);
-  // Locate the parameter count: it follows the groups (fixed-size prefix + 12 bytes each),
-  // after format 3's sequence number.
-  const std::size_t prefix = 32 + 8 + 8 + 4 * 4 + 6 * 8 + 4 + 4 + 5 * 8 + 8 + 8 + 8 + 4 + 2 * 12;
+  // Locate the parameter count: it follows the groups (fixed-size prefix + 32 bytes each in
+  // format 4), after format 3's sequence number.
+  const std::size_t prefix = 32 + 8 + 8 + 4 * 4 + 6 * 8 + 4 + 4 + 5 * 8 + 8 + 8 + 8 + 4 + 2 * 32;
   std::uint64_t count = 0;
   std::memcpy(&count, bytes.data() + prefix, 8);
   ASSERT_EQ(count, 3u);  // the parameter count
   count = std::uint64_t{1} << 60;
   std::memcpy(bytes.data() + prefix, &count, 8);
-  const std::uint32_t body_crc = crc32c(bytes.data() + 32, bytes.size() - 32);
-  std::memcpy(bytes.data() + 24, &body_crc, 4);
-  const std::uint32_t header_crc = crc32c(bytes.data(), 28);
-  std::memcpy(bytes.data() + 28, &header_crc, 4);
+  reseal(bytes);
   try {
     decode_metadata(bytes);
     FAIL() << "accepted";
@@ -448,4 +462,26 @@ TEST(Reader, ReadsOnlyTheBlocksAndFilesARangeNeeds) {
     EXPECT_THROW(read_state(v1, m, std::span(&all, 1), counting(n)), Error);
   }
   std::filesystem::remove_all(root);
+}
+
+// A format-4 group record with a rule that does not exist is corrupt data, not a crash.
+TEST(Format, UnknownRuleIsCorrupt) {
+  Metadata m = sample();
+  std::vector<unsigned char> bytes = encode_metadata(m);
+  // Group 1's rule field: after the fixed prefix, group 0's 32 bytes, group 1's lr_scale and
+  // decay flag.
+  const std::size_t at = 32 + 8 + 8 + 4 * 4 + 6 * 8 + 4 + 4 + 5 * 8 + 8 + 8 + 8 + 4 + 32 + 12;
+  std::uint32_t rule = 0;
+  std::memcpy(&rule, bytes.data() + at, 4);
+  ASSERT_EQ(rule, 1u);  // Lion
+  rule = 9;
+  std::memcpy(bytes.data() + at, &rule, 4);
+  reseal(bytes);
+  try {
+    decode_metadata(bytes);
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::CorruptData);
+    EXPECT_NE(std::string(e.what()).find("unknown group rule 9"), std::string::npos) << e.what();
+  }
 }

@@ -76,10 +76,11 @@ void check_export(const fs::path& dir, const test::FullState& expect, int saved_
 struct Case {
   Stage stage;
   DType dtype;
+  Rule rule1 = Rule::AdamW;  // group 1's rule
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
-  *os << stage_name(c.stage) << "/" << dtype_name(c.dtype);
+  *os << stage_name(c.stage) << "/" << dtype_name(c.dtype) << "/" << rule_name(c.rule1);
 }
 
 class Reshard : public testing::TestWithParam<Case> {};
@@ -90,7 +91,7 @@ TEST_P(Reshard, StateIsBitIdenticalAtAnyWorldSize) {
   auto world = test::world();
   const int W = world->size();
   const Case c = GetParam();
-  test::CkptSetup setup{c.stage, c.dtype, {}};
+  test::CkptSetup setup{c.stage, c.dtype, {}, c.rule1};
   std::vector<std::pair<int, int>> pairs;
   for (int n = 1; n <= W; ++n)
     for (int m = 1; m <= W; ++m)
@@ -153,12 +154,14 @@ INSTANTIATE_TEST_SUITE_P(Stages, Reshard,
                          testing::Values(Case{Stage::Zero1, DType::BF16},
                                          Case{Stage::Zero2, DType::BF16},
                                          Case{Stage::DataParallel, DType::BF16},
-                                         Case{Stage::Zero1, DType::F32}),
+                                         Case{Stage::Zero1, DType::F32},
+                                         Case{Stage::Zero2, DType::BF16, Rule::Lion}),
                          [](const testing::TestParamInfo<Case>& i) {
                            const char* stage = i.param.stage == Stage::DataParallel ? "dp"
                                                : i.param.stage == Stage::Zero1      ? "zero1"
                                                                                     : "zero2";
-                           return std::string(stage) + "_" + dtype_name(i.param.dtype);
+                           return std::string(stage) + "_" + dtype_name(i.param.dtype) +
+                                  (i.param.rule1 == Rule::Lion ? "_lion" : "");
                          });
 
 TEST(Export, CorruptCheckpointFailsWithoutOutput) {
@@ -174,4 +177,32 @@ TEST(Export, CorruptCheckpointFailsWithoutOutput) {
   EXPECT_NE(std::system(cmd.c_str()), 0);
   EXPECT_FALSE(fs::exists(out));
   fs::remove_all(dir);
+}
+
+// A parameter whose rule changed cannot take the saved state: every rank gets the same
+// error naming it, and the optimizer keeps its own state.
+TEST(Reshard, ChangedRuleIsAClearErrorNamingTheParameter) {
+  auto world = test::world();
+  const fs::path dir = shared_temp_dir(*world);
+  test::CkptSetup lion{Stage::Zero1, DType::BF16, {}, Rule::Lion};
+  auto a = test::make_ckpt_optimizer(world, lion);
+  test::ckpt_train_step(*a, 1);
+  save_checkpoint(*a, dir);
+  test::CkptSetup adamw = lion;
+  adamw.rule1 = Rule::AdamW;
+  auto b = test::make_ckpt_optimizer(world, adamw);
+  test::ckpt_train_step(*b, 1);
+  const test::FullState before = test::gather_state(*b);
+  try {
+    load_checkpoint(*b, dir);
+    ADD_FAILURE() << "loaded a Lion checkpoint into AdamW groups";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::LayoutMismatch) << e.what();
+    EXPECT_NE(std::string(e.what()).find("parameter 'layer1.weight' (group 1) was saved under "
+                                         "rule Lion, the optimizer updates it with AdamW"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(test::gather_state(*b) == before);
+  world->barrier();
+  if (world->rank() == 0) fs::remove_all(dir);
 }

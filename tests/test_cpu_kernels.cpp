@@ -492,3 +492,121 @@ TEST(CpuKernelsDispatch, ForcingAnIsaTheCpuLacksThrows) {
 
 }  // namespace
 }  // namespace shardopt::cpu
+
+// ---- Lion (the rule layer's second rule) -------------------------------------------------------
+
+namespace shardopt::cpu {
+namespace {
+
+struct LionCase {
+  std::vector<float> p, g, m;
+  std::vector<LionSegment> segments;
+};
+
+// Three groups' scalars over [0, n), with and without decay, scaled gradients.
+LionCase make_lion_case(std::size_t n, bool specials) {
+  LionCase c;
+  for (std::size_t i = 0; i < n; ++i) {
+    c.p.push_back(synth(31, 1, 0, i));
+    c.g.push_back(synth(31, 2, 0, i) * (i % 7 == 0 ? 1e-3f : 1.0f));
+    c.m.push_back(synth(31, 3, 0, i) * 0.1f);
+  }
+  if (specials) {
+    const auto& sp = special_bits();
+    for (std::size_t i = 0; i < n; i += 5) {
+      float& slot = i % 3 == 0 ? c.p[i] : i % 3 == 1 ? c.g[i] : c.m[i];
+      slot = bits_float(sp[(i / 5) % sp.size()]);
+    }
+  }
+  for (std::size_t i = 0; i < n; i += 9) c.g[i] = c.m[i] = 0.0f;  // c = 0: sign(0) = 0
+  const std::size_t a = n / 3, b = 2 * n / 3;
+  c.segments = {LionSegment{0, a, make_lion_scalars(0.9, 0.99, 1e-3, 0.1, 0.5)},
+                LionSegment{a, b, make_lion_scalars(0.95, 0.98, 3e-4, 0.0, 0.25)},
+                LionSegment{b, n, make_lion_scalars(0.0, 0.5, 2.0, 0.01, 1.0 / 3.0)}};
+  return c;
+}
+
+TEST(LionKernels, EveryIsaAndThreadCountMatchesLionElementBitForBit) {
+  KernelSettings restore;
+  for (std::size_t n : {std::size_t{1037}, std::size_t{200003}}) {
+    const LionCase c = make_lion_case(n, true);
+    std::vector<float> ep = c.p, em = c.m;
+    for (const LionSegment& s : c.segments)
+      for (std::size_t i = s.begin; i < s.end; ++i) lion_element(s.scalars, ep[i], c.g[i], em[i]);
+    for (Isa isa : supported_isas())
+      for (int threads : {1, 2, 3}) {
+        set_isa(isa);
+        KernelSettings::set_threads(threads);
+        std::vector<float> p = c.p, m = c.m, out32(n);
+        std::vector<bf16> out16(n);
+        lion_update(c.segments, p.data(), c.g.data(), m.data(), out16.data(), nullptr);
+        std::vector<float> p2 = c.p, m2 = c.m;
+        lion_update(c.segments, p2.data(), c.g.data(), m2.data(), nullptr, out32.data());
+        for (std::size_t i = 0; i < n; ++i) {
+          ASSERT_TRUE(same_bits(p[i], ep[i])) << isa_name(isa) << " p at " << i;
+          ASSERT_TRUE(same_bits(m[i], em[i])) << isa_name(isa) << " m at " << i;
+          ASSERT_EQ(out16[i].bits, float_to_bf16_bits(ep[i])) << isa_name(isa) << " bf16 at " << i;
+          ASSERT_TRUE(same_bits(out32[i], ep[i])) << isa_name(isa) << " f32 copy at " << i;
+          ASSERT_TRUE(same_bits(p2[i], ep[i]) && same_bits(m2[i], em[i])) << isa_name(isa) << i;
+        }
+      }
+  }
+}
+
+// The kernel against Lion in double precision (lion-pytorch's order): the weight within a
+// few ulps of the double result, the momentum too; the sign may differ only where the double
+// interpolation is within float rounding of zero.
+TEST(LionKernels, MatchesTheDoubleReference) {
+  KernelSettings restore;
+  const std::size_t n = 50001;
+  const LionCase c = make_lion_case(n, false);
+  const double hyper[3][5] = {{0.9, 0.99, 1e-3, 0.1, 0.5},
+                              {0.95, 0.98, 3e-4, 0.0, 0.25},
+                              {0.0, 0.5, 2.0, 0.01, 1.0 / 3.0}};
+  for (Isa isa : supported_isas()) {
+    set_isa(isa);
+    std::vector<float> p = c.p, m = c.m;
+    lion_update(c.segments, p.data(), c.g.data(), m.data(), nullptr, nullptr);
+    std::size_t near_zero = 0, zero_sign = 0;
+    for (std::size_t s = 0; s < 3; ++s)
+      for (std::size_t i = c.segments[s].begin; i < c.segments[s].end; ++i) {
+        const double b1 = hyper[s][0], b2 = hyper[s][1], lr = hyper[s][2], wd = hyper[s][3];
+        const double g = static_cast<double>(c.g[i]) * hyper[s][4];
+        const double cc = b1 * c.m[i] + (1 - b1) * g;
+        const double sign = cc > 0 ? 1.0 : cc < 0 ? -1.0 : 0.0;
+        const double ep = c.p[i] * (1 - lr * wd) - lr * sign;
+        const double em = b2 * c.m[i] + (1 - b2) * g;
+        const double scale_c = std::fabs(b1 * c.m[i]) + std::fabs((1 - b1) * g);
+        if (std::fabs(cc) <= 4 * kEps32 * scale_c && sign != 0) {
+          ++near_zero;  // within rounding of zero: either sign (or zero) is right
+          continue;
+        }
+        if (sign == 0) ++zero_sign;
+        const double tol_p = 4 * kEps32 * (std::fabs(c.p[i]) + lr);
+        ASSERT_NEAR(p[i], ep, tol_p) << isa_name(isa) << " p at " << i;
+        ASSERT_NEAR(m[i], em, 4 * kEps32 * (std::fabs(b2 * c.m[i]) + std::fabs((1 - b2) * g)) + 1e-45)
+            << isa_name(isa) << " m at " << i;
+      }
+    EXPECT_LT(near_zero, n / 1000) << "too many interpolations near zero to check the signs";
+    EXPECT_GE(zero_sign, n / 9) << "the sign(0) = 0 elements were not exercised";
+  }
+}
+
+TEST(LionKernels, ZeroInterpolationLeavesTheDecayedWeight) {
+  const LionScalars s = make_lion_scalars(0.9, 0.99, 0.5, 0.2, 1.0);
+  for (float p0 : {1.5f, -2.0f, 0.0f, -0.0f}) {
+    float p = p0, m = 0.0f;
+    lion_element(s, p, 0.0f, m);  // c = 0
+    EXPECT_TRUE(same_bits(p, p0 * s.decay_factor)) << p0;
+    EXPECT_EQ(m, 0.0f);
+    float q = p0, mm = -0.0f;
+    lion_element(s, q, -0.0f, mm);  // c = -0: still no step
+    EXPECT_TRUE(same_bits(q, p0 * s.decay_factor)) << p0;
+  }
+  float p = 1.0f, m = 0.0f;
+  lion_element(s, p, 1e-30f, m);  // a tiny positive gradient: a full -lr step
+  EXPECT_FLOAT_EQ(p, 1.0f * s.decay_factor - 0.5f);
+}
+
+}  // namespace
+}  // namespace shardopt::cpu

@@ -2,7 +2,8 @@
 ! sizes, shapes, indices, order and a destroyed handle, never a crash; index 0 (or below) in
 ! every routine that takes a parameter, group or unit index says that Fortran indices start at
 ! 1 (issue 27); the argument-order rule: status and errmsg (and the optional arguments)
-! passed by keyword, in any order; loss-scaling options validated while loss scaling is off.
+! passed by keyword, in any order; loss-scaling options validated while loss scaling is off;
+! a Lion group (rule and betas by keyword) against Lion written out in single precision here.
 program test_fortran_api
   use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int, c_int16_t, c_int64_t
   use shardopt
@@ -106,6 +107,7 @@ program test_fortran_api
   call check_units_index_zero()
   call check_keywords()
   call check_loss_scaling_options()
+  call check_lion()
 
   if (failures > 0) error stop 1
   print '(a)', 'test_fortran_api: all checks passed'
@@ -259,6 +261,71 @@ contains
     call shardopt_destroy(k, errmsg=msg, status=st)
     call expect(st, SHARDOPT_SUCCESS, msg, '')
   end subroutine check_keywords
+
+  !> A Lion group added with the optional keywords, trained three steps, bit for bit against
+  !> lion-pytorch's update written out below in the same single-precision operations (one
+  !> process, one micro-batch: the gradient factor is exactly 1); its momentum is exp_avg, and
+  !> it keeps no exp_avg_sq.
+  subroutine check_lion()
+    type(shardopt_optimizer) :: k
+    type(shardopt_config) :: c
+    real(c_float), pointer :: gw(:)
+    real(c_float) :: p(7), mom(7), got(7), grad(7), decay, b1, omb1, b2, omb2, lr, cc, sgn
+    integer :: st, grp, iw, step, j
+    real(c_double), parameter :: lr_d = 0.01_c_double, wd_d = 0.1_c_double
+    call shardopt_config_init(c, st)
+    c%param_dtype = SHARDOPT_DTYPE_F32
+    c%lr = lr_d
+    c%weight_decay = wd_d
+    call shardopt_create(k, st, config=c, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_group(k, 1.0_c_double, .true., grp, st, errmsg=msg, &
+                            rule=SHARDOPT_RULE_LION, lion_beta1=0.8_c_double)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_param(k, 'w', 7, iw, st, group=grp, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_finalize(k, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    p = [0.5, -0.25, 1.0, 0.0, -2.0, 0.125, 3.0]
+    mom = 0
+    call shardopt_set_param(k, iw, p, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    b1 = real(0.8_c_double, c_float)
+    omb1 = real(1.0_c_double - 0.8_c_double, c_float)
+    b2 = real(0.99_c_double, c_float)
+    omb2 = real(1.0_c_double - 0.99_c_double, c_float)
+    lr = real(lr_d, c_float)
+    decay = real(1.0_c_double - lr_d * wd_d, c_float)
+    do step = 1, 3
+      do j = 1, 7
+        grad(j) = real(mod(j * 5 + step * 3, 7) - 3, c_float) / 8.0  ! includes zeros
+      end do
+      call shardopt_grad(k, iw, gw, st, msg)
+      call expect(st, SHARDOPT_SUCCESS, msg, '')
+      gw = grad
+      call shardopt_step(k, st, errmsg=msg)
+      call expect(st, SHARDOPT_SUCCESS, msg, '')
+      do j = 1, 7
+        p(j) = p(j) * decay
+        cc = b1 * mom(j) + omb1 * grad(j)
+        sgn = 0
+        if (cc > 0) sgn = 1
+        if (cc < 0) sgn = -1
+        p(j) = p(j) - lr * sgn
+        mom(j) = b2 * mom(j) + omb2 * grad(j)
+      end do
+    end do
+    call shardopt_get_master(k, iw, got, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (any(got /= p)) call fail('Lion weights differ', 0)
+    call shardopt_get_exp_avg(k, iw, got, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (any(got /= mom)) call fail('Lion momentum differs', 0)
+    call shardopt_get_exp_avg_sq(k, iw, got, st, msg)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'keeps no exp_avg_sq')
+    call shardopt_destroy(k, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+  end subroutine check_lion
 
   subroutine fail(what, value)
     character(len=*), intent(in) :: what

@@ -64,11 +64,16 @@ struct LossScaleState {
 };
 
 /// The optimizer state arrays (this rank's local arrays), for host copies (checkpoints).
+/// ExpAvg is AdamW's first moment and Lion's momentum; ExpAvgSq is AdamW's alone (a rule
+/// without an array reads as zeros in copy_state_to_host, and get_state refuses it).
 enum class StateArray : int { Master = 0, ExpAvg = 1, ExpAvgSq = 2 };
 
 class Backend;    // buffers and kernels of one device kind (internal)
 class BucketSet;  // per-bucket gradient and parameter synchronisation (internal)
 class UnitSet;    // stage 3's gathered units (internal)
+namespace rules {
+class StateLayout;  // where each rule's state lives (internal)
+}
 struct BufferPlan;
 
 class ShardedOptimizer {
@@ -231,12 +236,14 @@ class ShardedOptimizer {
   void wait_gathers_of(StateArray a);
   void all_gather_replica();
   void accumulate_grad_as(std::size_t i, const void* src, std::size_t n, DType dtype);
-  double update_and_gather(const StepScalars& s, const StepHyper& h, bool gather_per_bucket);
-  std::vector<UpdateSegment> make_segments(const StepHyper& h, Range window) const;
+  double update_and_gather(const StepHyper& h, double grad_scale, bool gather_per_bucket);
   void* replica_ptr(std::size_t elem_offset) const;
   void* replica_at(std::size_t b) const;  // the replica over the bucket's window
   float* master_at(std::size_t b) const;  // master over the bucket's window
-  float* state_base(StateArray a) const;
+  // Calls f(local part, slot pointer at part.begin or null where the part's rule keeps no
+  // array `a`) for the rule runs over `local` (a is ExpAvg or ExpAvgSq).
+  template <class F>
+  void for_each_state_piece(StateArray a, Range local, F&& f) const;
   // Calls f(bucket, offset in the window, local offset, n) for the pieces of local range
   // [offset, offset + n) in each bucket's window.
   template <class F>
@@ -256,6 +263,7 @@ class ShardedOptimizer {
   MemoryTracker tracker_;
   struct Buffers;
   std::unique_ptr<Buffers> buf_;
+  std::unique_ptr<rules::StateLayout> state_;
   std::unique_ptr<BucketSet> buckets_;
   std::unique_ptr<UnitSet> units_;  // stage 3 only; destroyed first
   std::shared_ptr<void> checkpoint_state_;

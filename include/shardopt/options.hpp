@@ -50,10 +50,37 @@ struct AdamConfig {
 /// eps > 0, weight_decay >= 0, max_grad_norm >= 0, all finite).
 std::string validate(const AdamConfig& c);
 
+/// The update rule of a parameter group (the rule layer: src/rules/, docs/architecture.md
+/// "Optimizer rules"). Every rule takes the group's lr (AdamConfig::lr * lr_scale), the
+/// weight decay (AdamConfig::weight_decay where the group's weight_decay is on) and the
+/// averaged, clipped gradient; each keeps its own state arrays.
+enum class Rule : int {
+  /// AdamConfig's Adam: torch.optim.AdamW (or torch.optim.Adam with AdamMode::AdamL2);
+  /// state exp_avg and exp_avg_sq (fp32, 8 bytes per element).
+  AdamW = 0,
+  /// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"; the update of
+  /// lucidrains' lion-pytorch and timm): p *= 1 - lr * wd; c = beta1 m + (1 - beta1) g;
+  /// p -= lr * sign(c) (sign(0) = 0); m = beta2 m + (1 - beta2) g. Decay is always decoupled
+  /// (AdamConfig::mode does not apply). State exp_avg (the momentum m, fp32, 4 bytes per
+  /// element); no exp_avg_sq.
+  Lion = 1,
+};
+const char* rule_name(Rule r) noexcept;
+inline constexpr int kNumRules = 2;
+
+/// Lion's own hyperparameters (lr and weight decay come from AdamConfig and the group).
+struct LionConfig {
+  double beta1 = 0.9;   ///< interpolation of the update direction
+  double beta2 = 0.99;  ///< decay of the momentum
+};
+
 /// Options of one parameter group. Group 0 always exists with the defaults.
 struct GroupOptions {
   double lr_scale = 1.0;      ///< this group's lr is lr * lr_scale
   bool weight_decay = true;   ///< false for biases and norms, as is usual
+  /// The group's update rule, fixed at finalize() (set_group() may not change it).
+  Rule rule = Rule::AdamW;
+  LionConfig lion;            ///< used when rule is Lion (validated always)
 };
 std::string validate(const GroupOptions& g);
 

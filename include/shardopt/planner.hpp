@@ -30,6 +30,7 @@
 
 #include <array>
 #include <cstddef>
+#include <vector>
 
 #include "shardopt/dtype.hpp"
 #include "shardopt/layout.hpp"
@@ -66,6 +67,13 @@ struct PlanConfig {
   /// Where the optimizer's buffers live: sets the automatic bucket size's cap
   /// (auto_bucket_cap); the bytes are the same on either device.
   Device device = Device::Cpu;
+  /// The update rule of each parameter group (GroupOptions::rule; group g of a parameter is
+  /// ParamInfo::group); groups beyond the end (all, when empty) are AdamW. Lion keeps 4 bytes
+  /// of state per element where AdamW keeps 8.
+  std::vector<Rule> group_rules;
+  /// The rank whose memory is planned: with mixed rules the ranks' state sizes differ (each
+  /// owns other pieces); with one rule every rank's are equal.
+  int rank = 0;
 };
 
 /// The largest automatic bucket (bucket_elems 0) on `device` (FlatLayout::auto_bucket_elems).
@@ -122,12 +130,13 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config);
 /// The ZeRO paper's per-rank model-state bytes (Rajbhandari et al. 2020, section 5) with
 /// shardopt's byte counts: replica p = dtype_size(param_dtype), gradient 4 (fp32; the paper
 /// has an fp16 gradient, 2), optimizer state K = 12 (fp32 master, m, v) or 8 when the fp32
-/// replica is the master:
+/// replica is the master (Lion: 8 or 4, its one momentum array):
 ///   data-parallel (p + 4 + K) Psi;  zero-1 (p + 4) Psi + K Psi / N;  zero-2 p Psi + (4 + K) Psi / N;
 ///   zero-3 (p + 4 + K) Psi / N.
 /// A continuous curve without padding, staging or stage-3 gathered units; plan_memory() is
 /// the exact figure.
-double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype);
+double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype,
+                          Rule rule = Rule::AdamW);
 
 /// Most tensors uniform_layout() builds, so that a bisection over Psi stays fast.
 inline constexpr std::size_t kMaxUniformTensors = 4096;

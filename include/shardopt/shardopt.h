@@ -351,6 +351,41 @@ SHARDOPT_API shardopt_status_t shardopt_create_mpi(shardopt_optimizer_t* opt, MP
 SHARDOPT_API shardopt_status_t shardopt_create_mpi_f(shardopt_optimizer_t* opt, int fortran_comm,
                                                      const shardopt_config_t* config);
 
+/* ---- parameter groups with an update rule (growable struct) -------------------------------
+ * A group's rule is fixed at finalize. shardopt_add_group / shardopt_set_group /
+ * shardopt_get_group below are the AdamW-era forms: add makes an AdamW group, set changes
+ * lr_scale and weight_decay and keeps the rest, get reads those two. */
+typedef enum {
+  SHARDOPT_RULE_ADAMW = 0, /* the config's Adam (adam_mode): AdamW or Adam-L2 */
+  SHARDOPT_RULE_LION = 1   /* Lion: p *= 1 - lr wd; p -= lr sign(b1 m + (1 - b1) g);
+                              m = b2 m + (1 - b2) g (no exp_avg_sq) */
+} shardopt_rule_t;
+
+typedef struct {
+  size_t struct_size;  /* sizeof(shardopt_group_t), set by shardopt_group_init */
+  /* ---- since 0.4.0 ---- */
+  double lr_scale;     /* this group's lr is lr * lr_scale (>= 0); default 1 */
+  int weight_decay;    /* 0 or 1: whether weight decay applies; default 1 */
+  int rule;            /* shardopt_rule_t; default SHARDOPT_RULE_ADAMW */
+  double lion_beta1;   /* Lion's interpolation beta, 0 <= b < 1; default 0.9 */
+  double lion_beta2;   /* Lion's momentum decay, 0 <= b < 1; default 0.99 */
+} shardopt_group_t;
+
+/* Fills the defaults (an AdamW group like group 0) and struct_size. */
+SHARDOPT_API void shardopt_group_init(shardopt_group_t* group);
+/* Adds a group with these options; *index receives it (may be NULL). Local; before
+ * finalize; the same on every rank. */
+SHARDOPT_API shardopt_status_t shardopt_add_group_ex(shardopt_optimizer_t opt,
+                                                     const shardopt_group_t* group, int* index);
+/* Replaces group `index`'s options (after finalize its rule must stay the same). Local: same
+ * on every rank. */
+SHARDOPT_API shardopt_status_t shardopt_set_group_ex(shardopt_optimizer_t opt, int index,
+                                                     const shardopt_group_t* group);
+/* Group `index`'s options into *group (its struct_size set by the caller: the fields within
+ * it are written). */
+SHARDOPT_API shardopt_status_t shardopt_get_group_ex(shardopt_optimizer_t opt, int index,
+                                                     shardopt_group_t* group);
+
 /* Adds a parameter group with its learning-rate multiplier (>= 0) and whether weight
  * decay applies (0 or 1); *group receives its index. Group 0 exists already (lr_scale 1,
  * decay on). Local; before finalize; the same on every rank. group may be NULL. */
@@ -543,8 +578,9 @@ SHARDOPT_API shardopt_status_t shardopt_set_hyper(shardopt_optimizer_t opt, shar
 SHARDOPT_API shardopt_status_t shardopt_get_hyper(shardopt_optimizer_t opt, shardopt_hyper_t key,
                                                   double* value);
 
-/* Changes the options of an existing group (lr_scale >= 0, weight_decay 0 or 1), before or
- * after finalize. Local: same on every rank. */
+/* Changes the learning-rate multiplier and decay flag of an existing group (lr_scale >= 0,
+ * weight_decay 0 or 1), before or after finalize, keeping its rule and the rule's options.
+ * Local: same on every rank. */
 SHARDOPT_API shardopt_status_t shardopt_set_group(shardopt_optimizer_t opt, int group,
                                                   double lr_scale, int weight_decay);
 

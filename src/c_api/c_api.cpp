@@ -1,6 +1,9 @@
 // c_api.cpp: the entry points of shardopt.h. Each one is a thin shell: validate the handle
 // and pointers, call the C++ API, and let guarded() turn exceptions into status codes.
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
+#include <cstring>
 #include <cmath>
 #include <iterator>
 #include <span>
@@ -172,8 +175,97 @@ shardopt_status_t shardopt_add_group(shardopt_optimizer_t opt, double lr_scale, 
   return on_handle("shardopt_add_group", opt, [&](ShardedOptimizer& o) {
     require(weight_decay == 0 || weight_decay == 1, Status::InvalidArgument,
             "weight_decay must be 0 or 1, got " + std::to_string(weight_decay));
-    const int g = o.add_group(GroupOptions{lr_scale, weight_decay == 1});
-    if (group != nullptr) *group = g;
+    GroupOptions g;
+    g.lr_scale = lr_scale;
+    g.weight_decay = weight_decay == 1;
+    const int index = o.add_group(g);
+    if (group != nullptr) *group = index;
+  });
+}
+
+// ---- shardopt_group_t ---------------------------------------------------------------------
+
+namespace {
+
+#define SHARDOPT_GROUP_END(f) (offsetof(shardopt_group_t, f) + sizeof(shardopt_group_t::f))
+constexpr std::size_t kGroupEnds[] = {
+    SHARDOPT_GROUP_END(struct_size), SHARDOPT_GROUP_END(lr_scale),
+    SHARDOPT_GROUP_END(weight_decay), SHARDOPT_GROUP_END(rule),
+    SHARDOPT_GROUP_END(lion_beta1), SHARDOPT_GROUP_END(lion_beta2)};
+#undef SHARDOPT_GROUP_END
+static_assert(kGroupEnds[std::size(kGroupEnds) - 1] == sizeof(shardopt_group_t));
+constexpr std::size_t kGroupMinSize = sizeof(shardopt_group_t);  // the first version
+
+shardopt_group_t c_group(const GroupOptions& g) {
+  shardopt_group_t c{};
+  c.struct_size = sizeof(shardopt_group_t);
+  c.lr_scale = g.lr_scale;
+  c.weight_decay = g.weight_decay ? 1 : 0;
+  c.rule = static_cast<int>(g.rule);
+  c.lion_beta1 = g.lion.beta1;
+  c.lion_beta2 = g.lion.beta2;
+  return c;
+}
+
+GroupOptions read_group(const shardopt_group_t* in) {
+  non_null(in, "group");
+  const std::string problem = capi::struct_size_problem("group", in->struct_size, kGroupMinSize,
+                                                        kGroupEnds, /*accept_larger=*/false);
+  require(problem.empty(), Status::InvalidArgument,
+          problem + " (initialise the group with shardopt_group_init)");
+  shardopt_group_t c = c_group(GroupOptions{});
+  std::memcpy(&c, in, in->struct_size);
+  require(c.weight_decay == 0 || c.weight_decay == 1, Status::InvalidArgument,
+          "group->weight_decay must be 0 or 1, got " + std::to_string(c.weight_decay));
+  require(c.rule == SHARDOPT_RULE_ADAMW || c.rule == SHARDOPT_RULE_LION, Status::InvalidArgument,
+          "group->rule " + std::to_string(c.rule) +
+              " is not a shardopt_rule_t (SHARDOPT_RULE_ADAMW 0, SHARDOPT_RULE_LION 1)");
+  GroupOptions g;
+  g.lr_scale = c.lr_scale;
+  g.weight_decay = c.weight_decay == 1;
+  g.rule = static_cast<Rule>(c.rule);
+  g.lion.beta1 = c.lion_beta1;
+  g.lion.beta2 = c.lion_beta2;
+  return g;
+}
+
+const GroupOptions& group_at(const ShardedOptimizer& o, int index) {
+  require(index >= 0 && static_cast<std::size_t>(index) < o.groups().size(),
+          Status::InvalidArgument, "no group " + std::to_string(index));
+  return o.groups()[static_cast<std::size_t>(index)];
+}
+
+}  // namespace
+
+void shardopt_group_init(shardopt_group_t* group) {
+  if (group != nullptr) *group = c_group(GroupOptions{});
+}
+
+shardopt_status_t shardopt_add_group_ex(shardopt_optimizer_t opt, const shardopt_group_t* group,
+                                        int* index) {
+  return on_handle("shardopt_add_group_ex", opt, [&](ShardedOptimizer& o) {
+    const int g = o.add_group(read_group(group));
+    if (index != nullptr) *index = g;
+  });
+}
+
+shardopt_status_t shardopt_set_group_ex(shardopt_optimizer_t opt, int index,
+                                        const shardopt_group_t* group) {
+  return on_handle("shardopt_set_group_ex", opt,
+                   [&](ShardedOptimizer& o) { o.set_group(index, read_group(group)); });
+}
+
+shardopt_status_t shardopt_get_group_ex(shardopt_optimizer_t opt, int index,
+                                        shardopt_group_t* group) {
+  return on_handle("shardopt_get_group_ex", opt, [&](ShardedOptimizer& o) {
+    non_null(group, "group");
+    const std::string problem = capi::struct_size_problem(
+        "group", group->struct_size, kGroupMinSize, kGroupEnds, /*accept_larger=*/true);
+    require(problem.empty(), Status::InvalidArgument, problem);
+    const shardopt_group_t full = c_group(group_at(o, index));
+    const std::size_t n = std::min(group->struct_size, sizeof full) - sizeof(std::size_t);
+    std::memcpy(reinterpret_cast<char*>(group) + sizeof(std::size_t),
+                reinterpret_cast<const char*>(&full) + sizeof(std::size_t), n);
   });
 }
 
@@ -467,7 +559,10 @@ shardopt_status_t shardopt_set_group(shardopt_optimizer_t opt, int group, double
   return on_handle("shardopt_set_group", opt, [&](ShardedOptimizer& o) {
     require(weight_decay == 0 || weight_decay == 1, Status::InvalidArgument,
             "weight_decay must be 0 or 1, got " + std::to_string(weight_decay));
-    o.set_group(group, GroupOptions{lr_scale, weight_decay == 1});
+    GroupOptions g = group_at(o, group);  // the rule and its options stay
+    g.lr_scale = lr_scale;
+    g.weight_decay = weight_decay == 1;
+    o.set_group(group, g);
   });
 }
 

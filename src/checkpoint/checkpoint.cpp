@@ -328,6 +328,16 @@ void check_compatible(const Metadata& m, const ShardedOptimizer& opt) {
                ") in the checkpoint but '" + p.name + "' (" + std::to_string(p.numel) +
                " elements, group " + std::to_string(p.group) + ") in the optimizer");
   }
+  // The state arrays are the rule's: a parameter whose rule changed cannot take them.
+  for (std::size_t i = 0; i < m.params.size(); ++i) {
+    const Rule saved = m.groups[m.params[i].group].rule;
+    const Rule now = opt.groups()[static_cast<std::size_t>(l.param(i).group)].rule;
+    if (saved != now)
+      mismatch("parameter '" + l.param(i).name + "' (group " + std::to_string(m.params[i].group) +
+               ") was saved under rule " + rule_name(saved) + ", the optimizer updates it with " +
+               rule_name(now) + "; its optimizer state does not carry over (load with the saved "
+               "rule, or start that group's state fresh without this checkpoint)");
+  }
 }
 
 // The loss-scaling state to restore under the optimizer's current loss-scaling options.

@@ -254,6 +254,9 @@ void encode_common(Writer& w, const Metadata& m) {
   for (const GroupOptions& g : m.groups) {
     w.put<double>(g.lr_scale);
     w.put<std::uint32_t>(g.weight_decay ? 1 : 0);
+    w.put<std::uint32_t>(static_cast<std::uint32_t>(g.rule));  // format 4
+    w.put<double>(g.lion.beta1);
+    w.put<double>(g.lion.beta2);
   }
 }
 
@@ -299,7 +302,8 @@ void decode_common(Reader& r, Metadata& m) {
       m.loss_state.skipped_steps < 0)
     corrupt("invalid loss scale state");
 
-  const std::uint64_t ngroups = r.count(r.get<std::uint32_t>("group count"), 12, "group");
+  const std::uint64_t ngroups =
+      r.count(r.get<std::uint32_t>("group count"), m.version >= 4 ? 32 : 12, "group");
   if (ngroups == 0) corrupt("no parameter groups");
   m.groups.reserve(ngroups);
   for (std::uint64_t g = 0; g < ngroups; ++g) {
@@ -308,6 +312,14 @@ void decode_common(Reader& r, Metadata& m) {
     const auto wd = r.get<std::uint32_t>("group decay flag");
     if (wd > 1) corrupt("bad group decay flag");
     go.weight_decay = wd == 1;
+    if (m.version >= 4) {  // formats 1-3: every group was AdamW
+      const auto rule = r.get<std::uint32_t>("group rule");
+      if (rule >= static_cast<std::uint32_t>(kNumRules))
+        corrupt("unknown group rule " + std::to_string(rule));
+      go.rule = static_cast<Rule>(rule);
+      go.lion.beta1 = r.get<double>("group Lion beta1");
+      go.lion.beta2 = r.get<double>("group Lion beta2");
+    }
     if (const std::string p = validate(go); !p.empty()) corrupt("group: " + p);
     m.groups.push_back(go);
   }

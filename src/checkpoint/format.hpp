@@ -24,10 +24,12 @@
 
 namespace shardopt::ckpt {
 
-inline constexpr std::uint32_t kFormatVersion = 3;  ///< written; versions 1..3 are read
+inline constexpr std::uint32_t kFormatVersion = 4;  ///< written; versions 1..4 are read
 inline constexpr std::size_t kMetaHeaderBytes = 32;
 inline constexpr std::size_t kShardHeaderBytes = 64;
-inline constexpr std::uint32_t kNumArrays = 3;  ///< master, exp_avg, exp_avg_sq (fp32 each)
+/// master, exp_avg, exp_avg_sq (fp32 each); an array the element's rule does not keep (Lion's
+/// exp_avg_sq) is stored as zeros and ignored on load.
+inline constexpr std::uint32_t kNumArrays = 3;
 /// Format 2: the most elements in one block (the unit of reading and checksumming: 3 MiB of
 /// state), so a reader needing part of a shard reads at most one block more per boundary.
 inline constexpr std::uint64_t kBlockElems = std::uint64_t{1} << 18;

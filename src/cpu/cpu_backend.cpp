@@ -51,6 +51,12 @@ class CpuBackend final : public Backend {
     float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
     cpu::adam_update(s, segments, master, grad, m, v, out_bf16, out_f32);
   }
+  void lion_update(std::span<const LionSegment> segments, float* master, const float* grad,
+                   float* m, void* replica, DType replica_dtype) override {
+    bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
+    float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
+    cpu::lion_update(segments, master, grad, m, out_bf16, out_f32);
+  }
 };
 
 }  // namespace

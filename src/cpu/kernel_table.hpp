@@ -12,6 +12,7 @@
 #include "kernels.hpp"
 #include "shardopt/adam_math.hpp"
 #include "shardopt/bf16.hpp"
+#include "shardopt/lion_math.hpp"
 
 namespace shardopt::cpu {
 
@@ -20,6 +21,9 @@ struct RangeKernels {
   /// Pointers already offset to the range start; stream: non-temporal stores for outputs.
   void (*adam)(const StepScalars& s, const SegmentScalars& g, float* p, const float* grad,
                float* m, float* v, bf16* out_bf16, float* out_f32, std::size_t n, bool stream);
+  /// Lion (lion_element) on one range: reads p, grad, m once, writes p, m and the replica.
+  void (*lion)(const LionScalars& s, float* p, const float* grad, float* m, bf16* out_bf16,
+               float* out_f32, std::size_t n);
   void (*cast_f32_to_bf16)(const float* src, bf16* dst, std::size_t n, bool stream);
   void (*cast_bf16_to_f32)(const bf16* src, float* dst, std::size_t n, bool stream);
   void (*accumulate_f32)(float* dst, const float* src, std::size_t n);
@@ -72,6 +76,8 @@ namespace portable {
 // Exposed for the SIMD files' heads and tails.
 void adam(const StepScalars& s, const SegmentScalars& g, float* p, const float* grad, float* m,
           float* v, bf16* out_bf16, float* out_f32, std::size_t n, bool stream);
+void lion(const LionScalars& s, float* p, const float* grad, float* m, bf16* out_bf16,
+          float* out_f32, std::size_t n);
 void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n, bool stream);
 void cast_bf16_to_f32(const bf16* src, float* dst, std::size_t n, bool stream);
 void accumulate_f32(float* dst, const float* src, std::size_t n);

@@ -51,6 +51,25 @@ void adam_update(const StepScalars& s, std::span<const UpdateSegment> segments, 
   });
 }
 
+void lion_update(std::span<const LionSegment> segments, float* master, const float* grad,
+                 float* m, bf16* out_bf16, float* out_f32) {
+  if (segments.empty()) return;
+  const RangeKernels& k = active_kernels();
+  const std::size_t begin = segments.front().begin, end = segments.back().end;
+  parallel_chunks(end - begin, [&](std::size_t cb, std::size_t ce) {
+    cb += begin;
+    ce += begin;
+    auto seg = std::upper_bound(segments.begin(), segments.end(), cb,
+                                [](std::size_t i, const LionSegment& sg) { return i < sg.end; });
+    for (; seg != segments.end() && seg->begin < ce; ++seg) {
+      const std::size_t b = std::max(cb, seg->begin), e = std::min(ce, seg->end);
+      if (b >= e) continue;
+      k.lion(seg->scalars, master + b, grad + b, m + b, out_bf16 ? out_bf16 + b : nullptr,
+             out_f32 ? out_f32 + b : nullptr, e - b);
+    }
+  });
+}
+
 void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n) {
   const RangeKernels& k = active_kernels();
   const bool stream = use_streaming_stores(n * 6);

@@ -12,6 +12,7 @@
 #include <span>
 
 #include "shardopt/adam_math.hpp"
+#include "shardopt/lion_math.hpp"
 #include "shardopt/bf16.hpp"
 
 namespace shardopt::cpu {
@@ -22,6 +23,11 @@ namespace shardopt::cpu {
 /// master, m, v and (if not null) the bf16 or fp32 replica copy of the new weights.
 void adam_update(const StepScalars& s, std::span<const UpdateSegment> segments, float* master,
                  const float* grad, float* m, float* v, bf16* out_bf16, float* out_f32);
+
+/// Lion over segments covering [segments.front().begin, segments.back().end) of master,
+/// grad and m (the momentum), writing the replica copy as adam_update does.
+void lion_update(std::span<const LionSegment> segments, float* master, const float* grad,
+                 float* m, bf16* out_bf16, float* out_f32);
 
 /// Round to nearest even, bit-identical to float_to_bf16_bits() (NaN -> sign | 0x7FC0).
 void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n);

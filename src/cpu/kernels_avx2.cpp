@@ -139,6 +139,40 @@ void adam(const StepScalars& s, const SegmentScalars& g, float* p, const float* 
   if (stream) _mm_sfence();  // order the weakly ordered stores before other threads read
 }
 
+/// lion_element() on 8 lanes; returns the new weights.
+__m256 lion8(const LionScalars& s, float* p, const float* grad, float* m) {
+  const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad), _mm256_set1_ps(s.grad_scale));
+  const __m256 mv = _mm256_loadu_ps(m);
+  __m256 pv = _mm256_mul_ps(_mm256_loadu_ps(p), _mm256_set1_ps(s.decay_factor));
+  const __m256 c = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s.beta1), mv),
+                                 _mm256_mul_ps(_mm256_set1_ps(s.one_minus_beta1), g));
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 sign =
+      _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(c, zero, _CMP_GT_OQ), _mm256_set1_ps(1.0f)),
+                   _mm256_and_ps(_mm256_cmp_ps(c, zero, _CMP_LT_OQ), _mm256_set1_ps(-1.0f)));
+  pv = _mm256_sub_ps(pv, _mm256_mul_ps(_mm256_set1_ps(s.lr), sign));
+  _mm256_storeu_ps(m, _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s.beta2), mv),
+                                    _mm256_mul_ps(_mm256_set1_ps(s.one_minus_beta2), g)));
+  _mm256_storeu_ps(p, pv);
+  return pv;
+}
+
+void lion(const LionScalars& s, float* p, const float* grad, float* m, bf16* out_bf16,
+          float* out_f32, std::size_t n) {
+  std::size_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    const __m256 p0 = lion8(s, p + i, grad + i, m + i);
+    const __m256 p1 = lion8(s, p + i + kW, grad + i + kW, m + i + kW);
+    if (out_bf16) store_bf16x16(out_bf16 + i, pack_bf16(p0, p1), false);
+    if (out_f32) {
+      _mm256_storeu_ps(out_f32 + i, p0);
+      _mm256_storeu_ps(out_f32 + i + kW, p1);
+    }
+  }
+  portable::lion(s, p + i, grad + i, m + i, out_bf16 ? out_bf16 + i : nullptr,
+                 out_f32 ? out_f32 + i : nullptr, n - i);
+}
+
 void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n, bool stream) {
   const std::size_t head = stream ? head_to_align32(dst, n) : 0;
   portable::cast_f32_to_bf16(src, dst, head, false);
@@ -377,6 +411,7 @@ namespace shardopt::cpu {
 const RangeKernels kAvx2Kernels = {
     "avx2",
     avx2::adam,
+    avx2::lion,
     avx2::cast_f32_to_bf16,
     avx2::cast_bf16_to_f32,
     avx2::accumulate_f32,

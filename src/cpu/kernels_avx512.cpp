@@ -127,6 +127,37 @@ void adam(const StepScalars& s, const SegmentScalars& g, float* p, const float* 
   if (stream) _mm_sfence();
 }
 
+/// lion_element() on 16 lanes; returns the new weights.
+__m512 lion16(const LionScalars& s, float* p, const float* grad, float* m) {
+  const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(grad), _mm512_set1_ps(s.grad_scale));
+  const __m512 mv = _mm512_loadu_ps(m);
+  __m512 pv = _mm512_mul_ps(_mm512_loadu_ps(p), _mm512_set1_ps(s.decay_factor));
+  const __m512 c = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(s.beta1), mv),
+                                 _mm512_mul_ps(_mm512_set1_ps(s.one_minus_beta1), g));
+  const __m512 zero = _mm512_setzero_ps();
+  const __mmask16 pos = _mm512_cmp_ps_mask(c, zero, _CMP_GT_OQ);
+  const __mmask16 neg = _mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ);
+  const __m512 sign = _mm512_mask_blend_ps(
+      pos, _mm512_mask_blend_ps(neg, zero, _mm512_set1_ps(-1.0f)), _mm512_set1_ps(1.0f));
+  pv = _mm512_sub_ps(pv, _mm512_mul_ps(_mm512_set1_ps(s.lr), sign));
+  _mm512_storeu_ps(m, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(s.beta2), mv),
+                                    _mm512_mul_ps(_mm512_set1_ps(s.one_minus_beta2), g)));
+  _mm512_storeu_ps(p, pv);
+  return pv;
+}
+
+void lion(const LionScalars& s, float* p, const float* grad, float* m, bf16* out_bf16,
+          float* out_f32, std::size_t n) {
+  std::size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    const __m512 pv = lion16(s, p + i, grad + i, m + i);
+    if (out_bf16) store_bf16x16(out_bf16 + i, pack_bf16(pv), false);
+    if (out_f32) store_f32x16(out_f32 + i, pv, false);
+  }
+  portable::lion(s, p + i, grad + i, m + i, out_bf16 ? out_bf16 + i : nullptr,
+                 out_f32 ? out_f32 + i : nullptr, n - i);
+}
+
 void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n, bool stream) {
   const std::size_t head = stream ? head_to_align(dst, n, 32) : 0;
   portable::cast_f32_to_bf16(src, dst, head, false);
@@ -524,6 +555,7 @@ namespace shardopt::cpu {
 const RangeKernels kAvx512Kernels = {
     "avx512",
     avx512::adam,
+    avx512::lion,
     avx512::cast_f32_to_bf16,
     avx512::cast_bf16_to_f32,
     avx512::accumulate_f32,

@@ -23,6 +23,18 @@ void adam(const StepScalars& s, const SegmentScalars& g, float* p, const float* 
   }
 }
 
+void lion(const LionScalars& s, float* p, const float* grad, float* m, bf16* out_bf16,
+          float* out_f32, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    float pi = p[i], mi = m[i];
+    lion_element(s, pi, grad[i], mi);
+    p[i] = pi;
+    m[i] = mi;
+    if (out_bf16) out_bf16[i] = to_bf16(pi);
+    if (out_f32) out_f32[i] = pi;
+  }
+}
+
 void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n, bool /*stream*/) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = ops::ToBf16{}(src[i]);
 }
@@ -82,6 +94,7 @@ namespace shardopt::cpu {
 const RangeKernels kPortableKernels = {
     "portable",
     portable::adam,
+    portable::lion,
     portable::cast_f32_to_bf16,
     portable::cast_bf16_to_f32,
     portable::accumulate_f32,

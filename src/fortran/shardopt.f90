@@ -57,6 +57,9 @@ module shardopt
   integer(c_int), parameter, public :: SHARDOPT_GATHER_LAZY = 1
   integer(c_int), parameter, public :: SHARDOPT_REDUCTION_DEFAULT = 0
   integer(c_int), parameter, public :: SHARDOPT_REDUCTION_REPRODUCIBLE = 1
+  !> A parameter group's update rule (shardopt_add_group's rule argument, shardopt_rule_t).
+  integer(c_int), parameter, public :: SHARDOPT_RULE_ADAMW = 0
+  integer(c_int), parameter, public :: SHARDOPT_RULE_LION = 1
   !> shardopt_config%collective_timeout_s for no timeout; 0 (the default) means 600 s, or
   !> SHARDOPT_COLLECTIVE_TIMEOUT from the environment.
   real(c_double), parameter, public :: SHARDOPT_NO_COLLECTIVE_TIMEOUT = -1.0_c_double
@@ -118,6 +121,16 @@ module shardopt
     integer(c_int) :: reduction
     integer(c_int) :: reserved0
   end type shardopt_config
+
+  !> shardopt_group_t, field for field (internal: shardopt_add_group's optional arguments).
+  type, bind(c) :: c_group_options
+    integer(c_size_t) :: struct_size
+    real(c_double) :: lr_scale
+    integer(c_int) :: weight_decay
+    integer(c_int) :: rule
+    real(c_double) :: lion_beta1
+    real(c_double) :: lion_beta2
+  end type c_group_options
 
   !> What one step did (shardopt_step_result_t); clipped and skipped are 0 or 1, times are
   !> seconds on this rank. shardopt_step sets struct_size itself.
@@ -260,6 +273,17 @@ module shardopt
       integer(c_int), value :: wd
       integer(c_int), intent(out) :: group
       integer(c_int) :: c_add_group
+    end function
+    subroutine c_group_init(group) bind(c, name="shardopt_group_init")
+      import :: c_group_options
+      type(c_group_options), intent(out) :: group
+    end subroutine
+    function c_add_group_ex(opt, group, idx) bind(c, name="shardopt_add_group_ex")
+      import :: c_int, c_ptr, c_group_options
+      type(c_ptr), value :: opt
+      type(c_group_options), intent(in) :: group
+      integer(c_int), intent(out) :: idx
+      integer(c_int) :: c_add_group_ex
     end function
     function c_add_param(opt, name, numel, group, idx) bind(c, name="shardopt_add_param")
       import :: c_int, c_ptr, c_char, c_size_t
@@ -772,16 +796,32 @@ contains
   end function shardopt_is_null
 
   !> Adds a parameter group (local, before finalize); group receives its 1-based index.
-  subroutine shardopt_add_group(opt, lr_scale, weight_decay, group, status, errmsg)
+  !> rule (SHARDOPT_RULE_ADAMW, the default, or SHARDOPT_RULE_LION) and Lion's betas
+  !> (default 0.9 and 0.99) are optional, by keyword.
+  subroutine shardopt_add_group(opt, lr_scale, weight_decay, group, status, errmsg, rule, &
+                                lion_beta1, lion_beta2)
     type(shardopt_optimizer), intent(in) :: opt
     real(c_double), intent(in) :: lr_scale
     logical, intent(in) :: weight_decay
     integer, intent(out) :: group
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
+    integer(c_int), intent(in), optional :: rule
+    real(c_double), intent(in), optional :: lion_beta1, lion_beta2
+    type(c_group_options) :: options
     integer(c_int) :: g, code
     g = -1
-    code = c_add_group(opt%ptr, lr_scale, merge(1_c_int, 0_c_int, weight_decay), g)
+    if (present(rule) .or. present(lion_beta1) .or. present(lion_beta2)) then
+      call c_group_init(options)
+      options%lr_scale = lr_scale
+      options%weight_decay = merge(1_c_int, 0_c_int, weight_decay)
+      if (present(rule)) options%rule = rule
+      if (present(lion_beta1)) options%lion_beta1 = lion_beta1
+      if (present(lion_beta2)) options%lion_beta2 = lion_beta2
+      code = c_add_group_ex(opt%ptr, options, g)
+    else
+      code = c_add_group(opt%ptr, lr_scale, merge(1_c_int, 0_c_int, weight_decay), g)
+    end if
     group = int(g) + 1
     call finish(opt%ptr, code, status, errmsg)
   end subroutine shardopt_add_group

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -83,6 +84,7 @@ struct Args {
   int buckets_in_flight = PlanConfig{}.buckets_in_flight;
   bool accumulate_without_sync = false;
   bool reproducible = false;
+  Rule rule = Rule::AdamW;  // every parameter's update rule
   std::size_t tensor_elems = std::size_t{1} << 24;
   std::optional<std::size_t> budget;
   bool csv = false;
@@ -106,6 +108,7 @@ struct Args {
     c.buckets_in_flight = buckets_in_flight;
     c.accumulate_without_sync = accumulate_without_sync;
     c.reduction = reproducible ? Reduction::Reproducible : Reduction::Default;
+    c.group_rules = {rule};
     return c;
   }
 };
@@ -128,7 +131,7 @@ double paper_formula_bytes(Stage stage, double psi, double ranks) {
 
 // --help, --version, or bad input: returns the exit code; std::nullopt to go on.
 std::optional<int> parse_args(int argc, char** argv, Args& a) {
-  CLI::App app{"Per-rank memory of shardopt's sharded AdamW, predicted without allocating it "
+  CLI::App app{"Per-rank memory of shardopt's sharded optimizer, predicted without allocating it "
                "(see docs/memory.md)."};
   cli::init(app, "shardopt-plan");
   std::size_t psi = 0;
@@ -182,6 +185,13 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
   app.add_flag("--reproducible", a.reproducible,
                "reduction Reproducible: exact sums (a full fp32 gradient at every stage; 4 wire "
                "bytes per element with one micro-batch per rank)");
+  app.add_option("--rule", a.rule,
+                 "the update rule of every parameter: adamw (exp_avg and exp_avg_sq, 8 bytes of "
+                 "state per element) or lion (one momentum, 4 bytes)")
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, Rule>{{"adamw", Rule::AdamW}, {"lion", Rule::Lion}},
+          CLI::ignore_case))
+      ->default_str("adamw");
   app.add_option("--tensor-elems", a.tensor_elems, "tensor size assumed with --psi and --budget")
       ->transform(cli::size())->check(CLI::PositiveNumber)->default_str("16Mi");
   app.add_option("--budget", a.budget, "also print the largest model that fits in BYTES per rank (e.g. 80GiB, 40GB)")
@@ -234,9 +244,10 @@ void print_tables(const Args& a) {
   std::printf("model %s: Psi = %s parameters (%zu) in %zu tensors, largest %s\n",
               a.model_name.c_str(), human_count(psi).c_str(), probe.unpadded_size(),
               probe.num_params(), human_count(static_cast<double>(largest_tensor(probe))).c_str());
-  std::printf("replica %s, gradients %s, stage-2 buckets of %zu elements, %d in flight%s%s\n",
-              dtype_name(a.param_dtype), dtype_name(a.grad_dtype), a.bucket_elems,
-              a.buckets_in_flight, a.accumulate_without_sync ? ", accumulation without sync" : "",
+  std::printf("rule %s, replica %s, gradients %s, stage-2 buckets of %zu elements, %d in flight%s%s\n",
+              rule_name(a.rule), dtype_name(a.param_dtype), dtype_name(a.grad_dtype),
+              a.bucket_elems, a.buckets_in_flight,
+              a.accumulate_without_sync ? ", accumulation without sync" : "",
               a.reproducible ? ", reproducible reduction" : "");
   std::printf("bytes per rank. params..total: what shardopt allocates (planner, exact); "
               "formula: the ZeRO\nformula with shardopt's buffers (fp32 gradients, no padding "
@@ -258,7 +269,7 @@ void print_tables(const Args& a) {
       std::printf(" %11s %8.3f %11s %7.1f GB %11s",
                   human_bytes(static_cast<double>(p.total())).c_str(),
                   static_cast<double>(p.total()) / psi,
-                  human_bytes(zero_formula_bytes(s, psi, n, a.param_dtype)).c_str(),
+                  human_bytes(zero_formula_bytes(s, psi, n, a.param_dtype, a.rule)).c_str(),
                   paper_formula_bytes(s, psi, n) / 1e9,
                   human_bytes(static_cast<double>(reduce_per_step(a, p))).c_str());
       if (a.ranks_per_node)
@@ -297,7 +308,7 @@ void print_csv(const Args& a) {
                   dtype_name(a.grad_dtype), a.bucket_elems, a.buckets_in_flight,
                   a.accumulate_without_sync ? 1 : 0);
       for (std::size_t b : p.bytes) std::printf(",%zu", b);
-      std::printf(",%zu,%.0f,%.0f,%d,%zu", p.total(), zero_formula_bytes(s, psi, n, a.param_dtype),
+      std::printf(",%zu,%.0f,%.0f,%d,%zu", p.total(), zero_formula_bytes(s, psi, n, a.param_dtype, a.rule),
                   paper_formula_bytes(s, psi, n), a.reproducible ? 1 : 0, reduce_per_step(a, p));
       if (a.ranks_per_node) std::printf(",%d,%zu", a.ranks_per_node, p.internode_bytes);
       if (a.budget)

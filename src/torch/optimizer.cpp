@@ -364,9 +364,10 @@ void ShardedAdamW::apply_group_settings() {
   core_->set_adam_config(c);
   for (std::size_t g = 0; g < param_groups_.size(); ++g) {
     const AdamWOptions& o = adamw_options(param_groups_[g]);
-    core_->set_group(static_cast<int>(g),
-                     GroupOptions{.lr_scale = base == 0.0 ? 1.0 : o.lr() / base,
-                                  .weight_decay = o.weight_decay() != 0.0});
+    GroupOptions go = core_->groups()[g];  // the rule and its options stay
+    go.lr_scale = base == 0.0 ? 1.0 : o.lr() / base;
+    go.weight_decay = o.weight_decay() != 0.0;
+    core_->set_group(static_cast<int>(g), go);
   }
 }
 

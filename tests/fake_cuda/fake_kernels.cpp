@@ -83,6 +83,23 @@ void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op) 
   });
 }
 
+void lion_update(cudaStream_t stream, const LionOp& op, std::size_t n) {
+  if (n == 0) return;
+  std::vector<Access> acc = {writes(op.master, n * 4), reads(op.grad, n * 4), writes(op.m, n * 4)};
+  if (op.out_bf16) acc.push_back(writes(op.out_bf16, n * 2));
+  if (op.out_f32) acc.push_back(writes(op.out_f32, n * 4));
+  auto lock = fakecuda::lock_device();
+  launch(stream, "lion_update", std::move(acc), [op, n] {
+    LionOp d = op;
+    d.master = dev(op.master);
+    d.grad = dev(op.grad);
+    d.m = dev(op.m);
+    d.out_bf16 = dev(op.out_bf16);
+    d.out_f32 = dev(op.out_f32);
+    fakecuda::omp::lion_update(d, n);
+  });
+}
+
 void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::size_t n) {
   if (n == 0) return;
   auto lock = fakecuda::lock_device();

@@ -31,6 +31,7 @@ struct CkptSetup {
   Stage stage = Stage::Zero1;
   DType dtype = DType::BF16;
   LossScaling loss_scaling{};
+  Rule rule1 = Rule::AdamW;  ///< group 1's rule (parameters 1, 3, 5)
 };
 
 inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Communicator> comm,
@@ -43,7 +44,11 @@ inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Com
   o.bucket_elems = 1000;
   o.loss_scaling = s.loss_scaling;
   auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
-  opt->add_group(GroupOptions{0.5, false});
+  GroupOptions g1;
+  g1.lr_scale = 0.5;
+  g1.weight_decay = false;
+  g1.rule = s.rule1;
+  opt->add_group(g1);
   const auto& sizes = ckpt_sizes();
   for (std::size_t i = 0; i < sizes.size(); ++i)
     opt->add_param("layer" + std::to_string(i) + ".weight", sizes[i], static_cast<int>(i % 2));

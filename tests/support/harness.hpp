@@ -66,9 +66,11 @@ struct Harness {
         }()) {}
 
   explicit Harness(const OptimizerOptions& o, Model m = make_model(),
-                   std::shared_ptr<Communicator> comm = world())
-      : cfg(o.adam), model(std::move(m)) {
+                   std::shared_ptr<Communicator> comm = world(),
+                   std::vector<GroupOptions> group_options = group_table())
+      : groups(std::move(group_options)), cfg(o.adam), model(std::move(m)) {
     opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
+    opt->set_group(0, groups[0]);
     EXPECT_EQ(opt->add_group(groups[1]), 1);
     for (std::size_t i = 0; i < model.sizes.size(); ++i) {
       if (!model.units.empty() && i > 0 && model.units[i] != model.units[i - 1])

@@ -1,4 +1,4 @@
-// reference.hpp: the test oracle: AdamW / Adam-L2 in double precision over averaged
+// reference.hpp: the test oracle: AdamW / Adam-L2 and Lion in double precision over averaged
 // gradients, and deterministic synthetic gradients per (rank, step, parameter, element).
 #pragma once
 
@@ -58,6 +58,16 @@ inline RefResult reference_step(std::vector<RefParam>& params,
     const GroupOptions& g = groups[static_cast<std::size_t>(rp.group)];
     const double lr = c.lr * g.lr_scale;
     const double wd = g.weight_decay ? c.weight_decay : 0.0;
+    if (g.rule == Rule::Lion) {  // lion-pytorch's order; decay always decoupled
+      for (std::size_t k = 0; k < rp.p.size(); ++k) {
+        const double gr = grads[i][k] * clip;
+        rp.p[k] *= 1 - lr * wd;
+        const double u = g.lion.beta1 * rp.m[k] + (1 - g.lion.beta1) * gr;
+        rp.p[k] -= lr * (u > 0 ? 1.0 : u < 0 ? -1.0 : 0.0);
+        rp.m[k] = g.lion.beta2 * rp.m[k] + (1 - g.lion.beta2) * gr;
+      }
+      continue;
+    }
     for (std::size_t k = 0; k < rp.p.size(); ++k) {
       double gr = grads[i][k] * clip;
       if (c.mode == AdamMode::AdamL2) gr += wd * rp.p[k];

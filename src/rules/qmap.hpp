@@ -1,0 +1,59 @@
+// qmap.hpp: the 8-bit block quantization of AdamW8bit's state (issue 31).
+//
+// The maps are bitsandbytes' / torchao's create_dynamic_map(signed, 7, 8): 256 float values,
+// sorted, in [-0.993, 1] (signed, for exp_avg) and [0, 1] (unsigned, for exp_avg_sq). The
+// reference libraries compute them in float32 (torch.linspace and float32 arithmetic); a float64
+// regeneration differs in the last bits of 72 (signed) and 100 (unsigned) entries, so they are
+// shipped as constants (qmap.cpp), generated once with PyTorch 2.11 by
+// tests/data/adamw8bit/make_golden.py, with a checksum the checkpoints record.
+//
+// A block is 256 elements counted from its parameter's first element; its scale is
+// max(|x|) over the block, floored at 1e-12. Quantizing x: y = x / scale (fp32), then torchao's
+// quantize_8bit_with_qmap (implementation 1): c = the largest code with q[c] <= y (0 when
+// none), and c + 1 when c < 255 and fl(y - q[c]) >= fl(fl(q[c + 1] - q[c]) * 0.5) (ties up).
+// Dequantizing: q[code] * scale (fp32).
+//
+// The rounding decision is monotone in y, so code(y) = the number of thresholds t_c <= y,
+// t_c the smallest float that rounds c up (Qmap::threshold, computed once from the map):
+// one branchless search over 255 sorted thresholds, the same code as the reference for every
+// float (tests/test_adamw8bit.cpp checks every float near every threshold and entry).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "shardopt/host_device.hpp"
+
+namespace shardopt::rules::q8 {
+
+inline constexpr std::size_t kBlock = 256;   ///< elements per quantization block
+inline constexpr float kMinScale = 1e-12f;   ///< the floor of a block's scale
+
+struct Qmap {
+  float value[256];
+  /// threshold[c]: the smallest float y that quantizes to c + 1 or more (c < 255);
+  /// threshold[255] = +Inf (a sentinel for the branchless search).
+  float threshold[256];
+};
+
+/// The signed (exp_avg) and unsigned (exp_avg_sq) maps.
+const Qmap& signed_map();
+const Qmap& unsigned_map();
+/// FNV-1a 64 of a map's 256 little-endian float bits (saved in checkpoints).
+std::uint64_t map_checksum(const Qmap& q);
+inline constexpr std::uint64_t kSignedChecksum = 0x17e728ba6ba93316ull;
+inline constexpr std::uint64_t kUnsignedChecksum = 0xe4412cdfa3689880ull;
+
+/// torchao's binary search with rounding, as written there (the reference).
+std::uint8_t quantize_reference(const float* q, float y);
+
+/// The code of y through the thresholds: bitwise quantize_reference(q.value, y) for every
+/// float y (NaN: 0).
+SHARDOPT_HD std::uint8_t quantize(const Qmap& q, float y) {
+  unsigned c = 0;
+  for (unsigned step = 128; step > 0; step >>= 1)
+    c += (y >= q.threshold[c + step - 1]) ? step : 0u;
+  return static_cast<std::uint8_t>(c);
+}
+
+}  // namespace shardopt::rules::q8

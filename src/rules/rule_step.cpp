@@ -1,0 +1,85 @@
+// rule_step.cpp: each rule's update of a window part; the one place that knows every rule.
+#include "rules/rule_step.hpp"
+
+#include "shardopt/error.hpp"
+#include "shardopt/lion_math.hpp"
+
+namespace shardopt::rules {
+
+std::vector<GroupSegment> group_segments(const FlatLayout& layout, Range flat) {
+  std::vector<GroupSegment> segs;
+  for (const ShardPiece& piece : layout.pieces_in(flat)) {
+    const int g = layout.param(piece.param).group;
+    if (!segs.empty() && segs.back().group == g) {
+      segs.back().end = piece.local.end;
+      continue;
+    }
+    if (!segs.empty()) segs.back().end = piece.local.begin;
+    segs.push_back(GroupSegment{segs.empty() ? 0 : piece.local.begin, piece.local.end, g});
+  }
+  if (segs.empty()) segs.push_back(GroupSegment{0, 0, 0});
+  segs.back().end = flat.size();
+  return segs;
+}
+
+namespace {
+
+void update_adamw(Backend& be, const StepInputs& in, const std::vector<GroupSegment>& groups,
+                  float* master, const float* grad, float* m, float* v, void* replica,
+                  DType replica_dtype) {
+  const StepScalars s = make_step_scalars(in.hyper, in.grad_scale);
+  std::vector<UpdateSegment> segs;
+  segs.reserve(groups.size());
+  for (const GroupSegment& g : groups) {
+    const GroupOptions& o = (*in.groups)[static_cast<std::size_t>(g.group)];
+    segs.push_back(UpdateSegment{g.begin, g.end,
+                                 make_segment_scalars(in.hyper, o.lr_scale, o.weight_decay)});
+  }
+  be.adam_update(s, segs, master, grad, m, v, replica, replica_dtype);
+}
+
+void update_lion(Backend& be, const StepInputs& in, const std::vector<GroupSegment>& groups,
+                 float* master, const float* grad, float* m, void* replica, DType replica_dtype) {
+  std::vector<LionSegment> segs;
+  segs.reserve(groups.size());
+  for (const GroupSegment& g : groups) {
+    const GroupOptions& o = (*in.groups)[static_cast<std::size_t>(g.group)];
+    segs.push_back(LionSegment{
+        g.begin, g.end,
+        make_lion_scalars(o.lion.beta1, o.lion.beta2, in.hyper.lr * o.lr_scale,
+                          o.weight_decay ? in.hyper.weight_decay : 0.0, in.grad_scale)});
+  }
+  be.lion_update(segs, master, grad, m, replica, replica_dtype);
+}
+
+}  // namespace
+
+void update_window(Backend& be, const FlatLayout& layout, const StateLayout& state,
+                   const std::array<float*, kNumSlots>& slots, const StepInputs& in,
+                   const Window& w) {
+  const Range local{w.local, w.local + w.flat.size()};
+  const std::size_t elem = dtype_size(w.replica_dtype);
+  state.for_each_run(local, [&](const RuleRun& run, Range part) {
+    const std::size_t off = part.begin - w.local;  // in the window
+    const Range flat{w.flat.begin + off, w.flat.begin + off + part.size()};
+    const std::vector<GroupSegment> groups = group_segments(layout, flat);
+    float* master = w.master + off;
+    const float* grad = w.grad + off;
+    void* replica = w.replica ? static_cast<char*>(w.replica) + off * elem : nullptr;
+    auto slot = [&](Slot s) {
+      return slots[static_cast<std::size_t>(s)] + run.slot_index(s, part.begin);
+    };
+    switch (run.rule) {
+      case Rule::AdamW:
+        update_adamw(be, in, groups, master, grad, slot(Slot::ExpAvg), slot(Slot::ExpAvgSq),
+                     replica, w.replica_dtype);
+        return;
+      case Rule::Lion:
+        update_lion(be, in, groups, master, grad, slot(Slot::ExpAvg), replica, w.replica_dtype);
+        return;
+    }
+    throw Error(Status::Internal, "update_window: unknown rule");
+  });
+}
+
+}  // namespace shardopt::rules

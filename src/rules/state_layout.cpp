@@ -1,0 +1,69 @@
+// state_layout.cpp: the rule runs of a rank's local arrays and their slot offsets.
+#include "rules/state_layout.hpp"
+
+#include <algorithm>
+
+namespace shardopt::rules {
+
+const char* state_array_name(StateArray a) noexcept {
+  switch (a) {
+    case StateArray::Master: return "master";
+    case StateArray::ExpAvg: return "exp_avg";
+    case StateArray::ExpAvgSq: return "exp_avg_sq";
+  }
+  return "unknown state array";
+}
+
+std::vector<Rule> rules_of(std::span<const GroupOptions> groups) {
+  std::vector<Rule> out;
+  out.reserve(groups.size());
+  for (const GroupOptions& g : groups) out.push_back(g.rule);
+  return out;
+}
+
+StateLayout::StateLayout(const FlatLayout& layout, std::span<const Rule> group_rules, Stage stage,
+                         int rank) {
+  const bool dp = stage == Stage::DataParallel;
+  local_size_ = dp ? layout.padded_size() : layout.shard_size();
+  std::vector<ShardPiece> pieces =
+      dp ? layout.pieces_in(Range{0, layout.padded_size()}) : layout.owned_pieces(rank);
+  if (dp)
+    for (ShardPiece& p : pieces) p.local = p.flat;
+  auto rule_of = [&](const ShardPiece& p) {
+    const std::size_t g = static_cast<std::size_t>(layout.param(p.param).group);
+    return g < group_rules.size() ? group_rules[g] : Rule::AdamW;
+  };
+  // Each piece opens a run unless it continues the rule of the run before; padding (the gaps
+  // between pieces) belongs to the run before it, leading padding to the first run.
+  for (const ShardPiece& p : pieces) {
+    const Rule r = rule_of(p);
+    if (runs_.empty()) {
+      runs_.push_back(RuleRun{Range{0, p.local.end}, r, {}});
+    } else if (runs_.back().rule == r) {
+      runs_.back().local.end = p.local.end;
+    } else {
+      runs_.back().local.end = p.local.begin;
+      runs_.push_back(RuleRun{p.local, r, {}});
+    }
+  }
+  if (runs_.empty() && local_size_ > 0) runs_.push_back(RuleRun{Range{0, 0}, Rule::AdamW, {}});
+  if (!runs_.empty()) runs_.back().local.end = local_size_;
+  for (RuleRun& run : runs_)
+    for (int s = 0; s < kNumSlots; ++s)
+      if (keeps(run.rule, static_cast<Slot>(s))) {
+        run.slot_begin[static_cast<std::size_t>(s)] = slot_elems_[static_cast<std::size_t>(s)];
+        slot_elems_[static_cast<std::size_t>(s)] += run.local.size();
+      }
+}
+
+bool StateLayout::uses(Rule r) const {
+  return std::any_of(runs_.begin(), runs_.end(), [r](const RuleRun& run) { return run.rule == r; });
+}
+
+std::size_t StateLayout::first_run(std::size_t x) const {
+  const auto it = std::upper_bound(runs_.begin(), runs_.end(), x,
+                                   [](std::size_t v, const RuleRun& r) { return v < r.local.end; });
+  return static_cast<std::size_t>(it - runs_.begin());
+}
+
+}  // namespace shardopt::rules

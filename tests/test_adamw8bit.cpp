@@ -1,0 +1,233 @@
+// test_adamw8bit.cpp: AdamW8bit's block quantization (src/rules/qmap.*) against PyTorch: the
+// maps are the ones torch computes (checksums of tests/data/adamw8bit/qmap_*.bin, written by
+// make_golden.py with PyTorch 2.11), the threshold search gives torchao's binary-search code
+// for every float near every threshold and map entry, torch's codes and scales of 24
+// blocks (ties at every midpoint included) are reproduced bit for bit, and ten AdamW8bit steps
+// of the kernel on parameters of shapes (6, 1024), (3, 1024), 5000 and 300 (the small ones in
+// fp32 state, the threshold being 4096 elements) end in torch's weights, codes and scales.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "rules/adamw8bit.hpp"
+#include "rules/qmap.hpp"
+
+namespace shardopt::rules::q8 {
+namespace {
+
+std::vector<unsigned char> read_file(const std::string& name) {
+  std::ifstream f(std::string(SHARDOPT_TEST_DATA) + "/adamw8bit/" + name, std::ios::binary);
+  EXPECT_TRUE(f.good()) << name;
+  return std::vector<unsigned char>(std::istreambuf_iterator<char>(f), {});
+}
+
+float next_up(float x) { return std::nextafter(x, std::numeric_limits<float>::infinity()); }
+float next_down(float x) { return std::nextafter(x, -std::numeric_limits<float>::infinity()); }
+
+TEST(Qmap, TheMapsAreTorchsBitForBitAndTheChecksumsPinThem) {
+  for (const auto& [file, map, sum] :
+       {std::tuple{"qmap_signed.bin", &signed_map(), kSignedChecksum},
+        std::tuple{"qmap_unsigned.bin", &unsigned_map(), kUnsignedChecksum}}) {
+    const std::vector<unsigned char> bytes = read_file(file);
+    ASSERT_EQ(bytes.size(), 1024u);
+    EXPECT_EQ(std::memcmp(bytes.data(), map->value, 1024), 0) << file;
+    EXPECT_EQ(map_checksum(*map), sum) << file;
+    for (int i = 1; i < 256; ++i) ASSERT_LT(map->value[i - 1], map->value[i]) << file << " " << i;
+    EXPECT_EQ(map->value[255], 1.0f);
+  }
+  EXPECT_EQ(signed_map().value[127], 0.0f);  // zero is a code: padding stays zero
+  EXPECT_EQ(unsigned_map().value[0], 0.0f);
+}
+
+// The threshold search equals torchao's binary search with its rounding for every float in
+// a window around every threshold and every entry, and at signed zeros, infinities, NaN.
+TEST(Qmap, ThresholdSearchIsTorchaosRoundingForEveryFloatNearEveryBoundary) {
+  for (const Qmap* m : {&signed_map(), &unsigned_map()}) {
+    std::vector<float> probes = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, 1e-30f, -1e-30f,
+                                 std::numeric_limits<float>::infinity(),
+                                 -std::numeric_limits<float>::infinity(),
+                                 std::numeric_limits<float>::denorm_min()};
+    for (int c = 0; c < 256; ++c)
+      for (float center : {m->value[c], c < 255 ? m->threshold[c] : 1.0f}) {
+        float lo = center, hi = center;
+        for (int k = 0; k < 64; ++k) {
+          probes.push_back(lo);
+          probes.push_back(hi);
+          lo = next_down(lo);
+          hi = next_up(hi);
+        }
+      }
+    for (float y : probes)
+      ASSERT_EQ(quantize(*m, y), quantize_reference(m->value, y)) << std::hexfloat << y;
+    EXPECT_EQ(quantize(*m, std::numeric_limits<float>::quiet_NaN()),
+              quantize_reference(m->value, std::numeric_limits<float>::quiet_NaN()));
+    // Random floats in [-1, 1].
+    std::uint32_t s = 12345;
+    for (int i = 0; i < 200000; ++i) {
+      s = s * 1664525u + 1013904223u;
+      const float y = static_cast<float>(static_cast<double>(s) / 4294967296.0 * 2.0 - 1.0);
+      ASSERT_EQ(quantize(*m, y), quantize_reference(m->value, y)) << std::hexfloat << y;
+    }
+  }
+}
+
+// 24 blocks quantized by torch (torchao's algorithm written in torch ops): the same scales and
+// codes. Block 0 holds the midpoint between every two neighbouring codes (ties go up).
+TEST(Qmap, BlocksQuantizeAsTorchDoes) {
+  const std::vector<unsigned char> bytes = read_file("quant_cases.bin");
+  std::uint32_t n = 0;
+  ASSERT_GE(bytes.size(), 4u);
+  std::memcpy(&n, bytes.data(), 4);
+  ASSERT_EQ(n % kBlock, 0u);
+  const std::size_t blocks = n / kBlock;
+  ASSERT_EQ(bytes.size(), 4 + 4 * n + 2 * (n + 4 * blocks));
+  const unsigned char* at = bytes.data() + 4;
+  std::vector<float> x(n), ss(blocks), su(blocks);
+  std::vector<std::uint8_t> cs(n), cu(n);
+  std::memcpy(x.data(), at, 4 * n);
+  at += 4 * n;
+  std::memcpy(cs.data(), at, n);
+  at += n;
+  std::memcpy(ss.data(), at, 4 * blocks);
+  at += 4 * blocks;
+  std::memcpy(cu.data(), at, n);
+  at += n;
+  std::memcpy(su.data(), at, 4 * blocks);
+  for (std::size_t b = 0; b < blocks; ++b) {
+    float amax_s = 0.0f, amax_u = 0.0f;
+    for (std::size_t k = 0; k < kBlock; ++k) {
+      amax_s = std::max(amax_s, std::fabs(x[b * kBlock + k]));
+      amax_u = std::max(amax_u, std::fabs(x[b * kBlock + k]));
+    }
+    amax_s = std::max(amax_s, kMinScale);
+    amax_u = std::max(amax_u, kMinScale);
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(amax_s), std::bit_cast<std::uint32_t>(ss[b])) << b;
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(amax_u), std::bit_cast<std::uint32_t>(su[b])) << b;
+    for (std::size_t k = 0; k < kBlock; ++k) {
+      const float v = x[b * kBlock + k];
+      ASSERT_EQ(quantize(signed_map(), v / amax_s), cs[b * kBlock + k]) << "block " << b << " " << k;
+      ASSERT_EQ(quantize(unsigned_map(), std::fabs(v) / amax_u), cu[b * kBlock + k])
+          << "block " << b << " " << k;
+    }
+  }
+  // Block 0's ties: each midpoint went up (to the larger code) unless it rounds below it.
+  int up = 0;
+  for (std::size_t k = 0; k + 1 < kBlock; ++k) up += cs[k] == k + 1;
+  EXPECT_GT(up, 200) << "the midpoints should mostly round up";
+}
+
+// make_golden.py's dyadic(): an exactly representable value from integers.
+float golden_value(std::uint64_t a, std::uint64_t b, std::uint64_t c, std::uint64_t k, int shift) {
+  std::uint64_t h = (a * 2654435761ull + b * 40503ull + c * 97ull + k * 2246822519ull) % 4294967296ull;
+  h ^= h >> 15;
+  h = (h * 2246822519ull) % 4294967296ull;
+  h ^= h >> 13;
+  const double mant = static_cast<double>(static_cast<std::int64_t>(h % 65536) - 32768);
+  const int exp = shift + static_cast<int>((h >> 16) % 8);
+  return static_cast<float>(std::ldexp(mant, -15 - exp));
+}
+
+struct Golden {
+  std::vector<float> p;
+  std::vector<std::uint8_t> cm, cv;
+  std::vector<float> sm, sv, m, v;  // scales of 8-bit parameters; fp32 m, v of the others
+};
+
+TEST(AdamW8bitKernel, TenStepsEqualTorchBitForBit) {
+  const std::size_t shapes[4] = {6 * 1024, 3 * 1024, 5000, 300};
+  const std::size_t threshold = 4096;
+  // torch's final state.
+  const std::vector<unsigned char> bytes = read_file("trajectory.bin");
+  std::vector<Golden> want(4);
+  std::size_t at = 0;
+  auto take = [&](auto& vec, std::size_t count) {
+    vec.resize(count);
+    const std::size_t nbytes = count * sizeof(vec[0]);
+    ASSERT_LE(at + nbytes, bytes.size());
+    std::memcpy(vec.data(), bytes.data() + at, nbytes);
+    at += nbytes;
+  };
+  for (int i = 0; i < 4; ++i) {
+    const std::size_t n = shapes[i], blocks = (n + kBlock - 1) / kBlock;
+    take(want[i].p, n);
+    if (n >= threshold) {
+      take(want[i].cm, n);
+      take(want[i].sm, blocks);
+      take(want[i].cv, n);
+      take(want[i].sv, blocks);
+    } else {
+      take(want[i].m, n);
+      take(want[i].v, n);
+    }
+  }
+  ASSERT_EQ(at, bytes.size());
+
+  // The same ten steps through the kernels: 8-bit state padded to whole blocks (zeros), the
+  // small parameters with fp32 state through adam_element.
+  const std::uint8_t zero_m = quantize(signed_map(), 0.0f), zero_v = quantize(unsigned_map(), 0.0f);
+  std::vector<Golden> got(4);
+  for (int i = 0; i < 4; ++i) {
+    const std::size_t n = shapes[i], padded = (n + kBlock - 1) / kBlock * kBlock;
+    got[i].p.assign(padded, 0.0f);
+    for (std::size_t k = 0; k < n; ++k) got[i].p[k] = golden_value(1, 0, i, k, 0);
+    if (n >= threshold) {
+      got[i].cm.assign(padded, zero_m);
+      got[i].cv.assign(padded, zero_v);
+      got[i].sm.assign(padded / kBlock, kMinScale);
+      got[i].sv.assign(padded / kBlock, kMinScale);
+    } else {
+      got[i].m.assign(n, 0.0f);
+      got[i].v.assign(n, 0.0f);
+    }
+  }
+  for (int step = 1; step <= 10; ++step) {
+    const StepHyper h{1e-3, 0.9, 0.999, 1e-8, 0.01, AdamMode::AdamW, step};
+    const StepScalars s = make_step_scalars(h, 1.0);
+    const SegmentScalars g = make_segment_scalars(h, 1.0, true);
+    for (int i = 0; i < 4; ++i) {
+      const std::size_t n = shapes[i], padded = got[i].p.size();
+      std::vector<float> grad(padded, 0.0f);
+      for (std::size_t k = 0; k < n; ++k) grad[k] = golden_value(2, step, i, k, 4);
+      Golden& st = got[i];
+      if (n >= threshold) {
+        const UpdateSegment seg{0, padded, g};
+        adamw8bit_update(s, std::span(&seg, 1), st.p.data(), grad.data(), st.cm.data(),
+                         st.cv.data(), st.sm.data(), st.sv.data(), nullptr, nullptr);
+      } else {
+        for (std::size_t k = 0; k < n; ++k) adam_element(s, g, st.p[k], grad[k], st.m[k], st.v[k]);
+      }
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    std::size_t bad = 0, first = 0;
+    for (std::size_t k = 0; k < shapes[i]; ++k)
+      if (std::memcmp(&got[i].p[k], &want[i].p[k], 4) != 0 && bad++ == 0) first = k;
+    if (bad) ADD_FAILURE() << "parameter " << i << ": " << bad << " weights differ, first at " << first
+                           << ": " << std::hexfloat << got[i].p[first] << " vs " << want[i].p[first];
+  }
+  for (int i = 0; i < 4; ++i) {
+    SCOPED_TRACE("parameter " + std::to_string(i));
+    const std::size_t n = shapes[i];
+    ASSERT_EQ(std::memcmp(got[i].p.data(), want[i].p.data(), n * 4), 0) << "weights";
+    if (n >= threshold) {
+      ASSERT_EQ(std::memcmp(got[i].cm.data(), want[i].cm.data(), n), 0) << "exp_avg codes";
+      ASSERT_EQ(std::memcmp(got[i].cv.data(), want[i].cv.data(), n), 0) << "exp_avg_sq codes";
+      ASSERT_EQ(std::memcmp(got[i].sm.data(), want[i].sm.data(), want[i].sm.size() * 4), 0);
+      ASSERT_EQ(std::memcmp(got[i].sv.data(), want[i].sv.data(), want[i].sv.size() * 4), 0);
+    } else {
+      ASSERT_EQ(std::memcmp(got[i].m.data(), want[i].m.data(), n * 4), 0) << "exp_avg";
+      ASSERT_EQ(std::memcmp(got[i].v.data(), want[i].v.data(), n * 4), 0) << "exp_avg_sq";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace shardopt::rules::q8

@@ -1,0 +1,279 @@
+// test_rules.cpp: the optimizer rule layer at whatever rank count the binary runs with (1
+// without MPI; 1-4 under mpiexec): a model with AdamW and Lion groups against the
+// double-precision reference at every stage, the same bits as one process, the state each
+// rule keeps (memory, planner, get_state), and the rule's place in the agreements (finalize,
+// step, set_group).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardopt/optimizer.hpp"
+#include "shardopt/planner.hpp"
+#include "support/harness.hpp"
+#include "support/reference.hpp"
+#include "support/world.hpp"
+#include "support/zero3.hpp"
+
+using namespace shardopt;
+using shardopt::test::Harness;
+using shardopt::test::Model;
+
+namespace {
+
+void expect_status(Status want, const std::function<void()>& f, const std::string& what,
+                   const std::string& message_part = "") {
+  try {
+    f();
+    ADD_FAILURE() << what << ": no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), want) << what << ": " << e.what();
+    if (!message_part.empty())
+      EXPECT_NE(std::string(e.what()).find(message_part), std::string::npos) << e.what();
+  }
+}
+
+GroupOptions lion_group(double lr_scale = 0.5, double beta1 = 0.9, double beta2 = 0.99) {
+  GroupOptions g;
+  g.lr_scale = lr_scale;
+  g.weight_decay = true;
+  g.rule = Rule::Lion;
+  g.lion = {beta1, beta2};
+  return g;
+}
+
+// Group 0 AdamW, group 1 Lion (p1, p4, p7 of the harness model); units for stage 3.
+std::vector<GroupOptions> mixed_groups() { return {GroupOptions{}, lion_group()}; }
+Model unit_model() {
+  Model m = test::make_model();
+  m.units = {0, 0, 1, 1, 2, 2, 2, 3};
+  return m;
+}
+
+struct Config {
+  Stage stage;
+  DType dtype;
+  double max_norm;
+};
+
+OptimizerOptions options_of(const Config& c, std::size_t bucket = 700) {
+  OptimizerOptions o;
+  o.stage = c.stage;
+  o.param_dtype = c.dtype;
+  o.adam.lr = 1e-2;
+  o.adam.weight_decay = 0.1;
+  o.adam.max_grad_norm = c.max_norm;
+  o.bucket_elems = bucket;
+  return o;
+}
+
+std::string config_name(const testing::TestParamInfo<Config>& info) {
+  std::string s = std::string(stage_name(info.param.stage)) + "_" + dtype_name(info.param.dtype) +
+                  (info.param.max_norm > 0 ? "_clip" : "");
+  for (char& ch : s)
+    if (ch == '-') ch = '_';
+  return s;
+}
+
+class RulesVsReference : public testing::TestWithParam<Config> {};
+
+// The rank a one-process run plays (single_process_value's gradients).
+int g_played_rank = 0;
+float played_rank_value(int, int step, std::size_t param, std::size_t k) {
+  return test::grad_value(g_played_rank, step, param, k);
+}
+
+}  // namespace
+
+// AdamW and Lion groups side by side, every stage, against the double reference: the
+// parameters after each step (Lion moves every weight by lr per step, so a wrong sign or a
+// missed decay shows at once) and the momentum Lion keeps.
+TEST_P(RulesVsReference, MixedAdamWAndLionMatchDoublePrecision) {
+  const Config c = GetParam();
+  Harness h(options_of(c), unit_model(), test::world(), mixed_groups());
+  const bool zero3 = c.stage == Stage::Zero3;
+  for (int step = 1; step <= 5; ++step) {
+    if (zero3)
+      h.write_grads(step, -1, test::grad_value, test::backward_units(*h.opt));
+    else
+      h.write_grads(step);
+    const StepResult r = h.opt->step();
+    const test::RefResult rr = h.reference(step);
+    EXPECT_NEAR(r.grad_norm, rr.grad_norm, 1e-6 * rr.grad_norm);
+    EXPECT_EQ(r.clipped, rr.clipped);
+    if (!zero3) {
+      h.expect_matches_reference(("step " + std::to_string(step)).c_str());
+      continue;
+    }
+    for (std::size_t i = 0; i < h.model.sizes.size(); ++i) {  // stage 3: the master only
+      std::vector<float> master(h.model.sizes[i]);
+      h.opt->get_master(i, master);
+      for (std::size_t k = 0; k < master.size(); ++k)
+        ASSERT_NEAR(master[k], h.ref[i].p[k], 2e-5 * (1e-3 + std::fabs(h.ref[i].p[k])))
+            << "step " << step << " p" << i << "[" << k << "]";
+    }
+  }
+  // Lion's momentum is its exp_avg.
+  for (std::size_t i = 0; i < h.model.sizes.size(); ++i) {
+    if (h.groups[static_cast<std::size_t>(h.model.groups[i])].rule != Rule::Lion) continue;
+    std::vector<float> m(h.model.sizes[i]);
+    h.opt->get_state(StateArray::ExpAvg, i, m);
+    for (std::size_t k = 0; k < m.size(); ++k)
+      ASSERT_NEAR(m[k], h.ref[i].m[k], 1e-5 * (1e-3 + std::fabs(h.ref[i].m[k]))) << "p" << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Stages, RulesVsReference,
+    testing::Values(Config{Stage::DataParallel, DType::BF16, 0.0},
+                    Config{Stage::Zero1, DType::BF16, 0.0}, Config{Stage::Zero1, DType::F32, 0.0},
+                    Config{Stage::Zero1, DType::BF16, 1.0}, Config{Stage::Zero2, DType::BF16, 0.0},
+                    Config{Stage::Zero2, DType::F32, 1.0}, Config{Stage::Zero3, DType::BF16, 0.0},
+                    Config{Stage::Zero3, DType::F32, 1.0}),
+    config_name);
+
+// Every stage at this rank count gives the bits of one process that accumulates all ranks'
+// gradients as micro-batches (exactly summable gradients: the sums are exact in any order, and
+// both average by the same 1/N), with two bucket sizes: the rule's state never depends on the
+// sharding.
+TEST(Rules, EveryStageAndBucketSizeGivesTheBitsOfOneProcess) {
+  const int world = test::world_size();
+  Config one{Stage::Zero1, DType::BF16, 0.0};
+  Harness single(options_of(one), unit_model(), make_single_process_communicator(), mixed_groups());
+  for (int step = 1; step <= 4; ++step) {
+    for (int r = 0; r < world; ++r) {
+      single.opt->begin_backward(r + 1 == world);
+      g_played_rank = r;
+      single.write_grads(step, -1, played_rank_value);
+    }
+    single.opt->step();
+  }
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
+    for (std::size_t bucket : {std::size_t{300}, std::size_t{2000}}) {
+      SCOPED_TRACE(std::string(stage_name(stage)) + " bucket " + std::to_string(bucket));
+      Harness h(options_of(Config{stage, DType::BF16, 0.0}, bucket), unit_model(), test::world(),
+                mixed_groups());
+      for (int step = 1; step <= 4; ++step) {
+        if (stage == Stage::Zero3)
+          h.write_grads(step, -1, test::grad_value, test::backward_units(*h.opt));
+        else
+          h.write_grads(step);
+        h.opt->step();
+      }
+      for (std::size_t i = 0; i < h.model.sizes.size(); ++i) {
+        const bool lion = h.model.groups[i] == 1;
+        for (StateArray a : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
+          if (lion && a == StateArray::ExpAvgSq) continue;
+          std::vector<float> x(h.model.sizes[i]), y(h.model.sizes[i]);
+          h.opt->get_state(a, i, x);
+          single.opt->get_state(a, i, y);
+          ASSERT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0)
+              << "p" << i << " array " << static_cast<int>(a);
+        }
+      }
+    }
+}
+
+// Lion keeps one fp32 array (4 bytes per element), AdamW two: the moments each rank holds
+// are the planner's, rank by rank, and an all-Lion model halves them.
+TEST(Rules, StateMemoryIsEachRulesAndThePlannersOnEveryRank) {
+  const auto comm = test::world();
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
+    SCOPED_TRACE(stage_name(stage));
+    const OptimizerOptions o = options_of(Config{stage, DType::BF16, 0.0});
+    Harness mixed(o, unit_model(), comm, mixed_groups());
+    Harness lion(o, unit_model(), comm, {lion_group(1.0), lion_group()});
+    Harness adamw(o, unit_model(), comm);
+    const std::size_t owned = mixed.opt->local_size();
+    EXPECT_EQ(adamw.opt->memory_report()[MemCategory::Moments], 8 * owned);
+    EXPECT_EQ(lion.opt->memory_report()[MemCategory::Moments], 4 * owned);
+    const std::size_t m = mixed.opt->memory_report()[MemCategory::Moments];
+    EXPECT_GT(m, 4 * owned);
+    EXPECT_LT(m, 8 * owned);
+    // The planner, for this rank (mixed rules: the ranks' pieces differ).
+    for (Harness* h : {&mixed, &lion, &adamw}) {
+      PlanConfig pc = plan_config(h->opt->options(), comm->size());
+      for (const GroupOptions& g : h->opt->groups()) pc.group_rules.push_back(g.rule);
+      pc.rank = comm->rank();
+      FlatLayout unbuilt;
+      for (const ParamInfo& p : h->opt->layout().params()) unbuilt.add(p.name, p.numel, p.group, p.unit);
+      const MemoryPlan plan = plan_memory(unbuilt, pc);
+      const MemoryReport rep = h->opt->memory_report();
+      for (MemCategory cat : {MemCategory::Params, MemCategory::Grads, MemCategory::Master,
+                              MemCategory::Moments})
+        EXPECT_EQ(plan[cat], rep[cat]) << "category " << static_cast<int>(cat) << " ("
+                                        << (h == &mixed ? "mixed" : h == &lion ? "Lion" : "AdamW")
+                                        << ")";
+    }
+  }
+}
+
+// Lion has no exp_avg_sq: get_state refuses it on every rank (naming the parameter and the
+// rule), the local copy reads zeros there, and exp_avg is the momentum.
+TEST(Rules, LionKeepsNoSecondMoment) {
+  Harness h(options_of(Config{Stage::Zero1, DType::BF16, 0.0}), unit_model(), test::world(),
+            mixed_groups());
+  h.write_grads(1);
+  h.opt->step();
+  std::vector<float> out(h.model.sizes[1]);
+  expect_status(Status::InvalidArgument,
+                [&] { h.opt->get_state(StateArray::ExpAvgSq, 1, out); }, "exp_avg_sq of Lion",
+                "'p1' is updated by Lion, which keeps no exp_avg_sq");
+  EXPECT_NO_THROW(h.opt->get_state(StateArray::ExpAvg, 1, out));
+  bool nonzero = false;
+  for (float x : out) nonzero = nonzero || x != 0.0f;
+  EXPECT_TRUE(nonzero);
+  std::vector<float> local(h.opt->local_size());
+  h.opt->copy_state_to_host(StateArray::ExpAvgSq, 0, local);
+  for (const ShardPiece& p : h.opt->local_pieces())
+    if (h.model.groups[p.param] == 1)
+      for (std::size_t k = p.local.begin; k < p.local.end; ++k) ASSERT_EQ(local[k], 0.0f);
+}
+
+// A group's rule is fixed at finalize (its state is laid out for it); other options change.
+TEST(Rules, RuleIsFixedAtFinalize) {
+  ShardedOptimizer opt(test::world(), options_of(Config{Stage::Zero1, DType::BF16, 0.0}));
+  const int g = opt.add_group(GroupOptions{});
+  opt.set_group(g, lion_group());  // before finalize: allowed
+  opt.add_param("w", 1000, g);
+  opt.finalize();
+  GroupOptions back = opt.groups()[1];
+  EXPECT_EQ(back.rule, Rule::Lion);
+  back.rule = Rule::AdamW;
+  expect_status(Status::InvalidArgument, [&] { opt.set_group(g, back); }, "rule change",
+                "group 1's rule is Lion");
+  GroupOptions lr = opt.groups()[1];
+  lr.lr_scale = 0.25;
+  lr.lion.beta2 = 0.9;
+  EXPECT_NO_THROW(opt.set_group(g, lr));
+  GroupOptions bad = lion_group(1.0, 1.0);
+  EXPECT_NE(validate(bad).find("invalid Lion betas"), std::string::npos) << validate(bad);
+  expect_status(Status::InvalidArgument, [&] { opt.set_group(g, bad); }, "beta1 = 1");
+  bad = lion_group();
+  bad.rule = static_cast<Rule>(7);
+  expect_status(Status::InvalidArgument, [&] { opt.set_group(g, bad); }, "unknown rule");
+}
+
+// Ranks that disagree on a rule fail together at finalize; on Lion's betas, at the step,
+// which names the setting.
+TEST(Rules, RanksThatDisagreeFailTogether) {
+  auto comm = test::world();
+  if (comm->size() == 1) GTEST_SKIP() << "needs at least 2 ranks";
+  const bool last = comm->rank() == comm->size() - 1;
+  {
+    ShardedOptimizer opt(comm, options_of(Config{Stage::Zero1, DType::BF16, 0.0}));
+    opt.add_group(last ? lion_group() : GroupOptions{});
+    opt.add_param("w", 1000, 1);
+    expect_status(Status::LayoutMismatch, [&] { opt.finalize(); }, "rules differ");
+  }
+  Harness h(options_of(Config{Stage::Zero1, DType::BF16, 0.0}), unit_model(), comm,
+            mixed_groups());
+  if (last) h.opt->set_group(1, lion_group(0.5, 0.8));
+  h.write_grads(1);
+  expect_status(Status::InvalidArgument, [&] { h.opt->step(); }, "betas differ",
+                "group 1 lion.beta1 differs");
+}
