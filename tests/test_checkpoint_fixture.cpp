@@ -1,5 +1,5 @@
 // test_checkpoint_fixture.cpp: checkpoints users already have still load. The committed
-// format-1 and format-2 checkpoints (tests/data/ckpt_v1 and ckpt_v2, both saved at 2 ranks
+// format-1, -2 and -3 checkpoints (tests/data/ckpt_v1, v2, v3, all saved at 2 ranks
 // from the same state) load at this run's world size (1 without MPI, 1-4 under mpiexec) in
 // every stage, bit for bit equal to the state they were saved from, with their
 // hyperparameters and loss-scaling state; saved again (current format) they load again
@@ -28,7 +28,8 @@ namespace {
 
 const fs::path kFixture = fs::path(SHARDOPT_TEST_DATA) / "ckpt_v1";
 // Every committed fixture: a checkpoint of each older format version.
-const std::vector<fs::path> kFixtures = {kFixture, fs::path(SHARDOPT_TEST_DATA) / "ckpt_v2"};
+const std::vector<fs::path> kFixtures = {kFixture, fs::path(SHARDOPT_TEST_DATA) / "ckpt_v2",
+                                         fs::path(SHARDOPT_TEST_DATA) / "ckpt_v3"};
 
 // expected.bin: master, exp_avg, exp_avg_sq per parameter, unpadded (see tests/data/README.md).
 test::FullState expected_state(const fs::path& fixture = kFixture) {
@@ -85,6 +86,16 @@ TEST(FixtureFiles, FormatTwoIsSavedAtTwoRanksWithoutASequenceNumber) {
   EXPECT_EQ(m.version, 2u);
   EXPECT_EQ(m.world_size, 2u);
   EXPECT_EQ(m.sequence, 0u);  // format 3 added it; a format-2 checkpoint loads without
+}
+
+TEST(FixtureFiles, FormatThreeHasASequenceNumberAndAdamWGroups) {
+  const ckpt::Metadata m = ckpt::read_metadata(kFixtures[2] / "save" / "ckpt-00000001");
+  EXPECT_EQ(m.version, 3u);
+  EXPECT_EQ(m.world_size, 2u);
+  EXPECT_EQ(m.sequence, 1u);
+  ASSERT_EQ(m.groups.size(), 2u);
+  for (const GroupOptions& g : m.groups) EXPECT_EQ(g.rule, Rule::AdamW);  // format 4 added rules
+  EXPECT_EQ(m.groups[1].lr_scale, 0.25);
 }
 
 TEST_P(Fixture, OlderFormatsLoadBitForBitAndSurviveASaveInTheCurrentFormat) {
