@@ -29,6 +29,8 @@
 
 #include "cli.hpp"
 #include "kernels.hpp"
+#include "rules/adamw8bit.hpp"
+#include "shardopt/lion_math.hpp"
 
 namespace {
 
@@ -141,6 +143,24 @@ std::vector<Kernel> kernels() {
                      nullptr);
     return 0.0;
   };
+  // Lion: master, grad, its momentum (m), the bf16 replica.
+  const LionScalars ls = make_lion_scalars(0.9, 0.99, 1e-4, 0.1, 1.0);
+  auto lion = [ls](Buffers& b) {
+    const LionSegment seg{0, b.n, ls};
+    cpu::lion_update({&seg, 1}, b.p.get(), b.g.get(), b.m.get(), b.half.get(), nullptr);
+    return 0.0;
+  };
+  // AdamW8bit: master, grad, the codes of m and v (in m's buffer: n bytes each), the block
+  // scales (in v's buffer), the bf16 replica.
+  auto adam8 = [s, sg](Buffers& b) {
+    const std::size_t n = b.n / rules::q8::kBlock * rules::q8::kBlock;
+    const UpdateSegment seg{0, n, sg};
+    auto* codes = reinterpret_cast<std::uint8_t*>(b.m.get());
+    float* scales = b.v.get();
+    rules::q8::adamw8bit_update(s, {&seg, 1}, b.p.get(), b.g.get(), codes, codes + b.n, scales,
+                                scales + n / rules::q8::kBlock, b.half.get(), nullptr);
+    return 0.0;
+  };
   auto down = [](Buffers& b) { cpu::cast_f32_to_bf16(b.p.get(), b.half.get(), b.n); return 0.0; };
   auto up = [](Buffers& b) { cpu::cast_bf16_to_f32(b.half.get(), b.v.get(), b.n); return 0.0; };
   auto acc32 = [](Buffers& b) { cpu::accumulate(b.m.get(), b.g.get(), b.n); return 0.0; };
@@ -178,6 +198,27 @@ std::vector<Kernel> kernels() {
       {"adamw_bf16", 30, adam, true,
        [s, sg](Buffers& b) {
          scalar_adam(s, sg, b.p.get(), b.g.get(), b.m.get(), b.v.get(), b.half.get(), b.n);
+         return 0.0;
+       }},
+      // The scalar loops: the kernels' portable arithmetic on one thread.
+      {"lion_bf16", 22, lion, false,
+       [ls](Buffers& b) {
+         for (std::size_t i = 0; i < b.n; ++i) {
+           lion_element(ls, b.p[i], b.g[i], b.m[i]);
+           b.half[i] = to_bf16(b.p[i]);
+         }
+         return 0.0;
+       }},
+      {"adamw8bit_bf16", 18.0 + 8.0 / 256 * 2, adam8, false,
+       [s, sg](Buffers& b) {
+         const std::size_t n = b.n / rules::q8::kBlock * rules::q8::kBlock;
+         auto* codes = reinterpret_cast<std::uint8_t*>(b.m.get());
+         float* scales = b.v.get();
+         for (std::size_t k = 0; k < n; k += rules::q8::kBlock)
+           rules::q8::adamw8bit_block(s, sg, b.p.get() + k, b.g.get() + k, codes + k,
+                                      codes + b.n + k, scales[k / rules::q8::kBlock],
+                                      scales[n / rules::q8::kBlock + k / rules::q8::kBlock],
+                                      b.half.get() + k, nullptr, rules::q8::kBlock);
          return 0.0;
        }},
       {"cast_f32_to_bf16", 6, down, true,

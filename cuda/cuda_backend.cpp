@@ -220,6 +220,12 @@ class CudaBackend final : public Backend {
     }
   }
 
+  void adamw8bit_update(const StepScalars&, std::span<const UpdateSegment>, float*, const float*,
+                        std::uint8_t*, std::uint8_t*, float*, float*, void*, DType) override {
+    // finalize() refuses 8-bit parameters on Device::Cuda before any step gets here.
+    throw Error(Status::Unsupported, "AdamW8bit has no CUDA kernel yet");
+  }
+
   void synchronize() override { dev::host_wait(stream_); }
 
  private:

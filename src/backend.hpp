@@ -72,6 +72,13 @@ class Backend {
   virtual void lion_update(std::span<const LionSegment> segments, float* master,
                            const float* grad, float* m, void* replica, DType replica_dtype) = 0;
 
+  /// AdamW8bit (src/rules/adamw8bit.hpp) over segments tiling [0, n) (whole 256-element
+  /// blocks): master, grad, the u8 codes of m and v, one fp32 scale of each per block.
+  virtual void adamw8bit_update(const StepScalars& s, std::span<const UpdateSegment> segments,
+                                float* master, const float* grad, std::uint8_t* code_m,
+                                std::uint8_t* code_v, float* scale_m, float* scale_v,
+                                void* replica, DType replica_dtype) = 0;
+
   /// Waits for queued work (device backends); a no-op on the CPU.
   virtual void synchronize() {}
 };

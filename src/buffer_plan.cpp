@@ -10,7 +10,7 @@ namespace shardopt {
 
 BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype,
                         int buckets_in_flight, int units_in_flight, Reduction reduction,
-                        DType reduce_dtype, std::span<const Rule> group_rules, int rank) {
+                        DType reduce_dtype, std::span<const GroupOptions> groups, int rank) {
   constexpr std::size_t f32 = sizeof(float);
   const std::size_t padded = layout.padded_size();
   BufferPlan p;
@@ -63,9 +63,11 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
   p.reduce_bytes = padded * (reduce_dtype == DType::BF16 && !reproducible ? 2 : 4);
   p.reduce_bytes_accumulated = reproducible ? padded * 8 : p.reduce_bytes;
   if (param_dtype != DType::F32) p.master = {MemCategory::Master, p.local_elems * f32, false};
-  const rules::StateLayout state(layout, group_rules, stage, rank);
-  p.exp_avg = {MemCategory::Moments, state.slot_elems(rules::Slot::ExpAvg) * f32, false};
-  p.exp_avg_sq = {MemCategory::Moments, state.slot_elems(rules::Slot::ExpAvgSq) * f32, false};
+  const rules::StateLayout state(layout, groups, stage, rank);
+  static_assert(rules::kNumSlots == std::tuple_size_v<decltype(p.state)>);
+  for (int s = 0; s < rules::kNumSlots; ++s)
+    p.state[static_cast<std::size_t>(s)] = {MemCategory::Moments,
+                                            state.slot_bytes(static_cast<rules::Slot>(s)), false};
   return p;
 }
 

@@ -3,6 +3,7 @@
 // the planner and the real accounting cannot drift apart.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <span>
 #include <vector>
@@ -44,9 +45,11 @@ struct BufferPlan {
   BufferSpec grads;                 ///< Full: the full gradient; Staged: the owned shard
   BufferSpec staging;               ///< Staged: slots x slot_elems fp32
   BufferSpec master;                ///< absent (0 bytes) when the fp32 replica is the master
-  /// The rules' state slots (rules/state_layout.hpp): exp_avg for the elements under AdamW
-  /// or Lion, exp_avg_sq for those under AdamW (fp32 each).
-  BufferSpec exp_avg, exp_avg_sq;
+  /// The rules' state slots (rules/rules.hpp, in Slot order; rules/state_layout.hpp): exp_avg
+  /// for the elements under AdamW or Lion, exp_avg_sq for those under AdamW (fp32 each),
+  /// AdamW8bit's codes (a byte per element each) and block scales. Moments, allocated only
+  /// when some local element keeps them.
+  std::array<BufferSpec, 6> state;
   /// Stage 2 staged, on demand: micro-batches that accumulate without synchronising (full
   /// size). Stage 3 never needs it: every micro-batch is reduce-scattered into the shard.
   BufferSpec accumulate;
@@ -72,18 +75,21 @@ struct BufferPlan {
 
   /// Every buffer with its bytes, allocated ones first.
   std::vector<BufferSpec> all() const {
-    return {replica, units,      grads,      staging, master,
-            exp_avg, exp_avg_sq, accumulate, spill,   exact, exact_wire};
+    std::vector<BufferSpec> out = {replica, units, grads, staging, master};
+    out.insert(out.end(), state.begin(), state.end());
+    for (const BufferSpec& b : {accumulate, spill, exact, exact_wire}) out.push_back(b);
+    return out;
   }
 };
 
 /// The plan for `layout` (built for the group's size) under these options.
-/// `group_rules[g]` is group g's update rule (empty: every group AdamW) and `rank` the rank
-/// whose state is planned (with mixed rules the ranks' state sizes differ).
+/// `groups` are the parameter groups (their rules; empty: every group AdamW) and `rank` the
+/// rank whose state is planned (with mixed rules the ranks' state sizes differ). `layout`
+/// must be built with rules::layout_align(layout, groups).
 BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype,
                         int buckets_in_flight, int units_in_flight,
                         Reduction reduction = Reduction::Default,
-                        DType reduce_dtype = DType::F32, std::span<const Rule> group_rules = {},
-                        int rank = 0);
+                        DType reduce_dtype = DType::F32,
+                        std::span<const GroupOptions> groups = {}, int rank = 0);
 
 }  // namespace shardopt

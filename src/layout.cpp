@@ -42,13 +42,18 @@ std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group,
   return params_.size() - 1;
 }
 
-void FlatLayout::build(int world_size, std::size_t bucket_elems, std::size_t max_auto_elems) {
+void FlatLayout::build(int world_size, std::size_t bucket_elems, std::size_t max_auto_elems,
+                       std::size_t align) {
   require(!built(), Status::InvalidState, "the layout is already built");
   require(world_size > 0, Status::InvalidArgument, "world size must be positive");
   require(!params_.empty(), Status::InvalidState, "finalize: no parameters were registered");
+  require(align == kAlignElems || align == kQuantBlockElems, Status::InvalidArgument,
+          "layout alignment must be " + std::to_string(kAlignElems) + " or " +
+              std::to_string(kQuantBlockElems) + " elements");
   if (bucket_elems == 0) bucket_elems = auto_bucket_elems(unpadded_, max_auto_elems);
-  const std::size_t quantum = bucket_quantum(world_size);
-  const std::size_t cap = bucket_capacity(bucket_elems, world_size);
+  const std::size_t quantum = bucket_quantum(world_size, align);
+  const std::size_t cap = bucket_capacity(bucket_elems, world_size, align);
+  align_ = align;
 
   // Forward pass: place parameters, close buckets (in flat order) as they fill.
   std::vector<Range> cuts;
@@ -56,7 +61,7 @@ void FlatLayout::build(int world_size, std::size_t bucket_elems, std::size_t max
   std::size_t end = 0;   // end of the last parameter placed
   int unit = 0;
   for (ParamInfo& p : params_) {
-    std::size_t start = param_start(end);
+    std::size_t start = param_start(end, align);
     if (p.unit != unit && end > open) {
       // A new unit: buckets never straddle units.
       const std::size_t close = round_up(end, quantum);
@@ -184,6 +189,10 @@ std::uint64_t FlatLayout::fingerprint() const {
   std::uint64_t h = fnv1a64(&world_size_, sizeof world_size_);
   const std::uint64_t be = bucket_elems_;
   h = fnv1a64(&be, sizeof be, h);
+  if (align_ != kAlignElems) {
+    const std::uint64_t a = align_;
+    h = fnv1a64(&a, sizeof a, h);
+  }
   for (const ParamInfo& p : params_) {
     h = fnv1a64(p.name.data(), p.name.size() + 0, h);
     const std::uint64_t rec[4] = {p.name.size(), p.numel, static_cast<std::uint64_t>(p.group),

@@ -14,6 +14,7 @@
 #include "buckets.hpp"
 #include "buffer_plan.hpp"
 #include "exact_sum.hpp"
+#include "rules/qmap.hpp"
 #include "rules/rule_step.hpp"
 #include "rules/state_layout.hpp"
 #include "shardopt/planner.hpp"
@@ -27,9 +28,9 @@ struct ShardedOptimizer::Buffers {
   Allocation master;      ///< local fp32 master (absent when the replica is fp32)
   /// The rules' state slots (rules/rules.hpp), packed per rule (rules/state_layout.hpp).
   std::array<Allocation, rules::kNumSlots> slots;
-  std::array<float*, rules::kNumSlots> slot_data() const {
-    std::array<float*, rules::kNumSlots> out{};
-    for (int k = 0; k < rules::kNumSlots; ++k) out[static_cast<std::size_t>(k)] = slots[static_cast<std::size_t>(k)].as<float>();
+  std::array<void*, rules::kNumSlots> slot_data() const {
+    std::array<void*, rules::kNumSlots> out{};
+    for (std::size_t k = 0; k < out.size(); ++k) out[k] = slots[k].data();
     return out;
   }
 };
@@ -177,6 +178,10 @@ void ShardedOptimizer::set_group(int group, const GroupOptions& g) {
           "set_group: group " + std::to_string(group) + "'s rule is " + rule_name(old.rule) +
               " since finalize() (its state is laid out for it); it cannot become " +
               rule_name(g.rule));
+  require(!finalized_ || g.adamw8bit.min_8bit_numel == old.adamw8bit.min_8bit_numel,
+          Status::InvalidArgument,
+          "set_group: group " + std::to_string(group) + "'s adamw8bit.min_8bit_numel is fixed "
+          "at finalize() (it decides which parameters keep 8-bit state)");
   groups_[static_cast<std::size_t>(group)] = g;
 }
 
@@ -215,8 +220,9 @@ std::uint64_t configuration_fingerprint(const FlatLayout& layout, const Optimize
                            o.adam.weight_decay, o.adam.max_grad_norm};
   h = fnv1a64(reals, sizeof reals, h);
   for (const GroupOptions& g : groups) {
-    const double rec[5] = {g.lr_scale, g.weight_decay ? 1.0 : 0.0, static_cast<double>(g.rule),
-                           g.lion.beta1, g.lion.beta2};
+    const double rec[6] = {g.lr_scale, g.weight_decay ? 1.0 : 0.0, static_cast<double>(g.rule),
+                           g.lion.beta1, g.lion.beta2,
+                           static_cast<double>(g.adamw8bit.min_8bit_numel)};
     h = fnv1a64(rec, sizeof rec, h);
   }
   return h;
@@ -237,7 +243,12 @@ void ShardedOptimizer::finalize() {
   FlatLayout layout = layout_;
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
-    layout.build(comm_->size(), options_.bucket_elems, auto_bucket_cap(options_.device));
+    const std::size_t align = rules::layout_align(layout, groups_);
+    require(align == FlatLayout::kAlignElems || options_.device == Device::Cpu,
+            Status::Unsupported,
+            "finalize: AdamW8bit runs on Device::Cpu only (its CUDA kernel is not written); "
+            "the 8-bit parameters need another rule on Device::Cuda");
+    layout.build(comm_->size(), options_.bucket_elems, auto_bucket_cap(options_.device), align);
   });
 
   // Every rank compares everyone's fingerprint, so all of them detect a mismatch.
@@ -269,11 +280,10 @@ void ShardedOptimizer::finalize() {
   // then holds the same shared buffers, so on an error they are freed (MPI_Win_free is
   // collective) in the same order everywhere; nothing is kept unless every rank has every
   // buffer.
-  const std::vector<Rule> group_rules = rules::rules_of(groups_);
   const BufferPlan plan =
       plan_buffers(layout, options_.stage, options_.param_dtype, options_.buckets_in_flight,
                    options_.units_in_flight, options_.reduction, options_.reduce_dtype,
-                   group_rules, comm_->rank());
+                   groups_, comm_->rank());
   Backend& be = *backend_;
   const auto shared_buffer = [&](const BufferSpec& spec) {
     return collective(*comm_, "finalize", [&] {
@@ -297,12 +307,11 @@ void ShardedOptimizer::finalize() {
     if (zero3) b.replica = local_buffer(plan.replica);
     if (staged) grads.grads = local_buffer(plan.grads);
     if (plan.master.bytes > 0) b.master = local_buffer(plan.master);
-    b.slots[static_cast<int>(rules::Slot::ExpAvg)] = local_buffer(plan.exp_avg);
-    b.slots[static_cast<int>(rules::Slot::ExpAvgSq)] = local_buffer(plan.exp_avg_sq);
+    for (std::size_t k = 0; k < b.slots.size(); ++k) b.slots[k] = local_buffer(plan.state[k]);
   });
 
   layout_ = std::move(layout);  // BucketSet and UnitSet keep a reference to it
-  state_ = std::make_unique<rules::StateLayout>(layout_, group_rules, options_.stage,
+  state_ = std::make_unique<rules::StateLayout>(layout_, groups_, options_.stage,
                                                 comm_->rank());
   options_.bucket_elems = layout_.bucket_elems();  // the size chosen when it was 0 (auto)
   const bool f32 = options_.param_dtype == DType::F32;
@@ -341,12 +350,51 @@ float* ShardedOptimizer::master_at(std::size_t b) const {
   return buf_->master.as<float>() + buckets_->window_local(b);
 }
 
-template <class F>
-void ShardedOptimizer::for_each_state_piece(StateArray a, Range local, F&& f) const {
-  const rules::Slot slot = rules::slot_of(a);
-  float* base = buf_->slots[static_cast<std::size_t>(slot)].as<float>();
+void ShardedOptimizer::read_state(StateArray a, Range local, float* out) const {
   state_->for_each_run(local, [&](const rules::RuleRun& run, Range part) {
-    f(part, rules::keeps(run.rule, slot) ? base + run.slot_index(slot, part.begin) : nullptr);
+    float* dst = out + (part.begin - local.begin);
+    if (!rules::has(run.rule, a)) {
+      std::fill(dst, dst + part.size(), 0.0f);
+      return;
+    }
+    const rules::Slot slot = rules::slot_of(a, run.rule);
+    const auto* base = buf_->slots[static_cast<std::size_t>(slot)].as<unsigned char>();
+    if (run.rule != Rule::AdamW8bit) {
+      backend_->copy_to_host(dst, base + run.slot_index(slot, part.begin) * sizeof(float),
+                             part.size() * sizeof(float));
+      return;
+    }
+    // Codes and their blocks' scales to the host, dequantized there (q[code] * scale).
+    const bool sq = a == StateArray::ExpAvgSq;
+    const rules::Slot scale_slot = sq ? rules::Slot::ScaleV : rules::Slot::ScaleM;
+    const rules::q8::Qmap& q = sq ? rules::q8::unsigned_map() : rules::q8::signed_map();
+    constexpr std::size_t kBlock = rules::q8::kBlock;
+    const std::size_t first = run.slot_index(scale_slot, part.begin);
+    const std::size_t last = run.slot_index(scale_slot, part.end - 1);
+    std::vector<std::uint8_t> codes(part.size());
+    std::vector<float> scales(last - first + 1);
+    backend_->copy_to_host(codes.data(), base + run.slot_index(slot, part.begin), codes.size());
+    backend_->copy_to_host(scales.data(),
+                           buf_->slots[static_cast<std::size_t>(scale_slot)].as<float>() + first,
+                           scales.size() * sizeof(float));
+    const std::size_t block0 = (part.begin - run.local.begin) / kBlock;
+    for (std::size_t k = 0; k < part.size(); ++k) {
+      const std::size_t block = (part.begin - run.local.begin + k) / kBlock - block0;
+      dst[k] = q.value[codes[k]] * scales[block];
+    }
+  });
+}
+
+void ShardedOptimizer::write_state(StateArray a, Range local, const float* in) {
+  state_->for_each_run(local, [&](const rules::RuleRun& run, Range part) {
+    if (!rules::has(run.rule, a)) return;  // this rule keeps no such array
+    require(run.rule != Rule::AdamW8bit, Status::Unsupported,
+            std::string("AdamW8bit's ") + rules::state_array_name(a) +
+                " is 8-bit codes and block scales; it is not set from fp32 values");
+    const rules::Slot slot = rules::slot_of(a, run.rule);
+    backend_->copy_from_host(buf_->slots[static_cast<std::size_t>(slot)].as<float>() +
+                                 run.slot_index(slot, part.begin),
+                             in + (part.begin - local.begin), part.size() * sizeof(float));
   });
 }
 
@@ -358,6 +406,11 @@ void ShardedOptimizer::for_each_local(std::size_t offset, std::size_t n, F&& f) 
     const Range got = want.intersect(Range{lb, lb + buckets_->window(b).size()});
     if (!got.empty()) f(b, got.begin - lb, got.begin, got.size());
   }
+}
+
+Rule ShardedOptimizer::rule_of(std::size_t i) const {
+  const ParamInfo& p = layout_.param(i);
+  return rules::param_rule(groups_[static_cast<std::size_t>(p.group)], p.numel);
 }
 
 std::size_t ShardedOptimizer::local_size() const {
@@ -440,11 +493,11 @@ void ShardedOptimizer::gather_state(const char* what, StateArray a, std::size_t 
                 std::to_string(layout_.param(i).numel) + " elements, got a buffer of " +
                 std::to_string(out.size()));
     require(out.data() != nullptr, Status::InvalidArgument, w + ": the output buffer is null");
-    const GroupOptions& g = groups_[static_cast<std::size_t>(layout_.param(i).group)];
-    require(a == StateArray::Master || rules::keeps(g.rule, rules::slot_of(a)),
-            Status::InvalidArgument,
-            w + ": parameter '" + layout_.param(i).name + "' is updated by " +
-                rule_name(g.rule) + ", which keeps no " + rules::state_array_name(a));
+    const ParamInfo& pi = layout_.param(i);
+    const Rule rule = rules::param_rule(groups_[static_cast<std::size_t>(pi.group)], pi.numel);
+    require(rules::has(rule, a), Status::InvalidArgument,
+            w + ": parameter '" + pi.name + "' is updated by " + rule_name(rule) +
+                ", which keeps no " + rules::state_array_name(a));
   });
   const ParamInfo& p = layout_.param(i);
   buckets_->wait_params();
@@ -462,9 +515,7 @@ void ShardedOptimizer::gather_state(const char* what, StateArray a, std::size_t 
         continue;
       }
       const std::size_t lb = buckets_->window_local(b) + (mine.begin - w.begin);
-      for_each_state_piece(a, Range{lb, lb + mine.size()}, [&](Range part, const float* src) {
-        if (src) backend_->copy_to_host(out + (part.begin - lb), src, part.size() * sizeof(float));
-      });
+      read_state(a, Range{lb, lb + mine.size()}, out);
     }
   };
   const int world = comm_->size();
@@ -637,7 +688,7 @@ double ShardedOptimizer::update_and_gather(const StepHyper& h, double grad_scale
   const bool gathers = options_.stage != Stage::DataParallel &&
                        options_.stage != Stage::Zero3 && comm_->size() > 1;
   double update_seconds = 0.0;
-  const std::array<float*, rules::kNumSlots> slots = b.slot_data();
+  const std::array<void*, rules::kNumSlots> slots = b.slot_data();
   const rules::StepInputs in{&groups_, h, grad_scale};
   for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
     const Clock::time_point start = Clock::now();
@@ -811,11 +862,7 @@ void ShardedOptimizer::copy_state_to_host(StateArray a, std::size_t offset,
           Status::InvalidArgument, "copy_state_to_host: range outside the local arrays");
   wait_gathers_of(a);
   if (a != StateArray::Master) {  // a rule without this array reads as zeros
-    for_each_state_piece(a, Range{offset, offset + out.size()}, [&](Range part, const float* src) {
-      float* dst = out.data() + (part.begin - offset);
-      if (src) backend_->copy_to_host(dst, src, part.size() * sizeof(float));
-      else std::fill(dst, dst + part.size(), 0.0f);
-    });
+    read_state(a, Range{offset, offset + out.size()}, out.data());
     return;
   }
   for_each_local(offset, out.size(), [&](std::size_t b, std::size_t in_window, std::size_t local, std::size_t n) {
@@ -830,9 +877,7 @@ void ShardedOptimizer::copy_state_from_host(StateArray a, std::size_t offset,
           Status::InvalidArgument, "copy_state_from_host: range outside the local arrays");
   wait_gathers_of(a);
   if (a != StateArray::Master) {  // a rule without this array ignores it
-    for_each_state_piece(a, Range{offset, offset + in.size()}, [&](Range part, float* dst) {
-      if (dst) backend_->copy_from_host(dst, in.data() + (part.begin - offset), part.size() * sizeof(float));
-    });
+    write_state(a, Range{offset, offset + in.size()}, in.data());
     return;
   }
   for_each_local(offset, in.size(), [&](std::size_t b, std::size_t in_window, std::size_t local, std::size_t n) {

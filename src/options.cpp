@@ -66,6 +66,7 @@ const char* rule_name(Rule r) noexcept {
   switch (r) {
     case Rule::AdamW: return "AdamW";
     case Rule::Lion: return "Lion";
+    case Rule::AdamW8bit: return "AdamW8bit";
   }
   return "unknown rule";
 }
@@ -73,9 +74,9 @@ const char* rule_name(Rule r) noexcept {
 std::string validate(const GroupOptions& g) {
   if (!std::isfinite(g.lr_scale) || g.lr_scale < 0)
     return "invalid group lr_scale " + std::to_string(g.lr_scale) + " (need >= 0)";
-  if (g.rule != Rule::AdamW && g.rule != Rule::Lion)
+  if (g.rule != Rule::AdamW && g.rule != Rule::Lion && g.rule != Rule::AdamW8bit)
     return "invalid group rule " + std::to_string(static_cast<int>(g.rule)) +
-           " (AdamW 0, Lion 1)";
+           " (AdamW 0, Lion 1, AdamW8bit 2)";
   auto beta_ok = [](double b) { return std::isfinite(b) && b >= 0 && b < 1; };
   if (!beta_ok(g.lion.beta1) || !beta_ok(g.lion.beta2))
     return "invalid Lion betas " + std::to_string(g.lion.beta1) + ", " +

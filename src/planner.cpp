@@ -5,6 +5,7 @@
 #include <string>
 
 #include "buffer_plan.hpp"
+#include "rules/rules.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt {
@@ -56,9 +57,9 @@ void check(const PlanConfig& c) {
   require(c.rank >= 0 && c.rank < c.world_size, Status::InvalidArgument,
           "plan_memory: rank " + std::to_string(c.rank) + " outside the " +
               std::to_string(c.world_size) + " ranks");
-  for (const Rule r : c.group_rules)
-    require(r == Rule::AdamW || r == Rule::Lion, Status::InvalidArgument,
-            "plan_memory: invalid rule " + std::to_string(static_cast<int>(r)));
+  for (const GroupOptions& g : c.groups)
+    if (const std::string p = validate(g); !p.empty())
+      throw Error(Status::InvalidArgument, "plan_memory: " + p);
   require(c.reduce_dtype == DType::F32 ||
               (c.reduce_dtype == DType::BF16 && c.reduction == Reduction::Default),
           Status::InvalidArgument,
@@ -86,15 +87,20 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
             "plan_memory: the layout is built for buckets of " +
                 std::to_string(built.bucket_elems()) + " elements, the plan asks for " +
                 std::to_string(config.bucket_elems));
+    require(built.align_elems() == rules::layout_align(built, config.groups),
+            Status::InvalidArgument,
+            "plan_memory: the layout is built with another alignment than these groups' rules "
+            "need (AdamW8bit: 256 elements)");
   } else {
-    built.build(config.world_size, config.bucket_elems, auto_bucket_cap(config.device));
+    built.build(config.world_size, config.bucket_elems, auto_bucket_cap(config.device),
+                rules::layout_align(built, config.groups));
   }
 
   // The very plan ShardedOptimizer::finalize() allocates from.
   const BufferPlan b =
       plan_buffers(built, config.stage, config.param_dtype, config.buckets_in_flight,
                    config.units_in_flight, config.reduction, config.reduce_dtype,
-                   config.group_rules, config.rank);
+                   config.groups, config.rank);
   MemoryPlan plan;
   plan.reduce_bytes = b.reduce_bytes;
   plan.reduce_bytes_accumulated = b.reduce_bytes_accumulated;
@@ -134,7 +140,9 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
 double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype, Rule rule) {
   const double p = static_cast<double>(dtype_size(param_dtype));
   const double g = 4.0;
-  const double state = rule == Rule::Lion ? 4.0 : 8.0;  // the rule's fp32 arrays
+  // The rule's state per element: Lion one fp32 array, AdamW two, AdamW8bit two bytes and
+  // two fp32 scales per 256 elements (every parameter taken as 8-bit).
+  const double state = rule == Rule::Lion ? 4.0 : rule == Rule::AdamW8bit ? 2.0 + 8.0 / 256 : 8.0;
   const double k = state + (param_dtype == DType::F32 ? 0.0 : 4.0);
   switch (stage) {
     case Stage::DataParallel: return (p + g + k) * psi;

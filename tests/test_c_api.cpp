@@ -472,6 +472,26 @@ TEST(CApi, TrainingEqualsCppApi) {
     for (int dtype : {SHARDOPT_DTYPE_F32, SHARDOPT_DTYPE_BF16}) train_both(stage, dtype);
 }
 
+// `steps` steps through the C ABI and the C++ API side by side: the same synthetic fp32
+// gradients (seed `seed`) accumulated in backward order; the norms must agree bit for bit.
+template <std::size_t N>
+void train_c_and_cpp(shardopt_optimizer_t opt, shardopt::ShardedOptimizer& ref,
+                     const std::size_t (&sizes)[N], int seed, int steps) {
+  for (int step = 0; step < steps; ++step) {
+    for (std::size_t q = N; q-- > 0;) {
+      std::vector<float> gr(sizes[q]);
+      for (std::size_t k = 0; k < gr.size(); ++k) gr[k] = synth(seed, step, q, k);
+      ASSERT_EQ(shardopt_accumulate_grad_f32(opt, q, gr.data(), gr.size()), SHARDOPT_SUCCESS);
+      ref.accumulate_grad(q, std::span<const float>(gr));
+      ASSERT_EQ(shardopt_grad_ready(opt, q), SHARDOPT_SUCCESS);
+      ref.grad_ready(q);
+    }
+    shardopt_step_result_t r = step_result();
+    ASSERT_EQ(shardopt_step(opt, &r), SHARDOPT_SUCCESS);
+    EXPECT_EQ(r.grad_norm, ref.step().grad_norm);
+  }
+}
+
 // shardopt_group_t: defaults, a Lion group trained through the C ABI equals the C++ API bit
 // for bit (weights and momentum), the AdamW-era calls keep a group's rule, and bad structs,
 // rules and rule changes are clear errors.
@@ -547,19 +567,7 @@ TEST(CApi, LionGroupThroughTheGroupStructEqualsCppApi) {
   EXPECT_EQ(shardopt_set_group_ex(opt, 1, &now), SHARDOPT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(shardopt_last_error(opt)).find("rule is Lion"), std::string::npos);
 
-  for (int step = 0; step < 4; ++step) {
-    for (std::size_t q = 3; q-- > 0;) {
-      std::vector<float> gr(sizes[q]);
-      for (std::size_t k = 0; k < gr.size(); ++k) gr[k] = synth(1, step, q, k);
-      ASSERT_EQ(shardopt_accumulate_grad_f32(opt, q, gr.data(), gr.size()), SHARDOPT_SUCCESS);
-      ref.accumulate_grad(q, std::span<const float>(gr));
-      ASSERT_EQ(shardopt_grad_ready(opt, q), SHARDOPT_SUCCESS);
-      ref.grad_ready(q);
-    }
-    shardopt_step_result_t r = step_result();
-    ASSERT_EQ(shardopt_step(opt, &r), SHARDOPT_SUCCESS);
-    EXPECT_EQ(r.grad_norm, ref.step().grad_norm);
-  }
+  train_c_and_cpp(opt, ref, sizes, 1, 4);
   for (std::size_t p = 0; p < 3; ++p) {
     std::vector<float> a(sizes[p]), b(sizes[p]);
     ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
@@ -573,6 +581,53 @@ TEST(CApi, LionGroupThroughTheGroupStructEqualsCppApi) {
   EXPECT_EQ(shardopt_get_exp_avg_sq(opt, 0, sq.data(), sq.size()), SHARDOPT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(shardopt_last_error(opt)).find("keeps no exp_avg_sq"), std::string::npos);
   EXPECT_EQ(shardopt_get_exp_avg_sq(opt, 2, sq.data(), sizes[2]), SHARDOPT_SUCCESS);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+}
+
+// AdamW8bit through shardopt_group_t: a group whose threshold puts one parameter in 8-bit
+// state trains exactly as the C++ API does; its checkpoint is refused.
+TEST(CApi, AdamW8bitGroupEqualsCppApiAndSavingIsRefused) {
+  const shardopt_config_t c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_BF16);
+  shardopt_optimizer_t opt = nullptr;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  shardopt_group_t g8;
+  shardopt_group_init(&g8);
+  EXPECT_EQ(g8.adamw8bit_min_numel, 4096u);
+  g8.rule = SHARDOPT_RULE_ADAMW8BIT;
+  g8.adamw8bit_min_numel = 512;
+  ASSERT_EQ(shardopt_add_group_ex(opt, &g8, nullptr), SHARDOPT_SUCCESS);
+  shardopt::OptimizerOptions o;
+  o.adam.lr = c.lr;
+  o.adam.max_grad_norm = c.max_grad_norm;
+  o.bucket_elems = c.bucket_elems;
+  shardopt::ShardedOptimizer ref(shardopt::make_single_process_communicator(), o);
+  shardopt::GroupOptions rg;
+  rg.rule = shardopt::Rule::AdamW8bit;
+  rg.adamw8bit.min_8bit_numel = 512;
+  ref.add_group(rg);
+  const std::size_t sizes[2] = {1000, 300};  // 8-bit, fp32 (below 512)
+  for (std::size_t p = 0; p < 2; ++p) {
+    const std::string name = "q" + std::to_string(p);
+    ASSERT_EQ(shardopt_add_param(opt, name.c_str(), sizes[p], 1, nullptr), SHARDOPT_SUCCESS);
+    ref.add_param(name, sizes[p], 1);
+  }
+  ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS);
+  ref.finalize();
+  EXPECT_EQ(ref.rule_of(0), shardopt::Rule::AdamW8bit);
+  EXPECT_EQ(ref.rule_of(1), shardopt::Rule::AdamW);
+  train_c_and_cpp(opt, ref, sizes, 3, 4);
+  for (std::size_t p = 0; p < 2; ++p) {
+    std::vector<float> a(sizes[p]), b(sizes[p]);
+    ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+    ref.get_master(p, b);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+    ASSERT_EQ(shardopt_get_exp_avg_sq(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+    ref.get_state(shardopt::StateArray::ExpAvgSq, p, b);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+  }
+  EXPECT_EQ(shardopt_save_checkpoint(opt, "/tmp/shardopt-capi-8bit-refused", 2, nullptr),
+            SHARDOPT_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(shardopt_last_error(opt)).find("AdamW8bit"), std::string::npos);
   EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
 }
 

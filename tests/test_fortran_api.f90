@@ -108,6 +108,7 @@ program test_fortran_api
   call check_keywords()
   call check_loss_scaling_options()
   call check_lion()
+  call check_adamw8bit()
 
   if (failures > 0) error stop 1
   print '(a)', 'test_fortran_api: all checks passed'
@@ -326,6 +327,46 @@ contains
     call shardopt_destroy(k, st, msg)
     call expect(st, SHARDOPT_SUCCESS, msg, '')
   end subroutine check_lion
+
+  !> An AdamW8bit group (rule and threshold by keyword): a 600-element parameter in 8-bit
+  !> state, a 100-element one in fp32; both train, their moments read back, a checkpoint is
+  !> refused with SHARDOPT_ERROR_UNSUPPORTED.
+  subroutine check_adamw8bit()
+    type(shardopt_optimizer) :: k
+    real(c_float), pointer :: gw(:)
+    real(c_float) :: big(600), small(100)
+    integer :: st, grp, ia, ib, step
+    character(len=512) :: dir
+    call shardopt_create(k, st, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_group(k, 1.0_c_double, .true., grp, st, errmsg=msg, &
+                            rule=SHARDOPT_RULE_ADAMW8BIT, adamw8bit_min_numel=512_c_int64_t)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_param(k, 'big', 600, ia, st, group=grp, errmsg=msg)
+    call shardopt_add_param(k, 'small', 100, ib, st, group=grp, errmsg=msg)
+    call shardopt_finalize(k, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    do step = 1, 3
+      call shardopt_grad(k, ib, gw, st, msg)
+      gw = 0.01 * step
+      call shardopt_grad(k, ia, gw, st, msg)
+      gw = -0.02
+      call shardopt_step(k, st, errmsg=msg)
+      call expect(st, SHARDOPT_SUCCESS, msg, '')
+    end do
+    call shardopt_get_exp_avg(k, ia, big, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (any(big >= 0)) call fail('AdamW8bit exp_avg of a negative gradient is not negative', 0)
+    call shardopt_get_exp_avg_sq(k, ib, small, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (any(small <= 0)) call fail('fp32 exp_avg_sq not positive', 0)
+    write (dir, '(a,i0)') '/tmp/shardopt_fortran_8bit_', c_getpid()
+    call shardopt_save_checkpoint(k, trim(dir), st, errmsg=msg)
+    call expect(st, SHARDOPT_ERROR_UNSUPPORTED, msg, 'AdamW8bit')
+    call execute_command_line('rm -rf '//trim(dir))
+    call shardopt_destroy(k, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+  end subroutine check_adamw8bit
 
   subroutine fail(what, value)
     character(len=*), intent(in) :: what

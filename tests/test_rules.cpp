@@ -5,7 +5,9 @@
 // step, set_group).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -13,6 +15,8 @@
 #include <vector>
 
 #include "shardopt/optimizer.hpp"
+#include "rules/qmap.hpp"
+#include "shardopt/checkpoint.hpp"
 #include "shardopt/planner.hpp"
 #include "support/harness.hpp"
 #include "support/reference.hpp"
@@ -87,6 +91,20 @@ float played_rank_value(int, int step, std::size_t param, std::size_t k) {
   return test::grad_value(g_played_rank, step, param, k);
 }
 
+// `steps` steps of a one-process optimizer that accumulates the gradients of every rank of
+// this run as micro-batches: the sums and the 1/N average of the sharded runs, exactly.
+void train_as_one_process(Harness& single, int steps) {
+  const int world = test::world_size();
+  for (int step = 1; step <= steps; ++step) {
+    for (int r = 0; r < world; ++r) {
+      single.opt->begin_backward(r + 1 == world);
+      g_played_rank = r;
+      single.write_grads(step, -1, played_rank_value);
+    }
+    single.opt->step();
+  }
+}
+
 }  // namespace
 
 // AdamW and Lion groups side by side, every stage, against the double reference: the
@@ -141,17 +159,9 @@ INSTANTIATE_TEST_SUITE_P(
 // both average by the same 1/N), with two bucket sizes: the rule's state never depends on the
 // sharding.
 TEST(Rules, EveryStageAndBucketSizeGivesTheBitsOfOneProcess) {
-  const int world = test::world_size();
-  Config one{Stage::Zero1, DType::BF16, 0.0};
-  Harness single(options_of(one), unit_model(), make_single_process_communicator(), mixed_groups());
-  for (int step = 1; step <= 4; ++step) {
-    for (int r = 0; r < world; ++r) {
-      single.opt->begin_backward(r + 1 == world);
-      g_played_rank = r;
-      single.write_grads(step, -1, played_rank_value);
-    }
-    single.opt->step();
-  }
+  Harness single(options_of(Config{Stage::Zero1, DType::BF16, 0.0}), unit_model(),
+                 make_single_process_communicator(), mixed_groups());
+  train_as_one_process(single, 4);
   for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
     for (std::size_t bucket : {std::size_t{300}, std::size_t{2000}}) {
       SCOPED_TRACE(std::string(stage_name(stage)) + " bucket " + std::to_string(bucket));
@@ -197,7 +207,7 @@ TEST(Rules, StateMemoryIsEachRulesAndThePlannersOnEveryRank) {
     // The planner, for this rank (mixed rules: the ranks' pieces differ).
     for (Harness* h : {&mixed, &lion, &adamw}) {
       PlanConfig pc = plan_config(h->opt->options(), comm->size());
-      for (const GroupOptions& g : h->opt->groups()) pc.group_rules.push_back(g.rule);
+      pc.groups = h->opt->groups();
       pc.rank = comm->rank();
       FlatLayout unbuilt;
       for (const ParamInfo& p : h->opt->layout().params()) unbuilt.add(p.name, p.numel, p.group, p.unit);
@@ -276,4 +286,203 @@ TEST(Rules, RanksThatDisagreeFailTogether) {
   h.write_grads(1);
   expect_status(Status::InvalidArgument, [&] { h.opt->step(); }, "betas differ",
                 "group 1 lion.beta1 differs");
+}
+
+// ---- AdamW8bit -----------------------------------------------------------------------------------
+
+namespace {
+
+// The shapes: (6, 1024) and 5000 (a partial last block) keep 8-bit state, (3, 1024) and
+// 300 fp32; 4096 sits exactly at the threshold (8-bit), 4095 just below it; 1000 in a second
+// AdamW8bit group (lr 0.5x, no decay) is small too, and 9000 in it is 8-bit.
+Model adamw8bit_model() {
+  Model m;
+  m.sizes = {6 * 1024, 3 * 1024, 5000, 300, 4096, 4095, 1000, 9000};
+  m.groups = {0, 0, 0, 0, 0, 0, 1, 1};
+  m.units = {0, 0, 1, 1, 2, 2, 3, 3};
+  return m;
+}
+std::vector<GroupOptions> adamw8bit_groups() {
+  GroupOptions a, b;
+  a.rule = b.rule = Rule::AdamW8bit;
+  b.lr_scale = 0.5;
+  b.weight_decay = false;
+  return {a, b};
+}
+bool is_8bit(std::size_t numel) { return numel >= 4096; }
+
+// AdamW8bit in double precision, from the definition: dequantize (q[code] * scale),
+// AdamW in double, the weight from the unquantized m and v, then requantize each block
+// (scale = max |x|, floored at 1e-12; nearest code of x / scale, ties up). The maps are the
+// shipped ones; everything else is double. Small parameters: AdamW in double.
+struct RefAdamW8bit {
+  std::vector<std::vector<double>> p, m, v;  // m, v: the dequantized state (8-bit) or fp32 state
+  explicit RefAdamW8bit(const Harness& h) : p(h.ref.size()), m(h.ref.size()), v(h.ref.size()) {
+    for (std::size_t i = 0; i < h.ref.size(); ++i) {
+      p[i] = h.ref[i].p;
+      m[i].assign(p[i].size(), 0.0);
+      v[i].assign(p[i].size(), 0.0);
+    }
+  }
+  static double requantize(const float* q, double x) {
+    int best = 0;
+    for (int c = 1; c < 256; ++c)  // nearest in double, ties to the larger code
+      if (std::fabs(q[c] - x) <= std::fabs(q[best] - x)) best = c;
+    return q[best];
+  }
+  void step(const Harness& h, const std::vector<std::vector<double>>& grads, std::int64_t t) {
+    const AdamConfig& c = h.cfg;
+    const double bc1 = 1 - std::pow(c.beta1, static_cast<double>(t));
+    const double bc2 = 1 - std::pow(c.beta2, static_cast<double>(t));
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      const GroupOptions& g = h.groups[static_cast<std::size_t>(h.model.groups[i])];
+      const double lr = c.lr * g.lr_scale, wd = g.weight_decay ? c.weight_decay : 0.0;
+      for (std::size_t k = 0; k < p[i].size(); ++k) {
+        const double gr = grads[i][k];
+        p[i][k] *= 1 - lr * wd;
+        m[i][k] = c.beta1 * m[i][k] + (1 - c.beta1) * gr;
+        v[i][k] = c.beta2 * v[i][k] + (1 - c.beta2) * gr * gr;
+        p[i][k] -= lr / bc1 * m[i][k] / (std::sqrt(v[i][k]) / std::sqrt(bc2) + c.eps);
+      }
+      if (!is_8bit(p[i].size())) continue;
+      for (std::size_t b = 0; b < p[i].size(); b += 256) {
+        const std::size_t e = std::min(p[i].size(), b + 256);
+        double sm = 0, sv = 0;
+        for (std::size_t k = b; k < e; ++k) {
+          sm = std::max(sm, std::fabs(m[i][k]));
+          sv = std::max(sv, v[i][k]);
+        }
+        sm = std::max(sm, 1e-12);
+        sv = std::max(sv, 1e-12);
+        for (std::size_t k = b; k < e; ++k) {
+          m[i][k] = requantize(rules::q8::signed_map().value, m[i][k] / sm) * sm;
+          v[i][k] = requantize(rules::q8::unsigned_map().value, v[i][k] / sv) * sv;
+        }
+      }
+    }
+  }
+};
+
+// The average of every rank's grad_value gradients of one step (exactly summable).
+std::vector<std::vector<double>> average_grads(const Harness& h, int step) {
+  const int world = h.opt->comm().size();
+  std::vector<std::vector<double>> avg(h.model.sizes.size());
+  for (std::size_t i = 0; i < avg.size(); ++i) {
+    avg[i].assign(h.model.sizes[i], 0.0);
+    for (std::size_t k = 0; k < avg[i].size(); ++k) {
+      for (int r = 0; r < world; ++r) avg[i][k] += test::grad_value(r, step, i, k);
+      avg[i][k] /= world;
+    }
+  }
+  return avg;
+}
+
+}  // namespace
+
+// Ten steps against the double-precision model: the weights follow it within the
+// quantization's effect, and the 8-bit moments are its dequantized moments up to a code step.
+TEST(AdamW8bit, FollowsTheDoublePrecisionModel) {
+  Harness h(options_of(Config{Stage::Zero2, DType::F32, 0.0}), adamw8bit_model(), test::world(),
+            adamw8bit_groups());
+  RefAdamW8bit ref(h);
+  for (int step = 1; step <= 10; ++step) {
+    h.write_grads(step);
+    h.opt->step();
+    ref.step(h, average_grads(h, step), step);
+  }
+  for (std::size_t i = 0; i < h.model.sizes.size(); ++i) {
+    SCOPED_TRACE("p" + std::to_string(i) + " (" + std::to_string(h.model.sizes[i]) + ")");
+    EXPECT_EQ(h.opt->rule_of(i), is_8bit(h.model.sizes[i]) ? Rule::AdamW8bit : Rule::AdamW);
+    std::vector<float> p(h.model.sizes[i]), m(p.size());
+    h.opt->get_master(i, p);
+    h.opt->get_state(StateArray::ExpAvg, i, m);
+    // Errors of m relative to its block's scale (the largest |m| of the 256 elements).
+    double worst_p = 0, worst_m = 0, sum_p = 0;
+    for (std::size_t b = 0; b < p.size(); b += 256) {
+      const std::size_t e = std::min(p.size(), b + 256);
+      double scale = 1e-12;
+      for (std::size_t k = b; k < e; ++k) scale = std::max(scale, std::fabs(ref.m[i][k]));
+      for (std::size_t k = b; k < e; ++k) {
+        const double ep = std::fabs(p[k] - ref.p[i][k]);
+        worst_p = std::max(worst_p, ep);
+        sum_p += ep;
+        worst_m = std::max(worst_m, std::fabs(m[k] - ref.m[i][k]) / scale);
+      }
+    }
+    if (is_8bit(p.size())) {
+      // Neighbouring codes of the signed map are at most 0.9 / 64 of the scale apart: the fp32
+      // and double paths may land an element one code apart (0.014), rarely two. An element
+      // one code apart changes its update by a fraction of lr: ten steps of lr 1e-2 stay
+      // below 1e-2 per element and far below on average.
+      EXPECT_LT(worst_m, 0.03);
+      EXPECT_LT(worst_p, 1e-2);
+      EXPECT_LT(sum_p / static_cast<double>(p.size()), 2e-4);
+    } else {
+      EXPECT_LT(worst_m, 1e-5);
+      EXPECT_LT(worst_p, 1e-5);
+    }
+  }
+}
+
+// 20 steps at every stage and two bucket sizes give the bits of one process that accumulates
+// all ranks' gradients: the 8-bit state (codes and scales, read back dequantized) never
+// depends on the number of ranks, the stage or the bucket size, nor does the choice of 8-bit
+// or fp32 (the global size decides it).
+TEST(AdamW8bit, StateIsTheSameBitsAtEveryRankCountStageAndBucketSize) {
+  const int world = test::world_size();
+  Harness single(options_of(Config{Stage::Zero1, DType::BF16, 0.0}), adamw8bit_model(),
+                 make_single_process_communicator(), adamw8bit_groups());
+  train_as_one_process(single, 20);
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
+    for (std::size_t bucket : {std::size_t{300}, std::size_t{7000}}) {
+      SCOPED_TRACE(std::string(stage_name(stage)) + " bucket " + std::to_string(bucket));
+      Harness h(options_of(Config{stage, DType::BF16, 0.0}, bucket), adamw8bit_model(),
+                test::world(), adamw8bit_groups());
+      EXPECT_EQ(h.opt->layout().align_elems(), FlatLayout::kQuantBlockElems);
+      for (const ParamInfo& p : h.opt->layout().params()) EXPECT_EQ(p.flat.begin % 256, 0u);
+      for (const Bucket& b : h.opt->layout().buckets()) EXPECT_EQ(b.slice_elems % 256, 0u);
+      for (int step = 1; step <= 20; ++step) {
+        if (stage == Stage::Zero3)
+          h.write_grads(step, -1, test::grad_value, test::backward_units(*h.opt));
+        else
+          h.write_grads(step);
+        h.opt->step();
+      }
+      for (std::size_t i = 0; i < h.model.sizes.size(); ++i) {
+        EXPECT_EQ(h.opt->rule_of(i), single.opt->rule_of(i));
+        for (StateArray a : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
+          std::vector<float> x(h.model.sizes[i]), y(h.model.sizes[i]);
+          h.opt->get_state(a, i, x);
+          single.opt->get_state(a, i, y);
+          ASSERT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0)
+              << "p" << i << " array " << static_cast<int>(a);
+        }
+      }
+      // The memory each rank holds is the planner's for this rank.
+      PlanConfig pc = plan_config(h.opt->options(), world);
+      pc.groups = h.opt->groups();
+      pc.rank = h.opt->comm().rank();
+      FlatLayout unbuilt;
+      for (const ParamInfo& p : h.opt->layout().params()) unbuilt.add(p.name, p.numel, p.group, p.unit);
+      const MemoryPlan plan = plan_memory(unbuilt, pc);
+      for (MemCategory cat : {MemCategory::Params, MemCategory::Master, MemCategory::Moments})
+        EXPECT_EQ(plan[cat], h.opt->memory_report()[cat]) << "category " << static_cast<int>(cat);
+    }
+}
+
+// Checkpoints do not hold 8-bit state yet: saving is refused on every rank before anything is
+// written, and training goes on.
+TEST(AdamW8bit, SavingACheckpointIsRefusedAndWritesNothing) {
+  Harness h(options_of(Config{Stage::Zero1, DType::BF16, 0.0}), adamw8bit_model(), test::world(),
+            adamw8bit_groups());
+  h.write_grads(1);
+  h.opt->step();
+  const std::string dir = "/tmp/shardopt-8bit-refused-" + std::to_string(test::world_size());
+  expect_status(Status::Unsupported, [&] { save_checkpoint(*h.opt, dir); }, "save",
+                "group 0 uses AdamW8bit");
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(dir) / "LATEST"));
+  h.write_grads(2);
+  EXPECT_NO_THROW(h.opt->step());
+  h.opt->comm().barrier();
+  if (h.opt->comm().rank() == 0) std::filesystem::remove_all(dir);
 }

@@ -86,19 +86,24 @@ struct Unit {
 class FlatLayout {
  public:
   static constexpr std::size_t kAlignElems = 64;
+  /// The alignment when some parameter keeps 8-bit block-quantized state (AdamW8bit): every
+  /// 256-element quantization block, counted from its parameter's first element, then lies
+  /// inside one rank's slice (build()'s `align`).
+  static constexpr std::size_t kQuantBlockElems = 256;
 
   /// Rounds n up to a multiple of `multiple` (multiple > 0).
   static constexpr std::size_t round_up(std::size_t n, std::size_t multiple) {
     return (n + multiple - 1) / multiple * multiple;
   }
   /// Where a parameter starts: the next multiple of kAlignElems (aligned vector loads).
-  static constexpr std::size_t param_start(std::size_t end_of_previous) {
-    return round_up(end_of_previous, kAlignElems);
+  static constexpr std::size_t param_start(std::size_t end_of_previous,
+                                           std::size_t align = kAlignElems) {
+    return round_up(end_of_previous, align);
   }
   /// The granule of bucket boundaries for `world_size` ranks: N x 64 elements, so every
   /// rank's slice of a bucket is equal and starts aligned.
-  static constexpr std::size_t bucket_quantum(int world_size) {
-    return kAlignElems * static_cast<std::size_t>(world_size);
+  static constexpr std::size_t bucket_quantum(int world_size, std::size_t align = kAlignElems) {
+    return align * static_cast<std::size_t>(world_size);
   }
   /// Automatic bucket size (bucket_elems 0): an eighth of the model, at least 4096 and at most
   /// `max_elems` elements: 2^20 on the CPU, 2^24 on a GPU (kMaxAutoBucketElemsDevice). Stage 2
@@ -122,8 +127,9 @@ class FlatLayout {
                                         : eighth;
   }
   /// The capacity of every bucket: bucket_elems rounded up to the quantum.
-  static constexpr std::size_t bucket_capacity(std::size_t bucket_elems, int world_size) {
-    return round_up(bucket_elems == 0 ? 1 : bucket_elems, bucket_quantum(world_size));
+  static constexpr std::size_t bucket_capacity(std::size_t bucket_elems, int world_size,
+                                               std::size_t align = kAlignElems) {
+    return round_up(bucket_elems == 0 ? 1 : bucket_elems, bucket_quantum(world_size, align));
   }
 
   /// Registers a parameter in `unit`; throws Error(InvalidArgument) for an empty or duplicate
@@ -134,8 +140,10 @@ class FlatLayout {
   /// Places the parameters and cuts the buckets for `world_size` ranks and buckets of about
   /// `bucket_elems` elements (0: auto_bucket_elems of the registered elements, at most
   /// `max_auto_elems`; bucket_elems() tells the size used). Further add() calls throw.
+  /// `align` (kAlignElems or kQuantBlockElems) replaces 64 in the rules above: parameters
+  /// start at its multiples, buckets at multiples of N x align.
   void build(int world_size, std::size_t bucket_elems,
-             std::size_t max_auto_elems = kMaxAutoBucketElems);
+             std::size_t max_auto_elems = kMaxAutoBucketElems, std::size_t align = kAlignElems);
 
   bool built() const { return world_size_ > 0; }
   int world_size() const { return world_size_; }
@@ -152,6 +160,8 @@ class FlatLayout {
   /// The bucket_elems the layout was built with, and the capacity of every bucket.
   std::size_t bucket_elems() const { return bucket_elems_; }
   std::size_t bucket_capacity() const { return capacity_; }
+  /// The alignment the layout was built with (kAlignElems or kQuantBlockElems).
+  std::size_t align_elems() const { return align_; }
 
   /// Units: 1 + the last parameter's unit (valid once built; 1 for a layout without units).
   std::size_t num_units() const { return units_.size(); }
@@ -191,6 +201,7 @@ class FlatLayout {
   std::size_t padded_ = 0;
   std::size_t bucket_elems_ = 0;
   std::size_t capacity_ = 0;
+  std::size_t align_ = kAlignElems;
   int world_size_ = 0;
 };
 

@@ -190,6 +190,9 @@ class ShardedOptimizer {
   const OptimizerOptions& options() const { return options_; }
   const FlatLayout& layout() const { return layout_; }
   const std::vector<GroupOptions>& groups() const { return groups_; }
+  /// The rule parameter i is updated with: its group's, except that an AdamW8bit parameter
+  /// smaller than the group's adamw8bit.min_8bit_numel runs AdamW (fp32 state).
+  Rule rule_of(std::size_t i) const;
   Communicator& comm() const { return *comm_; }
   /// Length of this rank's local arrays (master, m, v): padded / N, or padded in
   /// data-parallel mode. See layout.hpp for local coordinates.
@@ -240,10 +243,11 @@ class ShardedOptimizer {
   void* replica_ptr(std::size_t elem_offset) const;
   void* replica_at(std::size_t b) const;  // the replica over the bucket's window
   float* master_at(std::size_t b) const;  // master over the bucket's window
-  // Calls f(local part, slot pointer at part.begin or null where the part's rule keeps no
-  // array `a`) for the rule runs over `local` (a is ExpAvg or ExpAvgSq).
-  template <class F>
-  void for_each_state_piece(StateArray a, Range local, F&& f) const;
+  // State array a (ExpAvg or ExpAvgSq) over local range `local` as fp32 values: each rule
+  // run's own array (AdamW8bit's dequantized), zeros where the run's rule keeps none.
+  void read_state(StateArray a, Range local, float* out) const;
+  // The reverse: ignored where the rule keeps none; AdamW8bit runs refuse fp32 values.
+  void write_state(StateArray a, Range local, const float* in);
   // Calls f(bucket, offset in the window, local offset, n) for the pieces of local range
   // [offset, offset + n) in each bucket's window.
   template <class F>

@@ -64,14 +64,29 @@ enum class Rule : int {
   /// (AdamConfig::mode does not apply). State exp_avg (the momentum m, fp32, 4 bytes per
   /// element); no exp_avg_sq.
   Lion = 1,
+  /// AdamW with 8-bit block-quantized state (bitsandbytes / torchao semantics, issue 31): per
+  /// element a u8 code of exp_avg (signed dynamic map) and of exp_avg_sq (unsigned map), per
+  /// block of 256 elements of a parameter an fp32 scale of each (2 bytes + 1/32 per element
+  /// against AdamW's 8). Each step dequantizes, runs AdamW's fp32 update (the weight from the
+  /// fp32 m and v) and requantizes. A parameter with fewer than
+  /// AdamW8bitConfig::min_8bit_numel elements (its global size, not its shard's) keeps AdamW's
+  /// fp32 state, so precision never depends on ranks, stage or bucket size. With any 8-bit
+  /// parameter the layout aligns to 256 elements (FlatLayout::kQuantBlockElems). CPU only.
+  AdamW8bit = 2,
 };
 const char* rule_name(Rule r) noexcept;
-inline constexpr int kNumRules = 2;
+inline constexpr int kNumRules = 3;
 
 /// Lion's own hyperparameters (lr and weight decay come from AdamConfig and the group).
 struct LionConfig {
   double beta1 = 0.9;   ///< interpolation of the update direction
   double beta2 = 0.99;  ///< decay of the momentum
+};
+
+/// AdamW8bit's own option (its hyperparameters are AdamConfig's).
+struct AdamW8bitConfig {
+  /// Parameters with fewer elements keep fp32 m and v (torchao's min_quant_size).
+  std::size_t min_8bit_numel = 4096;
 };
 
 /// Options of one parameter group. Group 0 always exists with the defaults.
@@ -81,6 +96,7 @@ struct GroupOptions {
   /// The group's update rule, fixed at finalize() (set_group() may not change it).
   Rule rule = Rule::AdamW;
   LionConfig lion;            ///< used when rule is Lion (validated always)
+  AdamW8bitConfig adamw8bit;  ///< used when rule is AdamW8bit
 };
 std::string validate(const GroupOptions& g);
 

@@ -67,10 +67,11 @@ struct PlanConfig {
   /// Where the optimizer's buffers live: sets the automatic bucket size's cap
   /// (auto_bucket_cap); the bytes are the same on either device.
   Device device = Device::Cpu;
-  /// The update rule of each parameter group (GroupOptions::rule; group g of a parameter is
-  /// ParamInfo::group); groups beyond the end (all, when empty) are AdamW. Lion keeps 4 bytes
-  /// of state per element where AdamW keeps 8.
-  std::vector<Rule> group_rules;
+  /// The parameter groups (group g of a parameter is ParamInfo::group) for their update
+  /// rules; groups beyond the end (all, when empty) are default AdamW groups. Lion keeps 4
+  /// bytes of state per element where AdamW keeps 8, AdamW8bit 2 + 8/256 (fp32 below its
+  /// min_8bit_numel), and aligns the layout to 256 elements.
+  std::vector<GroupOptions> groups;
   /// The rank whose memory is planned: with mixed rules the ranks' state sizes differ (each
   /// owns other pieces); with one rule every rank's are equal.
   int rank = 0;
@@ -130,7 +131,8 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config);
 /// The ZeRO paper's per-rank model-state bytes (Rajbhandari et al. 2020, section 5) with
 /// shardopt's byte counts: replica p = dtype_size(param_dtype), gradient 4 (fp32; the paper
 /// has an fp16 gradient, 2), optimizer state K = 12 (fp32 master, m, v) or 8 when the fp32
-/// replica is the master (Lion: 8 or 4, its one momentum array):
+/// replica is the master (Lion: 8 or 4, its one momentum array; AdamW8bit: 6.03 or 2.03, every
+/// parameter taken as 8-bit):
 ///   data-parallel (p + 4 + K) Psi;  zero-1 (p + 4) Psi + K Psi / N;  zero-2 p Psi + (4 + K) Psi / N;
 ///   zero-3 (p + 4 + K) Psi / N.
 /// A continuous curve without padding, staging or stage-3 gathered units; plan_memory() is

@@ -357,8 +357,11 @@ SHARDOPT_API shardopt_status_t shardopt_create_mpi_f(shardopt_optimizer_t* opt, 
  * lr_scale and weight_decay and keeps the rest, get reads those two. */
 typedef enum {
   SHARDOPT_RULE_ADAMW = 0, /* the config's Adam (adam_mode): AdamW or Adam-L2 */
-  SHARDOPT_RULE_LION = 1   /* Lion: p *= 1 - lr wd; p -= lr sign(b1 m + (1 - b1) g);
+  SHARDOPT_RULE_LION = 1,  /* Lion: p *= 1 - lr wd; p -= lr sign(b1 m + (1 - b1) g);
                               m = b2 m + (1 - b2) g (no exp_avg_sq) */
+  SHARDOPT_RULE_ADAMW8BIT = 2 /* AdamW with 8-bit block-quantized m and v (bitsandbytes /
+                                 torchao semantics); parameters below adamw8bit_min_numel
+                                 elements keep fp32 state; CPU only; not in checkpoints yet */
 } shardopt_rule_t;
 
 typedef struct {
@@ -369,6 +372,7 @@ typedef struct {
   int rule;            /* shardopt_rule_t; default SHARDOPT_RULE_ADAMW */
   double lion_beta1;   /* Lion's interpolation beta, 0 <= b < 1; default 0.9 */
   double lion_beta2;   /* Lion's momentum decay, 0 <= b < 1; default 0.99 */
+  size_t adamw8bit_min_numel; /* AdamW8bit: smaller parameters keep fp32 state; default 4096 */
 } shardopt_group_t;
 
 /* Fills the defaults (an AdamW group like group 0) and struct_size. */
@@ -609,7 +613,8 @@ SHARDOPT_API shardopt_status_t shardopt_set_loss_scale(shardopt_optimizer_t opt,
  * every rank, naming the directory and the holder's host and pid, and changes nothing; a
  * killed job's lock dies with it. *published (may be NULL) receives the new checkpoint's
  * directory, a string owned by the handle, valid until the next save or destroy. Waits for
- * gathers in flight. */
+ * gathers in flight. A group using SHARDOPT_RULE_ADAMW8BIT: SHARDOPT_ERROR_UNSUPPORTED on
+ * every rank, nothing written (checkpoints do not hold 8-bit state yet). */
 SHARDOPT_API shardopt_status_t shardopt_save_checkpoint(shardopt_optimizer_t opt, const char* dir,
                                                         int keep, const char** published);
 

@@ -191,10 +191,12 @@ namespace {
 constexpr std::size_t kGroupEnds[] = {
     SHARDOPT_GROUP_END(struct_size), SHARDOPT_GROUP_END(lr_scale),
     SHARDOPT_GROUP_END(weight_decay), SHARDOPT_GROUP_END(rule),
-    SHARDOPT_GROUP_END(lion_beta1), SHARDOPT_GROUP_END(lion_beta2)};
-#undef SHARDOPT_GROUP_END
+    SHARDOPT_GROUP_END(lion_beta1), SHARDOPT_GROUP_END(lion_beta2),
+    SHARDOPT_GROUP_END(adamw8bit_min_numel)};
 static_assert(kGroupEnds[std::size(kGroupEnds) - 1] == sizeof(shardopt_group_t));
-constexpr std::size_t kGroupMinSize = sizeof(shardopt_group_t);  // the first version
+// The first version ended with lion_beta2.
+constexpr std::size_t kGroupMinSize = SHARDOPT_GROUP_END(lion_beta2);
+#undef SHARDOPT_GROUP_END
 
 shardopt_group_t c_group(const GroupOptions& g) {
   shardopt_group_t c{};
@@ -204,6 +206,7 @@ shardopt_group_t c_group(const GroupOptions& g) {
   c.rule = static_cast<int>(g.rule);
   c.lion_beta1 = g.lion.beta1;
   c.lion_beta2 = g.lion.beta2;
+  c.adamw8bit_min_numel = g.adamw8bit.min_8bit_numel;
   return c;
 }
 
@@ -217,15 +220,19 @@ GroupOptions read_group(const shardopt_group_t* in) {
   std::memcpy(&c, in, in->struct_size);
   require(c.weight_decay == 0 || c.weight_decay == 1, Status::InvalidArgument,
           "group->weight_decay must be 0 or 1, got " + std::to_string(c.weight_decay));
-  require(c.rule == SHARDOPT_RULE_ADAMW || c.rule == SHARDOPT_RULE_LION, Status::InvalidArgument,
+  require(c.rule == SHARDOPT_RULE_ADAMW || c.rule == SHARDOPT_RULE_LION ||
+              c.rule == SHARDOPT_RULE_ADAMW8BIT,
+          Status::InvalidArgument,
           "group->rule " + std::to_string(c.rule) +
-              " is not a shardopt_rule_t (SHARDOPT_RULE_ADAMW 0, SHARDOPT_RULE_LION 1)");
+              " is not a shardopt_rule_t (SHARDOPT_RULE_ADAMW 0, SHARDOPT_RULE_LION 1, "
+              "SHARDOPT_RULE_ADAMW8BIT 2)");
   GroupOptions g;
   g.lr_scale = c.lr_scale;
   g.weight_decay = c.weight_decay == 1;
   g.rule = static_cast<Rule>(c.rule);
   g.lion.beta1 = c.lion_beta1;
   g.lion.beta2 = c.lion_beta2;
+  g.adamw8bit.min_8bit_numel = c.adamw8bit_min_numel;
   return g;
 }
 

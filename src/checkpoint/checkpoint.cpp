@@ -267,6 +267,11 @@ fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveO
   collective(comm, "save_checkpoint", [&] {
     require(opt.finalized(), Status::InvalidState, "save_checkpoint: finalize() first");
     require(options.keep >= 1, Status::InvalidArgument, "save_checkpoint: keep must be >= 1");
+    for (std::size_t g = 0; g < opt.groups().size(); ++g)
+      require(opt.groups()[g].rule != Rule::AdamW8bit, Status::Unsupported,
+              "save_checkpoint: group " + std::to_string(g) +
+                  " uses AdamW8bit, whose state (8-bit codes and block scales) checkpoints do "
+                  "not hold yet; nothing was written");
   });
 
   // 1. Rank 0 prepares the directory and names the checkpoint; everyone learns the name.

@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "../backend.hpp"
+#include "../rules/adamw8bit.hpp"
 #include "kernels.hpp"
 
 namespace shardopt {
@@ -56,6 +57,15 @@ class CpuBackend final : public Backend {
     bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
     float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
     cpu::lion_update(segments, master, grad, m, out_bf16, out_f32);
+  }
+  void adamw8bit_update(const StepScalars& s, std::span<const UpdateSegment> segments,
+                        float* master, const float* grad, std::uint8_t* code_m,
+                        std::uint8_t* code_v, float* scale_m, float* scale_v, void* replica,
+                        DType replica_dtype) override {
+    bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
+    float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
+    rules::q8::adamw8bit_update(s, segments, master, grad, code_m, code_v, scale_m, scale_v,
+                                out_bf16, out_f32);
   }
 };
 

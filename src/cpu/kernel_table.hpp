@@ -16,6 +16,17 @@
 
 namespace shardopt::cpu {
 
+/// An 8-bit quantization map as AdamW8bit's SIMD kernel reads it (src/rules/qmap.hpp's Qmap:
+/// its values, thresholds and bucket bases; base_pos and base_neg adjacent, readable 3 bytes
+/// past base_neg's end).
+struct Q8Map {
+  const float* value;
+  const float* threshold;
+  const std::uint8_t* base;  ///< base_pos; base_neg follows at base + buckets
+  std::uint32_t buckets;
+  std::uint32_t shift;
+};
+
 struct RangeKernels {
   const char* name;
   /// Pointers already offset to the range start; stream: non-temporal stores for outputs.
@@ -51,6 +62,13 @@ struct RangeKernels {
   /// exact_deposit (kernels.hpp) on one range.
   void (*exact_deposit)(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
                         std::uint8_t* level);
+  /// One whole AdamW8bit block of 256 elements (src/rules/adamw8bit.hpp): bitwise the
+  /// portable rules::q8::adamw8bit_block. Null where the ISA has none (the caller runs the
+  /// portable block).
+  void (*adamw8bit_block)(const StepScalars& s, const SegmentScalars& g, float* p,
+                          const float* grad, std::uint8_t* code_m, std::uint8_t* code_v,
+                          float& scale_m, float& scale_v, bf16* out_bf16, float* out_f32,
+                          const Q8Map& qs, const Q8Map& qu);
   /// exact_deposit_pack (kernels.hpp) on one range.
   void (*exact_deposit_pack)(const float* g, std::size_t n, const std::int64_t* top,
                              const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out);

@@ -425,6 +425,7 @@ const RangeKernels kAvx2Kernels = {
     avx2::exact_square_add,
     portable::exact_combine_packed,
     portable::exact_deposit,
+    nullptr,
     portable::exact_deposit_pack,
 };
 

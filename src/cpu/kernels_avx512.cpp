@@ -158,6 +158,69 @@ void lion(const LionScalars& s, float* p, const float* grad, float* m, bf16* out
                  out_f32 ? out_f32 + i : nullptr, n - i);
 }
 
+/// 16 codes of y (x / scale) through the bucket bases and two thresholds (qmap.hpp: the same
+/// count of thresholds <= y as the portable quantize()).
+__m512i quantize16(__m512 y, const Q8Map& q) {
+  const __m512i bits = _mm512_castps_si512(y);
+  __m512i idx = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                  static_cast<unsigned>(q.shift));
+  idx = _mm512_min_epu32(idx, _mm512_set1_epi32(static_cast<int>(q.buckets - 1)));
+  // Negative y: the base_neg table right after base_pos.
+  const __mmask16 neg = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
+  idx = _mm512_mask_add_epi32(idx, neg, idx, _mm512_set1_epi32(static_cast<int>(q.buckets)));
+  const __m512i base = _mm512_and_si512(_mm512_i32gather_epi32(idx, q.base, 1),
+                                        _mm512_set1_epi32(0xFF));
+  const __m512 t0 = _mm512_i32gather_ps(base, q.threshold, 4);
+  const __m512 t1 = _mm512_i32gather_ps(_mm512_add_epi32(base, _mm512_set1_epi32(1)), q.threshold, 4);
+  __m512i c = _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(y, t0, _CMP_GE_OQ), base,
+                                    _mm512_set1_epi32(1));
+  c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(y, t1, _CMP_GE_OQ), c, _mm512_set1_epi32(1));
+  return c;
+}
+
+/// One AdamW8bit block of 256 elements: dequantize, adam16() (the fp32 AdamW arithmetic),
+/// the replica, the new scales, requantize.
+void adamw8bit_block(const StepScalars& s, const SegmentScalars& g, float* p, const float* grad,
+                     std::uint8_t* code_m, std::uint8_t* code_v, float& scale_m, float& scale_v,
+                     bf16* out_bf16, float* out_f32, const Q8Map& qs, const Q8Map& qu) {
+  constexpr std::size_t kBlock = 256;
+  alignas(64) float m[kBlock];
+  alignas(64) float v[kBlock];
+  const AdamVec c{_mm512_set1_ps(s.beta1),       _mm512_set1_ps(s.beta2),
+                  _mm512_set1_ps(s.one_minus_beta1), _mm512_set1_ps(s.one_minus_beta2),
+                  _mm512_set1_ps(s.eps),         _mm512_set1_ps(s.bias_correction2_sqrt),
+                  _mm512_set1_ps(s.grad_scale),  _mm512_set1_ps(g.step_size),
+                  _mm512_set1_ps(g.decay_factor), _mm512_set1_ps(g.l2_decay)};
+  const __m512 sm = _mm512_set1_ps(scale_m), sv = _mm512_set1_ps(scale_v);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512 max_m = _mm512_setzero_ps(), max_v = _mm512_setzero_ps();
+  for (std::size_t i = 0; i < kBlock; i += kW) {
+    const __m512i cm = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code_m + i)));
+    const __m512i cv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code_v + i)));
+    _mm512_store_ps(m + i, _mm512_mul_ps(_mm512_i32gather_ps(cm, qs.value, 4), sm));
+    _mm512_store_ps(v + i, _mm512_mul_ps(_mm512_i32gather_ps(cv, qu.value, 4), sv));
+    const __m512 pv = s.mode == AdamMode::AdamL2 ? adam16<true>(c, p + i, grad + i, m + i, v + i)
+                                                 : adam16<false>(c, p + i, grad + i, m + i, v + i);
+    if (out_bf16) store_bf16x16(out_bf16 + i, pack_bf16(pv), false);
+    if (out_f32) store_f32x16(out_f32 + i, pv, false);
+    max_m = _mm512_max_ps(max_m, _mm512_castsi512_ps(_mm512_and_si512(
+                                      _mm512_castps_si512(_mm512_load_ps(m + i)), abs_mask)));
+    max_v = _mm512_max_ps(max_v, _mm512_load_ps(v + i));
+  }
+  // max is exact and order-free on finite values: the portable loop's result.
+  const float floor = 1e-12f;
+  float am = _mm512_reduce_max_ps(max_m), av = _mm512_reduce_max_ps(max_v);
+  scale_m = am > floor ? am : floor;
+  scale_v = av > floor ? av : floor;
+  const __m512 nsm = _mm512_set1_ps(scale_m), nsv = _mm512_set1_ps(scale_v);
+  for (std::size_t i = 0; i < kBlock; i += kW) {
+    const __m512i cm = quantize16(_mm512_div_ps(_mm512_load_ps(m + i), nsm), qs);
+    const __m512i cv = quantize16(_mm512_div_ps(_mm512_load_ps(v + i), nsv), qu);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(code_m + i), _mm512_cvtepi32_epi8(cm));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(code_v + i), _mm512_cvtepi32_epi8(cv));
+  }
+}
+
 void cast_f32_to_bf16(const float* src, bf16* dst, std::size_t n, bool stream) {
   const std::size_t head = stream ? head_to_align(dst, n, 32) : 0;
   portable::cast_f32_to_bf16(src, dst, head, false);
@@ -569,6 +632,7 @@ const RangeKernels kAvx512Kernels = {
     avx512::exact_square_add,
     avx512::exact_combine_packed,
     avx512::exact_deposit,
+    avx512::adamw8bit_block,
     avx512::exact_deposit_pack,
 };
 

@@ -108,6 +108,7 @@ const RangeKernels kPortableKernels = {
     portable::exact_square_add,
     portable::exact_combine_packed,
     portable::exact_deposit,
+    nullptr,
     portable::exact_deposit_pack,
 };
 

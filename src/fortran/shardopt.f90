@@ -60,6 +60,7 @@ module shardopt
   !> A parameter group's update rule (shardopt_add_group's rule argument, shardopt_rule_t).
   integer(c_int), parameter, public :: SHARDOPT_RULE_ADAMW = 0
   integer(c_int), parameter, public :: SHARDOPT_RULE_LION = 1
+  integer(c_int), parameter, public :: SHARDOPT_RULE_ADAMW8BIT = 2
   !> shardopt_config%collective_timeout_s for no timeout; 0 (the default) means 600 s, or
   !> SHARDOPT_COLLECTIVE_TIMEOUT from the environment.
   real(c_double), parameter, public :: SHARDOPT_NO_COLLECTIVE_TIMEOUT = -1.0_c_double
@@ -130,6 +131,7 @@ module shardopt
     integer(c_int) :: rule
     real(c_double) :: lion_beta1
     real(c_double) :: lion_beta2
+    integer(c_size_t) :: adamw8bit_min_numel
   end type c_group_options
 
   !> What one step did (shardopt_step_result_t); clipped and skipped are 0 or 1, times are
@@ -796,10 +798,11 @@ contains
   end function shardopt_is_null
 
   !> Adds a parameter group (local, before finalize); group receives its 1-based index.
-  !> rule (SHARDOPT_RULE_ADAMW, the default, or SHARDOPT_RULE_LION) and Lion's betas
-  !> (default 0.9 and 0.99) are optional, by keyword.
+  !> rule (SHARDOPT_RULE_ADAMW, the default, SHARDOPT_RULE_LION or SHARDOPT_RULE_ADAMW8BIT),
+  !> Lion's betas (default 0.9 and 0.99) and AdamW8bit's adamw8bit_min_numel (default 4096)
+  !> are optional, by keyword.
   subroutine shardopt_add_group(opt, lr_scale, weight_decay, group, status, errmsg, rule, &
-                                lion_beta1, lion_beta2)
+                                lion_beta1, lion_beta2, adamw8bit_min_numel)
     type(shardopt_optimizer), intent(in) :: opt
     real(c_double), intent(in) :: lr_scale
     logical, intent(in) :: weight_decay
@@ -808,16 +811,27 @@ contains
     character(len=*), intent(out), optional :: errmsg
     integer(c_int), intent(in), optional :: rule
     real(c_double), intent(in), optional :: lion_beta1, lion_beta2
+    integer(c_int64_t), intent(in), optional :: adamw8bit_min_numel
     type(c_group_options) :: options
     integer(c_int) :: g, code
     g = -1
-    if (present(rule) .or. present(lion_beta1) .or. present(lion_beta2)) then
+    if (present(rule) .or. present(lion_beta1) .or. present(lion_beta2) .or. &
+        present(adamw8bit_min_numel)) then
       call c_group_init(options)
       options%lr_scale = lr_scale
       options%weight_decay = merge(1_c_int, 0_c_int, weight_decay)
       if (present(rule)) options%rule = rule
       if (present(lion_beta1)) options%lion_beta1 = lion_beta1
       if (present(lion_beta2)) options%lion_beta2 = lion_beta2
+      if (present(adamw8bit_min_numel)) then
+        if (adamw8bit_min_numel < 0) then
+          status = SHARDOPT_ERROR_INVALID_ARGUMENT
+          if (present(errmsg)) errmsg = 'shardopt_add_group: adamw8bit_min_numel is negative'
+          group = 0
+          return
+        end if
+        options%adamw8bit_min_numel = int(adamw8bit_min_numel, c_size_t)
+      end if
       code = c_add_group_ex(opt%ptr, options, g)
     else
       code = c_add_group(opt%ptr, lr_scale, merge(1_c_int, 0_c_int, weight_decay), g)

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cpu/kernel_table.hpp"
 #include "rules/qmap.hpp"
 #include "shardopt/error.hpp"
 
@@ -37,6 +38,15 @@ void adamw8bit_block(const StepScalars& s, const SegmentScalars& g, float* p, co
   }
 }
 
+namespace {
+
+cpu::Q8Map simd_map(const Qmap& q) {
+  return cpu::Q8Map{q.value, q.threshold, q.base_pos, static_cast<std::uint32_t>(kBuckets),
+                    kBucketShift};
+}
+
+}  // namespace
+
 void adamw8bit_update(const StepScalars& s, std::span<const UpdateSegment> segments,
                       float* master, const float* grad, std::uint8_t* code_m,
                       std::uint8_t* code_v, float* scale_m, float* scale_v, bf16* out_bf16,
@@ -49,14 +59,22 @@ void adamw8bit_update(const StepScalars& s, std::span<const UpdateSegment> segme
     require(seg.begin % kBlock == 0 && seg.end % kBlock == 0, Status::Internal,
             "adamw8bit_update: a segment boundary inside a block");
   const std::ptrdiff_t blocks = static_cast<std::ptrdiff_t>(n / kBlock);
+  // The ISA's block kernel where it has one (AVX-512), bitwise the portable block.
+  const auto simd = cpu::active_kernels().adamw8bit_block;
+  const cpu::Q8Map qs = simd_map(signed_map()), qu = simd_map(unsigned_map());
 #pragma omp parallel for schedule(static) if (blocks > 64)
   for (std::ptrdiff_t b = 0; b < blocks; ++b) {
     const std::size_t at = static_cast<std::size_t>(b) * kBlock;
     const auto seg = std::upper_bound(segments.begin(), segments.end(), at,
                                       [](std::size_t i, const UpdateSegment& sg) { return i < sg.end; });
-    adamw8bit_block(s, seg->scalars, master + at, grad + at, code_m + at, code_v + at,
-                    scale_m[b], scale_v[b], out_bf16 ? out_bf16 + at : nullptr,
-                    out_f32 ? out_f32 + at : nullptr, kBlock);
+    bf16* o16 = out_bf16 ? out_bf16 + at : nullptr;
+    float* o32 = out_f32 ? out_f32 + at : nullptr;
+    if (simd)
+      simd(s, seg->scalars, master + at, grad + at, code_m + at, code_v + at, scale_m[b],
+           scale_v[b], o16, o32, qs, qu);
+    else
+      adamw8bit_block(s, seg->scalars, master + at, grad + at, code_m + at, code_v + at,
+                      scale_m[b], scale_v[b], o16, o32, kBlock);
   }
 }
 

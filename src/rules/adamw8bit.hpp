@@ -14,6 +14,7 @@
 #include <span>
 
 #include "shardopt/adam_math.hpp"
+#include "rules/qmap.hpp"
 #include "shardopt/bf16.hpp"
 
 namespace shardopt::rules::q8 {

@@ -1,10 +1,12 @@
 // qmap.cpp: the two dynamic maps (constants, see qmap.hpp) and their rounding thresholds.
 #include "rules/qmap.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <limits>
 
+#include "shardopt/error.hpp"
 #include "shardopt/layout.hpp"  // fnv1a64
 
 namespace shardopt::rules::q8 {
@@ -112,7 +114,24 @@ Qmap make(const std::uint32_t* bits) {
     }
     m.threshold[c] = rounds_up(m.value, c, float_of(lo)) ? float_of(lo) : float_of(hi);
   }
-  m.threshold[255] = std::numeric_limits<float>::infinity();
+  m.threshold[255] = m.threshold[256] = std::numeric_limits<float>::quiet_NaN();  // never <= y
+  // Bucket bases: thresholds <= the bucket's smallest float; at most two thresholds may lie
+  // above it inside the bucket (quantize() compares two).
+  auto count_le = [&](float y) {
+    unsigned n = 0;
+    while (n < 255 && m.threshold[n] <= y) ++n;
+    return n;
+  };
+  for (std::size_t b = 0; b < kBuckets; ++b) {
+    const std::uint32_t lo_bits = static_cast<std::uint32_t>(b) << kBucketShift;
+    const std::uint32_t hi_bits = std::min<std::uint32_t>(lo_bits + ((1u << kBucketShift) - 1),
+                                                          0x3F800000u);
+    const float lo = std::bit_cast<float>(lo_bits), hi = std::bit_cast<float>(hi_bits);
+    m.base_pos[b] = static_cast<std::uint8_t>(count_le(lo));
+    m.base_neg[b] = static_cast<std::uint8_t>(count_le(-hi));
+    if (count_le(hi) > m.base_pos[b] + 2u || count_le(-lo) > m.base_neg[b] + 2u)
+      throw Error(Status::Internal, "qmap: more than two thresholds in a bucket");
+  }
   return m;
 }
 

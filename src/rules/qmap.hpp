@@ -14,9 +14,11 @@
 // Dequantizing: q[code] * scale (fp32).
 //
 // The rounding decision is monotone in y, so code(y) = the number of thresholds t_c <= y,
-// t_c the smallest float that rounds c up (Qmap::threshold, computed once from the map):
-// one branchless search over 255 sorted thresholds, the same code as the reference for every
-// float (tests/test_adamw8bit.cpp checks every float near every threshold and entry).
+// t_c the smallest float that rounds c up (Qmap::threshold, computed once from the map). The
+// count comes from a table indexed by the top bits of |y| (kBucketShift: 2^16 ulps, 1/128 of
+// a binade, never more than two thresholds, which the construction checks) and at most two
+// comparisons: no branch and no search, the same code as the reference for every float
+// (tests/test_adamw8bit.cpp checks every float near every threshold and entry).
 #pragma once
 
 #include <cstddef>
@@ -29,11 +31,20 @@ namespace shardopt::rules::q8 {
 inline constexpr std::size_t kBlock = 256;   ///< elements per quantization block
 inline constexpr float kMinScale = 1e-12f;   ///< the floor of a block's scale
 
+inline constexpr unsigned kBucketShift = 16;
+/// Buckets of |y| in [0, 1] (bits of 1.0f >> kBucketShift, plus one).
+inline constexpr std::size_t kBuckets = (0x3F800000u >> kBucketShift) + 1;
+
 struct Qmap {
   float value[256];
   /// threshold[c]: the smallest float y that quantizes to c + 1 or more (c < 255);
-  /// threshold[255] = +Inf (a sentinel for the branchless search).
-  float threshold[256];
+  /// threshold[255] and [256] = NaN (sentinels: no y compares >= them).
+  float threshold[257];
+  /// The number of thresholds <= the smallest float of each bucket of |y| (y >= 0: the
+  /// bucket's lowest value; y < 0: minus its largest magnitude).
+  std::uint8_t base_pos[kBuckets];
+  std::uint8_t base_neg[kBuckets];  ///< right after base_pos (the SIMD kernel indexes both)
+  std::uint8_t pad[4];              ///< a 32-bit gather may read 3 bytes past base_neg
 };
 
 /// The signed (exp_avg) and unsigned (exp_avg_sq) maps.
@@ -47,13 +58,16 @@ inline constexpr std::uint64_t kUnsignedChecksum = 0xe4412cdfa3689880ull;
 /// torchao's binary search with rounding, as written there (the reference).
 std::uint8_t quantize_reference(const float* q, float y);
 
-/// The code of y through the thresholds: bitwise quantize_reference(q.value, y) for every
-/// float y (NaN: 0).
+/// The code of y: bitwise quantize_reference(q.value, y) for every float y in [-1, 1] (the
+/// range of x / scale; beyond it, the code of +-1).
 SHARDOPT_HD std::uint8_t quantize(const Qmap& q, float y) {
-  unsigned c = 0;
-  for (unsigned step = 128; step > 0; step >>= 1)
-    c += (y >= q.threshold[c + step - 1]) ? step : 0u;
-  return static_cast<std::uint8_t>(c);
+  std::uint32_t bits;
+  __builtin_memcpy(&bits, &y, sizeof bits);
+  std::uint32_t idx = (bits & 0x7FFFFFFFu) >> kBucketShift;
+  idx = idx < kBuckets ? idx : static_cast<std::uint32_t>(kBuckets - 1);
+  const unsigned base = (bits >> 31) ? q.base_neg[idx] : q.base_pos[idx];
+  return static_cast<std::uint8_t>(base + static_cast<unsigned>(y >= q.threshold[base]) +
+                                   static_cast<unsigned>(y >= q.threshold[base + 1]));
 }
 
 }  // namespace shardopt::rules::q8

@@ -24,10 +24,9 @@ std::vector<GroupSegment> group_segments(const FlatLayout& layout, Range flat) {
 
 namespace {
 
-void update_adamw(Backend& be, const StepInputs& in, const std::vector<GroupSegment>& groups,
-                  float* master, const float* grad, float* m, float* v, void* replica,
-                  DType replica_dtype) {
-  const StepScalars s = make_step_scalars(in.hyper, in.grad_scale);
+// AdamW's per-group scalars (AdamW and AdamW8bit).
+std::vector<UpdateSegment> adamw_segments(const StepInputs& in,
+                                          const std::vector<GroupSegment>& groups) {
   std::vector<UpdateSegment> segs;
   segs.reserve(groups.size());
   for (const GroupSegment& g : groups) {
@@ -35,7 +34,14 @@ void update_adamw(Backend& be, const StepInputs& in, const std::vector<GroupSegm
     segs.push_back(UpdateSegment{g.begin, g.end,
                                  make_segment_scalars(in.hyper, o.lr_scale, o.weight_decay)});
   }
-  be.adam_update(s, segs, master, grad, m, v, replica, replica_dtype);
+  return segs;
+}
+
+void update_adamw(Backend& be, const StepInputs& in, const std::vector<GroupSegment>& groups,
+                  float* master, const float* grad, float* m, float* v, void* replica,
+                  DType replica_dtype) {
+  be.adam_update(make_step_scalars(in.hyper, in.grad_scale), adamw_segments(in, groups),
+                 master, grad, m, v, replica, replica_dtype);
 }
 
 void update_lion(Backend& be, const StepInputs& in, const std::vector<GroupSegment>& groups,
@@ -55,7 +61,7 @@ void update_lion(Backend& be, const StepInputs& in, const std::vector<GroupSegme
 }  // namespace
 
 void update_window(Backend& be, const FlatLayout& layout, const StateLayout& state,
-                   const std::array<float*, kNumSlots>& slots, const StepInputs& in,
+                   const std::array<void*, kNumSlots>& slots, const StepInputs& in,
                    const Window& w) {
   const Range local{w.local, w.local + w.flat.size()};
   const std::size_t elem = dtype_size(w.replica_dtype);
@@ -66,8 +72,9 @@ void update_window(Backend& be, const FlatLayout& layout, const StateLayout& sta
     float* master = w.master + off;
     const float* grad = w.grad + off;
     void* replica = w.replica ? static_cast<char*>(w.replica) + off * elem : nullptr;
-    auto slot = [&](Slot s) {
-      return slots[static_cast<std::size_t>(s)] + run.slot_index(s, part.begin);
+    // Slot s's entries from this part's first element on.
+    auto slot = [&]<class T = float>(Slot s) {
+      return static_cast<T*>(slots[static_cast<std::size_t>(s)]) + run.slot_index(s, part.begin);
     };
     switch (run.rule) {
       case Rule::AdamW:
@@ -77,6 +84,14 @@ void update_window(Backend& be, const FlatLayout& layout, const StateLayout& sta
       case Rule::Lion:
         update_lion(be, in, groups, master, grad, slot(Slot::ExpAvg), replica, w.replica_dtype);
         return;
+      case Rule::AdamW8bit: {
+        const StepScalars s = make_step_scalars(in.hyper, in.grad_scale);
+        be.adamw8bit_update(s, adamw_segments(in, groups), master, grad,
+                            slot.operator()<std::uint8_t>(Slot::CodeM),
+                            slot.operator()<std::uint8_t>(Slot::CodeV), slot(Slot::ScaleM),
+                            slot(Slot::ScaleV), replica, w.replica_dtype);
+        return;
+      }
     }
     throw Error(Status::Internal, "update_window: unknown rule");
   });

@@ -48,7 +48,7 @@ std::vector<GroupSegment> group_segments(const FlatLayout& layout, Range flat);
 /// Updates the window: each run's part with its rule's kernel. `slots[s]` is slot s's array
 /// (null when no run keeps it).
 void update_window(Backend& backend, const FlatLayout& layout, const StateLayout& state,
-                   const std::array<float*, kNumSlots>& slots, const StepInputs& in,
+                   const std::array<void*, kNumSlots>& slots, const StepInputs& in,
                    const Window& w);
 
 }  // namespace shardopt::rules

@@ -1,37 +1,84 @@
 // rules.hpp: the optimizer rule layer's registry: which state arrays each rule keeps.
 //
-// A rule (options.hpp: Rule) is chosen per parameter group. Its state lives in "slots":
-// fp32 arrays with one element per local element of the parameters under a rule that uses
-// the slot, packed in local order (StateLayout, state_layout.hpp), so a rule that keeps less
-// state costs less memory. The step (rule_step.cpp) calls each rule's kernels on the runs of
-// a bucket's window that use it. Adding a rule: its math header and kernels (CPU, CUDA), an
-// entry here and in rule_step.cpp, its enumerator in options.hpp.
+// A rule (options.hpp: Rule) is chosen per parameter group; a parameter's effective rule is
+// its group's, except that AdamW8bit parameters below the group's min_8bit_numel run AdamW
+// (param_rule). Its state lives in "slots": arrays with one entry per local element (or per
+// 256-element quantization block) of the parameters under a rule that uses the slot, packed
+// in local order (StateLayout, state_layout.hpp), so a rule that keeps less state costs less
+// memory. The step (rule_step.cpp) calls each rule's kernel on the runs of a bucket's window
+// that use it. Adding a rule: its math header and kernels, an entry here and in
+// rule_step.cpp, its enumerator in options.hpp.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
+#include <vector>
 
+#include "shardopt/layout.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/options.hpp"
 
 namespace shardopt::rules {
 
-/// The fp32 state arrays a rule may keep, one element per parameter element.
-enum class Slot : int { ExpAvg = 0, ExpAvgSq = 1 };
-inline constexpr int kNumSlots = 2;
+/// The state arrays a rule may keep.
+enum class Slot : int {
+  ExpAvg = 0,    ///< fp32 per element: AdamW's first moment, Lion's momentum
+  ExpAvgSq = 1,  ///< fp32 per element: AdamW's second moment
+  CodeM = 2,     ///< u8 per element: AdamW8bit's exp_avg codes (signed map)
+  CodeV = 3,     ///< u8 per element: AdamW8bit's exp_avg_sq codes (unsigned map)
+  ScaleM = 4,    ///< fp32 per 256-element block: AdamW8bit's exp_avg scales
+  ScaleV = 5,    ///< fp32 per block: AdamW8bit's exp_avg_sq scales
+};
+inline constexpr int kNumSlots = 6;
+
+struct SlotInfo {
+  const char* name;
+  std::size_t bytes;  ///< per entry
+  bool per_block;     ///< one entry per FlatLayout::kQuantBlockElems elements
+};
+constexpr SlotInfo slot_info(Slot s) {
+  switch (s) {
+    case Slot::ExpAvg: return {"exp_avg", 4, false};
+    case Slot::ExpAvgSq: return {"exp_avg_sq", 4, false};
+    case Slot::CodeM: return {"exp_avg codes", 1, false};
+    case Slot::CodeV: return {"exp_avg_sq codes", 1, false};
+    case Slot::ScaleM: return {"exp_avg scales", 4, true};
+    case Slot::ScaleV: return {"exp_avg_sq scales", 4, true};
+  }
+  return {"unknown slot", 0, false};
+}
 
 /// Bit s set when `rule` keeps slot s.
 constexpr std::uint32_t slots_of(Rule rule) {
   switch (rule) {
-    case Rule::AdamW: return 0b11u;  // exp_avg, exp_avg_sq
-    case Rule::Lion: return 0b01u;   // exp_avg (the momentum)
+    case Rule::AdamW: return 0b000011u;      // exp_avg, exp_avg_sq
+    case Rule::Lion: return 0b000001u;       // exp_avg (the momentum)
+    case Rule::AdamW8bit: return 0b111100u;  // codes and scales of both
   }
   return 0;
 }
 constexpr bool keeps(Rule rule, Slot s) { return (slots_of(rule) >> static_cast<int>(s)) & 1u; }
 
-/// The slot behind a public state array (StateArray::Master has none).
-constexpr Slot slot_of(StateArray a) {
+/// The rule parameter of `numel` elements in group `g` is updated with.
+constexpr Rule param_rule(const GroupOptions& g, std::size_t numel) {
+  return g.rule == Rule::AdamW8bit && numel < g.adamw8bit.min_8bit_numel ? Rule::AdamW : g.rule;
+}
+/// The rule of each parameter of `layout` (groups beyond `groups` are default AdamW).
+std::vector<Rule> param_rules(const FlatLayout& layout, std::span<const GroupOptions> groups);
+/// The alignment the layout needs: FlatLayout::kQuantBlockElems when some parameter keeps
+/// 8-bit state, else kAlignElems.
+std::size_t layout_align(const FlatLayout& layout, std::span<const GroupOptions> groups);
+
+/// The public state arrays: ExpAvg / ExpAvgSq are fp32 values under every rule (AdamW8bit's
+/// dequantized); which slot holds them under `rule` (AdamW8bit: its codes).
+constexpr Slot slot_of(StateArray a, Rule rule) {
+  if (rule == Rule::AdamW8bit) return a == StateArray::ExpAvgSq ? Slot::CodeV : Slot::CodeM;
   return a == StateArray::ExpAvgSq ? Slot::ExpAvgSq : Slot::ExpAvg;
+}
+/// Whether a parameter under `rule` has state array `a` (Master: always).
+constexpr bool has(Rule rule, StateArray a) {
+  return a == StateArray::Master || keeps(rule, slot_of(a, rule));
 }
 /// The name a state array has in messages and checkpoints.
 const char* state_array_name(StateArray a) noexcept;

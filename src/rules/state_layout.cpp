@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "shardopt/error.hpp"
+
 namespace shardopt::rules {
 
 const char* state_array_name(StateArray a) noexcept {
@@ -14,25 +16,32 @@ const char* state_array_name(StateArray a) noexcept {
   return "unknown state array";
 }
 
-std::vector<Rule> rules_of(std::span<const GroupOptions> groups) {
+std::vector<Rule> param_rules(const FlatLayout& layout, std::span<const GroupOptions> groups) {
   std::vector<Rule> out;
-  out.reserve(groups.size());
-  for (const GroupOptions& g : groups) out.push_back(g.rule);
+  out.reserve(layout.num_params());
+  for (const ParamInfo& p : layout.params()) {
+    const std::size_t g = static_cast<std::size_t>(p.group);
+    out.push_back(g < groups.size() ? param_rule(groups[g], p.numel) : Rule::AdamW);
+  }
   return out;
 }
 
-StateLayout::StateLayout(const FlatLayout& layout, std::span<const Rule> group_rules, Stage stage,
-                         int rank) {
+std::size_t layout_align(const FlatLayout& layout, std::span<const GroupOptions> groups) {
+  for (const Rule r : param_rules(layout, groups))
+    if (r == Rule::AdamW8bit) return FlatLayout::kQuantBlockElems;
+  return FlatLayout::kAlignElems;
+}
+
+StateLayout::StateLayout(const FlatLayout& layout, std::span<const GroupOptions> groups,
+                         Stage stage, int rank) {
+  const std::vector<Rule> rules = param_rules(layout, groups);
   const bool dp = stage == Stage::DataParallel;
   local_size_ = dp ? layout.padded_size() : layout.shard_size();
   std::vector<ShardPiece> pieces =
       dp ? layout.pieces_in(Range{0, layout.padded_size()}) : layout.owned_pieces(rank);
   if (dp)
     for (ShardPiece& p : pieces) p.local = p.flat;
-  auto rule_of = [&](const ShardPiece& p) {
-    const std::size_t g = static_cast<std::size_t>(layout.param(p.param).group);
-    return g < group_rules.size() ? group_rules[g] : Rule::AdamW;
-  };
+  auto rule_of = [&](const ShardPiece& p) { return rules[p.param]; };
   // Each piece opens a run unless it continues the rule of the run before; padding (the gaps
   // between pieces) belongs to the run before it, leading padding to the first run.
   for (const ShardPiece& p : pieces) {
@@ -48,12 +57,21 @@ StateLayout::StateLayout(const FlatLayout& layout, std::span<const Rule> group_r
   }
   if (runs_.empty() && local_size_ > 0) runs_.push_back(RuleRun{Range{0, 0}, Rule::AdamW, {}});
   if (!runs_.empty()) runs_.back().local.end = local_size_;
-  for (RuleRun& run : runs_)
+  constexpr std::size_t kBlock = FlatLayout::kQuantBlockElems;
+  for (RuleRun& run : runs_) {
+    require(run.rule != Rule::AdamW8bit ||
+                (run.local.begin % kBlock == 0 && run.local.end % kBlock == 0),
+            Status::Internal, "StateLayout: an 8-bit run off the quantization blocks (layout "
+                              "not aligned to 256?)");
     for (int s = 0; s < kNumSlots; ++s)
       if (keeps(run.rule, static_cast<Slot>(s))) {
-        run.slot_begin[static_cast<std::size_t>(s)] = slot_elems_[static_cast<std::size_t>(s)];
-        slot_elems_[static_cast<std::size_t>(s)] += run.local.size();
+        const std::size_t k = static_cast<std::size_t>(s);
+        run.slot_begin[k] = slot_elems_[k];
+        slot_elems_[k] += slot_info(static_cast<Slot>(s)).per_block
+                              ? run.local.size() / kBlock
+                              : run.local.size();
       }
+  }
 }
 
 bool StateLayout::uses(Rule r) const {

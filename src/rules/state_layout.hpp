@@ -1,11 +1,13 @@
 // state_layout.hpp: where each rule's state lives in a rank's local arrays.
 //
 // The local arrays (layout.hpp: master, the reduced gradient, in local order) are cut into
-// runs of one rule: each parameter piece takes its group's rule, padding joins the run
-// before it (leading padding the first piece's). A slot (rules.hpp) holds one element per
-// local element of the runs whose rule keeps it, run after run in local order, so a
-// run's slot elements are contiguous and start at RuleRun::slot_begin. A model under one
-// rule is one run per rank, and its slots are as long as the local arrays.
+// runs of one rule: each parameter piece takes its parameter's rule (param_rule), padding
+// joins the run before it (leading padding the first piece's). A slot (rules.hpp) holds one
+// entry per local element (per 256-element block for per-block slots) of the runs whose rule
+// keeps it, run after run in local order, so a run's slot entries are contiguous and start
+// at RuleRun::slot_begin. A model under one rule is one run per rank, and its per-element
+// slots are as long as the local arrays. AdamW8bit runs start and end on block boundaries
+// (the layout is aligned to 256 then), so their blocks are their parameters' blocks.
 //
 // Runs depend on the rank (which pieces it owns): with mixed rules the ranks' state
 // sizes differ (the planner takes the rank: PlanConfig::rank).
@@ -27,25 +29,27 @@ struct RuleRun {
   Rule rule = Rule::AdamW;
   /// Where the run's first element sits in each slot the rule keeps (undefined otherwise).
   std::array<std::size_t, kNumSlots> slot_begin{};
-  /// The slot index of local element x of this run.
+  /// The slot index of local element x of this run (per-block slots: of its block).
   std::size_t slot_index(Slot s, std::size_t x) const {
-    return slot_begin[static_cast<int>(s)] + (x - local.begin);
+    const std::size_t off = x - local.begin;
+    return slot_begin[static_cast<int>(s)] +
+           (slot_info(s).per_block ? off / FlatLayout::kQuantBlockElems : off);
   }
 };
-
-/// The rule of each group.
-std::vector<Rule> rules_of(std::span<const GroupOptions> groups);
 
 class StateLayout {
  public:
   StateLayout() = default;
   /// The runs of `rank`'s local arrays under `stage` (data-parallel: every rank holds the
-  /// whole flat buffer). `group_rules[g]` is group g's rule; groups beyond its end (or all,
-  /// when it is empty) are AdamW. `layout` must be built.
-  StateLayout(const FlatLayout& layout, std::span<const Rule> group_rules, Stage stage, int rank);
+  /// whole flat buffer); groups beyond `groups` (all, when it is empty) are AdamW. `layout`
+  /// must be built (with layout_align()'s alignment).
+  StateLayout(const FlatLayout& layout, std::span<const GroupOptions> groups, Stage stage,
+              int rank);
 
   std::size_t local_size() const { return local_size_; }
+  /// Entries of slot s, and its bytes.
   std::size_t slot_elems(Slot s) const { return slot_elems_[static_cast<int>(s)]; }
+  std::size_t slot_bytes(Slot s) const { return slot_elems(s) * slot_info(s).bytes; }
   const std::vector<RuleRun>& runs() const { return runs_; }
   /// Whether some run keeps rule r.
   bool uses(Rule r) const;

@@ -49,7 +49,7 @@ FlatLayout llama_layout(const LlamaShape& s) {
     l.add(h + "w2", d * s.d_ffn, 0);
   }
   l.add("norm", d, 0);
-  l.add("output", s.vocab * d, 0);
+  if (!s.tied) l.add("output", s.vocab * d, 0);
   return l;
 }
 
@@ -64,11 +64,14 @@ struct Preset {
 };
 
 // Shapes as published (GPT-2: Radford et al. 2019; GPT-3: Brown et al. 2020; Llama 2:
-// Touvron et al. 2023; Llama 3: Dubey et al. 2024).
+// Touvron et al. 2023; Llama 3: Dubey et al. 2024; Llama 3.2 1B: its model card's config,
+// tied embeddings).
 constexpr Preset kPresets[] = {
     {"gpt2-124m", "GPT-2 small: 12 layers, d 768", false, {12, 768, 50257, 1024}, {}},
     {"gpt2-1.5b", "GPT-2 XL: 48 layers, d 1600", false, {48, 1600, 50257, 1024}, {}},
     {"gpt3-175b", "GPT-3: 96 layers, d 12288, context 2048", false, {96, 12288, 50257, 2048}, {}},
+    {"llama3.2-1b", "Llama 3.2 1B: 16 layers, d 2048, ffn 8192, 8 KV heads, tied embeddings", true,
+     {}, {16, 2048, 8192, 512, 128256, true}},
     {"llama2-7b", "Llama 2 7B: 32 layers, d 4096, ffn 11008", true, {}, {32, 4096, 11008, 4096, 32000}},
     {"llama2-70b", "Llama 2 70B: 80 layers, d 8192, ffn 28672, 8 KV heads", true, {},
      {80, 8192, 28672, 1024, 32000}},

@@ -20,6 +20,7 @@ struct GptShape {
 /// Llama style: RMSNorm, SwiGLU MLP of width d_ffn, grouped K/V of width d_kv, untied output.
 struct LlamaShape {
   std::size_t n_layer, d_model, d_ffn, d_kv, vocab;
+  bool tied = false;  ///< the output projection is the embedding (no tensor of its own)
 };
 
 FlatLayout gpt_layout(const GptShape& s);

@@ -108,7 +108,9 @@ struct Args {
     c.buckets_in_flight = buckets_in_flight;
     c.accumulate_without_sync = accumulate_without_sync;
     c.reduction = reproducible ? Reduction::Reproducible : Reduction::Default;
-    c.group_rules = {rule};
+    GroupOptions g;
+    g.rule = rule;
+    c.groups = {g};
     return c;
   }
 };
@@ -187,9 +189,11 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
                "bytes per element with one micro-batch per rank)");
   app.add_option("--rule", a.rule,
                  "the update rule of every parameter: adamw (exp_avg and exp_avg_sq, 8 bytes of "
-                 "state per element) or lion (one momentum, 4 bytes)")
+                 "state per element), lion (one momentum, 4 bytes) or adamw8bit (8-bit codes and "
+                 "block scales, 2.03 bytes; fp32 below 4096 elements)")
       ->transform(CLI::CheckedTransformer(
-          std::map<std::string, Rule>{{"adamw", Rule::AdamW}, {"lion", Rule::Lion}},
+          std::map<std::string, Rule>{
+              {"adamw", Rule::AdamW}, {"lion", Rule::Lion}, {"adamw8bit", Rule::AdamW8bit}},
           CLI::ignore_case))
       ->default_str("adamw");
   app.add_option("--tensor-elems", a.tensor_elems, "tensor size assumed with --psi and --budget")
@@ -237,6 +241,17 @@ std::size_t reduce_per_step(const Args& a, const MemoryPlan& p) {
   return a.accumulate_without_sync ? p.reduce_bytes_accumulated : p.reduce_bytes;
 }
 
+// The optimizer state (master + moments) of the plan against AdamW's in the same configuration.
+double state_vs_adamw(const Args& a, Stage s, int n, const MemoryPlan& p) {
+  Args adamw = a;
+  adamw.rule = Rule::AdamW;
+  const MemoryPlan base = plan_memory(layout_for(a, s), adamw.config(s, n));
+  const auto state = [](const MemoryPlan& m) {
+    return static_cast<double>(m[MemCategory::Master] + m[MemCategory::Moments]);
+  };
+  return state(p) / state(base);
+}
+
 void print_tables(const Args& a) {
   FlatLayout probe = a.layout;
   probe.build(1, OptimizerOptions{}.bucket_elems);
@@ -274,9 +289,14 @@ void print_tables(const Args& a) {
                   human_bytes(static_cast<double>(reduce_per_step(a, p))).c_str());
       if (a.ranks_per_node)
         std::printf("  %15s", human_bytes(static_cast<double>(p.internode_bytes)).c_str());
+      if (a.rule != Rule::AdamW)
+        std::printf("  state %.3fx AdamW's", state_vs_adamw(a, s, n, p));
       std::printf("\n");
     }
   }
+  if (a.rule != Rule::AdamW)
+    std::printf("\nstate: the optimizer state per rank (fp32 master + the rule's moments) "
+                "against AdamW's in the same configuration\n");
   if (!a.budget) return;
   std::printf("\nlargest model within %s per rank (tensors of up to %s elements):\n",
               human_bytes(static_cast<double>(*a.budget)).c_str(),
@@ -294,7 +314,7 @@ void print_csv(const Args& a) {
   std::printf("model,psi,padded_elems,stage,ranks,param_dtype,grad_dtype,bucket_elems,"
               "buckets_in_flight,accumulate_without_sync,params_bytes,grads_bytes,master_bytes,"
               "moments_bytes,scratch_bytes,total_bytes,formula_bytes,paper_bytes,reproducible,"
-              "reduce_bytes%s%s\n",
+              "reduce_bytes,rule,state_vs_adamw%s%s\n",
               a.ranks_per_node ? ",ranks_per_node,internode_bytes" : "",
               a.budget ? ",budget_bytes,largest_psi" : "");
   for (Stage s : a.stages)
@@ -310,6 +330,7 @@ void print_csv(const Args& a) {
       for (std::size_t b : p.bytes) std::printf(",%zu", b);
       std::printf(",%zu,%.0f,%.0f,%d,%zu", p.total(), zero_formula_bytes(s, psi, n, a.param_dtype, a.rule),
                   paper_formula_bytes(s, psi, n), a.reproducible ? 1 : 0, reduce_per_step(a, p));
+      std::printf(",%s,%.4f", rule_name(a.rule), state_vs_adamw(a, s, n, p));
       if (a.ranks_per_node) std::printf(",%d,%zu", a.ranks_per_node, p.internode_bytes);
       if (a.budget)
         std::printf(",%zu,%zu", *a.budget, largest_fitting_psi(*a.budget, c, a.tensor_elems));

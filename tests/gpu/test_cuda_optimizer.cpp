@@ -46,9 +46,10 @@ void to_device(std::span<float> dst, const std::vector<float>& src) {
 }
 
 // `in_units`: units {p0 p1} {p2 p3} {p4 p5} {p6} (the same layout at every stage); else one.
+// `rule1`: group 1's update rule (AdamW, or Lion: the rule layer's second kernel).
 std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Device device,
                                        Stage stage, DType dtype, const AdamConfig& cfg,
-                                       bool in_units = false) {
+                                       bool in_units = false, Rule rule1 = Rule::AdamW) {
   OptimizerOptions o;
   o.device = device;
   o.stage = stage;
@@ -56,7 +57,9 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Devic
   o.adam = cfg;
   o.bucket_elems = 700;
   auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
-  opt->add_group(kGroups[1]);
+  GroupOptions g1 = kGroups[1];
+  g1.rule = rule1;
+  opt->add_group(g1);
   for (std::size_t i = 0; i < kSizes.size(); ++i) {
     if (in_units && (i == 2 || i == 4 || i == 6)) opt->begin_unit();
     opt->add_param("p" + std::to_string(i), kSizes[i], group_of(i));
@@ -202,18 +205,22 @@ void expect_same_state(ShardedOptimizer& a, ShardedOptimizer& b, int step) {
 }
 
 // One process: the CUDA step equals the CPU step bit for bit at every stage and replica
-// dtype: the master, m, v and the replica (stage 3: each unit gathered) after every step (same
-// element math; no clipping, so the different norm summation order cannot matter).
+// dtype, with group 1 under AdamW and under Lion: the master, m, v and the replica (stage 3:
+// each unit gathered) after every step (same element math; no clipping, so the different
+// norm summation order cannot matter).
 TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
   if (test::gpu_world_size() != 1) GTEST_SKIP() << "single-process comparison";
   SHARDOPT_REQUIRE_GPUS(1);
   AdamConfig cfg;
   cfg.lr = 1e-2;
+  for (Rule rule1 : {Rule::AdamW, Rule::Lion})
   for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
     for (DType dtype : {DType::BF16, DType::F32}) {
-      SCOPED_TRACE(std::string(stage_name(stage)) + " " + dtype_name(dtype));
-      auto gpu = make(make_cuda_single_process_communicator(), Device::Cuda, stage, dtype, cfg, true);
-      auto cpu = make(make_single_process_communicator(), Device::Cpu, stage, dtype, cfg, true);
+      SCOPED_TRACE(std::string(rule_name(rule1)) + " " + stage_name(stage) + " " + dtype_name(dtype));
+      auto gpu = make(make_cuda_single_process_communicator(), Device::Cuda, stage, dtype, cfg,
+                      true, rule1);
+      auto cpu = make(make_single_process_communicator(), Device::Cpu, stage, dtype, cfg, true,
+                      rule1);
       for (int step = 1; step <= 3; ++step) {
         produce_grads(*gpu, 0, step, true);
         produce_grads(*cpu, 0, step, false);
