@@ -17,8 +17,9 @@
 // t_c the smallest float that rounds c up (Qmap::threshold, computed once from the map). The
 // count comes from a table indexed by the top bits of |y| (kBucketShift: 2^16 ulps, 1/128 of
 // a binade, never more than two thresholds, which the construction checks) and at most two
-// comparisons: no branch and no search, the same code as the reference for every float
-// (tests/test_adamw8bit.cpp checks every float near every threshold and entry).
+// comparisons: no branch and no search. The same code as the reference wherever
+// tests/test_adamw8bit.cpp looks: 64 floats on each side of every threshold and entry,
+// 200000 random floats in [-1, 1], signed zeros, subnormals and values beyond [-1, 1].
 #pragma once
 
 #include <cstddef>
