@@ -885,6 +885,53 @@ void ShardedOptimizer::copy_state_from_host(StateArray a, std::size_t offset,
   });
 }
 
+void ShardedOptimizer::copy_q8_state_to_host(std::size_t offset, std::size_t n,
+                                             const Q8State& out) {
+  constexpr std::size_t kBlock = rules::q8::kBlock;
+  require_finalized("copy_q8_state_to_host");
+  require(offset % kBlock == 0 && offset <= local_size() && n <= local_size() - offset,
+          Status::InvalidArgument, "copy_q8_state_to_host: not a block-aligned local range");
+  const std::size_t blocks = (n + kBlock - 1) / kBlock;
+  std::fill(out.code_m, out.code_m + n, std::uint8_t{0});
+  std::fill(out.code_v, out.code_v + n, std::uint8_t{0});
+  std::fill(out.scale_m, out.scale_m + blocks, 0.0f);
+  std::fill(out.scale_v, out.scale_v + blocks, 0.0f);
+  const auto slot = [&](rules::Slot s) { return buf_->slots[static_cast<std::size_t>(s)].as<unsigned char>(); };
+  state_->for_each_run(Range{offset, offset + n}, [&](const rules::RuleRun& run, Range part) {
+    if (run.rule != Rule::AdamW8bit) return;
+    const std::size_t at = part.begin - offset, nb = (part.size() + kBlock - 1) / kBlock;
+    using rules::Slot;
+    backend_->copy_to_host(out.code_m + at, slot(Slot::CodeM) + run.slot_index(Slot::CodeM, part.begin), part.size());
+    backend_->copy_to_host(out.code_v + at, slot(Slot::CodeV) + run.slot_index(Slot::CodeV, part.begin), part.size());
+    backend_->copy_to_host(out.scale_m + at / kBlock,
+                           slot(Slot::ScaleM) + run.slot_index(Slot::ScaleM, part.begin) * sizeof(float),
+                           nb * sizeof(float));
+    backend_->copy_to_host(out.scale_v + at / kBlock,
+                           slot(Slot::ScaleV) + run.slot_index(Slot::ScaleV, part.begin) * sizeof(float),
+                           nb * sizeof(float));
+  });
+}
+
+void ShardedOptimizer::copy_q8_state_from_host(std::size_t offset, std::size_t n,
+                                               const Q8State& in) {
+  constexpr std::size_t kBlock = rules::q8::kBlock;
+  require_finalized("copy_q8_state_from_host");
+  require(offset % kBlock == 0 && offset <= local_size() && n <= local_size() - offset,
+          Status::InvalidArgument, "copy_q8_state_from_host: not a block-aligned local range");
+  const auto slot = [&](rules::Slot s) { return buf_->slots[static_cast<std::size_t>(s)].as<unsigned char>(); };
+  state_->for_each_run(Range{offset, offset + n}, [&](const rules::RuleRun& run, Range part) {
+    if (run.rule != Rule::AdamW8bit) return;
+    const std::size_t at = part.begin - offset, nb = (part.size() + kBlock - 1) / kBlock;
+    using rules::Slot;
+    backend_->copy_from_host(slot(Slot::CodeM) + run.slot_index(Slot::CodeM, part.begin), in.code_m + at, part.size());
+    backend_->copy_from_host(slot(Slot::CodeV) + run.slot_index(Slot::CodeV, part.begin), in.code_v + at, part.size());
+    backend_->copy_from_host(slot(Slot::ScaleM) + run.slot_index(Slot::ScaleM, part.begin) * sizeof(float),
+                             in.scale_m + at / kBlock, nb * sizeof(float));
+    backend_->copy_from_host(slot(Slot::ScaleV) + run.slot_index(Slot::ScaleV, part.begin) * sizeof(float),
+                             in.scale_v + at / kBlock, nb * sizeof(float));
+  });
+}
+
 void ShardedOptimizer::refresh_replica() {
   const CallScope call("refresh_replica");
   collective(*comm_, "refresh_replica", [&] { require_finalized("refresh_replica"); });

@@ -29,7 +29,8 @@ namespace {
 const fs::path kFixture = fs::path(SHARDOPT_TEST_DATA) / "ckpt_v1";
 // Every committed fixture: a checkpoint of each older format version.
 const std::vector<fs::path> kFixtures = {kFixture, fs::path(SHARDOPT_TEST_DATA) / "ckpt_v2",
-                                         fs::path(SHARDOPT_TEST_DATA) / "ckpt_v3"};
+                                         fs::path(SHARDOPT_TEST_DATA) / "ckpt_v3",
+                                         fs::path(SHARDOPT_TEST_DATA) / "ckpt_v4"};
 
 // expected.bin: master, exp_avg, exp_avg_sq per parameter, unpadded (see tests/data/README.md).
 test::FullState expected_state(const fs::path& fixture = kFixture) {
@@ -96,6 +97,24 @@ TEST(FixtureFiles, FormatThreeHasASequenceNumberAndAdamWGroups) {
   ASSERT_EQ(m.groups.size(), 2u);
   for (const GroupOptions& g : m.groups) EXPECT_EQ(g.rule, Rule::AdamW);  // format 4 added rules
   EXPECT_EQ(m.groups[1].lr_scale, 0.25);
+}
+
+TEST(FixtureFiles, FormatFourHasRulesButNoQuantizationFields) {
+  const ckpt::Metadata m = ckpt::read_metadata(kFixtures[3] / "save" / "ckpt-00000001");
+  EXPECT_EQ(m.version, 4u);
+  EXPECT_EQ(m.world_size, 2u);
+  ASSERT_EQ(m.groups.size(), 2u);
+  for (const GroupOptions& g : m.groups) {
+    EXPECT_EQ(g.rule, Rule::AdamW);
+    EXPECT_EQ(g.adamw8bit.min_8bit_numel, AdamW8bitConfig{}.min_8bit_numel);  // format 5 added it
+  }
+  EXPECT_FALSE(m.has_qmap_checksums);  // format 5 added them
+  // Format 4 stored three fp32 arrays for every element (12 bytes each).
+  for (const ckpt::MetaShard& s : m.shards) {
+    std::uint64_t n = 0;
+    for (const ckpt::Block& b : s.blocks) n += b.count;
+    EXPECT_EQ(s.file_bytes, ckpt::kShardHeaderBytes + 12 * n);
+  }
 }
 
 TEST_P(Fixture, OlderFormatsLoadBitForBitAndSurviveASaveInTheCurrentFormat) {

@@ -19,6 +19,7 @@
 #include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/reader.hpp"
+#include "rules/qmap.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "support/reference.hpp"
 
@@ -26,6 +27,16 @@ using namespace shardopt;
 using namespace shardopt::ckpt;
 
 namespace {
+
+// A shard of these blocks, its size from m's parameters and rules.
+MetaShard shard_of(const Metadata& m, std::vector<Block> blocks) {
+  MetaShard s;
+  s.file_bytes = kShardHeaderBytes;
+  for (const Block& b : blocks)
+    s.file_bytes += block_bytes(block_entries(m, block_pieces(m, canonical_offsets(m), b.begin, b.count)));
+  s.blocks = std::move(blocks);
+  return s;
+}
 
 // 3 parameters (1103 elements) in 4 shards: one of two blocks, one empty.
 Metadata sample() {
@@ -46,16 +57,9 @@ Metadata sample() {
   lion.lion = {0.95, 0.975};
   m.groups = {GroupOptions{}, lion};
   m.params = {{"embed", 100, 0, 0}, {"w\"eird name", 1000, 1, 0}, {"b", 3, 0, 0}};
-  auto shard = [](std::vector<Block> blocks) {
-    MetaShard s;
-    std::uint64_t n = 0;
-    for (const Block& b : blocks) n += b.count;
-    s.blocks = std::move(blocks);
-    s.file_bytes = kShardHeaderBytes + 12 * n;
-    return s;
-  };
-  m.shards = {shard({{0, 400, 0x1234u, 0}}), shard({{400, 300, 0x1235u, 0}, {700, 100, 0x99u, 0}}),
-              shard({}), shard({{800, 303, 0x1236u, 0}})};
+  m.shards = {shard_of(m, {{0, 400, 0x1234u, 0}}),
+              shard_of(m, {{400, 300, 0x1235u, 0}, {700, 100, 0x99u, 0}}), shard_of(m, {}),
+              shard_of(m, {{800, 303, 0x1236u, 0}})};
   return m;
 }
 
@@ -126,7 +130,12 @@ TEST(Format, MetadataRoundTrip) {
   ASSERT_EQ(d.shards.size(), 4u);
   ASSERT_EQ(d.shards[1].blocks.size(), 2u);
   EXPECT_EQ(d.shards[1].blocks[1].crc, 0x99u);
-  EXPECT_EQ(d.shards[1].blocks[1].file_offset, kShardHeaderBytes + 12 * 300);
+  // Format 5 stores what each rule keeps: Lion elements 8 bytes, AdamW 12.
+  EXPECT_EQ(d.shards[1].blocks[1].file_offset, kShardHeaderBytes + 8 * 300);
+  EXPECT_EQ(d.shards[0].file_bytes, kShardHeaderBytes + 12 * 100 + 8 * 300);
+  EXPECT_TRUE(d.has_qmap_checksums);
+  EXPECT_EQ(d.qmap_checksum[0], rules::q8::kSignedChecksum);
+  EXPECT_EQ(d.qmap_checksum[1], rules::q8::kUnsignedChecksum);
   EXPECT_TRUE(d.shards[2].blocks.empty());
   EXPECT_EQ(shard_extents(d, 3), (std::vector<Range>{{800, 1103}}));
   EXPECT_EQ(layout_hash(d), layout_hash(m));
@@ -199,10 +208,7 @@ TEST(Format, ShardsMustCoverEveryElementExactlyOnce) {
   expect_refused(m, "more elements than any machine holds");
   // Blocks are at most kBlockElems long; longer runs are split into several blocks.
   auto sized = [](Metadata x) {
-    for (MetaShard& sh : x.shards) {
-      sh.file_bytes = kShardHeaderBytes;
-      for (const Block& b : sh.blocks) sh.file_bytes += 12 * b.count;
-    }
+    for (MetaShard& sh : x.shards) sh = shard_of(x, sh.blocks);
     return x;
   };
   m = sample();
@@ -254,9 +260,9 @@ TEST(Format, HugeCountsAreRefusedBeforeAllocating) {
   // A parameter count of 2^60 with a valid checksum: refused by the remaining-bytes bound.
   Metadata m = sample();
   std::vector<unsigned char> bytes = encode_metadata(m);
-  // Locate the parameter count: it follows the groups (fixed-size prefix + 32 bytes each in
-  // format 4), after format 3's sequence number.
-  const std::size_t prefix = 32 + 8 + 8 + 4 * 4 + 6 * 8 + 4 + 4 + 5 * 8 + 8 + 8 + 8 + 4 + 2 * 32;
+  // Locate the parameter count: it follows the groups (fixed-size prefix + 40 bytes each in
+  // format 5) and the two map checksums, after format 3's sequence number.
+  const std::size_t prefix = 32 + 8 + 8 + 4 * 4 + 6 * 8 + 4 + 4 + 5 * 8 + 8 + 8 + 8 + 4 + 2 * 40 + 16;
   std::uint64_t count = 0;
   std::memcpy(&count, bytes.data() + prefix, 8);
   ASSERT_EQ(count, 3u);  // the parameter count
@@ -421,7 +427,7 @@ TEST(Reader, ReadsOnlyTheBlocksAndFilesARangeNeeds) {
   ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
   const std::filesystem::path root = tmpl;
   auto counting = [](std::uint64_t& n) {
-    return [&n](std::uint32_t, std::uint64_t, std::span<const float> v) { n += v.size(); };
+    return [&n](const ckpt::Chunk& c) { n += c.values.size(); };
   };
 
   // Format 2, one shard of two blocks (one parameter longer than a block): a corrupted
@@ -468,9 +474,9 @@ TEST(Reader, ReadsOnlyTheBlocksAndFilesARangeNeeds) {
 TEST(Format, UnknownRuleIsCorrupt) {
   Metadata m = sample();
   std::vector<unsigned char> bytes = encode_metadata(m);
-  // Group 1's rule field: after the fixed prefix, group 0's 32 bytes, group 1's lr_scale and
+  // Group 1's rule field: after the fixed prefix, group 0's 40 bytes, group 1's lr_scale and
   // decay flag.
-  const std::size_t at = 32 + 8 + 8 + 4 * 4 + 6 * 8 + 4 + 4 + 5 * 8 + 8 + 8 + 8 + 4 + 32 + 12;
+  const std::size_t at = 32 + 8 + 8 + 4 * 4 + 6 * 8 + 4 + 4 + 5 * 8 + 8 + 8 + 8 + 4 + 40 + 12;
   std::uint32_t rule = 0;
   std::memcpy(&rule, bytes.data() + at, 4);
   ASSERT_EQ(rule, 1u);  // Lion
@@ -484,4 +490,38 @@ TEST(Format, UnknownRuleIsCorrupt) {
     EXPECT_EQ(e.status(), Status::CorruptData);
     EXPECT_NE(std::string(e.what()).find("unknown group rule 9"), std::string::npos) << e.what();
   }
+}
+
+// Format 5 with AdamW8bit: a parameter's quantization blocks (256 elements from its start, the
+// last partial) are never cut by a block boundary, and the block sizes count codes and scales.
+TEST(Format, EightBitBlocksFollowTheQuantizationBlocks) {
+  Metadata m = sample();
+  GroupOptions q8;
+  q8.rule = Rule::AdamW8bit;
+  q8.adamw8bit.min_8bit_numel = 500;
+  m.groups = {GroupOptions{}, q8};
+  m.params = {{"embed", 100, 0, 0}, {"big", 1000, 1, 0}, {"small", 3, 1, 0}};  // small: AdamW
+  EXPECT_EQ(param_rule(m, 1), Rule::AdamW8bit);
+  EXPECT_EQ(param_rule(m, 2), Rule::AdamW);
+  // big = canonical [100, 1100): blocks at 100 + 256k.
+  m.shards = {shard_of(m, {{0, 356, 1u, 0}}), shard_of(m, {{356, 512, 2u, 0}}),
+              shard_of(m, {{868, 235, 3u, 0}}), shard_of(m, {})};
+  const Metadata d = decode_metadata(encode_metadata(m));
+  // Shard 0: 100 AdamW (12 bytes each) + 256 8-bit (4 master + 2 codes each, 2 scales).
+  EXPECT_EQ(d.shards[0].file_bytes, kShardHeaderBytes + 12 * 100 + 6 * 256 + 8 * 1);
+  // Shard 2: 232 8-bit in one partial block + 3 AdamW.
+  EXPECT_EQ(d.shards[2].file_bytes, kShardHeaderBytes + 6 * 232 + 8 * 1 + 12 * 3);
+  EXPECT_EQ(d.groups[1].adamw8bit.min_8bit_numel, 500u);
+  // A boundary inside a quantization block of `big` is corrupt.
+  Metadata bad = m;
+  bad.shards = {shard_of(bad, {{0, 357, 1u, 0}}), shard_of(bad, {{357, 511, 2u, 0}}),
+                shard_of(bad, {{868, 235, 3u, 0}}), shard_of(bad, {})};
+  expect_refused(bad, "a block cutting a quantization block");
+  // Format 4 could not hold AdamW8bit: such a group in a format-4 file is corrupt.
+  std::vector<unsigned char> v4 = encode_metadata(sample());
+  const std::uint32_t four = 4;
+  std::memcpy(v4.data() + 8, &four, 4);
+  const std::uint32_t header_crc = crc32c(v4.data(), 28);
+  std::memcpy(v4.data() + 28, &header_crc, 4);
+  EXPECT_THROW(decode_metadata(v4), Error);  // (40-byte groups read as 32: corrupt either way)
 }

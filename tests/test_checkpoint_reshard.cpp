@@ -18,6 +18,9 @@
 
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/mpi_comm.hpp"
+#include "checkpoint/files.hpp"
+#include "checkpoint/format.hpp"
+#include "rules/qmap.hpp"
 #include "support/ckpt_model.hpp"
 #include "support/mpi_sub.hpp"
 #include "support/world.hpp"
@@ -122,6 +125,12 @@ TEST_P(Reshard, StateIsBitIdenticalAtAnyWorldSize) {
       auto b = test::make_ckpt_optimizer(at_m, setup);
       load_checkpoint(*b, dir);
       EXPECT_TRUE(test::gather_state(*b) == saved);
+      if (c.rule1 == Rule::AdamW8bit) {  // the raw 8-bit state came back, byte for byte
+        EXPECT_EQ(b->rule_of(1), Rule::AdamW8bit);
+        EXPECT_EQ(b->rule_of(5), Rule::AdamW);
+        EXPECT_EQ(saved.scales[0].size(), 3u);  // 300 (a partial block) and 64 elements
+        EXPECT_NE(saved.codes[0], std::vector<std::uint8_t>(saved.codes[0].size(), 0));
+      }
       for (int s = 4; s <= 5; ++s) test::ckpt_train_step(*b, s);
       const test::FullState after = test::gather_state(*b);
       if (power_of_two(n) && power_of_two(m)) {
@@ -155,13 +164,17 @@ INSTANTIATE_TEST_SUITE_P(Stages, Reshard,
                                          Case{Stage::Zero2, DType::BF16},
                                          Case{Stage::DataParallel, DType::BF16},
                                          Case{Stage::Zero1, DType::F32},
-                                         Case{Stage::Zero2, DType::BF16, Rule::Lion}),
+                                         Case{Stage::Zero2, DType::BF16, Rule::Lion},
+                                         Case{Stage::Zero1, DType::BF16, Rule::AdamW8bit},
+                                         Case{Stage::Zero2, DType::F32, Rule::AdamW8bit}),
                          [](const testing::TestParamInfo<Case>& i) {
                            const char* stage = i.param.stage == Stage::DataParallel ? "dp"
                                                : i.param.stage == Stage::Zero1      ? "zero1"
                                                                                     : "zero2";
                            return std::string(stage) + "_" + dtype_name(i.param.dtype) +
-                                  (i.param.rule1 == Rule::Lion ? "_lion" : "");
+                                  (i.param.rule1 == Rule::Lion        ? "_lion"
+                                   : i.param.rule1 == Rule::AdamW8bit ? "_adamw8bit"
+                                                                      : "");
                          });
 
 TEST(Export, CorruptCheckpointFailsWithoutOutput) {
@@ -201,6 +214,69 @@ TEST(Reshard, ChangedRuleIsAClearErrorNamingTheParameter) {
     EXPECT_NE(std::string(e.what()).find("parameter 'layer1.weight' (group 1) was saved under "
                                          "rule Lion, the optimizer updates it with AdamW"),
               std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(test::gather_state(*b) == before);
+  world->barrier();
+  if (world->rank() == 0) fs::remove_all(dir);
+}
+
+// min_8bit_numel decides which parameters keep 8-bit state: a checkpoint whose parameter kept
+// 8-bit state does not load where that parameter is fp32, and the message names it.
+TEST(Reshard, ChangedEightBitThresholdIsAClearErrorNamingTheParameter) {
+  auto world = test::world();
+  const fs::path dir = shared_temp_dir(*world);
+  test::CkptSetup q8{Stage::Zero1, DType::BF16, {}, Rule::AdamW8bit};
+  auto a = test::make_ckpt_optimizer(world, q8);
+  test::ckpt_train_step(*a, 1);
+  save_checkpoint(*a, dir);
+  test::CkptSetup fewer = q8;
+  fewer.min_8bit_numel = 100;  // parameter 3 (64 elements) becomes fp32
+  auto b = test::make_ckpt_optimizer(world, fewer);
+  const test::FullState before = test::gather_state(*b);
+  try {
+    load_checkpoint(*b, dir);
+    ADD_FAILURE() << "loaded 8-bit state into an fp32 parameter";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::LayoutMismatch) << e.what();
+    EXPECT_NE(std::string(e.what()).find("parameter 'layer3.weight' (group 1) was saved under "
+                                         "rule AdamW8bit, the optimizer updates it with AdamW"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(test::gather_state(*b) == before);
+  world->barrier();
+  if (world->rank() == 0) fs::remove_all(dir);
+}
+
+// 8-bit codes index the quantization maps: a checkpoint that names other maps (by their
+// checksums) is refused on every rank, and the optimizer keeps its state.
+TEST(Reshard, OtherQuantizationMapsAreRefused) {
+  auto world = test::world();
+  const fs::path dir = shared_temp_dir(*world);
+  test::CkptSetup q8{Stage::Zero2, DType::BF16, {}, Rule::AdamW8bit};
+  auto a = test::make_ckpt_optimizer(world, q8);
+  test::ckpt_train_step(*a, 1);
+  const fs::path ck = save_checkpoint(*a, dir);
+  if (world->rank() == 0) {  // the same checkpoint, its metadata naming other maps
+    const auto bytes = ckpt::read_whole_file(ck / ckpt::kMetadataFile, 1 << 24);
+    ckpt::Metadata m = ckpt::decode_metadata(bytes);
+    EXPECT_TRUE(m.has_qmap_checksums);
+    EXPECT_EQ(m.qmap_checksum[0], rules::q8::kSignedChecksum);
+    EXPECT_EQ(m.qmap_checksum[1], rules::q8::kUnsignedChecksum);
+    m.qmap_checksum[1] ^= 1;
+    const auto out = ckpt::encode_metadata(m);
+    std::ofstream(ck / ckpt::kMetadataFile, std::ios::binary | std::ios::trunc)
+        .write(reinterpret_cast<const char*>(out.data()), static_cast<std::streamsize>(out.size()));
+  }
+  world->barrier();
+  auto b = test::make_ckpt_optimizer(world, q8);
+  const test::FullState before = test::gather_state(*b);
+  try {
+    load_checkpoint(*b, ck);
+    ADD_FAILURE() << "loaded codes of other maps";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::LayoutMismatch) << e.what();
+    EXPECT_NE(std::string(e.what()).find("quantization maps with checksums"), std::string::npos)
+        << e.what();
   }
   EXPECT_TRUE(test::gather_state(*b) == before);
   world->barrier();

@@ -18,6 +18,7 @@
 #include "rules/qmap.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/planner.hpp"
+#include "support/ckpt_model.hpp"
 #include "support/harness.hpp"
 #include "support/reference.hpp"
 #include "support/world.hpp"
@@ -470,19 +471,54 @@ TEST(AdamW8bit, StateIsTheSameBitsAtEveryRankCountStageAndBucketSize) {
     }
 }
 
-// Checkpoints do not hold 8-bit state yet: saving is refused on every rank before anything is
-// written, and training goes on.
-TEST(AdamW8bit, SavingACheckpointIsRefusedAndWritesNothing) {
-  Harness h(options_of(Config{Stage::Zero1, DType::BF16, 0.0}), adamw8bit_model(), test::world(),
-            adamw8bit_groups());
-  h.write_grads(1);
-  h.opt->step();
-  const std::string dir = "/tmp/shardopt-8bit-refused-" + std::to_string(test::world_size());
-  expect_status(Status::Unsupported, [&] { save_checkpoint(*h.opt, dir); }, "save",
-                "group 0 uses AdamW8bit");
-  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(dir) / "LATEST"));
-  h.write_grads(2);
-  EXPECT_NO_THROW(h.opt->step());
-  h.opt->comm().barrier();
-  if (h.opt->comm().rank() == 0) std::filesystem::remove_all(dir);
+// A checkpoint holds the 8-bit state itself (codes and block scales): training saved after 10
+// steps and resumed in another stage with other buckets gives the bits of training that never
+// stopped (raw codes and scales compared), at every rank count.
+TEST(AdamW8bit, CheckpointResumesOnTheSameBits) {
+  auto run = [](Stage stage, std::size_t bucket) {
+    return Harness(options_of(Config{stage, DType::BF16, 0.0}, bucket), adamw8bit_model(),
+                   test::world(), adamw8bit_groups());
+  };
+  auto world = test::world();
+  const test::SharedDir dir(*world);
+  Harness a = run(Stage::Zero1, 7000);
+  for (int step = 1; step <= 10; ++step) {
+    a.write_grads(step);
+    a.opt->step();
+  }
+  save_checkpoint(*a.opt, dir.path());
+  const test::FullState saved = test::gather_state(*a.opt);
+  for (int step = 11; step <= 20; ++step) {
+    a.write_grads(step);
+    a.opt->step();
+  }
+  const test::FullState want = test::gather_state(*a.opt);
+  ASSERT_FALSE(want.codes[0].empty());
+  for (Stage stage : {Stage::DataParallel, Stage::Zero2}) {
+    SCOPED_TRACE(stage_name(stage));
+    Harness b = run(stage, 300);
+    load_checkpoint(*b.opt, dir.path());
+    {
+      const test::FullState got = test::gather_state(*b.opt);
+      for (int x = 0; x < 3; ++x)
+        EXPECT_EQ(std::memcmp(got.arrays[x].data(), saved.arrays[x].data(), 4 * saved.arrays[x].size()), 0) << "loaded " << x;
+      EXPECT_TRUE(got == saved);
+    }
+    for (int step = 11; step <= 20; ++step) {
+      b.write_grads(step);
+      b.opt->step();
+    }
+    const test::FullState got = test::gather_state(*b.opt);
+    for (int x = 0; x < 3; ++x) {
+      std::size_t first = 0, count = 0;
+      for (std::size_t k = 0; k < want.arrays[x].size(); ++k)
+        if (std::memcmp(&got.arrays[x][k], &want.arrays[x][k], 4) != 0) { if (!count) first = k; ++count; }
+      EXPECT_EQ(count, 0u) << x << " first " << first << " " << got.arrays[x][first] << " vs " << want.arrays[x][first];
+    }
+    for (int x = 0; x < 2; ++x) {
+      EXPECT_EQ(got.codes[x], want.codes[x]) << x;
+      EXPECT_EQ(got.scales[x], want.scales[x]) << x;
+    }
+    EXPECT_TRUE(got == want);
+  }
 }

@@ -210,6 +210,18 @@ class ShardedOptimizer {
   /// the local arrays (local; works for device memory too).
   void copy_state_to_host(StateArray a, std::size_t offset, std::span<float> out);
   void copy_state_from_host(StateArray a, std::size_t offset, std::span<const float> in);
+  /// AdamW8bit's raw state (what checkpoints store) over local range [offset, offset + n),
+  /// offset a multiple of 256: the exp_avg and exp_avg_sq codes (n bytes each) and scales
+  /// (one per 256 elements from offset: (n + 255) / 256 floats each). Entries outside
+  /// AdamW8bit parameters read as 0 and are ignored on write. Local.
+  struct Q8State {
+    std::uint8_t* code_m = nullptr;
+    std::uint8_t* code_v = nullptr;
+    float* scale_m = nullptr;
+    float* scale_v = nullptr;
+  };
+  void copy_q8_state_to_host(std::size_t offset, std::size_t n, const Q8State& out);
+  void copy_q8_state_from_host(std::size_t offset, std::size_t n, const Q8State& in);
   /// Loss scaling: the scale the trainer multiplies its loss by, and the full state.
   double loss_scale() const { return loss_scale_.scale; }
   const LossScaleState& loss_scale_state() const { return loss_scale_; }

@@ -18,6 +18,8 @@
 #include "format.hpp"
 #include "pieces.hpp"
 #include "reader.hpp"
+#include "rules/qmap.hpp"
+#include "rules/rules.hpp"
 
 namespace shardopt {
 
@@ -127,6 +129,7 @@ struct Source {
   std::uint64_t canonical;
   std::size_t local;
   std::size_t count;
+  Rule rule;
 };
 
 struct PlannedBlock {
@@ -135,23 +138,34 @@ struct PlannedBlock {
 };
 
 // This rank's saved pieces as blocks: in canonical order, canonically adjacent pieces
-// merged, at most kBlockElems elements each.
+// merged, at most kBlockElems elements each, cut inside an AdamW8bit parameter only between
+// quantization blocks (its pieces start on one: the layout is aligned to 256 then).
 std::vector<PlannedBlock> plan_blocks(const ShardedOptimizer& opt, const std::vector<std::uint64_t>& canonical) {
   std::vector<Source> sources;
   for (const ShardPiece& p : owned_pieces(opt, PieceSet::Written))
     if (!p.in_param.empty())
-      sources.push_back(Source{canonical[p.param] + p.in_param.begin, p.local.begin, p.in_param.size()});
+      sources.push_back(Source{canonical[p.param] + p.in_param.begin, p.local.begin,
+                               p.in_param.size(), opt.rule_of(p.param)});
   std::sort(sources.begin(), sources.end(),
             [](const Source& a, const Source& b) { return a.canonical < b.canonical; });
+  // How much of s fits in `room` elements.
+  const auto fit = [](const Source& s, std::size_t room) {
+    std::size_t take = std::min<std::size_t>(s.count, room);
+    if (s.rule == Rule::AdamW8bit && take < s.count) take -= take % kQuantBlock;
+    return take;
+  };
   std::vector<PlannedBlock> blocks;
   for (Source s : sources) {
     while (s.count > 0) {
-      if (blocks.empty() || blocks.back().block.begin + blocks.back().block.count != s.canonical ||
-          blocks.back().block.count == kBlockElems)
+      std::size_t take = 0;
+      if (!blocks.empty() && blocks.back().block.begin + blocks.back().block.count == s.canonical)
+        take = fit(s, static_cast<std::size_t>(kBlockElems - blocks.back().block.count));
+      if (take == 0) {
         blocks.push_back(PlannedBlock{Block{s.canonical, 0, 0, 0}, {}});
+        take = fit(s, static_cast<std::size_t>(kBlockElems));
+      }
       Block& b = blocks.back().block;
-      const std::size_t take = std::min<std::size_t>(s.count, kBlockElems - b.count);
-      blocks.back().sources.push_back(Source{s.canonical, s.local, take});
+      blocks.back().sources.push_back(Source{s.canonical, s.local, take, s.rule});
       b.count += take;
       s.canonical += take;
       s.local += take;
@@ -161,8 +175,8 @@ std::vector<PlannedBlock> plan_blocks(const ShardedOptimizer& opt, const std::ve
   return blocks;
 }
 
-// Writes this rank's shard file: a header, then per block the master, exp_avg and exp_avg_sq
-// values of its canonical range. Returns the blocks with their checksums.
+// Writes this rank's shard file: a header, then per block its arrays (format.hpp: FileArray)
+// over its canonical range. Returns the blocks with their checksums.
 std::vector<Block> write_shard(ShardedOptimizer& opt, Metadata& m, const fs::path& tmp_dir) {
   const std::size_t rank = static_cast<std::size_t>(opt.comm().rank());
   std::vector<PlannedBlock> plan = plan_blocks(opt, canonical_offsets(m));
@@ -172,22 +186,52 @@ std::vector<Block> write_shard(ShardedOptimizer& opt, Metadata& m, const fs::pat
   const auto header = encode_shard_header(shard_header(m, rank));
   f.write(header.data(), header.size());
   if (plan.empty()) test_point("shard-partly-written");
-  std::vector<float> host(plan.empty() ? 0 : static_cast<std::size_t>(kBlockElems));
+  const std::size_t most = plan.empty() ? 0 : static_cast<std::size_t>(kBlockElems);
+  std::vector<float> host(most), scales[2];
+  std::vector<std::uint8_t> codes[2];
   for (std::size_t k = 0; k < plan.size(); ++k) {
-    const std::size_t n = static_cast<std::size_t>(plan[k].block.count);
+    const std::uint64_t start = f.bytes();
     std::uint32_t crc = 0;
+    const auto put = [&](const void* data, std::size_t bytes) {
+      crc = crc32c_update(crc, data, bytes);
+      f.write(data, bytes);
+    };
+    // The fp32 arrays: each source that keeps the array.
     for (StateArray a : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
       std::size_t at = 0;
-      for (const Source& s : plan[k].sources) {
-        opt.copy_state_to_host(a, s.local, std::span<float>(host.data() + at, s.count));
-        at += s.count;
-      }
-      crc = crc32c_update(crc, host.data(), n * sizeof(float));
-      f.write(host.data(), n * sizeof(float));
+      for (const Source& s : plan[k].sources)
+        if (rules::has(s.rule, a) && s.rule != Rule::AdamW8bit) {
+          opt.copy_state_to_host(a, s.local, std::span<float>(host.data() + at, s.count));
+          at += s.count;
+        } else if (a == StateArray::Master) {  // AdamW8bit: its master only
+          opt.copy_state_to_host(a, s.local, std::span<float>(host.data() + at, s.count));
+          at += s.count;
+        }
+      put(host.data(), at * sizeof(float));
       if (k == 0 && a == StateArray::Master) test_point("shard-partly-written");
     }
+    // AdamW8bit's scales, then its codes.
+    for (int x = 0; x < 2; ++x) {
+      scales[x].clear();
+      codes[x].clear();
+    }
+    for (const Source& s : plan[k].sources) {
+      if (s.rule != Rule::AdamW8bit) continue;
+      const std::size_t nb = (s.count + kQuantBlock - 1) / kQuantBlock;
+      for (int x = 0; x < 2; ++x) {
+        scales[x].resize(scales[x].size() + nb);
+        codes[x].resize(codes[x].size() + s.count);
+      }
+      opt.copy_q8_state_to_host(s.local, s.count,
+                                {codes[0].data() + codes[0].size() - s.count,
+                                 codes[1].data() + codes[1].size() - s.count,
+                                 scales[0].data() + scales[0].size() - nb,
+                                 scales[1].data() + scales[1].size() - nb});
+    }
+    for (int x = 0; x < 2; ++x) put(scales[x].data(), scales[x].size() * sizeof(float));
+    for (int x = 0; x < 2; ++x) put(codes[x].data(), codes[x].size());
     blocks[k].crc = crc;
-    blocks[k].file_offset = f.bytes() - kNumArrays * sizeof(float) * n;
+    blocks[k].file_offset = start;
   }
   f.close();
   return blocks;
@@ -200,6 +244,7 @@ void gather_block_tables(Communicator& comm, Metadata& m, const std::vector<Bloc
   comm.all_gather_bytes(&count, counts.data(), sizeof count);
   const std::size_t most = static_cast<std::size_t>(*std::max_element(counts.begin(), counts.end()));
   if (most == 0) return;
+  const std::vector<std::uint64_t> canonical = canonical_offsets(m);
   std::vector<Block> send(most), all(most * counts.size());
   std::copy(mine.begin(), mine.end(), send.begin());
   comm.all_gather_bytes(send.data(), all.data(), most * sizeof(Block));
@@ -207,9 +252,9 @@ void gather_block_tables(Communicator& comm, Metadata& m, const std::vector<Bloc
     MetaShard& s = m.shards[r];
     s.blocks.assign(all.begin() + static_cast<std::ptrdiff_t>(r * most),
                     all.begin() + static_cast<std::ptrdiff_t>(r * most + counts[r]));
-    std::uint64_t elements = 0;
-    for (const Block& b : s.blocks) elements += b.count;
-    s.file_bytes = kShardHeaderBytes + kNumArrays * sizeof(float) * elements;
+    s.file_bytes = kShardHeaderBytes;
+    for (const Block& b : s.blocks)
+      s.file_bytes += block_bytes(block_entries(m, block_pieces(m, canonical, b.begin, b.count)));
   }
 }
 
@@ -267,11 +312,6 @@ fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveO
   collective(comm, "save_checkpoint", [&] {
     require(opt.finalized(), Status::InvalidState, "save_checkpoint: finalize() first");
     require(options.keep >= 1, Status::InvalidArgument, "save_checkpoint: keep must be >= 1");
-    for (std::size_t g = 0; g < opt.groups().size(); ++g)
-      require(opt.groups()[g].rule != Rule::AdamW8bit, Status::Unsupported,
-              "save_checkpoint: group " + std::to_string(g) +
-                  " uses AdamW8bit, whose state (8-bit codes and block scales) checkpoints do "
-                  "not hold yet; nothing was written");
   });
 
   // 1. Rank 0 prepares the directory and names the checkpoint; everyone learns the name.
@@ -334,14 +374,28 @@ void check_compatible(const Metadata& m, const ShardedOptimizer& opt) {
                " elements, group " + std::to_string(p.group) + ") in the optimizer");
   }
   // The state arrays are the rule's: a parameter whose rule changed cannot take them.
+  bool any8 = false;
   for (std::size_t i = 0; i < m.params.size(); ++i) {
-    const Rule saved = m.groups[m.params[i].group].rule;
-    const Rule now = opt.groups()[static_cast<std::size_t>(l.param(i).group)].rule;
+    const Rule saved = param_rule(m, i);
+    const Rule now = opt.rule_of(i);
+    any8 = any8 || now == Rule::AdamW8bit;
     if (saved != now)
       mismatch("parameter '" + l.param(i).name + "' (group " + std::to_string(m.params[i].group) +
                ") was saved under rule " + rule_name(saved) + ", the optimizer updates it with " +
                rule_name(now) + "; its optimizer state does not carry over (load with the saved "
-               "rule, or start that group's state fresh without this checkpoint)");
+               "rule and min_8bit_numel, or start that group's state fresh without this checkpoint)");
+  }
+  // 8-bit codes mean nothing under other maps.
+  const std::uint64_t ours[2] = {rules::q8::map_checksum(rules::q8::signed_map()),
+                                 rules::q8::map_checksum(rules::q8::unsigned_map())};
+  if (any8 && (!m.has_qmap_checksums || m.qmap_checksum[0] != ours[0] || m.qmap_checksum[1] != ours[1])) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%016llx/%016llx, this shardopt's are %016llx/%016llx",
+                  static_cast<unsigned long long>(m.qmap_checksum[0]),
+                  static_cast<unsigned long long>(m.qmap_checksum[1]),
+                  static_cast<unsigned long long>(ours[0]), static_cast<unsigned long long>(ours[1]));
+    mismatch(std::string("the checkpoint's AdamW8bit codes index quantization maps with checksums ") +
+             buf + ": its 8-bit state cannot be decoded here");
   }
 }
 
@@ -357,9 +411,13 @@ LossScaleState adapt_loss_state(LossScaleState s, const LossScaling& now) {
   return s;
 }
 
-// This rank's new state arrays, staged on the host.
+// This rank's new state arrays, staged on the host: the fp32 arrays, and AdamW8bit's codes
+// (per local element) and scales (per 256 local elements) when some parameter keeps them.
 struct Staged {
   std::vector<float> arrays[kNumArrays];
+  std::vector<std::uint8_t> codes[2];
+  std::vector<float> scales[2];
+  std::vector<Range> fp32_pieces;  ///< with 8-bit state: the local ranges of the other pieces
 };
 
 // One held piece: its canonical range and where it goes in the state arrays.
@@ -372,10 +430,15 @@ struct Target {
 Staged read_held_state(const fs::path& dir, const Metadata& m, const ShardedOptimizer& opt) {
   const std::vector<std::uint64_t> canonical = canonical_offsets(m);
   std::vector<Target> targets;
+  std::vector<Range> fp32_ranges;
+  bool any8 = false;
   for (const ShardPiece& p : owned_pieces(opt, PieceSet::Held))
     if (!p.in_param.empty()) {
       const std::uint64_t at = canonical[p.param] + p.in_param.begin;
       targets.push_back(Target{at, at + p.in_param.size(), p.local.begin});
+      const bool q8 = opt.rule_of(p.param) == Rule::AdamW8bit;
+      any8 = any8 || q8;
+      if (!q8) fp32_ranges.push_back(p.local);
     }
   std::sort(targets.begin(), targets.end(),
             [](const Target& a, const Target& b) { return a.begin < b.begin; });
@@ -386,9 +449,22 @@ Staged read_held_state(const fs::path& dir, const Metadata& m, const ShardedOpti
     else
       wanted.push_back(Range{t.begin, t.end});
   }
+  const std::size_t local = owned_state_elems(opt);
   Staged st;
-  for (auto& a : st.arrays) a.assign(owned_state_elems(opt), 0.0f);  // padding stays zero
-  const ChunkSink sink = [&](std::uint32_t a, std::uint64_t begin, std::span<const float> v) {
+  for (auto& a : st.arrays) a.assign(local, 0.0f);  // padding stays zero
+  if (any8) st.fp32_pieces = std::move(fp32_ranges);
+  // Padding in an 8-bit block holds zeros, whose code is not 0 (code 0 is the map's
+  // lowest value): the codes of 0.0 keep them zero.
+  const std::uint8_t zero[2] = {rules::q8::quantize(rules::q8::signed_map(), 0.0f),
+                                rules::q8::quantize(rules::q8::unsigned_map(), 0.0f)};
+  if (any8)
+    for (int x = 0; x < 2; ++x) {
+      st.codes[x].assign(local, zero[x]);
+      st.scales[x].assign((local + kQuantBlock - 1) / kQuantBlock, 0.0f);
+    }
+  // Copies the values of canonical [begin, begin + v.size()) that this rank holds to their
+  // local positions in `to`.
+  const auto place = [&](auto v, std::uint64_t begin, auto& to) {
     const std::uint64_t end = begin + v.size();
     auto it = std::upper_bound(targets.begin(), targets.end(), begin,
                                [](std::uint64_t x, const Target& t) { return x < t.end; });
@@ -396,7 +472,26 @@ Staged read_held_state(const fs::path& dir, const Metadata& m, const ShardedOpti
       const std::uint64_t b = std::max(begin, it->begin), e = std::min(end, it->end);
       std::copy(v.begin() + static_cast<std::ptrdiff_t>(b - begin),
                 v.begin() + static_cast<std::ptrdiff_t>(e - begin),
-                st.arrays[a].begin() + static_cast<std::ptrdiff_t>(it->local + (b - it->begin)));
+                to.begin() + static_cast<std::ptrdiff_t>(it->local + (b - it->begin)));
+    }
+  };
+  const ChunkSink sink = [&](const Chunk& c) {
+    const auto a = static_cast<std::uint32_t>(c.array);
+    if (a < kNumArrays) {
+      place(c.values, c.begin, st.arrays[a]);
+    } else if (!any8) {
+      return;  // (the rules agree: no 8-bit state is stored either)
+    } else if (c.array == FileArray::CodeM || c.array == FileArray::CodeV) {
+      place(c.codes, c.begin, st.codes[c.array == FileArray::CodeV]);
+    } else {  // one scale per quantization block, each where its block's first element goes
+      std::vector<float>& to = st.scales[c.array == FileArray::ScaleV];
+      for (std::size_t j = 0; j < c.values.size(); ++j) {
+        const std::uint64_t pos = c.begin + j * kQuantBlock;
+        auto it = std::upper_bound(targets.begin(), targets.end(), pos,
+                                   [](std::uint64_t x, const Target& t) { return x < t.end; });
+        if (it != targets.end() && it->begin <= pos)
+          to[static_cast<std::size_t>((it->local + (pos - it->begin)) / kQuantBlock)] = c.values[j];
+      }
     }
   };
   read_state(dir, m, wanted, sink);
@@ -428,11 +523,31 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
                                 "was it saved to during the load?)");
 
   // Everything is validated: commit (nothing below can fail on bad input).
+  // AdamW8bit's fp32 views are not written (its state is the codes and scales).
   const StateArray kinds[kNumArrays] = {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq};
-  for (std::uint32_t a = 0; a < kNumArrays; ++a) opt.copy_state_from_host(kinds[a], 0, st.arrays[a]);
+  for (std::uint32_t a = 0; a < kNumArrays; ++a) {
+    if (!st.codes[0].empty() && a > 0) {
+      for (const Range& r : st.fp32_pieces)
+        opt.copy_state_from_host(kinds[a], r.begin,
+                                 std::span<const float>(st.arrays[a]).subspan(r.begin, r.size()));
+      continue;
+    }
+    opt.copy_state_from_host(kinds[a], 0, st.arrays[a]);
+  }
+  if (!st.codes[0].empty())
+    opt.copy_q8_state_from_host(0, st.codes[0].size(),
+                                {st.codes[0].data(), st.codes[1].data(), st.scales[0].data(),
+                                 st.scales[1].data()});
   opt.set_step_count(m.step_count);
   opt.set_adam_config(m.adam);
-  for (std::size_t g = 0; g < m.groups.size(); ++g) opt.set_group(static_cast<int>(g), m.groups[g]);
+  // The hyperparameters come from the checkpoint; the rule and its layout options stay (they
+  // were checked to give every parameter its saved rule).
+  for (std::size_t g = 0; g < m.groups.size(); ++g) {
+    GroupOptions go = m.groups[g];
+    go.rule = opt.groups()[g].rule;
+    go.adamw8bit = opt.groups()[g].adamw8bit;
+    opt.set_group(static_cast<int>(g), go);
+  }
   opt.set_loss_scale_state(loss);
   opt.refresh_replica();
 }

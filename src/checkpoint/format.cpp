@@ -1,5 +1,5 @@
 // format.cpp: byte-level encoding of checkpoint metadata, shard headers and LATEST, with
-// decoders (formats 1 to 3) that bounds-check every field before it is used (they are
+// decoders (formats 1 to 5) that bounds-check every field before it is used (they are
 // fuzzed: tests/fuzz/); checkpoint directory names; bytes from files made fit for messages.
 #include "format.hpp"
 
@@ -13,6 +13,8 @@
 #include <utility>
 
 #include "crc32c.hpp"
+#include "rules/qmap.hpp"
+#include "rules/rules.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/layout.hpp"
 
@@ -189,6 +191,52 @@ std::vector<std::uint64_t> canonical_offsets(const Metadata& m) {
   return c;
 }
 
+Rule param_rule(const Metadata& m, std::size_t i) {
+  const MetaParam& p = m.params.at(i);
+  return rules::param_rule(m.groups.at(p.group), static_cast<std::size_t>(p.numel));
+}
+
+std::vector<BlockPiece> block_pieces(const Metadata& m, const std::vector<std::uint64_t>& canonical,
+                                     std::uint64_t begin, std::uint64_t count) {
+  std::vector<BlockPiece> out;
+  const std::uint64_t end = begin + count;
+  // The parameter holding `begin`: the last whose first element is <= begin.
+  std::size_t i = static_cast<std::size_t>(
+      std::upper_bound(canonical.begin(), canonical.end() - 1, begin) - canonical.begin());
+  for (i = i == 0 ? 0 : i - 1; i < m.params.size() && canonical[i] < end; ++i) {
+    const std::uint64_t b = std::max(begin, canonical[i]), e = std::min(end, canonical[i + 1]);
+    if (b < e) out.push_back(BlockPiece{i, b, e - b, param_rule(m, i)});
+  }
+  return out;
+}
+
+std::array<std::uint64_t, kNumFileArrays> block_entries(const Metadata& m,
+                                                        std::span<const BlockPiece> pieces) {
+  std::array<std::uint64_t, kNumFileArrays> n{};
+  for (const BlockPiece& p : pieces) {
+    n[0] += p.count;
+    if (m.version < 5) {  // three fp32 arrays, every element
+      n[1] += p.count;
+      n[2] += p.count;
+      continue;
+    }
+    using rules::Slot;
+    if (rules::keeps(p.rule, Slot::ExpAvg)) n[1] += p.count;
+    if (rules::keeps(p.rule, Slot::ExpAvgSq)) n[2] += p.count;
+    n[3] += p.quant_blocks();
+    n[4] += p.quant_blocks();
+    if (p.rule == Rule::AdamW8bit) {
+      n[5] += p.count;
+      n[6] += p.count;
+    }
+  }
+  return n;
+}
+
+std::uint64_t block_bytes(const std::array<std::uint64_t, kNumFileArrays>& n) {
+  return 4 * (n[0] + n[1] + n[2] + n[3] + n[4]) + n[5] + n[6];
+}
+
 std::vector<Range> shard_extents(const Metadata& m, std::size_t index) {
   const MetaShard& s = m.shards.at(index);
   std::vector<Range> out;
@@ -257,7 +305,13 @@ void encode_common(Writer& w, const Metadata& m) {
     w.put<std::uint32_t>(static_cast<std::uint32_t>(g.rule));  // format 4
     w.put<double>(g.lion.beta1);
     w.put<double>(g.lion.beta2);
+    w.put<std::uint64_t>(g.adamw8bit.min_8bit_numel);  // format 5
   }
+  // Format 5: the maps AdamW8bit codes index (this build's, unless m names others).
+  w.put<std::uint64_t>(m.has_qmap_checksums ? m.qmap_checksum[0]
+                                            : rules::q8::map_checksum(rules::q8::signed_map()));
+  w.put<std::uint64_t>(m.has_qmap_checksums ? m.qmap_checksum[1]
+                                            : rules::q8::map_checksum(rules::q8::unsigned_map()));
 }
 
 void decode_common(Reader& r, Metadata& m) {
@@ -303,7 +357,8 @@ void decode_common(Reader& r, Metadata& m) {
     corrupt("invalid loss scale state");
 
   const std::uint64_t ngroups =
-      r.count(r.get<std::uint32_t>("group count"), m.version >= 4 ? 32 : 12, "group");
+      r.count(r.get<std::uint32_t>("group count"), m.version >= 5 ? 40 : m.version >= 4 ? 32 : 12,
+              "group");
   if (ngroups == 0) corrupt("no parameter groups");
   m.groups.reserve(ngroups);
   for (std::uint64_t g = 0; g < ngroups; ++g) {
@@ -317,11 +372,22 @@ void decode_common(Reader& r, Metadata& m) {
       if (rule >= static_cast<std::uint32_t>(kNumRules))
         corrupt("unknown group rule " + std::to_string(rule));
       go.rule = static_cast<Rule>(rule);
+      if (go.rule == Rule::AdamW8bit && m.version < 5)  // saves refused it before format 5
+        corrupt("format " + std::to_string(m.version) + " cannot hold AdamW8bit state");
       go.lion.beta1 = r.get<double>("group Lion beta1");
       go.lion.beta2 = r.get<double>("group Lion beta2");
     }
+    if (m.version >= 5) {  // formats 1-4 had no 8-bit state: the default threshold
+      go.adamw8bit.min_8bit_numel = r.get<std::uint64_t>("group min_8bit_numel");
+      if (go.adamw8bit.min_8bit_numel > kMaxElements) corrupt("impossible group min_8bit_numel");
+    }
     if (const std::string p = validate(go); !p.empty()) corrupt("group: " + p);
     m.groups.push_back(go);
+  }
+  if (m.version >= 5) {
+    m.has_qmap_checksums = true;
+    m.qmap_checksum[0] = r.get<std::uint64_t>("signed map checksum");
+    m.qmap_checksum[1] = r.get<std::uint64_t>("unsigned map checksum");
   }
 }
 
@@ -402,30 +468,41 @@ void decode_v2_tail(Reader& r, Metadata& m) {
   const std::uint64_t nshards = r.count(r.get<std::uint32_t>("shard count"), 16, "shard");
   if (nshards != m.world_size) corrupt("shard count differs from the world size");
   m.shards.reserve(nshards);
+  const std::vector<std::uint64_t> canonical = canonical_offsets(m);
   std::vector<std::pair<std::uint64_t, std::uint64_t>> all;  // every block: begin, count
   for (std::uint64_t s = 0; s < nshards; ++s) {
     MetaShard sh;
     sh.file_bytes = r.get<std::uint64_t>("shard file size");
     const std::uint64_t nblocks = r.count(r.get<std::uint64_t>("block count"), kBlockRecord, "block");
     sh.blocks.reserve(nblocks);
-    std::uint64_t elements = 0, prev_end = 0;
+    std::uint64_t bytes = kShardHeaderBytes, prev_end = 0;
     for (std::uint64_t b = 0; b < nblocks; ++b) {
       Block blk;
       blk.begin = r.get<std::uint64_t>("block begin");
       blk.count = r.get<std::uint64_t>("block count");
       blk.crc = r.get<std::uint32_t>("block checksum");
+      const std::string which = "shard " + std::to_string(s) + " block " + std::to_string(b);
       if (blk.count == 0 || blk.count > kBlockElems || blk.begin > total ||
           blk.count > total - blk.begin || (b > 0 && blk.begin < prev_end))
-        corrupt("shard " + std::to_string(s) + " block " + std::to_string(b) +
-                " is not an ascending range of at most " + std::to_string(kBlockElems) +
+        corrupt(which + " is not an ascending range of at most " + std::to_string(kBlockElems) +
                 " elements inside the parameters");
-      blk.file_offset = kShardHeaderBytes + kNumArrays * sizeof(float) * elements;
-      elements += blk.count;
+      const std::vector<BlockPiece> pieces = block_pieces(m, canonical, blk.begin, blk.count);
+      // Format 5: an AdamW8bit parameter's blocks are whole quantization blocks (its last
+      // may be partial, ending with the parameter).
+      for (const BlockPiece& p : pieces)
+        if (p.rule == Rule::AdamW8bit &&
+            ((p.begin - canonical[p.param]) % kQuantBlock != 0 ||
+             (p.begin + p.count != canonical[p.param + 1] &&
+              (p.begin + p.count - canonical[p.param]) % kQuantBlock != 0)))
+          corrupt(which + " cuts a quantization block of AdamW8bit parameter '" +
+                  m.params[p.param].name + "'");
+      blk.file_offset = bytes;
+      bytes += block_bytes(block_entries(m, pieces));
       prev_end = blk.begin + blk.count;
       all.emplace_back(blk.begin, blk.count);
       sh.blocks.push_back(blk);
     }
-    if (sh.file_bytes != kShardHeaderBytes + kNumArrays * sizeof(float) * elements)
+    if (sh.file_bytes != bytes)
       corrupt("shard " + std::to_string(s) + " file size does not match its blocks");
     m.shards.push_back(std::move(sh));
   }
@@ -551,8 +628,8 @@ std::array<unsigned char, kShardHeaderBytes> encode_shard_header(const ShardHead
   w.put<std::uint32_t>(h.world_size);
   w.put<std::uint64_t>(h.elements);
   w.put<std::uint64_t>(h.blocks);
-  w.put<std::uint32_t>(kNumArrays);
-  w.put<std::uint32_t>(sizeof(float));
+  w.put<std::uint32_t>(kNumFileArrays);  // format 5: entries as the metadata's rules say
+  w.put<std::uint32_t>(0);
   w.put<std::uint64_t>(h.layout_hash);
   w.put<std::uint32_t>(h.table_hash);
   w.put<std::uint32_t>(crc32c(w.out().data(), kShardHeaderBytes - 4));
@@ -581,7 +658,9 @@ ShardHeader decode_shard_header(std::span<const unsigned char> in) {
   const auto crc = r.get<std::uint32_t>("header checksum");
   if (crc32c(in.data(), kShardHeaderBytes - 4) != crc) corrupt("shard header checksum mismatch");
   check_version(h.version, "shard file");
-  if (header_bytes != kShardHeaderBytes || arrays != kNumArrays || elem != sizeof(float))
+  const bool layout_ok = h.version >= 5 ? arrays == kNumFileArrays && elem == 0
+                                        : arrays == kNumArrays && elem == sizeof(float);
+  if (header_bytes != kShardHeaderBytes || !layout_ok)
     corrupt("shard header describes an unknown record layout");
   if (h.rank >= h.world_size) corrupt("shard header is inconsistent");
   if (h.version == 1) {

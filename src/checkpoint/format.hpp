@@ -1,5 +1,5 @@
-// format.hpp: the on-disk checkpoint format, as bytes: encoding (version 3) and validating
-// decoding (versions 1 to 3) of the metadata file and of shard headers, the names of
+// format.hpp: the on-disk checkpoint format, as bytes: encoding (version 5) and validating
+// decoding (versions 1 to 5) of the metadata file and of shard headers, the names of
 // checkpoint directories, and bytes from checkpoint files made fit for messages. No files,
 // no MPI: the fuzzer and the export tool use it alone. docs/checkpoint-format.md describes
 // every field.
@@ -24,12 +24,23 @@
 
 namespace shardopt::ckpt {
 
-inline constexpr std::uint32_t kFormatVersion = 4;  ///< written; versions 1..4 are read
+inline constexpr std::uint32_t kFormatVersion = 5;  ///< written; versions 1..5 are read
 inline constexpr std::size_t kMetaHeaderBytes = 32;
 inline constexpr std::size_t kShardHeaderBytes = 64;
-/// master, exp_avg, exp_avg_sq (fp32 each); an array the element's rule does not keep (Lion's
-/// exp_avg_sq) is stored as zeros and ignored on load.
+/// Formats 1-4: master, exp_avg, exp_avg_sq (fp32 each) for every element; an array the
+/// element's rule does not keep (Lion's exp_avg_sq) is stored as zeros and ignored on load.
 inline constexpr std::uint32_t kNumArrays = 3;
+
+/// The arrays of a format-5 block, in file order. Each holds the entries of the block's
+/// elements whose rule keeps it (rules/rules.hpp), in canonical order: master every element
+/// (fp32), exp_avg those under AdamW and Lion (fp32), exp_avg_sq those under AdamW (fp32),
+/// the AdamW8bit elements' exp_avg and exp_avg_sq scales (fp32, one per 256-element
+/// quantization block counted from the parameter's first element) and their codes (u8 per
+/// element). Formats 1-4 hold the first three, every element each.
+enum class FileArray : std::uint32_t { Master, ExpAvg, ExpAvgSq, ScaleM, ScaleV, CodeM, CodeV };
+inline constexpr std::uint32_t kNumFileArrays = 7;
+/// The quantization block of AdamW8bit state (rules/qmap.hpp's kBlock).
+inline constexpr std::uint64_t kQuantBlock = 256;
 /// Format 2: the most elements in one block (the unit of reading and checksumming: 3 MiB of
 /// state), so a reader needing part of a shard reads at most one block more per boundary.
 inline constexpr std::uint64_t kBlockElems = std::uint64_t{1} << 18;
@@ -46,11 +57,13 @@ struct MetaParam {
 };
 
 /// Format 2: canonical elements [begin, begin + count) of one shard file, stored as the
-/// master, exp_avg and exp_avg_sq values of that range back to back (12 * count bytes).
+/// master, exp_avg and exp_avg_sq values of that range back to back (12 * count bytes);
+/// format 5: its FileArray arrays back to back (block_bytes()). A format-5 block boundary
+/// inside an AdamW8bit parameter is a multiple of 256 elements from the parameter's start.
 struct Block {
   std::uint64_t begin = 0;
   std::uint64_t count = 0;
-  std::uint32_t crc = 0;          ///< CRC-32C of the block's 12 * count bytes
+  std::uint32_t crc = 0;          ///< CRC-32C of the block's bytes
   std::uint64_t file_offset = 0;  ///< derived on decode: where the block starts in its file
 };
 
@@ -77,7 +90,11 @@ struct Metadata {
   AdamConfig adam;
   LossScaling loss_scaling;
   LossScaleState loss_state;
-  std::vector<GroupOptions> groups;
+  std::vector<GroupOptions> groups;  ///< format 5 also records adamw8bit.min_8bit_numel
+  /// Format 5: the FNV-1a checksums of the signed and unsigned quantization maps the
+  /// AdamW8bit codes index (rules/qmap.hpp), written whatever the rules.
+  bool has_qmap_checksums = false;
+  std::uint64_t qmap_checksum[2] = {0, 0};
   std::vector<MetaParam> params;
   std::uint64_t padded_size = 0;  ///< format 1 only
   std::vector<MetaShard> shards;
@@ -87,6 +104,28 @@ struct Metadata {
 /// Canonical position of each parameter's first element (size: params + 1; the last entry
 /// is the canonical size).
 std::vector<std::uint64_t> canonical_offsets(const Metadata& m);
+
+/// The rule parameter i's state is kept under (its group's rule and min_8bit_numel).
+Rule param_rule(const Metadata& m, std::size_t i);
+
+/// A stored run of one parameter inside a block: canonical [begin, begin + count).
+struct BlockPiece {
+  std::size_t param = 0;
+  std::uint64_t begin = 0;
+  std::uint64_t count = 0;
+  Rule rule = Rule::AdamW;
+  /// Quantization blocks of the run (AdamW8bit only; the run starts on one).
+  std::uint64_t quant_blocks() const { return rule == Rule::AdamW8bit ? (count + kQuantBlock - 1) / kQuantBlock : 0; }
+};
+/// The pieces of canonical range [begin, begin + count), in order (`canonical`:
+/// canonical_offsets(m)).
+std::vector<BlockPiece> block_pieces(const Metadata& m, const std::vector<std::uint64_t>& canonical,
+                                     std::uint64_t begin, std::uint64_t count);
+/// Entries of each FileArray in a block made of `pieces` (formats 1-4: count, count, count).
+std::array<std::uint64_t, kNumFileArrays> block_entries(const Metadata& m,
+                                                        std::span<const BlockPiece> pieces);
+/// Bytes of a block with those entries.
+std::uint64_t block_bytes(const std::array<std::uint64_t, kNumFileArrays>& entries);
 
 /// The canonical ranges shard `index` holds, ascending: its blocks (format 2) or the parts
 /// of parameters inside its flat range (format 1).

@@ -8,6 +8,7 @@
 
 #include "crc32c.hpp"
 #include "files.hpp"
+#include "rules/rules.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt::ckpt {
@@ -64,24 +65,71 @@ void check_shard_file(InFile& f, const fs::path& dir, const Metadata& m, std::si
   }
 }
 
-// Format 2: the blocks of shard `index` that overlap `wanted`, each verified, then passed on.
+// Formats 2-5: the blocks of shard `index` that overlap `wanted`, each verified, then passed
+// on.
 void read_blocks(const fs::path& dir, const Metadata& m, std::size_t index,
-                 std::span<const Range> wanted, const ChunkSink& sink) {
+                 const std::vector<std::uint64_t>& canonical, std::span<const Range> wanted,
+                 const ChunkSink& sink) {
   std::array<unsigned char, kShardHeaderBytes> header{};
   InFile f(dir / shard_file_name(index));
   check_shard_file(f, dir, m, index, header);
-  std::vector<float> buf;
+  std::vector<float> buf;  // floats first in every block: the fp32 arrays stay aligned
   for (const Block& b : m.shards[index].blocks) {
     if (!overlaps(wanted, Range{b.begin, b.begin + b.count})) continue;
-    const std::size_t n = static_cast<std::size_t>(b.count);
-    buf.resize(kNumArrays * n);
-    f.read_at(b.file_offset, buf.data(), buf.size() * sizeof(float));
-    if (crc32c(buf.data(), buf.size() * sizeof(float)) != b.crc)
+    const std::vector<BlockPiece> pieces = block_pieces(m, canonical, b.begin, b.count);
+    const auto entries = block_entries(m, pieces);
+    const std::size_t bytes = static_cast<std::size_t>(block_bytes(entries));
+    buf.resize((bytes + sizeof(float) - 1) / sizeof(float));
+    f.read_at(b.file_offset, buf.data(), bytes);
+    if (crc32c(buf.data(), bytes) != b.crc)
       corrupt_file(dir / shard_file_name(index),
                    "fails the checksum of its block at element " + std::to_string(b.begin) +
                        " (the file is corrupted)");
-    for (std::uint32_t a = 0; a < kNumArrays; ++a)
-      sink(a, b.begin, std::span<const float>(buf.data() + a * n, n));
+    // Where each array starts in the block, and how far each has been consumed.
+    std::array<std::size_t, kNumFileArrays> at{};
+    std::size_t start = 0;
+    for (std::uint32_t a = 0; a < kNumFileArrays; ++a) {
+      at[a] = start;
+      start += static_cast<std::size_t>(entries[a]) * (a < 5 ? sizeof(float) : 1);
+    }
+    const auto* base = reinterpret_cast<const unsigned char*>(buf.data());
+    const auto pass = [&](FileArray a, std::uint64_t begin, std::size_t n) {
+      const auto k = static_cast<std::uint32_t>(a);
+      Chunk c{a, begin, {}, {}};
+      if (k < 5) {
+        c.values = std::span<const float>(reinterpret_cast<const float*>(base + at[k]), n);
+        at[k] += n * sizeof(float);
+      } else {
+        c.codes = std::span<const std::uint8_t>(base + at[k], n);
+        at[k] += n;
+      }
+      if (n > 0) sink(c);
+    };
+    if (m.version < 5) {  // three fp32 arrays of the whole block
+      for (FileArray a : {FileArray::Master, FileArray::ExpAvg, FileArray::ExpAvgSq})
+        pass(a, b.begin, static_cast<std::size_t>(b.count));
+      continue;
+    }
+    for (FileArray a : {FileArray::Master, FileArray::ExpAvg, FileArray::ExpAvgSq, FileArray::ScaleM,
+                        FileArray::ScaleV, FileArray::CodeM, FileArray::CodeV})
+      for (const BlockPiece& p : pieces) {
+        const auto n = static_cast<std::size_t>(p.count);
+        switch (a) {
+          case FileArray::Master: pass(a, p.begin, n); break;
+          case FileArray::ExpAvg:
+            if (rules::keeps(p.rule, rules::Slot::ExpAvg)) pass(a, p.begin, n);
+            break;
+          case FileArray::ExpAvgSq:
+            if (rules::keeps(p.rule, rules::Slot::ExpAvgSq)) pass(a, p.begin, n);
+            break;
+          case FileArray::ScaleM:
+          case FileArray::ScaleV: pass(a, p.begin, static_cast<std::size_t>(p.quant_blocks())); break;
+          case FileArray::CodeM:
+          case FileArray::CodeV:
+            if (p.rule == Rule::AdamW8bit) pass(a, p.begin, n);
+            break;
+        }
+      }
   }
 }
 
@@ -108,8 +156,9 @@ void stream_v1_shard(const fs::path& dir, const Metadata& m, std::size_t index,
       for (; it != m.params.end() && it->offset < end; ++it) {
         const std::uint64_t b = std::max(begin, it->offset), e = std::min(end, it->offset + it->numel);
         const std::size_t i = static_cast<std::size_t>(it - m.params.begin());
-        sink(a, canonical[i] + (b - it->offset),
-             std::span<const float>(buf.data() + (b - begin), static_cast<std::size_t>(e - b)));
+        sink(Chunk{static_cast<FileArray>(a), canonical[i] + (b - it->offset),
+                   std::span<const float>(buf.data() + (b - begin), static_cast<std::size_t>(e - b)),
+                   {}});
       }
     }
   }
@@ -187,7 +236,7 @@ void read_state(const fs::path& dir, const Metadata& m, std::span<const Range> w
     if (m.version == 1)
       stream_v1_shard(dir, m, s, canonical, sink);
     else
-      read_blocks(dir, m, s, wanted, sink);
+      read_blocks(dir, m, s, canonical, wanted, sink);
   }
 }
 

@@ -1,6 +1,6 @@
 // reader.hpp: reading a published checkpoint from files: which directory a path names,
 // its validated metadata, and the state values of any canonical ranges, every byte's
-// checksum verified. Formats 1 and 2. Used by load_checkpoint() and by the export tool (no
+// checksum verified. Formats 1 to 5. Used by load_checkpoint() and by the export tool (no
 // MPI).
 #pragma once
 
@@ -24,10 +24,17 @@ fs::path resolve_checkpoint_dir(const fs::path& path);
 /// Reads and validates dir/metadata.bin.
 Metadata read_metadata(const fs::path& checkpoint_dir);
 
-/// Receives values of one state array (0 master, 1 exp_avg, 2 exp_avg_sq) at the canonical
-/// positions [begin, begin + values.size()).
-using ChunkSink =
-    std::function<void(std::uint32_t array, std::uint64_t begin, std::span<const float> values)>;
+/// Entries of one stored array (format.hpp: FileArray) at canonical positions: `begin` is
+/// the canonical position of the first element (scales: of the first quantization block's
+/// first element, one value per 256 elements from there). fp32 arrays and scales fill
+/// `values`, codes fill `codes`. Formats 1-4 pass Master, ExpAvg and ExpAvgSq only.
+struct Chunk {
+  FileArray array = FileArray::Master;
+  std::uint64_t begin = 0;
+  std::span<const float> values;
+  std::span<const std::uint8_t> codes;
+};
+using ChunkSink = std::function<void(const Chunk&)>;
 
 /// Passes every stored value whose canonical position lies in `wanted` (ascending, disjoint
 /// ranges), and possibly others near them, through `sink`; opens only the shard files that

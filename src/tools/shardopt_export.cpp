@@ -109,8 +109,9 @@ void export_master(const fs::path& dir, const Metadata& m, const std::string& ou
     const std::uint64_t header_len = header.size();  // little-endian u64, then the JSON
     pwrite_all(fd, &header_len, 8, 0, tmp);
     pwrite_all(fd, header.data(), header.size(), 8, tmp);
-    const ChunkSink sink = [&](std::uint32_t array, std::uint64_t begin, std::span<const float> v) {
-      if (array == 0) pwrite_all(fd, v.data(), v.size() * 4, data_start + begin * 4, tmp);
+    const ChunkSink sink = [&](const Chunk& c) {
+      if (c.array == FileArray::Master)
+        pwrite_all(fd, c.values.data(), c.values.size() * 4, data_start + c.begin * 4, tmp);
     };
     const Range everything{0, static_cast<std::size_t>(total)};
     read_state(dir, m, std::span<const Range>(&everything, 1), sink);

@@ -32,6 +32,8 @@ struct CkptSetup {
   DType dtype = DType::BF16;
   LossScaling loss_scaling{};
   Rule rule1 = Rule::AdamW;  ///< group 1's rule (parameters 1, 3, 5)
+  /// Group 1's adamw8bit.min_8bit_numel (64: parameters 1 and 3 keep 8-bit state, 5 fp32).
+  std::size_t min_8bit_numel = 64;
 };
 
 inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Communicator> comm,
@@ -48,6 +50,7 @@ inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Com
   g1.lr_scale = 0.5;
   g1.weight_decay = false;
   g1.rule = s.rule1;
+  g1.adamw8bit.min_8bit_numel = s.min_8bit_numel;
   opt->add_group(g1);
   const auto& sizes = ckpt_sizes();
   for (std::size_t i = 0; i < sizes.size(); ++i)
@@ -132,52 +135,98 @@ class SharedDir {
 };
 
 /// The full state (master, exp_avg, exp_avg_sq, each per parameter, concatenated in
-/// parameter order) on every rank. Collective.
+/// parameter order; AdamW8bit parameters' exp_avg and exp_avg_sq dequantized) on every rank,
+/// and AdamW8bit's raw state: codes per element (0 elsewhere), scales per quantization block
+/// of the 8-bit parameters in order. Collective.
 struct FullState {
   std::vector<float> arrays[3];
+  std::vector<std::uint8_t> codes[2];
+  std::vector<float> scales[2];
   std::int64_t step = 0;
   bool operator==(const FullState& o) const {
     for (int a = 0; a < 3; ++a)
       if (arrays[a].size() != o.arrays[a].size() ||
           std::memcmp(arrays[a].data(), o.arrays[a].data(), arrays[a].size() * 4) != 0)
         return false;
+    for (int x = 0; x < 2; ++x)
+      if (codes[x] != o.codes[x] || scales[x].size() != o.scales[x].size() ||
+          std::memcmp(scales[x].data(), o.scales[x].data(), scales[x].size() * 4) != 0)
+        return false;
     return step == o.step;
   }
 };
 
 inline FullState gather_state(ShardedOptimizer& opt) {
+  constexpr std::size_t kQ = 256;
   const FlatLayout& l = opt.layout();
-  std::vector<std::size_t> out_offset;
-  std::size_t total = 0;
-  for (const ParamInfo& p : l.params()) {
+  std::vector<std::size_t> out_offset, block_offset;
+  std::size_t total = 0, blocks = 0;
+  bool any8 = false;
+  for (std::size_t i = 0; i < l.num_params(); ++i) {
     out_offset.push_back(total);
-    total += p.numel;
+    block_offset.push_back(blocks);
+    total += l.param(i).numel;
+    if (opt.rule_of(i) == Rule::AdamW8bit) {
+      blocks += (l.param(i).numel + kQ - 1) / kQ;
+      any8 = true;
+    }
   }
   FullState st;
   st.step = opt.step_count();
   const bool everyone_owns_all = opt.options().stage == Stage::DataParallel;
+  const std::size_t local = ckpt::owned_state_elems(opt);
+  const auto pieces = ckpt::owned_pieces(opt, ckpt::PieceSet::Held);
+  // One owner per element: the sum is exact (data-parallel ranks all hold everything).
+  const auto reduce = [&](std::vector<double>& v) {
+    if (!everyone_owns_all) opt.comm().all_reduce_sum_host(v.data(), v.size());
+  };
   for (int a = 0; a < 3; ++a) {
-    std::vector<float> mine(ckpt::owned_state_elems(opt));
+    std::vector<float> mine(local);
     opt.copy_state_to_host(static_cast<StateArray>(a), 0, mine);
     std::vector<double> full(total, 0.0);
-    for (const ShardPiece& p : ckpt::owned_pieces(opt, ckpt::PieceSet::Held))
+    for (const ShardPiece& p : pieces)
       for (std::size_t k = 0; k < p.in_param.size(); ++k)
         full[out_offset[p.param] + p.in_param.begin + k] = mine[p.local.begin + k];
-    // One owner per element: the sum is exact (data-parallel ranks all hold everything).
-    if (!everyone_owns_all) opt.comm().all_reduce_sum_host(full.data(), full.size());
+    reduce(full);
     st.arrays[a].assign(full.begin(), full.end());
+  }
+  if (!any8) return st;
+  std::vector<std::uint8_t> codes[2];
+  std::vector<float> scales[2];
+  for (int x = 0; x < 2; ++x) {
+    codes[x].resize(local);
+    scales[x].resize((local + kQ - 1) / kQ);
+  }
+  opt.copy_q8_state_to_host(0, local, {codes[0].data(), codes[1].data(), scales[0].data(),
+                                       scales[1].data()});
+  for (int x = 0; x < 2; ++x) {
+    std::vector<double> c(total, 0.0), s(blocks, 0.0);
+    for (const ShardPiece& p : pieces) {
+      if (opt.rule_of(p.param) != Rule::AdamW8bit) continue;
+      for (std::size_t k = 0; k < p.in_param.size(); ++k)
+        c[out_offset[p.param] + p.in_param.begin + k] = codes[x][p.local.begin + k];
+      for (std::size_t j = 0; j < (p.in_param.size() + kQ - 1) / kQ; ++j)
+        s[block_offset[p.param] + p.in_param.begin / kQ + j] = scales[x][p.local.begin / kQ + j];
+    }
+    reduce(c);
+    reduce(s);
+    st.codes[x].assign(c.begin(), c.end());
+    st.scales[x].assign(s.begin(), s.end());
   }
   return st;
 }
 
 /// Sends rank 0's state to every rank of comm (collective).
 inline void broadcast_state(Communicator& comm, FullState& s) {
-  for (auto& a : s.arrays) {
-    std::uint64_t n = a.size();
+  const auto send = [&](auto& v) {
+    std::uint64_t n = v.size();
     comm.broadcast_bytes(&n, sizeof n, 0);
-    a.resize(n);
-    comm.broadcast_bytes(a.data(), n * sizeof(float), 0);
-  }
+    v.resize(n);
+    comm.broadcast_bytes(v.data(), n * sizeof(v[0]), 0);
+  };
+  for (auto& a : s.arrays) send(a);
+  for (auto& c : s.codes) send(c);
+  for (auto& x : s.scales) send(x);
   comm.broadcast_bytes(&s.step, sizeof s.step, 0);
 }
 
