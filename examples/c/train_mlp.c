@@ -7,6 +7,10 @@
  *   mpiexec -n 2 ./train_mlp_c [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
  *                              [--params-out FILE] [--save-dir DIR --save-at K]
  *                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
+ *                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N]
+ *
+ * --rule and --min-8bit-numel as in the C++ trainer: both groups' update rule (through
+ * shardopt_group_t) and AdamW8bit's threshold.
  *
  * Each layer is a unit (shardopt_begin_unit before its parameters, at every stage, so that all
  * stages share one layout). The step runs layer by layer over this rank's samples: forward
@@ -65,7 +69,8 @@ static void make_sample(int step, int s, float* x, float* y) {
 }
 
 typedef struct {
-  int steps, stage, dtype, save_at;
+  int steps, stage, dtype, save_at, rule;
+  size_t min_8bit_numel;
   const char* params_out;
   const char* save_dir;
   const char* resume;
@@ -84,6 +89,8 @@ static int parse(int argc, char** argv, cli_t* c) {
   c->resume = NULL;
   c->loss_out = NULL;
   c->check_loss = NULL;
+  c->rule = SHARDOPT_RULE_ADAMW;
+  c->min_8bit_numel = 4096;
   for (i = 1; i < argc; ++i) {
     const char* a = argv[i];
     if (i + 1 >= argc) {
@@ -99,6 +106,17 @@ static int parse(int argc, char** argv, cli_t* c) {
     else if (strcmp(a, "--resume") == 0) c->resume = argv[++i];
     else if (strcmp(a, "--loss-out") == 0) c->loss_out = argv[++i];
     else if (strcmp(a, "--check-loss") == 0) c->check_loss = argv[++i];
+    else if (strcmp(a, "--min-8bit-numel") == 0) c->min_8bit_numel = (size_t)strtoull(argv[++i], NULL, 10);
+    else if (strcmp(a, "--rule") == 0) {
+      const char* r = argv[++i];
+      if (strcmp(r, "adamw") == 0) c->rule = SHARDOPT_RULE_ADAMW;
+      else if (strcmp(r, "lion") == 0) c->rule = SHARDOPT_RULE_LION;
+      else if (strcmp(r, "adamw8bit") == 0) c->rule = SHARDOPT_RULE_ADAMW8BIT;
+      else {
+        fprintf(stderr, "unknown rule %s (adamw, lion or adamw8bit)\n", r);
+        return 2;
+      }
+    }
     else {
       fprintf(stderr, "train_mlp_c: unknown option %s\n", a);
       return 1;
@@ -219,7 +237,17 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     if (rank == 0) fprintf(stderr, "global batch %d does not divide over %d ranks\n", kGlobalBatch, world);
     return 2;
   }
-  CHECK(shardopt_add_group(opt, 1.0, 0, &no_decay));
+  {
+    /* Both groups under --rule: group 0 (the default group, with decay) changed, group 1
+     * added without decay. */
+    shardopt_group_t g;
+    shardopt_group_init(&g);
+    g.rule = cli->rule;
+    g.adamw8bit_min_numel = cli->min_8bit_numel;
+    CHECK(shardopt_set_group_ex(opt, 0, &g));
+    g.weight_decay = 0;
+    CHECK(shardopt_add_group_ex(opt, &g, &no_decay));
+  }
   for (p = 0; p < kParams; ++p) {
     if (p % 2 == 0) CHECK(shardopt_begin_unit(opt, NULL)); /* layer p / 2: units 0 and 1 */
     CHECK(shardopt_add_param(opt, names[p], sizes[p], p % 2 == 1 ? no_decay : 0, &index[p]));

@@ -8,6 +8,7 @@
 //
 //   mpiexec -n 2 ./train_mlp [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
 //                            [--micro-batches K] [--no-overlap]
+//                            [--rule adamw|lion|adamw8bit] [--min-8bit-numel N]
 //                            [--loss-out FILE] [--check-against FILE] [--params-out FILE]
 //   ./train_mlp --help
 //
@@ -19,6 +20,10 @@
 //
 // --stage 3 shards the parameters too: each layer is a unit, and the forward pass acquires
 // layer 1 while prefetching layer 2, releases it, then acquires layer 2 (already in flight).
+//
+// --rule picks both groups' update rule (AdamW by default); --min-8bit-numel sets AdamW8bit's
+// threshold (parameters with fewer elements keep fp32 state; 4096 by default, which keeps
+// this model's matrices fp32 too: 256 makes both matrices 8-bit).
 //
 // --params-out writes the final fp32 master weights of every parameter, in order, as raw
 // floats; the C and Fortran trainers (examples/c, examples/fortran) write the same file.
@@ -78,6 +83,8 @@ struct Options {
   bool reproducible = false;
   int micro_batch_size = 8;
   bool round_robin = false;
+  Rule rule = Rule::AdamW;
+  std::size_t min_8bit_numel = AdamW8bitConfig{}.min_8bit_numel;
   std::string loss_out, check_against, params_out;
 };
 
@@ -113,6 +120,13 @@ int parse(int argc, char** argv, bool print, Options& o) {
                  "with --reproducible: which micro-batches a rank computes")
       ->transform(cli::choice<bool>({{"blocked", false}, {"round-robin", true}}))
       ->default_str("blocked");
+  app.add_option("--rule", o.rule, "the update rule of every parameter group")
+      ->transform(cli::choice<Rule>({{"adamw", Rule::AdamW}, {"lion", Rule::Lion},
+                                     {"adamw8bit", Rule::AdamW8bit}}))
+      ->default_str("adamw");
+  app.add_option("--min-8bit-numel", o.min_8bit_numel,
+                 "with --rule adamw8bit: parameters with fewer elements keep fp32 state")
+      ->capture_default_str();
   app.add_option("--loss-out", o.loss_out, "write the loss curve (one value per step)");
   app.add_option("--check-against", o.check_against,
                  "compare the loss curve with this file; fail beyond the tolerance")
@@ -155,7 +169,13 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   o.overlap = cli.overlap;
   if (cli.reproducible) o.reduction = Reduction::Reproducible;
   ShardedOptimizer opt(comm, o);
-  const int no_decay = opt.add_group(GroupOptions{1.0, false});
+  GroupOptions decay{1.0, true}, no_decay_group{1.0, false};
+  for (GroupOptions* g : {&decay, &no_decay_group}) {
+    g->rule = cli.rule;
+    g->adamw8bit.min_8bit_numel = cli.min_8bit_numel;
+  }
+  opt.set_group(0, decay);
+  const int no_decay = opt.add_group(no_decay_group);
   // Stage 3 gathers parameters a unit (here: a layer) at a time. Units are declared at every
   // stage, as the C and Fortran trainers do, so that all stages share one layout.
   const bool zero3 = cli.stage == Stage::Zero3;

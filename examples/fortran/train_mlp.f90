@@ -9,6 +9,10 @@
 !   mpiexec -n 2 ./train_mlp_f [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
 !                              [--params-out FILE] [--save-dir DIR --save-at K]
 !                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
+!                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N]
+!
+! --rule and --min-8bit-numel as in the C++ trainer: both groups' update rule (group 1 through
+! shardopt_set_group's rule=, group 2 through shardopt_add_group's) and AdamW8bit's threshold.
 !
 ! Each layer is a unit (shardopt_begin_unit before its parameters, at every stage, so that all
 ! stages share one layout), and the step runs layer by layer as in examples/c/train_mlp.c:
@@ -34,7 +38,8 @@ program train_mlp_f
   type(shardopt_config) :: cfg
   type(shardopt_step_result) :: r
   integer :: steps, stage, status, rank, world, rc, save_at
-  integer(c_int) :: dtype
+  integer(c_int) :: dtype, rule
+  integer(c_int64_t) :: min_8bit_numel
   character(len=:), allocatable :: params_out, save_dir, resume, loss_out, check_loss
   character(len=512) :: msg
 
@@ -80,6 +85,8 @@ contains
     resume = ''
     loss_out = ''
     check_loss = ''
+    rule = SHARDOPT_RULE_ADAMW
+    min_8bit_numel = 4096
     i = 1
     do while (i + 1 <= command_argument_count())
       call get_command_argument(i, flag)
@@ -103,6 +110,20 @@ contains
         loss_out = trim(value)
       case ('--check-loss')
         check_loss = trim(value)
+      case ('--rule')
+        select case (trim(value))
+        case ('adamw')
+          rule = SHARDOPT_RULE_ADAMW
+        case ('lion')
+          rule = SHARDOPT_RULE_LION
+        case ('adamw8bit')
+          rule = SHARDOPT_RULE_ADAMW8BIT
+        case default
+          write (error_unit, '(a,a)') 'train_mlp_f: unknown rule ', trim(value)
+          error stop 2
+        end select
+      case ('--min-8bit-numel')
+        read (value, *) min_8bit_numel
       case default
         write (error_unit, '(a,a)') 'train_mlp_f: unknown option ', trim(flag)
         error stop 2
@@ -289,7 +310,13 @@ contains
       train = 2
       return
     end if
-    call shardopt_add_group(opt, 1.0_c_double, .false., no_decay, status, msg)
+    ! Both groups under --rule: group 1 (the default group, with decay) changed, group 2 added
+    ! without decay.
+    call shardopt_set_group(opt, 1, 1.0_c_double, .true., status, msg, rule=rule, &
+                            adamw8bit_min_numel=min_8bit_numel)
+    call check(status, msg)
+    call shardopt_add_group(opt, 1.0_c_double, .false., no_decay, status, msg, rule=rule, &
+                            adamw8bit_min_numel=min_8bit_numel)
     call check(status, msg)
     call shardopt_begin_unit(opt, status, errmsg=msg)  ! layer 1: unit 1
     call check(status, msg)

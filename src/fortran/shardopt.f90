@@ -287,6 +287,20 @@ module shardopt
       integer(c_int), intent(out) :: idx
       integer(c_int) :: c_add_group_ex
     end function
+    function c_set_group_ex(opt, idx, group) bind(c, name="shardopt_set_group_ex")
+      import :: c_int, c_ptr, c_group_options
+      type(c_ptr), value :: opt
+      integer(c_int), value :: idx
+      type(c_group_options), intent(in) :: group
+      integer(c_int) :: c_set_group_ex
+    end function
+    function c_get_group_ex(opt, idx, group) bind(c, name="shardopt_get_group_ex")
+      import :: c_int, c_ptr, c_group_options
+      type(c_ptr), value :: opt
+      integer(c_int), value :: idx
+      type(c_group_options), intent(inout) :: group
+      integer(c_int) :: c_get_group_ex
+    end function
     function c_add_param(opt, name, numel, group, idx) bind(c, name="shardopt_add_param")
       import :: c_int, c_ptr, c_char, c_size_t
       type(c_ptr), value :: opt
@@ -1218,17 +1232,49 @@ contains
     call finish(opt%ptr, c_get_hyper(opt%ptr, key, value), status, errmsg)
   end subroutine shardopt_get_hyper
 
-  !> Changes group `group` (1-based) options.
-  subroutine shardopt_set_group(opt, group, lr_scale, weight_decay, status, errmsg)
+  !> Changes group `group` (1-based) options. rule, Lion's betas and adamw8bit_min_numel are
+  !> optional, by keyword, as in shardopt_add_group (left out: the group keeps its own; the
+  !> rule and the threshold are fixed at finalize). Group 1 is the default group: this is how
+  !> it gets another rule.
+  subroutine shardopt_set_group(opt, group, lr_scale, weight_decay, status, errmsg, rule, &
+                                lion_beta1, lion_beta2, adamw8bit_min_numel)
     type(shardopt_optimizer), intent(in) :: opt
     integer, intent(in) :: group
     real(c_double), intent(in) :: lr_scale
     logical, intent(in) :: weight_decay
     integer, intent(out) :: status
     character(len=*), intent(out), optional :: errmsg
-    call finish_index(opt%ptr, c_set_group(opt%ptr, int(group - 1, c_int), lr_scale, &
-                                           merge(1_c_int, 0_c_int, weight_decay)), &
-                      'shardopt_set_group', 'group', group, status, errmsg)
+    integer(c_int), intent(in), optional :: rule
+    real(c_double), intent(in), optional :: lion_beta1, lion_beta2
+    integer(c_int64_t), intent(in), optional :: adamw8bit_min_numel
+    type(c_group_options) :: options
+    integer(c_int) :: code
+    if (.not. (present(rule) .or. present(lion_beta1) .or. present(lion_beta2) .or. &
+               present(adamw8bit_min_numel))) then
+      call finish_index(opt%ptr, c_set_group(opt%ptr, int(group - 1, c_int), lr_scale, &
+                                             merge(1_c_int, 0_c_int, weight_decay)), &
+                        'shardopt_set_group', 'group', group, status, errmsg)
+      return
+    end if
+    if (present(adamw8bit_min_numel)) then
+      if (adamw8bit_min_numel < 0) then
+        status = SHARDOPT_ERROR_INVALID_ARGUMENT
+        if (present(errmsg)) errmsg = 'shardopt_set_group: adamw8bit_min_numel is negative'
+        return
+      end if
+    end if
+    call c_group_init(options)
+    code = c_get_group_ex(opt%ptr, int(group - 1, c_int), options)
+    if (code == SHARDOPT_SUCCESS) then
+      options%lr_scale = lr_scale
+      options%weight_decay = merge(1_c_int, 0_c_int, weight_decay)
+      if (present(rule)) options%rule = rule
+      if (present(lion_beta1)) options%lion_beta1 = lion_beta1
+      if (present(lion_beta2)) options%lion_beta2 = lion_beta2
+      if (present(adamw8bit_min_numel)) options%adamw8bit_min_numel = int(adamw8bit_min_numel, c_size_t)
+      code = c_set_group_ex(opt%ptr, int(group - 1, c_int), options)
+    end if
+    call finish_index(opt%ptr, code, 'shardopt_set_group', 'group', group, status, errmsg)
   end subroutine shardopt_set_group
 
   !> Bytes held now (and, optionally, at most) in one SHARDOPT_MEM_* category.
