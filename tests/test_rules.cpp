@@ -471,6 +471,53 @@ TEST(AdamW8bit, StateIsTheSameBitsAtEveryRankCountStageAndBucketSize) {
     }
 }
 
+// Reproducible reduction: gradients that are not exactly summable (their sum depends on the
+// order in floating point) still give the same 8-bit state at every rank count, stage and
+// bucket size: the raw codes and scales of a one-process run that computes every rank's
+// micro-batch itself.
+float inexact_value(int rank, int step, std::size_t param, std::size_t k) {
+  return test::synth(static_cast<std::uint64_t>(rank) + 101, static_cast<std::uint64_t>(step), param, k) *
+             0.3f + 1e-7f * static_cast<float>(k % 13);
+}
+
+// One micro-batch of the rank `played`: each gradient written (a fresh micro-batch's buffer),
+// in backward order.
+void micro_batch(ShardedOptimizer& opt, int played, int step) {
+  opt.begin_backward(false);
+  for (std::size_t i = opt.layout().num_params(); i-- > 0;) {
+    std::span<float> g = opt.grad(i);
+    for (std::size_t k = 0; k < g.size(); ++k) g[k] = inexact_value(played, step, i, k);
+    opt.grad_ready(i);
+  }
+}
+
+TEST(AdamW8bit, ReproducibleModeGivesTheSameBitsForAnyGradients) {
+  const int world = test::world_size();
+  auto reproducible = [](Stage stage, std::size_t bucket) {
+    OptimizerOptions o = options_of(Config{stage, DType::BF16, 1.0}, bucket);
+    o.reduction = Reduction::Reproducible;
+    return o;
+  };
+  Harness single(reproducible(Stage::Zero1, 7000), adamw8bit_model(),
+                 make_single_process_communicator(), adamw8bit_groups());
+  for (int step = 1; step <= 20; ++step) {
+    for (int r = 0; r < world; ++r) micro_batch(*single.opt, r, step);
+    single.opt->step();
+  }
+  const test::FullState want = test::gather_state(*single.opt);
+  ASSERT_FALSE(want.codes[0].empty());
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+    for (std::size_t bucket : {std::size_t{300}, std::size_t{7000}}) {
+      SCOPED_TRACE(std::string(stage_name(stage)) + " bucket " + std::to_string(bucket));
+      Harness h(reproducible(stage, bucket), adamw8bit_model(), test::world(), adamw8bit_groups());
+      for (int step = 1; step <= 20; ++step) {
+        micro_batch(*h.opt, h.opt->comm().rank(), step);
+        h.opt->step();
+      }
+      EXPECT_TRUE(test::gather_state(*h.opt) == want);
+    }
+}
+
 // A checkpoint holds the 8-bit state itself (codes and block scales): training saved after 10
 // steps and resumed in another stage with other buckets gives the bits of training that never
 // stopped (raw codes and scales compared), at every rank count.
@@ -498,27 +545,14 @@ TEST(AdamW8bit, CheckpointResumesOnTheSameBits) {
     SCOPED_TRACE(stage_name(stage));
     Harness b = run(stage, 300);
     load_checkpoint(*b.opt, dir.path());
-    {
-      const test::FullState got = test::gather_state(*b.opt);
-      for (int x = 0; x < 3; ++x)
-        EXPECT_EQ(std::memcmp(got.arrays[x].data(), saved.arrays[x].data(), 4 * saved.arrays[x].size()), 0) << "loaded " << x;
-      EXPECT_TRUE(got == saved);
-    }
+    EXPECT_TRUE(test::gather_state(*b.opt) == saved);
     for (int step = 11; step <= 20; ++step) {
       b.write_grads(step);
       b.opt->step();
     }
+    // (The padding of a partial block must come back as zeros, or its scale drifts: the
+    // 5000-element parameter's last block caught that.)
     const test::FullState got = test::gather_state(*b.opt);
-    for (int x = 0; x < 3; ++x) {
-      std::size_t first = 0, count = 0;
-      for (std::size_t k = 0; k < want.arrays[x].size(); ++k)
-        if (std::memcmp(&got.arrays[x][k], &want.arrays[x][k], 4) != 0) { if (!count) first = k; ++count; }
-      EXPECT_EQ(count, 0u) << x << " first " << first << " " << got.arrays[x][first] << " vs " << want.arrays[x][first];
-    }
-    for (int x = 0; x < 2; ++x) {
-      EXPECT_EQ(got.codes[x], want.codes[x]) << x;
-      EXPECT_EQ(got.scales[x], want.scales[x]) << x;
-    }
     EXPECT_TRUE(got == want);
   }
 }

@@ -28,6 +28,12 @@ const AdamWOptions& adamw_options(const torch::optim::OptimizerParamGroup& g) {
   return static_cast<const AdamWOptions&>(g.options());
 }
 
+// A copy of the defaults as their own type (a RuleOptions keeps its rule): through the base,
+// where clone() is public.
+std::unique_ptr<torch::optim::OptimizerOptions> clone_options(const AdamWOptions& o) {
+  return static_cast<const torch::optim::OptimizerOptions&>(o).clone();
+}
+
 std::vector<std::string> default_names(const ShardedAdamW::ParamGroups& groups) {
   std::vector<std::string> names;
   for (std::size_t g = 0; g < groups.size(); ++g)
@@ -96,13 +102,13 @@ struct ShardedAdamW::Hook final : torch::autograd::FunctionPostHook {
 
 ShardedAdamW::ShardedAdamW(ParamGroups groups, const AdamWOptions& defaults,
                            std::shared_ptr<Communicator> comm, OptimizerOptions options)
-    : torch::optim::Optimizer(std::move(groups), std::make_unique<AdamWOptions>(defaults)) {
+    : torch::optim::Optimizer(std::move(groups), clone_options(defaults)) {
   build(default_names(param_groups_), nullptr, std::move(comm), options);
 }
 
 ShardedAdamW::ShardedAdamW(ParamGroups groups, const Units& units, const AdamWOptions& defaults,
                            std::shared_ptr<Communicator> comm, OptimizerOptions options)
-    : torch::optim::Optimizer(std::move(groups), std::make_unique<AdamWOptions>(defaults)) {
+    : torch::optim::Optimizer(std::move(groups), clone_options(defaults)) {
   build(default_names(param_groups_), &units, std::move(comm), options);
 }
 
@@ -126,7 +132,7 @@ ShardedAdamW::NamedUnits ShardedAdamW::units_of(
 ShardedAdamW::ShardedAdamW(const NamedUnits& units, const AdamWOptions& defaults,
                            std::shared_ptr<Communicator> comm, OptimizerOptions options)
     : torch::optim::Optimizer(one_group(concat(values_of(units))),
-                              std::make_unique<AdamWOptions>(defaults)) {
+                              clone_options(defaults)) {
   std::vector<std::string> names;
   for (const auto& u : units) {
     const std::vector<std::string> keys = u.keys();
@@ -154,7 +160,7 @@ ShardedAdamW::ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>&
                            const AdamWOptions& defaults, std::shared_ptr<Communicator> comm,
                            OptimizerOptions options)
     : torch::optim::Optimizer(one_group(values_of(named_params)),
-                              std::make_unique<AdamWOptions>(defaults)) {
+                              clone_options(defaults)) {
   build(named_params.keys(), nullptr, std::move(comm), options);
 }
 
@@ -205,7 +211,19 @@ void ShardedAdamW::build(const std::vector<std::string>& names, const Units* uni
 
   options.param_dtype = dtype_ == torch::kFloat ? DType::F32 : DType::BF16;
   core_ = std::make_unique<ShardedOptimizer>(comm, options);
-  for (std::size_t g = 1; g < param_groups_.size(); ++g) core_->add_group({});
+  // Each group's rule (RuleOptions; plain AdamWOptions: AdamW), fixed from here on.
+  for (std::size_t g = 0; g < param_groups_.size(); ++g) {
+    GroupOptions go;
+    if (const auto* r = dynamic_cast<const RuleOptions*>(&param_groups_[g].options())) {
+      go.rule = r->rule();
+      go.lion = r->lion();
+      go.adamw8bit.min_8bit_numel = r->min_8bit_numel();
+    }
+    if (g == 0)
+      core_->set_group(0, go);
+    else
+      core_->add_group(go);
+  }
   apply_group_settings();
   for (std::size_t u = 0; u + 1 < unit_first_.size(); ++u) {
     if (u > 0) core_->begin_unit();

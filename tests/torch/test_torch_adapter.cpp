@@ -148,9 +148,24 @@ struct TrainRun {
 };
 
 // Trains with the adapter: `micro` micro-batches per step, all but the last under no_sync().
-TrainRun train_adapter(Stage stage, torch::ScalarType dtype, int steps, int micro) {
+// Under another rule the defaults are a RuleOptions (AdamW8bit: the two larger matrices, 481
+// and 1369 elements, keep 8-bit state, the rest fp32).
+constexpr std::size_t kMin8bit = 256;
+TrainRun train_adapter(Stage stage, torch::ScalarType dtype, int steps, int micro,
+                       Rule rule = Rule::AdamW) {
   auto net = make_net(dtype);
-  ShardedAdamW opt(net->parameters(), adamw(), test::world(), shard_options(stage));
+  std::unique_ptr<ShardedAdamW> made;
+  if (rule == Rule::AdamW)  // plain AdamWOptions, as a LibTorch trainer has them
+    made = std::make_unique<ShardedAdamW>(net->parameters(), adamw(), test::world(),
+                                          shard_options(stage));
+  else
+    made = std::make_unique<ShardedAdamW>(
+        net->parameters(), shardopt::libtorch::RuleOptions(adamw()).rule(rule).min_8bit_numel(kMin8bit),
+        test::world(), shard_options(stage));
+  ShardedAdamW& opt = *made;
+  for (std::size_t i = 0; i < opt.names().size(); ++i)
+    EXPECT_EQ(opt.core().rule_of(i),
+              rule == Rule::AdamW8bit && opt.core().layout().param(i).numel < kMin8bit ? Rule::AdamW : rule);
   TrainRun run;
   for (int s = 0; s < steps; ++s) {
     opt.zero_grad();
@@ -203,7 +218,8 @@ double step_by_hand(ShardedOptimizer& opt, std::vector<torch::Tensor>& params,
 
 // The same training through the shardopt API, by hand: the model's tensors are copies of the
 // replica, and autograd's gradients are passed with accumulate_grad in backward order.
-TrainRun train_by_hand(Stage stage, torch::ScalarType dtype, int steps, int micro) {
+TrainRun train_by_hand(Stage stage, torch::ScalarType dtype, int steps, int micro,
+                       Rule rule = Rule::AdamW) {
   auto net = make_net(dtype);
   std::vector<torch::Tensor> params = net->parameters();
   OptimizerOptions o = shard_options(stage);
@@ -211,6 +227,10 @@ TrainRun train_by_hand(Stage stage, torch::ScalarType dtype, int steps, int micr
   o.adam.lr = 1e-2;
   o.adam.weight_decay = 0.05;
   ShardedOptimizer opt(test::world(), o);
+  GroupOptions g;
+  g.rule = rule;
+  g.adamw8bit.min_8bit_numel = kMin8bit;
+  opt.set_group(0, g);
   for (std::size_t i = 0; i < params.size(); ++i) opt.add_param("p" + std::to_string(i), params[i].numel());
   opt.finalize();
   for (std::size_t i = 0; i < params.size(); ++i) {
@@ -234,6 +254,7 @@ struct WiringCase {
   Stage stage;
   torch::ScalarType dtype;
   int micro;
+  Rule rule = Rule::AdamW;
 };
 
 class AdapterWiring : public testing::TestWithParam<WiringCase> {};
@@ -242,8 +263,8 @@ class AdapterWiring : public testing::TestWithParam<WiringCase> {};
 
 TEST_P(AdapterWiring, EqualsTheShardoptApiBitForBit) {
   const WiringCase c = GetParam();
-  const TrainRun a = train_adapter(c.stage, c.dtype, 6, c.micro);
-  const TrainRun b = train_by_hand(c.stage, c.dtype, 6, c.micro);
+  const TrainRun a = train_adapter(c.stage, c.dtype, 6, c.micro, c.rule);
+  const TrainRun b = train_by_hand(c.stage, c.dtype, 6, c.micro, c.rule);
   EXPECT_TRUE(bitwise_equal(a.params, b.params)) << "max rel diff " << max_rel_diff(a.params, b.params);
   EXPECT_EQ(a.norms, b.norms);
 }
@@ -256,11 +277,16 @@ INSTANTIATE_TEST_SUITE_P(
                     WiringCase{Stage::Zero2, torch::kFloat, 1},
                     WiringCase{Stage::Zero2, torch::kFloat, 2},
                     WiringCase{Stage::Zero1, torch::kBFloat16, 2},
-                    WiringCase{Stage::Zero2, torch::kBFloat16, 2}),
+                    WiringCase{Stage::Zero2, torch::kBFloat16, 2},
+                    WiringCase{Stage::Zero1, torch::kFloat, 1, Rule::Lion},
+                    WiringCase{Stage::Zero2, torch::kBFloat16, 2, Rule::Lion},
+                    WiringCase{Stage::DataParallel, torch::kFloat, 1, Rule::AdamW8bit},
+                    WiringCase{Stage::Zero1, torch::kFloat, 2, Rule::AdamW8bit},
+                    WiringCase{Stage::Zero2, torch::kBFloat16, 2, Rule::AdamW8bit}),
     [](const testing::TestParamInfo<WiringCase>& i) {
       return std::string(stage_name(i.param.stage)).substr(0, 4) + std::to_string(i.index) +
              (i.param.dtype == torch::kFloat ? "_fp32" : "_bf16") + "_micro" +
-             std::to_string(i.param.micro);
+             std::to_string(i.param.micro) + "_" + rule_name(i.param.rule);
     });
 
 // The adapter at stages 1 and 2 against torch::optim::AdamW on the full batch in one process:
@@ -573,6 +599,67 @@ TEST(AdapterCheckpoint, SaveAtStage2LoadAtStage1) {
     train_step(opt2, *net2, s);
   }
   EXPECT_TRUE(bitwise_equal(snapshot(*net2), snapshot(*net)));
+  test::world()->barrier();
+  if (rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// Rules per param group, the LibTorch way: the weights in a group whose options are a
+// RuleOptions (AdamW8bit), the biases in a group of plain AdamWOptions (AdamW, half the lr).
+// The checkpoint holds the 8-bit state: saved at stage 2, loaded at stage 1 into a fresh model,
+// both train on identically, and the raw 8-bit state is the same bits.
+TEST(AdapterCheckpoint, RulesPerParamGroupAndEightBitStateRoundTrip) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("shardopt_torch_rules_" + std::to_string(ranks()));
+  if (rank() == 0) std::filesystem::remove_all(dir);
+  test::world()->barrier();
+  auto groups_of = [](Net& n, double lr) {
+    std::vector<torch::Tensor> weights, biases;
+    for (const auto& item : n.named_parameters())
+      (item.key().find("weight") != std::string::npos ? weights : biases).push_back(item.value());
+    ShardedAdamW::ParamGroups g;
+    g.emplace_back(weights, std::make_unique<shardopt::libtorch::RuleOptions>(
+                                shardopt::libtorch::RuleOptions(adamw(lr)).rule(Rule::AdamW8bit)
+                                    .min_8bit_numel(kMin8bit)));
+    g.emplace_back(biases, std::make_unique<torch::optim::AdamWOptions>(adamw(lr / 2)));
+    return g;
+  };
+  auto net = make_net();
+  ShardedAdamW opt(groups_of(*net, 1e-2), adamw(), test::world(), shard_options(Stage::Zero2));
+  ASSERT_EQ(opt.core().groups().size(), 2u);
+  EXPECT_EQ(opt.core().groups()[0].rule, Rule::AdamW8bit);
+  EXPECT_EQ(opt.core().groups()[1].rule, Rule::AdamW);
+  EXPECT_EQ(opt.core().groups()[1].lr_scale, 0.5);
+  auto train_step = [](ShardedAdamW& o, Net& n, int s) {
+    o.zero_grad();
+    auto [x, y] = my_rows(s, 0, 1, torch::kFloat);
+    mse(n.forward(x), y).backward();
+    o.step();
+  };
+  for (int s = 0; s < 3; ++s) train_step(opt, *net, s);
+  opt.save(dir);
+
+  auto net2 = make_net();
+  ShardedAdamW opt2(groups_of(*net2, 1.0), adamw(), test::world(), shard_options(Stage::Zero1));
+  opt2.load(dir);
+  EXPECT_DOUBLE_EQ(opt2.param_groups()[1].options().get_lr(), 5e-3);
+  EXPECT_TRUE(test::gather_state(opt2.core()) == test::gather_state(opt.core()));
+  for (int s = 3; s < 6; ++s) {
+    train_step(opt, *net, s);
+    train_step(opt2, *net2, s);
+  }
+  EXPECT_TRUE(bitwise_equal(snapshot(*net2), snapshot(*net)));
+  const test::FullState a = test::gather_state(opt.core()), b = test::gather_state(opt2.core());
+  EXPECT_FALSE(a.codes[0].empty());
+  EXPECT_TRUE(a == b);
+  // A model whose weights are now AdamW cannot take the 8-bit state.
+  auto net3 = make_net();
+  ShardedAdamW opt3(net3->parameters(), adamw(), test::world(), shard_options(Stage::Zero1));
+  try {
+    opt3.load(dir);
+    ADD_FAILURE() << "loaded AdamW8bit state into AdamW parameters";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::LayoutMismatch) << e.what();
+  }
   test::world()->barrier();
   if (rank() == 0) std::filesystem::remove_all(dir);
 }

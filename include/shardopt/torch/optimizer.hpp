@@ -24,6 +24,9 @@
 //   the step averages over the micro-batches since the previous step.
 //
 // Contract (checked where it can be, otherwise documented):
+// - Update rules: a group's options (or the defaults) may be a RuleOptions, an AdamWOptions
+//   that also names the group's shardopt::Rule (AdamW, Lion, AdamW8bit) and the rule's
+//   options; plain AdamWOptions mean AdamW. The rule is fixed at construction.
 // - Parameters: CPU, dense, leaf tensors that require grad, all fp32 or all bf16, each in one
 //   group. Group options are torch::optim::AdamWOptions; betas and eps must be the same in
 //   every group, weight_decay either 0 or one common value (shardopt's groups have an lr
@@ -73,6 +76,40 @@
 #include "shardopt/optimizer.hpp"
 
 namespace shardopt::libtorch {
+
+/// A param group's options with its update rule:
+///   RuleOptions(torch::optim::AdamWOptions(3e-4).weight_decay(0.1)).rule(Rule::AdamW8bit)
+/// lr, weight_decay (on or off per group, as for AdamW), betas and eps are AdamWOptions';
+/// Lion takes its betas from lion_betas(), AdamW8bit its threshold from min_8bit_numel().
+class RuleOptions : public torch::optim::AdamWOptions {
+ public:
+  explicit RuleOptions(double lr = 1e-3) : torch::optim::AdamWOptions(lr) {}
+  RuleOptions(const torch::optim::AdamWOptions& o) : torch::optim::AdamWOptions(o) {}  // NOLINT
+  RuleOptions& rule(Rule r) {
+    rule_ = r;
+    return *this;
+  }
+  Rule rule() const { return rule_; }
+  RuleOptions& lion_betas(double beta1, double beta2) {
+    lion_ = LionConfig{beta1, beta2};
+    return *this;
+  }
+  const LionConfig& lion() const { return lion_; }
+  /// AdamW8bit: parameters with fewer elements keep fp32 state (GroupOptions::adamw8bit).
+  RuleOptions& min_8bit_numel(std::size_t n) {
+    adamw8bit_.min_8bit_numel = n;
+    return *this;
+  }
+  std::size_t min_8bit_numel() const { return adamw8bit_.min_8bit_numel; }
+  std::unique_ptr<torch::optim::OptimizerOptions> clone() const override {
+    return std::make_unique<RuleOptions>(*this);
+  }
+
+ private:
+  Rule rule_ = Rule::AdamW;
+  LionConfig lion_;
+  AdamW8bitConfig adamw8bit_;
+};
 
 class ShardedAdamW : public torch::optim::Optimizer {
  public:
