@@ -156,7 +156,8 @@ Q8Run run_adamw8bit(Backend& be, AdamMode mode, std::size_t blocks, bool replica
 }
 
 // The device's AdamW8bit equals the CPU kernel bit for bit: master, replica (bf16, fp32, none),
-// codes and scales, AdamW and Adam-L2, from one block to 4099 (1 Mi elements).
+// codes and scales, AdamW and Adam-L2, from one block to 4099 (1 Mi elements; more blocks than
+// the CUDA kernel's grid of 4096, so that its loop over blocks runs).
 TEST(CudaBackend, AdamW8bitMatchesCpuBitwise) {
   SHARDOPT_REQUIRE_GPUS(1);
   auto cpu = make_cpu_backend();
