@@ -12,7 +12,9 @@
 // Why the maxima are the same bits in any order: max_of(acc, x) is the CPU's std::max(acc, x),
 // acc < x ? x : acc, so a NaN x leaves acc as it is; each thread's leaf max_of(0, x) is NaN-free,
 // and the maximum of NaN-free floats is one of them whatever the order, except that +0 and -0
-// may come out either way, which the floor (kMinScale > 0) erases.
+// may come out either way, which the floor (kMinScale > 0) erases. Where a NaN arises (v
+// overflowing to Inf, then Inf / Inf), its bits are the hardware's, and so is its code, which
+// follows the sign bit: bitwise equality with an x86 CPU holds for finite values (docs/cuda.md).
 #pragma once
 
 #include <cmath>
