@@ -1,6 +1,7 @@
 // bench_cuda_adam.cpp: bandwidth of the fused AdamW update on one GPU, as a fraction of a
 // device-to-device cudaMemcpy measured in the same run (goal: >= 0.90), for the Thrust
-// kernel (what the backend runs) and its hand-written grid-stride twin; the norm tree too.
+// kernel (what the backend runs) and its hand-written grid-stride twin; the norm tree and
+// AdamW8bit's block kernel (on the same master and gradients, whole blocks of them) too.
 // Usage: bench_cuda_adam [elements = 2^26] [repetitions = 20] [--csv]. Exits 0 with a message
 // when no GPU is present.
 #include <cuda_runtime_api.h>
@@ -10,6 +11,7 @@
 
 #include "cli.hpp"
 #include "cuda_bench.hpp"
+#include "rules/qmap.hpp"
 #include "sum_squares.hpp"
 
 using namespace shardopt;
@@ -67,6 +69,36 @@ int main(int argc, char** argv) {
     });
     row("norm", "sum of squares (fixed tree)", norm_ms, 4.0 * n / norm_ms / 1e6);
     cudaFree(norm_scratch);
+
+    // AdamW8bit over the whole blocks of n (bf16 replica), the maps uploaded from the host's.
+    const std::size_t blocks = n / rules::q8::kBlock, n8 = blocks * rules::q8::kBlock;
+    if (blocks > 0) {
+      auto* maps = static_cast<rules::q8::Qmap*>(bench::device_zeros(2 * sizeof(rules::q8::Qmap)));
+      SHARDOPT_CUDA_CHECK(cudaMemcpy(maps, &rules::q8::signed_map(), sizeof(rules::q8::Qmap),
+                                     cudaMemcpyHostToDevice));
+      SHARDOPT_CUDA_CHECK(cudaMemcpy(maps + 1, &rules::q8::unsigned_map(), sizeof(rules::q8::Qmap),
+                                     cudaMemcpyHostToDevice));
+      auto* codes = static_cast<std::uint8_t*>(bench::device_zeros(2 * n8));
+      auto* scales = static_cast<float*>(bench::device_zeros(2 * blocks * 4));
+      const StepHyper h{1e-3, 0.9, 0.999, 1e-8, 0.01, AdamMode::AdamW, 10};
+      dev::AdamW8bitOp op;
+      op.s = make_step_scalars(h, 1.0);
+      op.g = make_segment_scalars(h, 1.0, true);
+      op.qs = maps;
+      op.qu = maps + 1;
+      op.master = adam.master();
+      op.grad = adam.grad();
+      op.code_m = codes;
+      op.code_v = codes + n8;
+      op.scale_m = scales;
+      op.scale_v = scales + blocks;
+      op.out_bf16 = adam.out();
+      const double ms = bench::time_ms(reps, [&] { dev::adamw8bit_update(nullptr, op, blocks); });
+      row("adamw8bit", "AdamW8bit, a CUDA block per block", ms,
+          bench::kAdamW8bitBf16BytesPerElem * n8 / ms / 1e6);
+      for (void* p : {static_cast<void*>(maps), static_cast<void*>(codes), static_cast<void*>(scales)})
+        cudaFree(p);
+    }
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_cuda_adam: %s\n", e.what());
     return 1;

@@ -53,6 +53,11 @@ inline void* device_zeros(std::size_t bytes) {
 /// v; writes master, m, v and the bf16 copy.
 inline constexpr double kAdamBf16BytesPerElem = 4.0 * 4 + 3.0 * 4 + 2.0;
 
+/// Bytes one AdamW8bit update with a bf16 replica moves per element: reads master, grad and
+/// two codes; writes master, two codes and the bf16 copy; reads and writes two fp32 scales
+/// per 256-element block.
+inline constexpr double kAdamW8bitBf16BytesPerElem = 4.0 * 2 + 2.0 + 4.0 + 2.0 + 2.0 + 16.0 / 256;
+
 /// The fused update of n elements (one segment, AdamW, bf16 replica) on buffers of its own:
 /// realistic values (grad and master in [-1, 1]), not zeros.
 class FusedAdam {
@@ -94,8 +99,10 @@ class FusedAdam {
   /// Queues one update on the legacy default stream.
   void run(dev::AdamKernel kernel) const { dev::adam_update(nullptr, kernel, op_); }
   std::size_t size() const { return n_; }
+  float* master() const { return master_; }
   float* grad() const { return grad_; }
   float* m() const { return m_; }
+  bf16* out() const { return out_; }
 
  private:
   struct Block {

@@ -6,6 +6,7 @@
 #     from the CPU kernels (built with -ffp-contract=off), so the bitwise tests would fail;
 #   - an update kernel (a kernel over AdamChunkOp) has a contractable mul/add/sub.f32 (no .rn):
 #     ptxas may fuse those even when the PTX has no fma;
+#   - the AdamW8bit kernel (over AdamW8bitOp) is missing or has a contractable mul/add/sub.f32;
 #   - an update kernel lacks 128-bit global loads (4: master, grad, m, v) or stores (3:
 #     master, m, v) of fp32;
 #   - ptxas reports spill stores or loads in any kernel.
@@ -16,7 +17,7 @@ nvcc=$1 src=$2 arch=$3
 shift 3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"$nvcc" -ptx -arch="compute_$arch" -std=c++20 -O3 -I"$src/include" -I"$src/cuda" "$@" \
+"$nvcc" -ptx -arch="compute_$arch" -std=c++20 -O3 -I"$src/include" -I"$src/cuda" -I"$src/src" "$@" \
   "$src/cuda/device_algorithms.cu" -o "$tmp/k.ptx"
 ptxas_fmad=--fmad=true
 for f in "$@"; do [ "$f" = --fmad=false ] && ptxas_fmad=--fmad=false; done
@@ -46,6 +47,14 @@ while read -r name loose loads stores; do
   [ "$stores" -ge 3 ] || fail "update kernel $name has $stores 128-bit fp32 stores (want >= 3)"
   echo "update kernel $name: $loads ld.global.v4.f32, $stores st.global.v4.f32, $loose contractable fp32 ops"
 done < "$tmp/kernels.txt"
+q8=0
+while read -r name loose loads stores; do
+  case "$name" in *AdamW8bitOp*) ;; *) continue ;; esac
+  q8=$((q8 + 1))
+  [ "$loose" -eq 0 ] || fail "$loose contractable mul/add/sub.f32 (no .rn) in AdamW8bit kernel $name"
+  echo "AdamW8bit kernel $name: $loose contractable fp32 ops"
+done < "$tmp/kernels.txt"
+[ "$q8" -ge 1 ] || fail "found no AdamW8bit kernel (over AdamW8bitOp) in the PTX"
 [ "$updates" -ge 2 ] || fail "found $updates update kernels in the PTX (want the Thrust one and the grid-stride one)"
 
 spills=$(grep -E '[1-9][0-9]* bytes spill (stores|loads)' "$tmp/ptxas.log" || true)

@@ -16,6 +16,7 @@
 #include "cuda_check.hpp"
 #include "cuda_ops.hpp"
 #include "host_wait.hpp"
+#include "rules/qmap.hpp"
 #include "shardopt/cuda_comm.hpp"
 #include "shardopt/error.hpp"
 #include "sum_squares.hpp"
@@ -220,10 +221,39 @@ class CudaBackend final : public Backend {
     }
   }
 
-  void adamw8bit_update(const StepScalars&, std::span<const UpdateSegment>, float*, const float*,
-                        std::uint8_t*, std::uint8_t*, float*, float*, void*, DType) override {
-    // finalize() refuses 8-bit parameters on Device::Cuda before any step gets here.
-    throw Error(Status::Unsupported, "AdamW8bit has no CUDA kernel yet");
+  void adamw8bit_update(const StepScalars& s, std::span<const UpdateSegment> segments,
+                        float* master, const float* grad, std::uint8_t* code_m,
+                        std::uint8_t* code_v, float* scale_m, float* scale_v, void* replica,
+                        DType replica_dtype) override {
+    constexpr std::size_t kBlock = rules::q8::kBlock;
+    if (segments.empty()) return;
+    const std::size_t n = segments.back().end;
+    require(segments.front().begin == 0 && n % kBlock == 0, Status::Internal,
+            "adamw8bit_update: the range is not whole blocks");
+    for (const UpdateSegment& seg : segments)
+      require(seg.begin % kBlock == 0 && seg.end % kBlock == 0, Status::Internal,
+              "adamw8bit_update: a segment boundary inside a block");
+    if (n == 0) return;
+    const rules::q8::Qmap* maps = device_qmaps();
+    // Groups are few: one launch per segment, its scalars by value (no upload).
+    for (const UpdateSegment& seg : segments) {
+      const std::size_t blocks = (seg.end - seg.begin) / kBlock;
+      if (blocks == 0) continue;
+      dev::AdamW8bitOp op;
+      op.s = s;
+      op.g = seg.scalars;
+      op.qs = maps;
+      op.qu = maps + 1;
+      op.master = master + seg.begin;
+      op.grad = grad + seg.begin;
+      op.code_m = code_m + seg.begin;
+      op.code_v = code_v + seg.begin;
+      op.scale_m = scale_m + seg.begin / kBlock;
+      op.scale_v = scale_v + seg.begin / kBlock;
+      if (replica && replica_dtype == DType::BF16) op.out_bf16 = static_cast<bf16*>(replica) + seg.begin;
+      if (replica && replica_dtype == DType::F32) op.out_f32 = static_cast<float*>(replica) + seg.begin;
+      dev::adamw8bit_update(stream_, op, blocks);
+    }
   }
 
   void synchronize() override { dev::host_wait(stream_); }
@@ -234,6 +264,23 @@ class CudaBackend final : public Backend {
     cudaEvent_t uploaded = nullptr;
     bool used = false;
   };
+
+  /// The signed and unsigned maps of AdamW8bit (rules::q8::signed_map(), unsigned_map(): the
+  /// host's tables are the one source) in device memory, uploaded at the first AdamW8bit
+  /// update and kept for the backend's life: 2 x sizeof(Qmap), about 68 KiB; not in the
+  /// memory report, like the scratch buffers below.
+  const rules::q8::Qmap* device_qmaps() {
+    if (qmaps_.data() == nullptr) {
+      Allocation& a = reserve(qmaps_, 2 * sizeof(rules::q8::Qmap), MemCategory::Scratch, false);
+      auto* d = a.as<rules::q8::Qmap>();
+      SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(d, &rules::q8::signed_map(), sizeof(rules::q8::Qmap),
+                                          cudaMemcpyHostToDevice, stream_));
+      SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(d + 1, &rules::q8::unsigned_map(),
+                                          sizeof(rules::q8::Qmap), cudaMemcpyHostToDevice, stream_));
+      dev::host_wait(stream_);  // once per backend; the kernels that read them are queued after
+    }
+    return qmaps_.as<rules::q8::Qmap>();
+  }
 
   /// Grows a scratch buffer to at least `bytes` (device, or pinned host when `pinned`).
   /// Not in the memory report: the optimizer's tracker dies before its backend, and the
@@ -259,6 +306,7 @@ class CudaBackend final : public Backend {
   std::size_t next_slot_ = 0;
   Allocation norm_scratch_, norm_host_;
   Allocation norm_tables_;                  // sum_squares_in_order: the plan's tables, the sums
+  Allocation qmaps_;                        // device_qmaps()
   std::vector<dev::NormSlice> norm_slices_;
 };
 

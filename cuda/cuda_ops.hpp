@@ -8,6 +8,7 @@
 #include <cstddef>
 
 #include "adam_chunk.hpp"
+#include "adamw8bit_op.hpp"
 #include "lion_op.hpp"
 #include "shardopt/bf16.hpp"
 #include "sum_squares.hpp"
@@ -23,6 +24,10 @@ void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op);
 const void* adam_grid_stride_kernel_address();
 /// Lion on one segment of n elements (op's pointers at the segment's start).
 void lion_update(cudaStream_t stream, const LionOp& op, std::size_t n);
+/// AdamW8bit on one segment of `blocks` whole 256-element blocks (op's pointers at the
+/// segment's start, its maps in device memory): one 256-thread CUDA block per quantization
+/// block.
+void adamw8bit_update(cudaStream_t stream, const AdamW8bitOp& op, std::size_t blocks);
 void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::size_t n);
 void cast_bf16_to_f32(cudaStream_t stream, const bf16* src, float* dst, std::size_t n);
 /// buf[i] = to_float(to_bf16(buf[i])): the bf16 wire of a one-rank group.

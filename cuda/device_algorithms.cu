@@ -41,6 +41,53 @@ __global__ void adam_grid_stride_kernel(AdamChunkOp op, std::size_t chunks) {
     op(c);
 }
 
+/// AdamW8bit: one 256-thread block per quantization block (a grid-stride loop over the
+/// blocks beyond the grid), thread t on element t: AdamW8bitOp::update(), the block's maxima
+/// of |m| and v (warp shuffles, then the warps' results in shared memory: max_of() is exact in
+/// any order, adamw8bit_op.hpp), the new scales written by thread 0, AdamW8bitOp::requantize().
+constexpr unsigned kQ8Threads = static_cast<unsigned>(rules::q8::kBlock);
+static_assert(kQ8Threads % 32 == 0, "whole warps per quantization block");
+
+__global__ void __launch_bounds__(kQ8Threads) adamw8bit_kernel(AdamW8bitOp op, std::size_t blocks) {
+  constexpr unsigned kWarps = kQ8Threads / 32;
+  __shared__ float warp_m[kWarps], warp_v[kWarps], scales[2];
+  const unsigned t = threadIdx.x;
+  for (std::size_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const std::size_t i = b * rules::q8::kBlock + t;
+    float m, v;
+    op.update(i, op.scale_m[b], op.scale_v[b], m, v);
+    float am = AdamW8bitOp::max_of(0.0f, fabsf(m)), av = AdamW8bitOp::max_of(0.0f, v);
+    for (unsigned o = 16; o > 0; o /= 2) {
+      am = AdamW8bitOp::max_of(am, __shfl_xor_sync(0xffffffffu, am, o));
+      av = AdamW8bitOp::max_of(av, __shfl_xor_sync(0xffffffffu, av, o));
+    }
+    if (t % 32 == 0) {
+      warp_m[t / 32] = am;
+      warp_v[t / 32] = av;
+    }
+    __syncthreads();  // every thread has read the old scales and written its warp's maxima
+    if (t == 0) {
+      float mm = 0.0f, mv = 0.0f;
+      for (unsigned w = 0; w < kWarps; ++w) {
+        mm = AdamW8bitOp::max_of(mm, warp_m[w]);
+        mv = AdamW8bitOp::max_of(mv, warp_v[w]);
+      }
+      scales[0] = op.scale_m[b] = AdamW8bitOp::new_scale(mm);
+      scales[1] = op.scale_v[b] = AdamW8bitOp::new_scale(mv);
+    }
+    __syncthreads();
+    op.requantize(i, m, v, scales[0], scales[1]);
+    // The next block's first writes to shared memory (warp_m, warp_v before its first barrier,
+    // scales after it) come after every thread has passed this block's second barrier.
+  }
+}
+
+/// The grid of adamw8bit_kernel: a block per quantization block, at most 4096 (then each
+/// loops): about four times the blocks an H100 holds at once (132 SMs x 8 blocks of 256
+/// threads), and few enough that CudaBackend.AdamW8bitMatchesCpuBitwise (4099 blocks) runs the
+/// loop.
+constexpr std::size_t kQ8MaxGrid = 4096;
+
 }  // namespace
 
 const void* adam_grid_stride_kernel_address() {
@@ -61,6 +108,13 @@ void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op) 
 
 void lion_update(cudaStream_t stream, const LionOp& op, std::size_t n) {
   guarded("thrust::for_each_n (Lion update)", [&] { lion_update(on(stream), op, n); });
+  SHARDOPT_CUDA_CHECK(cudaGetLastError());
+}
+
+void adamw8bit_update(cudaStream_t stream, const AdamW8bitOp& op, std::size_t blocks) {
+  if (blocks == 0) return;
+  const unsigned grid = static_cast<unsigned>(blocks < kQ8MaxGrid ? blocks : kQ8MaxGrid);
+  adamw8bit_kernel<<<grid, kQ8Threads, 0, stream>>>(op, blocks);
   SHARDOPT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -19,6 +19,7 @@
 #include <span>
 
 #include "adam_chunk.hpp"
+#include "adamw8bit_op.hpp"
 #include "lion_op.hpp"
 #include "shardopt/element_ops.hpp"
 #include "sum_squares.hpp"
@@ -38,6 +39,15 @@ void adam_update(Policy&& exec, const AdamChunkOp& op) {
 template <class Policy>
 void lion_update(Policy&& exec, const LionOp& op, std::size_t n) {
   if (n) thrust::for_each_n(exec, Index(0), n, op);
+}
+
+/// AdamW8bit on one segment of `blocks` whole 256-element blocks: one work item per block
+/// (AdamW8bitOp::operator(), the block's elements in a loop). The OpenMP build and the fake
+/// device run this; on the GPU, adamw8bit_update (device_algorithms.cu) runs the same pieces
+/// with a thread per element.
+template <class Policy>
+void adamw8bit_update(Policy&& exec, const AdamW8bitOp& op, std::size_t blocks) {
+  if (blocks) thrust::for_each_n(exec, Index(0), blocks, op);
 }
 
 template <class Policy>

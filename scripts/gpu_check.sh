@@ -13,8 +13,10 @@
 #   build.*    the kit installed (GoogleTest, MPICH, CLI11), configure, build
 #   test.*     every GPU test (test_cuda_backend, test_cuda_optimizer_single/_nccl at one rank,
 #              test_cuda_nccl_comm: collectives, asynchronous error, collective timeout)
-#   bitwise.*  GPU == CPU bit for bit (master, m, v, replica), from the tests above
-#   adamw.*    the fused update at 2^24, 2^26, 2^28 elements against a device-to-device copy
+#   bitwise.*  GPU == CPU bit for bit (master, m, v, replica; AdamW8bit's codes and scales),
+#              from the tests above
+#   adamw.*    the fused update at 2^24, 2^26, 2^28 elements against a device-to-device copy,
+#              and AdamW8bit's block kernel on the same buffers
 #   torch.*    torch.optim.AdamW(fused=True) and (foreach=True) at the same sizes
 #   step.*     the optimizer step at stages 1-3 (1 Gi parameters, tensors of 16 Mi, bf16
 #              replica), phases from device events, against the fused kernel alone
@@ -403,9 +405,11 @@ bitwise_item() {  # bitwise_item ITEM WHAT TEST...
 bitwise_item bitwise.fused_update "master, m, v and the bf16 copy of the fused update (AdamW, Adam-L2, aligned and not), both kernels" \
   CudaBackend.FusedUpdateMatchesCpuBitwise CudaBackend.GridStrideKernelMatchesThrustTwin
 bitwise_item bitwise.casts "bf16 casts and fp32/bf16 accumulation" CudaBackend.CastsAndAccumulateMatchCpuBitwise
-bitwise_item bitwise.optimizer "master, m, v and replica after 3 steps, stages 0-3, bf16 and fp32 replicas, CUDA optimizer vs CPU optimizer" \
-  CudaStepSingle.MatchesCpuOptimizerBitwise
-bitwise_item bitwise.zero3 "stage 3 on the device vs stage 2: gathered units, master, m, v" CudaZero3.MatchesZero2Bitwise
+bitwise_item bitwise.adamw8bit "master, replica (bf16, fp32, none), codes and scales of AdamW8bit's block kernel (AdamW, Adam-L2, 1 to 4099 blocks, three segments)" \
+  CudaBackend.AdamW8bitMatchesCpuBitwise
+bitwise_item bitwise.optimizer "master, m, v and replica after 3 steps, stages 0-3, bf16 and fp32 replicas, group 1 under AdamW, Lion and AdamW8bit, CUDA optimizer vs CPU optimizer (one process; and AdamW8bit over NCCL vs MPI at one rank)" \
+  CudaStepSingle.MatchesCpuOptimizerBitwise CudaStepWorld.MatchesCpuOptimizerBitwise
+bitwise_item bitwise.zero3 "stage 3 on the device vs stage 2: gathered units, master, m, v (AdamW and AdamW8bit)" CudaZero3.MatchesZero2Bitwise
 
 # ---- fused AdamW bandwidth, and PyTorch's AdamW ---------------------------------------------------
 
@@ -421,6 +425,7 @@ for k in "${adam_sizes[@]}"; do
     IFS=, read -r _ _ tms tgbs tfrac < <(grep '^adamw_thrust,' "$f")
     IFS=, read -r _ _ _ _ gfrac < <(grep '^adamw_grid_stride,' "$f")
     IFS=, read -r _ _ nms _ nfrac < <(grep '^norm,' "$f")
+    IFS=, read -r _ _ ams _ afrac < <(grep '^adamw8bit,' "$f")
     ours_ms[$k]=$tms
     record "adamw.2^$k.copy_GBps" "$(figure "$cgbs")" "$(show "${cmd[@]}")"
     record "adamw.2^$k.fused_ms" "$(figure "$tms")" "$(show "${cmd[@]}")"
@@ -428,6 +433,12 @@ for k in "${adam_sizes[@]}"; do
     record "adamw.2^$k.fused_of_copy" "$(figure "$tfrac")" "$(show "${cmd[@]}")"
     record "adamw.2^$k.grid_stride_of_copy" "$(figure "$gfrac")" "$(show "${cmd[@]}")"
     record "adamw.2^$k.norm_of_copy" "$(figure "$nfrac")" "$(show "${cmd[@]}")"
+    record "adamw.2^$k.adamw8bit_ms" "$(figure "$ams")" "$(show "${cmd[@]}")"
+    record "adamw.2^$k.adamw8bit_of_copy" "$(figure "$afrac")" "$(show "${cmd[@]}")"
+    # Its time over the fused fp32 AdamW's (the CPU kernel's goal: at most 1.25x).
+    record "adamw.2^$k.adamw8bit_time_vs_fused" \
+      "$(figure "$(awk -v a="$ams" -v b="$tms" 'BEGIN { if (a != "" && b > 0) printf "%.3f", a / b }')")" \
+      "adamw.2^$k.adamw8bit_ms / adamw.2^$k.fused_ms"
   else
     record "adamw.2^$k" "FAIL: $( [ $built = 1 ] && tail -1 "$f" | cut -c1-200 || echo 'not built')" "$(show "${cmd[@]}")"
   fi

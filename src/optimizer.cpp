@@ -243,12 +243,8 @@ void ShardedOptimizer::finalize() {
   FlatLayout layout = layout_;
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
-    const std::size_t align = rules::layout_align(layout, groups_);
-    require(align == FlatLayout::kAlignElems || options_.device == Device::Cpu,
-            Status::Unsupported,
-            "finalize: AdamW8bit runs on Device::Cpu only (its CUDA kernel is not written); "
-            "the 8-bit parameters need another rule on Device::Cuda");
-    layout.build(comm_->size(), options_.bucket_elems, auto_bucket_cap(options_.device), align);
+    layout.build(comm_->size(), options_.bucket_elems, auto_bucket_cap(options_.device),
+                 rules::layout_align(layout, groups_));
   });
 
   // Every rank compares everyone's fingerprint, so all of them detect a mismatch.

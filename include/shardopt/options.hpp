@@ -71,7 +71,8 @@ enum class Rule : int {
   /// fp32 m and v) and requantizes. A parameter with fewer than
   /// AdamW8bitConfig::min_8bit_numel elements (its global size, not its shard's) keeps AdamW's
   /// fp32 state, so precision never depends on ranks, stage or bucket size. With any 8-bit
-  /// parameter the layout aligns to 256 elements (FlatLayout::kQuantBlockElems). CPU only.
+  /// parameter the layout aligns to 256 elements (FlatLayout::kQuantBlockElems). On
+  /// Device::Cpu and Device::Cuda, bit for bit the same (cuda/adamw8bit_op.hpp).
   AdamW8bit = 2,
 };
 const char* rule_name(Rule r) noexcept;

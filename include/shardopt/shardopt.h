@@ -361,7 +361,8 @@ typedef enum {
                               m = b2 m + (1 - b2) g (no exp_avg_sq) */
   SHARDOPT_RULE_ADAMW8BIT = 2 /* AdamW with 8-bit block-quantized m and v (bitsandbytes /
                                  torchao semantics); parameters below adamw8bit_min_numel
-                                 elements keep fp32 state; CPU only; not in checkpoints yet */
+                                 elements keep fp32 state; CPU and CUDA; not in checkpoints
+                                 yet */
 } shardopt_rule_t;
 
 typedef struct {

@@ -15,6 +15,8 @@
 #include "cpu/kernels.hpp"
 #include "device_algorithms.hpp"
 #include "launch_config.hpp"
+#include "rules/adamw8bit.hpp"
+#include "rules/qmap.hpp"
 #include "support/reference.hpp"
 
 using namespace shardopt;
@@ -195,6 +197,179 @@ TEST(AdamUpdateReference, CloseToDoubleOracle) {
     test::reference_step(ref, {std::vector<double>(g.begin(), g.end())}, cfg, groups, step);
   }
   for (std::size_t i = 0; i < n; ++i) ASSERT_NEAR(p[i], ref[0].p[i], 2e-6) << i;
+}
+
+// ---- AdamW8bit ---------------------------------------------------------------------------------
+
+constexpr std::size_t kQ8 = rules::q8::kBlock;
+
+struct Q8State {
+  std::vector<float> p, scale_m, scale_v, o32;
+  std::vector<std::uint8_t> code_m, code_v;
+  std::vector<bf16> o16;
+};
+
+// `blocks` blocks: weights over many binades, codes all over both maps, scales from the floor
+// up (block 3: every code 0 and the floor, as a fresh state; block 5: huge scales).
+Q8State q8_state(std::size_t blocks, std::uint64_t seed) {
+  const std::size_t n = blocks * kQ8;
+  Q8State st;
+  st.p = values(n, seed);
+  st.code_m.resize(n);
+  st.code_v.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    st.code_m[i] = static_cast<std::uint8_t>((i * 37 + seed) % 256);
+    st.code_v[i] = static_cast<std::uint8_t>((i * 91 + 3 * seed) % 256);
+  }
+  st.scale_m.resize(blocks);
+  st.scale_v.resize(blocks);
+  for (std::size_t b = 0; b < blocks; ++b) {
+    st.scale_m[b] = std::ldexp(0.75f, static_cast<int>(b % 23) - 16);
+    st.scale_v[b] = std::ldexp(0.625f, static_cast<int>(b % 29) - 24);
+  }
+  if (blocks > 3) {
+    std::fill(st.code_m.begin() + 3 * kQ8, st.code_m.begin() + 4 * kQ8, 0);
+    std::fill(st.code_v.begin() + 3 * kQ8, st.code_v.begin() + 4 * kQ8, 0);
+    st.scale_m[3] = st.scale_v[3] = rules::q8::kMinScale;
+  }
+  if (blocks > 5) st.scale_m[5] = st.scale_v[5] = 1e30f;
+  st.o32.assign(n, -1.0f);
+  st.o16.assign(n, bf16{0xFFFF});
+  return st;
+}
+
+// Gradients: mostly ordinary, a zero block (block 2), and with `extremes` the values that make
+// NaN and Inf on the way (NaN, +-Inf, squares that overflow, signed zeros, subnormals).
+std::vector<float> q8_grads(std::size_t blocks, std::uint64_t seed, bool extremes) {
+  std::vector<float> g = values(blocks * kQ8, seed);
+  if (blocks > 2) std::fill(g.begin() + 2 * kQ8, g.begin() + 3 * kQ8, 0.0f);
+  if (extremes && blocks > 7) {
+    const float inf = std::numeric_limits<float>::infinity();
+    const float specials[] = {std::numeric_limits<float>::quiet_NaN(), inf, -inf, 3e19f, -3e19f,
+                              -0.0f, 0.0f, std::numeric_limits<float>::denorm_min(), 1e-40f};
+    for (std::size_t k = 0; k < std::size(specials); ++k) g[6 * kQ8 + 17 * k] = specials[k];
+    g[7 * kQ8 + 5] = 3e19f;  // one square overflows: v = Inf in an otherwise finite block
+  }
+  return g;
+}
+
+// The CUDA kernel's order, on the CPU: thread t's leaf max_of(0, x), an xor butterfly over each
+// warp's 32 lanes, then thread 0 over the 8 warps' results (device_algorithms.cu).
+void q8_block_as_the_kernel(const dev::AdamW8bitOp& op, std::size_t b) {
+  using Op = dev::AdamW8bitOp;
+  float m[kQ8], v[kQ8], am[kQ8], av[kQ8];
+  const float old_m = op.scale_m[b], old_v = op.scale_v[b];
+  for (std::size_t t = 0; t < kQ8; ++t) {
+    op.update(b * kQ8 + t, old_m, old_v, m[t], v[t]);
+    am[t] = Op::max_of(0.0f, std::fabs(m[t]));
+    av[t] = Op::max_of(0.0f, v[t]);
+  }
+  for (std::size_t o = 16; o > 0; o /= 2) {
+    float nm[kQ8], nv[kQ8];
+    for (std::size_t t = 0; t < kQ8; ++t) {
+      nm[t] = Op::max_of(am[t], am[t ^ o]);
+      nv[t] = Op::max_of(av[t], av[t ^ o]);
+    }
+    std::copy(nm, nm + kQ8, am);
+    std::copy(nv, nv + kQ8, av);
+  }
+  float mm = 0.0f, mv = 0.0f;
+  for (std::size_t w = 0; w < kQ8 / 32; ++w) {
+    mm = Op::max_of(mm, am[32 * w]);
+    mv = Op::max_of(mv, av[32 * w]);
+  }
+  const float sm = Op::new_scale(mm), sv = Op::new_scale(mv);
+  op.scale_m[b] = sm;
+  op.scale_v[b] = sv;
+  for (std::size_t t = 0; t < kQ8; ++t) op.requantize(b * kQ8 + t, m[t], v[t], sm, sv);
+}
+
+void expect_same_q8(const Q8State& a, const Q8State& b, const std::string& what) {
+  ASSERT_EQ(a.p.size(), b.p.size());
+  for (std::size_t i = 0; i < a.p.size(); ++i) {
+    ASSERT_EQ(bits(a.p[i]), bits(b.p[i])) << what << " master " << i;
+    ASSERT_EQ(bits(a.o32[i]), bits(b.o32[i])) << what << " fp32 replica " << i;
+    ASSERT_EQ(a.o16[i].bits, b.o16[i].bits) << what << " bf16 replica " << i;
+    ASSERT_EQ(a.code_m[i], b.code_m[i]) << what << " code_m " << i;
+    ASSERT_EQ(a.code_v[i], b.code_v[i]) << what << " code_v " << i;
+  }
+  for (std::size_t k = 0; k < a.scale_m.size(); ++k) {
+    ASSERT_EQ(bits(a.scale_m[k]), bits(b.scale_m[k])) << what << " scale_m " << k;
+    ASSERT_EQ(bits(a.scale_v[k]), bits(b.scale_v[k])) << what << " scale_v " << k;
+  }
+}
+
+dev::AdamW8bitOp q8_op(const StepScalars& s, const SegmentScalars& g, Q8State& st,
+                       const std::vector<float>& grad, std::size_t first_block, DType out,
+                       bool replica) {
+  const std::size_t at = first_block * kQ8;
+  dev::AdamW8bitOp op;
+  op.s = s;
+  op.g = g;
+  op.qs = &rules::q8::signed_map();
+  op.qu = &rules::q8::unsigned_map();
+  op.master = st.p.data() + at;
+  op.grad = grad.data() + at;
+  op.code_m = st.code_m.data() + at;
+  op.code_v = st.code_v.data() + at;
+  op.scale_m = st.scale_m.data() + first_block;
+  op.scale_v = st.scale_v.data() + first_block;
+  op.out_bf16 = replica && out == DType::BF16 ? st.o16.data() + at : nullptr;
+  op.out_f32 = replica && out == DType::F32 ? st.o32.data() + at : nullptr;
+  return op;
+}
+
+// The device's AdamW8bit (the Thrust algorithm over blocks, and the CUDA kernel's reduction
+// order emulated) against the CPU's portable block (rules::q8::adamw8bit_block), including
+// NaN, Inf and overflowing squares (all on this CPU, so even NaN's bits must agree), and
+// against adamw8bit_update (the ISA's kernel) on ordinary values: master, replica, codes,
+// scales, bit for bit, over three steps and two segments.
+TEST(AdamW8bitUpdate, MatchesCpuKernelBitwise) {
+  const std::size_t blocks = 12, n = blocks * kQ8, cut = 5;
+  for (AdamMode mode : {AdamMode::AdamW, AdamMode::AdamL2})
+    for (bool extremes : {false, true})
+      for (DType out : {DType::BF16, DType::F32})
+        for (bool replica : {true, false}) {
+          const std::string what = std::string(mode == AdamMode::AdamW ? "adamw" : "adam_l2") +
+                                   (extremes ? " extremes " : " ") + dtype_name(out) +
+                                   (replica ? "" : " no replica");
+          Q8State cpu = q8_state(blocks, 1), thr = cpu, emu = cpu, isa = cpu;
+          for (int step = 1; step <= 3; ++step) {
+            const std::vector<float> g = q8_grads(blocks, 10 + static_cast<std::uint64_t>(step), extremes);
+            const StepHyper h{1e-2, 0.9, 0.999, 1e-8, 0.1, mode, step};
+            const StepScalars s = make_step_scalars(h, 0.5);
+            const SegmentScalars ga = make_segment_scalars(h, 1.0, true);
+            const SegmentScalars gb = make_segment_scalars(h, 0.25, false);
+            for (std::size_t b = 0; b < blocks; ++b) {
+              const std::size_t at = b * kQ8;
+              rules::q8::adamw8bit_block(
+                  s, b < cut ? ga : gb, cpu.p.data() + at, g.data() + at, cpu.code_m.data() + at,
+                  cpu.code_v.data() + at, cpu.scale_m[b], cpu.scale_v[b],
+                  replica && out == DType::BF16 ? cpu.o16.data() + at : nullptr,
+                  replica && out == DType::F32 ? cpu.o32.data() + at : nullptr, kQ8);
+            }
+            dev::adamw8bit_update(exec, q8_op(s, ga, thr, g, 0, out, replica), cut);
+            dev::adamw8bit_update(exec, q8_op(s, gb, thr, g, cut, out, replica), blocks - cut);
+            for (std::size_t b = 0; b < blocks; ++b)
+              q8_block_as_the_kernel(q8_op(s, b < cut ? ga : gb, emu, g, 0, out, replica), b);
+            const UpdateSegment segs[2] = {{0, cut * kQ8, ga}, {cut * kQ8, n, gb}};
+            rules::q8::adamw8bit_update(s, segs, isa.p.data(), g.data(), isa.code_m.data(),
+                                        isa.code_v.data(), isa.scale_m.data(),
+                                        isa.scale_v.data(),
+                                        replica && out == DType::BF16 ? isa.o16.data() : nullptr,
+                                        replica && out == DType::F32 ? isa.o32.data() : nullptr);
+            const std::string at = what + " step " + std::to_string(step);
+            expect_same_q8(thr, cpu, at + " (Thrust)");
+            expect_same_q8(emu, cpu, at + " (kernel order)");
+            if (!extremes) expect_same_q8(isa, cpu, at + " (adamw8bit_update)");
+          }
+          if (extremes) {  // the inputs did reach the non-finite paths
+            EXPECT_TRUE(std::isnan(cpu.p[6 * kQ8]) || std::isinf(cpu.p[6 * kQ8])) << what;
+            EXPECT_TRUE(std::isinf(cpu.scale_v[7]) || std::isnan(cpu.scale_v[7]) ||
+                        cpu.scale_v[7] > 1e30f)
+                << what;
+          }
+        }
 }
 
 // ---- casts and accumulation -------------------------------------------------------------------

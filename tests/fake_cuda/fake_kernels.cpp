@@ -100,6 +100,38 @@ void lion_update(cudaStream_t stream, const LionOp& op, std::size_t n) {
   });
 }
 
+// The real kernel runs a 256-thread block per quantization block; the fake runs the same
+// pieces of AdamW8bitOp over each block's elements in a loop (AdamW8bitOp::operator()).
+void adamw8bit_update(cudaStream_t stream, const AdamW8bitOp& op, std::size_t blocks) {
+  if (blocks == 0) return;
+  const std::size_t n = blocks * rules::q8::kBlock;
+  std::vector<Access> acc = {reads(op.qs, sizeof(rules::q8::Qmap)),
+                             reads(op.qu, sizeof(rules::q8::Qmap)),
+                             writes(op.master, n * 4),
+                             reads(op.grad, n * 4),
+                             writes(op.code_m, n),
+                             writes(op.code_v, n),
+                             writes(op.scale_m, blocks * 4),
+                             writes(op.scale_v, blocks * 4)};
+  if (op.out_bf16) acc.push_back(writes(op.out_bf16, n * 2));
+  if (op.out_f32) acc.push_back(writes(op.out_f32, n * 4));
+  auto lock = fakecuda::lock_device();
+  launch(stream, "adamw8bit_update", std::move(acc), [op, blocks] {
+    AdamW8bitOp d = op;
+    d.qs = dev(op.qs);
+    d.qu = dev(op.qu);
+    d.master = dev(op.master);
+    d.grad = dev(op.grad);
+    d.code_m = dev(op.code_m);
+    d.code_v = dev(op.code_v);
+    d.scale_m = dev(op.scale_m);
+    d.scale_v = dev(op.scale_v);
+    d.out_bf16 = dev(op.out_bf16);
+    d.out_f32 = dev(op.out_f32);
+    fakecuda::omp::adamw8bit_update(d, blocks);
+  });
+}
+
 void cast_f32_to_bf16(cudaStream_t stream, const float* src, bf16* dst, std::size_t n) {
   if (n == 0) return;
   auto lock = fakecuda::lock_device();

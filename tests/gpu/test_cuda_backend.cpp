@@ -10,7 +10,9 @@
 
 #include "cuda_backend.hpp"
 #include "gpu_test.hpp"
+#include "rules/qmap.hpp"
 #include "shardopt/bf16.hpp"
+#include "shardopt/error.hpp"
 #include "sum_squares.hpp"
 #include "support/reference.hpp"
 
@@ -102,6 +104,104 @@ TEST(CudaBackend, GridStrideKernelMatchesThrustTwin) {
     for (std::size_t offset : {0, 1})
       expect_same(run_adam(*grid_be, AdamMode::AdamW, n, offset),
                   run_adam(*thrust_be, AdamMode::AdamW, n, offset));
+}
+
+// ---- AdamW8bit ----------------------------------------------------------------------------------
+
+struct Q8Run {
+  std::vector<float> p, scale_m, scale_v;
+  std::vector<std::uint8_t> code_m, code_v;
+  std::vector<unsigned char> replica;
+};
+
+// AdamW8bit (3 steps) on `be` over `blocks` 256-element blocks in three segments (one empty):
+// codes all over both maps, scales from the floor to 1e30, a block of zero gradients. Finite
+// throughout: the bits of a NaN are the hardware's, and the code of a NaN follows its sign bit.
+Q8Run run_adamw8bit(Backend& be, AdamMode mode, std::size_t blocks, bool replica, DType dtype) {
+  constexpr std::size_t kBlock = rules::q8::kBlock;
+  const std::size_t n = blocks * kBlock, cut = (blocks / 3) * kBlock;
+  std::vector<float> p = values(n, 1), sm(blocks), sv(blocks);
+  std::vector<std::uint8_t> cm(n), cv(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    cm[i] = static_cast<std::uint8_t>(i * 37 % 256);
+    cv[i] = static_cast<std::uint8_t>(i * 91 % 256);
+  }
+  for (std::size_t b = 0; b < blocks; ++b) {
+    sm[b] = b % 7 == 3 ? rules::q8::kMinScale : b % 11 == 5 ? 1e30f : std::ldexp(0.75f, static_cast<int>(b % 23) - 16);
+    sv[b] = b % 7 == 3 ? rules::q8::kMinScale : std::ldexp(0.625f, static_cast<int>(b % 29) - 24);
+  }
+  const std::size_t esize = dtype_size(dtype);
+  Allocation dp = upload(be, p), dsm = upload(be, sm), dsv = upload(be, sv), dcm = upload(be, cm),
+             dcv = upload(be, cv);
+  Allocation drep = upload(be, std::vector<unsigned char>(n * esize, 0xA5));
+  for (int step = 1; step <= 3; ++step) {
+    const StepHyper h{1e-2, 0.9, 0.999, 1e-8, 0.1, mode, step};
+    std::vector<float> g = values(n, 10 + static_cast<std::uint64_t>(step));
+    if (blocks > 2) std::fill(g.begin() + kBlock, g.begin() + 2 * kBlock, 0.0f);
+    Allocation dg = upload(be, g);
+    const std::vector<UpdateSegment> segs = {{0, cut, make_segment_scalars(h, 1.0, true)},
+                                             {cut, cut, make_segment_scalars(h, 0.5, true)},
+                                             {cut, n, make_segment_scalars(h, 0.25, false)}};
+    be.adamw8bit_update(make_step_scalars(h, 0.5), segs, dp.as<float>(), dg.as<float>(),
+                        dcm.as<std::uint8_t>(), dcv.as<std::uint8_t>(), dsm.as<float>(),
+                        dsv.as<float>(), replica ? drep.data() : nullptr, dtype);
+  }
+  be.synchronize();
+  return {download<float>(be, dp.data(), n),
+          download<float>(be, dsm.data(), blocks),
+          download<float>(be, dsv.data(), blocks),
+          download<std::uint8_t>(be, dcm.data(), n),
+          download<std::uint8_t>(be, dcv.data(), n),
+          download<unsigned char>(be, drep.data(), n * esize)};
+}
+
+// The device's AdamW8bit equals the CPU kernel bit for bit: master, replica (bf16, fp32, none),
+// codes and scales, AdamW and Adam-L2, from one block to 4099 (1 Mi elements; more blocks than
+// the CUDA kernel's grid of 4096, so that its loop over blocks runs).
+TEST(CudaBackend, AdamW8bitMatchesCpuBitwise) {
+  SHARDOPT_REQUIRE_GPUS(1);
+  auto cpu = make_cpu_backend();
+  auto gpu = make_cuda_backend();
+  for (AdamMode mode : {AdamMode::AdamW, AdamMode::AdamL2})
+    for (std::size_t blocks : {std::size_t{1}, std::size_t{13}, std::size_t{4099}})
+      for (int out = 0; out < 3; ++out) {
+        const bool replica = out < 2;
+        const DType dtype = out == 1 ? DType::F32 : DType::BF16;
+        SCOPED_TRACE("blocks=" + std::to_string(blocks) + " replica=" +
+                     (replica ? dtype_name(dtype) : "none") +
+                     (mode == AdamMode::AdamW ? " AdamW" : " Adam-L2"));
+        const Q8Run a = run_adamw8bit(*gpu, mode, blocks, replica, dtype);
+        const Q8Run b = run_adamw8bit(*cpu, mode, blocks, replica, dtype);
+        for (std::size_t i = 0; i < a.p.size(); ++i) {
+          ASSERT_EQ(float_bits(a.p[i]), float_bits(b.p[i])) << "master " << i;
+          ASSERT_EQ(a.code_m[i], b.code_m[i]) << "code_m " << i;
+          ASSERT_EQ(a.code_v[i], b.code_v[i]) << "code_v " << i;
+        }
+        for (std::size_t k = 0; k < a.scale_m.size(); ++k) {
+          ASSERT_EQ(float_bits(a.scale_m[k]), float_bits(b.scale_m[k])) << "scale_m " << k;
+          ASSERT_EQ(float_bits(a.scale_v[k]), float_bits(b.scale_v[k])) << "scale_v " << k;
+        }
+        ASSERT_EQ(a.replica, b.replica);
+      }
+}
+
+// Whole blocks only: a segment boundary inside a block is refused, as on the CPU.
+TEST(CudaBackend, AdamW8bitRefusesPartialBlocks) {
+  SHARDOPT_REQUIRE_GPUS(1);
+  auto gpu = make_cuda_backend();
+  const StepHyper h{1e-2, 0.9, 0.999, 1e-8, 0.1, AdamMode::AdamW, 1};
+  const SegmentScalars g = make_segment_scalars(h, 1.0, true);
+  const std::vector<UpdateSegment> inside = {{0, 100, g}, {100, 512, g}};
+  const std::vector<UpdateSegment> partial = {{0, 300, g}};
+  for (const auto& segs : {inside, partial}) {
+    try {
+      gpu->adamw8bit_update(make_step_scalars(h, 1.0), segs, nullptr, nullptr, nullptr, nullptr,
+                            nullptr, nullptr, nullptr, DType::BF16);
+      ADD_FAILURE() << "not refused";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::Internal);
+    }
+  }
 }
 
 TEST(CudaBackend, CastsAndAccumulateMatchCpuBitwise) {

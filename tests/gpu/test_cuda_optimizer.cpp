@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -31,8 +32,14 @@ using shardopt::test::synth;
 namespace {
 
 const std::vector<std::size_t> kSizes = {1, 7, 300, 5000, 65, 129, 3};
-int group_of(std::size_t i) { return i % 3 == 1 ? 1 : 0; }
 const std::vector<GroupOptions> kGroups = {GroupOptions{}, GroupOptions{0.5, false}};
+// Group 1 holds p1 and p4; under AdamW8bit also p3, and its threshold (kMin8bit) leaves p1
+// (7 elements) in fp32 AdamW while p4 (65: one partial block) and p3 (5000: 20 blocks, over
+// several buckets and, at 2-3 ranks, shards) keep 8-bit state.
+int group_of(std::size_t i, Rule rule1 = Rule::AdamW) {
+  return i % 3 == 1 || (rule1 == Rule::AdamW8bit && i == 3) ? 1 : 0;
+}
+constexpr std::size_t kMin8bit = 64;
 
 // Multiples of 2^-10: sums over ranks are exact in any order (see test_optimizer.cpp).
 float grad_value(int rank, int step, std::size_t param, std::size_t k) {
@@ -46,7 +53,7 @@ void to_device(std::span<float> dst, const std::vector<float>& src) {
 }
 
 // `in_units`: units {p0 p1} {p2 p3} {p4 p5} {p6} (the same layout at every stage); else one.
-// `rule1`: group 1's update rule (AdamW, or Lion: the rule layer's second kernel).
+// `rule1`: group 1's update rule (AdamW, Lion or AdamW8bit: group_of()).
 std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Device device,
                                        Stage stage, DType dtype, const AdamConfig& cfg,
                                        bool in_units = false, Rule rule1 = Rule::AdamW) {
@@ -59,10 +66,11 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Devic
   auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
   GroupOptions g1 = kGroups[1];
   g1.rule = rule1;
+  g1.adamw8bit.min_8bit_numel = kMin8bit;
   opt->add_group(g1);
   for (std::size_t i = 0; i < kSizes.size(); ++i) {
     if (in_units && (i == 2 || i == 4 || i == 6)) opt->begin_unit();
-    opt->add_param("p" + std::to_string(i), kSizes[i], group_of(i));
+    opt->add_param("p" + std::to_string(i), kSizes[i], group_of(i, rule1));
   }
   opt->finalize();
   for (std::size_t i = 0; i < kSizes.size(); ++i) {
@@ -192,7 +200,8 @@ std::vector<unsigned char> replica_bytes(ShardedOptimizer& opt, std::size_t i) {
   return out;
 }
 
-// The master, m and v of this rank are the same bits in both optimizers.
+// The master, m and v of this rank are the same bits in both optimizers (AdamW8bit's m and v
+// dequantized: q[code] * scale, so equal codes and scales).
 void expect_same_state(ShardedOptimizer& a, ShardedOptimizer& b, int step) {
   for (StateArray s : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
     std::vector<float> x(a.local_size()), y(b.local_size());
@@ -204,26 +213,50 @@ void expect_same_state(ShardedOptimizer& a, ShardedOptimizer& b, int step) {
   }
 }
 
-// One process: the CUDA step equals the CPU step bit for bit at every stage and replica
-// dtype, with group 1 under AdamW and under Lion: the master, m, v and the replica (stage 3:
-// each unit gathered) after every step (same element math; no clipping, so the different
-// norm summation order cannot matter).
-TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
-  if (test::gpu_world_size() != 1) GTEST_SKIP() << "single-process comparison";
-  SHARDOPT_REQUIRE_GPUS(1);
+// The memory the optimizer holds on this rank is the planner's for it (its groups' rules).
+void expect_planned_memory(ShardedOptimizer& opt) {
+  PlanConfig pc = plan_config(opt.options(), opt.comm().size());
+  pc.groups = opt.groups();
+  pc.rank = opt.comm().rank();
+  FlatLayout unbuilt;
+  for (const ParamInfo& p : opt.layout().params()) unbuilt.add(p.name, p.numel, p.group, p.unit);
+  const MemoryPlan plan = plan_memory(unbuilt, pc);
+  const MemoryReport rep = opt.memory_report();
+  for (MemCategory cat :
+       {MemCategory::Params, MemCategory::Grads, MemCategory::Master, MemCategory::Moments})
+    EXPECT_EQ(plan[cat], rep[cat]) << "category " << mem_category_name(cat);
+}
+
+// The CUDA step equals the CPU step bit for bit at every stage and replica dtype, with group 1
+// under each of `rules` (AdamW8bit: one parameter below its threshold in fp32 AdamW, two above
+// in 8-bit): this rank's master, m, v and the replica (stage 3: each unit gathered) after
+// every step (same element math; no clipping, so the different norm summation order cannot
+// matter; the gradients' sums over ranks are exact). The device memory is the planner's, and
+// the CPU's for the master and the rule's state.
+void expect_cpu_bits(const std::function<std::shared_ptr<Communicator>()>& gpu_comm,
+                     const std::function<std::shared_ptr<Communicator>()>& cpu_comm,
+                     std::initializer_list<Rule> rules) {
   AdamConfig cfg;
   cfg.lr = 1e-2;
-  for (Rule rule1 : {Rule::AdamW, Rule::Lion})
+  for (Rule rule1 : rules)
   for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
     for (DType dtype : {DType::BF16, DType::F32}) {
       SCOPED_TRACE(std::string(rule_name(rule1)) + " " + stage_name(stage) + " " + dtype_name(dtype));
-      auto gpu = make(make_cuda_single_process_communicator(), Device::Cuda, stage, dtype, cfg,
-                      true, rule1);
-      auto cpu = make(make_single_process_communicator(), Device::Cpu, stage, dtype, cfg, true,
-                      rule1);
+      auto gpu = make(gpu_comm(), Device::Cuda, stage, dtype, cfg, true, rule1);
+      auto cpu = make(cpu_comm(), Device::Cpu, stage, dtype, cfg, true, rule1);
+      const int rank = gpu->comm().rank();
+      if (rule1 == Rule::AdamW8bit) {
+        EXPECT_EQ(gpu->rule_of(1), Rule::AdamW) << "p1 is below min_8bit_numel";
+        EXPECT_EQ(gpu->rule_of(3), Rule::AdamW8bit);
+        EXPECT_EQ(gpu->rule_of(4), Rule::AdamW8bit);
+      }
+      expect_planned_memory(*gpu);
+      for (MemCategory cat : {MemCategory::Master, MemCategory::Moments})
+        EXPECT_EQ(gpu->memory_report()[cat], cpu->memory_report()[cat])
+            << "category " << mem_category_name(cat);
       for (int step = 1; step <= 3; ++step) {
-        produce_grads(*gpu, 0, step, true);
-        produce_grads(*cpu, 0, step, false);
+        produce_grads(*gpu, rank, step, true);
+        produce_grads(*cpu, rank, step, false);
         const StepResult a = gpu->step(), b = cpu->step();
         EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-12 * b.grad_norm);
         expect_same_state(*gpu, *cpu, step);
@@ -244,21 +277,44 @@ TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
     }
 }
 
+// One process: the one-process device communicator against the CPU's, every rule.
+TEST(CudaStepSingle, MatchesCpuOptimizerBitwise) {
+  if (test::gpu_world_size() != 1) GTEST_SKIP() << "single-process comparison";
+  SHARDOPT_REQUIRE_GPUS(1);
+  expect_cpu_bits([] { return make_cuda_single_process_communicator(); },
+                  [] { return make_single_process_communicator(); },
+                  {Rule::AdamW, Rule::Lion, Rule::AdamW8bit});
+}
+
+#if SHARDOPT_GPU_TEST_MPI
+// Every rank of the GPU world (NCCL) against the CPU optimizer over MPI on the same ranks,
+// group 1 under AdamW8bit (the rule whose blocks the shards must cut whole): each rank's
+// shard of the state is the CPU's. (AdamW and Lion at several ranks: CudaStep against the
+// oracle, and the CPU optimizer's own tests.)
+TEST(CudaStepWorld, MatchesCpuOptimizerBitwise) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  expect_cpu_bits([] { return test::gpu_world(); },
+                  [] { return make_mpi_communicator(MPI_COMM_WORLD); }, {Rule::AdamW8bit});
+}
+#endif
+
 // ---- stage 3 -------------------------------------------------------------------------------
 
 // Stage 3 on the device (units gathered on acquire/prefetch over the device communicator,
 // released to a pool of units_in_flight buffers) against stage 2 on the same layout: every
 // gathered unit equals stage 2's replica and the master weights, m and v are the same bits
-// after every step, with clipping, at every rank count of the GPU world.
+// after every step, with clipping, at every rank count of the GPU world; group 1 under AdamW
+// and under AdamW8bit (its 8-bit parameters' blocks split over the ranks' shards).
 TEST(CudaZero3, MatchesZero2Bitwise) {
   SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  for (Rule rule1 : {Rule::AdamW, Rule::AdamW8bit})
   for (DType dtype : {DType::BF16, DType::F32}) {
-    SCOPED_TRACE(dtype_name(dtype));
+    SCOPED_TRACE(std::string(rule_name(rule1)) + " " + dtype_name(dtype));
     AdamConfig cfg;
     cfg.lr = 1e-2;
     cfg.max_grad_norm = 1.0;
-    auto z2 = make(test::gpu_world(), Device::Cuda, Stage::Zero2, dtype, cfg, true);
-    auto z3 = make(test::gpu_world(), Device::Cuda, Stage::Zero3, dtype, cfg, true);
+    auto z2 = make(test::gpu_world(), Device::Cuda, Stage::Zero2, dtype, cfg, true, rule1);
+    auto z3 = make(test::gpu_world(), Device::Cuda, Stage::Zero3, dtype, cfg, true, rule1);
     ASSERT_EQ(z2->layout().fingerprint(), z3->layout().fingerprint());
     const int rank = z3->comm().rank();
     const std::size_t units = z3->layout().num_units();
