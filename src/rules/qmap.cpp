@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -131,6 +132,27 @@ Qmap make(const std::uint32_t* bits) {
     m.base_neg[b] = static_cast<std::uint8_t>(count_le(-hi));
     if (count_le(hi) > m.base_pos[b] + 2u || count_le(-lo) > m.base_neg[b] + 2u)
       throw Error(Status::Internal, "qmap: more than two thresholds in a bucket");
+  }
+  // The SIMD entries: base and the one threshold inside each bucket (its key: the low 16
+  // bits, complemented for negative y, where larger magnitudes come first).
+  const float below = std::bit_cast<float>((kSimdLow << kBucketShift) | 0xFFFFu);
+  for (unsigned c = 0; c < 255; ++c)
+    if (std::fabs(m.threshold[c]) <= below)
+      throw Error(Status::Internal, "qmap: a threshold below the SIMD table's first bucket");
+  for (std::size_t b = 0; b < kSimdBuckets; ++b) {
+    const std::uint32_t lo_bits = static_cast<std::uint32_t>(kSimdLow + b) << kBucketShift;
+    const float lo = std::bit_cast<float>(lo_bits), hi = std::bit_cast<float>(lo_bits | 0xFFFFu);
+    for (int neg = 0; neg < 2; ++neg) {
+      const float first = neg ? -hi : lo, last = neg ? -lo : hi;  // the bucket's least, greatest y
+      const unsigned base = count_le(first), inside = count_le(last) - base;
+      if (inside > 1) throw Error(Status::Internal, "qmap: two thresholds in a SIMD bucket");
+      std::uint32_t lim = 0x10000u;
+      if (inside == 1) {
+        const std::uint32_t low = std::bit_cast<std::uint32_t>(m.threshold[base]) & 0xFFFFu;
+        lim = neg ? 0xFFFFu - low : low;
+      }
+      m.simd_entry[neg * kSimdBuckets + b] = base | lim << 8;
+    }
   }
   return m;
 }

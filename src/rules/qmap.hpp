@@ -20,6 +20,13 @@
 // comparisons: no branch and no search. The same code as the reference wherever
 // tests/test_adamw8bit.cpp looks: 64 floats on each side of every threshold and entry,
 // 200000 random floats in [-1, 1], signed zeros, subnormals and values beyond [-1, 1].
+//
+// The SIMD kernels read one 32-bit entry per code instead (Qmap::simd_entry, one gather):
+// within a bucket of 2^16 ulps there is at most one threshold (the construction checks), so
+// the entry holds the base and that threshold's low 16 bits, and the code is base + (key >=
+// lim), an integer comparison of y's low 16 bits. Buckets below kSimdLow hold no threshold
+// (checked too) and share kSimdLow's entry; y is clamped to [-1, 1] first, where the code is
+// the code of +-1 as in quantize().
 #pragma once
 
 #include <cstddef>
@@ -36,6 +43,11 @@ inline constexpr unsigned kBucketShift = 16;
 /// Buckets of |y| in [0, 1] (bits of 1.0f >> kBucketShift, plus one).
 inline constexpr std::size_t kBuckets = (0x3F800000u >> kBucketShift) + 1;
 
+/// The first bucket of Qmap::simd_entry (|y| >= 2^-23); smaller |y| use its entry.
+inline constexpr std::uint32_t kSimdLow = 0x3400u;
+/// Buckets per sign in Qmap::simd_entry: kSimdLow to 1.0's bucket.
+inline constexpr std::size_t kSimdBuckets = (0x3F800000u >> kBucketShift) - kSimdLow + 1;
+
 struct Qmap {
   float value[256];
   /// threshold[c]: the smallest float y that quantizes to c + 1 or more (c < 255);
@@ -44,8 +56,12 @@ struct Qmap {
   /// The number of thresholds <= the smallest float of each bucket of |y| (y >= 0: the
   /// bucket's lowest value; y < 0: minus its largest magnitude).
   std::uint8_t base_pos[kBuckets];
-  std::uint8_t base_neg[kBuckets];  ///< right after base_pos (the SIMD kernel indexes both)
-  std::uint8_t pad[4];              ///< a 32-bit gather may read 3 bytes past base_neg
+  std::uint8_t base_neg[kBuckets];
+  /// The SIMD quantizer's entries, [neg * kSimdBuckets + max(bits(|y|) >> 16, kSimdLow) -
+  /// kSimdLow] = base | lim << 8: the code of y in [-1, 1] is base + (key >= lim), key =
+  /// bits(y) & 0xFFFF for y >= +0 and 0xFFFF - (bits(y) & 0xFFFF) for y <= -0 (the order of y
+  /// inside the bucket); lim = 0x10000 where no threshold lies inside.
+  alignas(64) std::uint32_t simd_entry[2 * kSimdBuckets];
 };
 
 /// The signed (exp_avg) and unsigned (exp_avg_sq) maps.
