@@ -18,14 +18,16 @@
 namespace shardopt::cpu {
 
 /// An 8-bit quantization map as AdamW8bit's SIMD kernels read it (src/rules/qmap.hpp's Qmap):
-/// its 256 values and its SIMD quantizer entries.
+/// its 256 values and its SIMD quantizer entries, [neg * kQ8Buckets + max(bits(|y|) >> 16,
+/// kQ8Low) - kQ8Low] = base | lim << 8 (Qmap::simd_entry).
 struct Q8Map {
   const float* value;
-  /// Qmap::simd_entry: [neg * buckets + max(bits(|y|) >> 16, low) - low] = base | lim << 8.
   const std::uint32_t* entry;
-  std::uint32_t low;      ///< kSimdLow
-  std::uint32_t buckets;  ///< kSimdBuckets (per sign)
 };
+/// Qmap::simd_entry's first bucket and buckets per sign (kSimdLow and kSimdBuckets there;
+/// src/rules/adamw8bit.cpp checks that they agree), constants so that they cost no register.
+inline constexpr std::uint32_t kQ8Low = 0x3400u;
+inline constexpr std::uint32_t kQ8Buckets = 0x3F80u - kQ8Low + 1;
 
 struct RangeKernels {
   const char* name;
@@ -71,9 +73,11 @@ struct RangeKernels {
                            const float* grad, std::uint8_t* code_m, std::uint8_t* code_v,
                            float* scale_m, float* scale_v, bf16* out_bf16, float* out_f32,
                            std::size_t blocks, const Q8Map& qs, const Q8Map& qu);
-  /// The codes of y[0, n) as the block kernel computes them (for the tests): bitwise
-  /// rules::q8::quantize for y in [-1, 1]. Null with adamw8bit_blocks.
-  void (*q8_quantize)(const float* y, std::size_t n, const Q8Map& q, std::uint8_t* code);
+  /// The codes of y[0, n) as the block kernels compute them (for the tests): bitwise
+  /// rules::q8::quantize for y in [-1, 1]; nonneg: the path for y >= +0 only (exp_avg_sq,
+  /// never negative), which skips the sign. Null with adamw8bit_blocks.
+  void (*q8_quantize)(const float* y, std::size_t n, const Q8Map& q, bool nonneg,
+                      std::uint8_t* code);
   /// exact_deposit_pack (kernels.hpp) on one range.
   void (*exact_deposit_pack)(const float* g, std::size_t n, const std::int64_t* top,
                              const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out);

@@ -189,20 +189,31 @@ __m256 adam8_regs(const AdamVec& c, float* p, const float* grad, __m256& mv, __m
   return pv;
 }
 
-/// The codes of 8 floats (in the low byte of each lane, higher bits not cleared) through the
-/// SIMD entries (Qmap::simd_entry in src/rules/qmap.hpp): y clamped to [-1, 1], one gather of
-/// its bucket's entry, one comparison of its key with the bucket's threshold.
+/// The codes of 8 floats y in [-1, 1] (in the low byte of each lane, higher bits not
+/// cleared) through the SIMD entries (Qmap::simd_entry in src/rules/qmap.hpp): one gather of
+/// the bucket's entry, one comparison of y's key with the bucket's threshold. kNonNeg: every
+/// y is >= +0 (exp_avg_sq), no sign to handle. The bucket index is clamped to the table (y
+/// is in [-1, 1] in the kernel: |m| <= its block's scale), so no y reads outside it.
+template <bool kNonNeg>
 __m256i quantize8(__m256 y, const Q8Map& q) {
-  y = _mm256_max_ps(_mm256_min_ps(y, _mm256_set1_ps(1.0f)), _mm256_set1_ps(-1.0f));
   const __m256i bits = _mm256_castps_si256(y);
-  const __m256i neg = _mm256_srai_epi32(bits, 31);  // all ones for y <= -0
-  const __m256i low = _mm256_set1_epi32(static_cast<int>(q.low));
-  __m256i idx = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)), 16);
-  idx = _mm256_sub_epi32(_mm256_max_epu32(idx, low), low);
-  idx = _mm256_add_epi32(idx, _mm256_and_si256(neg, _mm256_set1_epi32(static_cast<int>(q.buckets))));
+  const __m256i ffff = _mm256_set1_epi32(0xFFFF);
+  __m256i idx, key, neg;
+  if constexpr (kNonNeg) {
+    idx = _mm256_srli_epi32(bits, 16);
+    key = _mm256_and_si256(bits, ffff);
+  } else {
+    neg = _mm256_srai_epi32(bits, 31);  // all ones for y <= -0
+    idx = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)), 16);
+    // key: the low 16 bits, complemented for negative y (larger magnitudes first).
+    key = _mm256_and_si256(_mm256_xor_si256(bits, neg), ffff);
+  }
+  // idx < 2^16: a saturating 16-bit subtraction is max(idx, low) - low.
+  idx = _mm256_min_epu32(_mm256_subs_epu16(idx, _mm256_set1_epi32(static_cast<int>(kQ8Low))),
+                         _mm256_set1_epi32(static_cast<int>(kQ8Buckets - 1)));
+  if constexpr (!kNonNeg)
+    idx = _mm256_add_epi32(idx, _mm256_and_si256(neg, _mm256_set1_epi32(static_cast<int>(kQ8Buckets))));
   const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(q.entry), idx, 4);
-  // key: the low 16 bits, complemented for negative y (larger magnitudes first).
-  const __m256i key = _mm256_and_si256(_mm256_xor_si256(bits, neg), _mm256_set1_epi32(0xFFFF));
   // key >= lim: e + 1 (base + 1 <= 255 there, no carry out of the low byte); else e.
   const __m256i below = _mm256_cmpgt_epi32(_mm256_srli_epi32(e, 8), key);
   return _mm256_add_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(1)), below);
@@ -218,18 +229,25 @@ void store_codes16(std::uint8_t* dst, __m256i a, __m256i b) {
                    _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
 }
 
-void q8_quantize(const float* y, std::size_t n, const Q8Map& q, std::uint8_t* code) {
+template <bool kNonNeg>
+void q8_quantize_run(const float* y, std::size_t n, const Q8Map& q, std::uint8_t* code) {
   std::size_t i = 0;
   for (; i + 2 * kW <= n; i += 2 * kW)
-    store_codes16(code + i, quantize8(_mm256_loadu_ps(y + i), q),
-                  quantize8(_mm256_loadu_ps(y + i + kW), q));
+    store_codes16(code + i, quantize8<kNonNeg>(_mm256_loadu_ps(y + i), q),
+                  quantize8<kNonNeg>(_mm256_loadu_ps(y + i + kW), q));
   if (i < n) {
     alignas(32) float t[2 * kW] = {};
     std::uint8_t c[2 * kW];
     for (std::size_t k = i; k < n; ++k) t[k - i] = y[k];
-    store_codes16(c, quantize8(_mm256_load_ps(t), q), quantize8(_mm256_load_ps(t + kW), q));
+    store_codes16(c, quantize8<kNonNeg>(_mm256_load_ps(t), q),
+                  quantize8<kNonNeg>(_mm256_load_ps(t + kW), q));
     for (std::size_t k = i; k < n; ++k) code[k] = c[k - i];
   }
+}
+
+void q8_quantize(const float* y, std::size_t n, const Q8Map& q, bool nonneg, std::uint8_t* code) {
+  if (nonneg) q8_quantize_run<true>(y, n, q, code);
+  else q8_quantize_run<false>(y, n, q, code);
 }
 
 constexpr std::size_t kQBlock = 256;  // rules::q8::kBlock
@@ -242,10 +260,10 @@ __m256 dequantize8(const std::uint8_t* code, const float* value, __m256 scale) {
 /// The codes of 16 of a block's m and v under its new scales.
 void requantize16(const float* m, const float* v, __m256 scale_m, __m256 scale_v,
                   std::uint8_t* code_m, std::uint8_t* code_v, const Q8Map& qs, const Q8Map& qu) {
-  store_codes16(code_m, quantize8(_mm256_div_ps(_mm256_load_ps(m), scale_m), qs),
-                quantize8(_mm256_div_ps(_mm256_load_ps(m + kW), scale_m), qs));
-  store_codes16(code_v, quantize8(_mm256_div_ps(_mm256_load_ps(v), scale_v), qu),
-                quantize8(_mm256_div_ps(_mm256_load_ps(v + kW), scale_v), qu));
+  store_codes16(code_m, quantize8<false>(_mm256_div_ps(_mm256_load_ps(m), scale_m), qs),
+                quantize8<false>(_mm256_div_ps(_mm256_load_ps(m + kW), scale_m), qs));
+  store_codes16(code_v, quantize8<true>(_mm256_div_ps(_mm256_load_ps(v), scale_v), qu),
+                quantize8<true>(_mm256_div_ps(_mm256_load_ps(v + kW), scale_v), qu));
 }
 
 float reduce_max(__m256 x) {

@@ -174,40 +174,56 @@ __m512 adam16_regs(const AdamVec& c, float* p, const float* grad, __m512& mv, __
   return pv;
 }
 
-/// The codes of 16 floats (in the low byte of each lane) through the SIMD entries
-/// (Qmap::simd_entry in src/rules/qmap.hpp): y clamped to [-1, 1], one gather of its bucket's
-/// entry, one comparison of its key with the bucket's threshold.
+/// The codes of 16 floats y in [-1, 1] (in the low byte of each lane, higher bits not
+/// cleared) through the SIMD entries (Qmap::simd_entry in src/rules/qmap.hpp): one gather of
+/// the bucket's entry, one comparison of y's key with the bucket's threshold. kNonNeg: every
+/// y is >= +0 (exp_avg_sq), no sign to handle. The bucket index is clamped to the table (y
+/// is in [-1, 1] in the kernel: |m| <= its block's scale), so no y reads outside it.
+template <bool kNonNeg>
 __m512i quantize16(__m512 y, const Q8Map& q) {
-  y = _mm512_max_ps(_mm512_min_ps(y, _mm512_set1_ps(1.0f)), _mm512_set1_ps(-1.0f));
   const __m512i bits = _mm512_castps_si512(y);
-  const __mmask16 neg = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
-  const __m512i low = _mm512_set1_epi32(static_cast<int>(q.low));
-  __m512i idx = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), 16);
-  idx = _mm512_sub_epi32(_mm512_max_epu32(idx, low), low);
-  idx = _mm512_mask_add_epi32(idx, neg, idx, _mm512_set1_epi32(static_cast<int>(q.buckets)));
-  const __m512i e = _mm512_i32gather_epi32(idx, q.entry, 4);
-  // key: the low 16 bits, complemented for negative y (larger magnitudes first).
+  const __m512i low = _mm512_set1_epi32(static_cast<int>(kQ8Low));
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(kQ8Low + kQ8Buckets - 1));
   const __m512i ffff = _mm512_set1_epi32(0xFFFF);
-  __m512i key = _mm512_and_si512(bits, ffff);
-  key = _mm512_mask_xor_epi32(key, neg, key, ffff);
+  __m512i idx, key;
+  if constexpr (kNonNeg) {
+    idx = _mm512_srli_epi32(bits, 16);
+    key = _mm512_and_si512(bits, ffff);
+  } else {
+    idx = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), 16);
+    // key: the low 16 bits, complemented for negative y (larger magnitudes first).
+    key = _mm512_ternarylogic_epi32(bits, _mm512_srai_epi32(bits, 31), ffff, 0x28);  // (a ^ b) & c
+  }
+  idx = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(idx, low), top), low);
+  if constexpr (!kNonNeg) {
+    const __mmask16 neg = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
+    idx = _mm512_mask_add_epi32(idx, neg, idx, _mm512_set1_epi32(static_cast<int>(kQ8Buckets)));
+  }
+  const __m512i e = _mm512_i32gather_epi32(idx, q.entry, 4);
   const __mmask16 up = _mm512_cmpge_epu32_mask(key, _mm512_srli_epi32(e, 8));
   // base + 1 <= 255 where a threshold lies inside: no carry out of the low byte.
   return _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
 }
 
-void q8_quantize(const float* y, std::size_t n, const Q8Map& q, std::uint8_t* code) {
+template <bool kNonNeg>
+void q8_quantize_run(const float* y, std::size_t n, const Q8Map& q, std::uint8_t* code) {
   std::size_t i = 0;
   for (; i + kW <= n; i += kW)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(code + i),
-                     _mm512_cvtepi32_epi8(quantize16(_mm512_loadu_ps(y + i), q)));
+                     _mm512_cvtepi32_epi8(quantize16<kNonNeg>(_mm512_loadu_ps(y + i), q)));
   if (i < n) {
     alignas(64) float t[kW] = {};
     alignas(16) std::uint8_t c[kW];
     for (std::size_t k = i; k < n; ++k) t[k - i] = y[k];
     _mm_store_si128(reinterpret_cast<__m128i*>(c),
-                    _mm512_cvtepi32_epi8(quantize16(_mm512_load_ps(t), q)));
+                    _mm512_cvtepi32_epi8(quantize16<kNonNeg>(_mm512_load_ps(t), q)));
     for (std::size_t k = i; k < n; ++k) code[k] = c[k - i];
   }
+}
+
+void q8_quantize(const float* y, std::size_t n, const Q8Map& q, bool nonneg, std::uint8_t* code) {
+  if (nonneg) q8_quantize_run<true>(y, n, q, code);
+  else q8_quantize_run<false>(y, n, q, code);
 }
 
 constexpr std::size_t kQBlock = 256;  // rules::q8::kBlock
@@ -220,8 +236,8 @@ __m512 dequantize16(const std::uint8_t* code, const float* value, __m512 scale) 
 /// The codes of 16 of a block's m and v (16 lanes each) under its new scales.
 void requantize16(const float* m, const float* v, __m512 scale_m, __m512 scale_v,
                   std::uint8_t* code_m, std::uint8_t* code_v, const Q8Map& qs, const Q8Map& qu) {
-  const __m512i cm = quantize16(_mm512_div_ps(_mm512_load_ps(m), scale_m), qs);
-  const __m512i cv = quantize16(_mm512_div_ps(_mm512_load_ps(v), scale_v), qu);
+  const __m512i cm = quantize16<false>(_mm512_div_ps(_mm512_load_ps(m), scale_m), qs);
+  const __m512i cv = quantize16<true>(_mm512_div_ps(_mm512_load_ps(v), scale_v), qu);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(code_m), _mm512_cvtepi32_epi8(cm));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(code_v), _mm512_cvtepi32_epi8(cv));
 }

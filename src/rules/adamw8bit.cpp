@@ -40,9 +40,9 @@ void adamw8bit_block(const StepScalars& s, const SegmentScalars& g, float* p, co
 
 namespace {
 
-cpu::Q8Map simd_map(const Qmap& q) {
-  return cpu::Q8Map{q.value, q.simd_entry, kSimdLow, static_cast<std::uint32_t>(kSimdBuckets)};
-}
+static_assert(cpu::kQ8Low == kSimdLow && cpu::kQ8Buckets == kSimdBuckets);
+
+cpu::Q8Map simd_map(const Qmap& q) { return cpu::Q8Map{q.value, q.simd_entry}; }
 
 /// Blocks per unit of the threaded loop (a unit is split where a segment ends).
 constexpr std::size_t kUnitBlocks = 16;
