@@ -19,7 +19,8 @@ namespace shardopt::cpu {
 
 /// An 8-bit quantization map as AdamW8bit's SIMD kernels read it (src/rules/qmap.hpp's Qmap):
 /// its 256 values and its SIMD quantizer entries, [neg * kQ8Buckets + max(bits(|y|) >> 16,
-/// kQ8Low) - kQ8Low] = base | lim << 8 (Qmap::simd_entry).
+/// kQ8Low) - kQ8Low] = base | (lim - 1) << 16 (Qmap::simd_entry): the code of y in [-1, 1] is
+/// base + (key > lim - 1), key = the low 16 bits of y, complemented for y <= -0.
 struct Q8Map {
   const float* value;
   const std::uint32_t* entry;

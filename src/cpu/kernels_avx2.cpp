@@ -214,9 +214,9 @@ __m256i quantize8(__m256 y, const Q8Map& q) {
   if constexpr (!kNonNeg)
     idx = _mm256_add_epi32(idx, _mm256_and_si256(neg, _mm256_set1_epi32(static_cast<int>(kQ8Buckets))));
   const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(q.entry), idx, 4);
-  // key >= lim: e + 1 (base + 1 <= 255 there, no carry out of the low byte); else e.
-  const __m256i below = _mm256_cmpgt_epi32(_mm256_srli_epi32(e, 8), key);
-  return _mm256_add_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(1)), below);
+  // key > lim - 1 (both < 2^16): e + 1 (base + 1 <= 255 there, no carry out of the low
+  // byte); else e.
+  return _mm256_sub_epi32(e, _mm256_cmpgt_epi32(key, _mm256_srli_epi32(e, 16)));
 }
 
 /// 16 codes (the low bytes of two quantize8 results) stored in order.

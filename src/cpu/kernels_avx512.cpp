@@ -184,24 +184,24 @@ __m512i quantize16(__m512 y, const Q8Map& q) {
   const __m512i bits = _mm512_castps_si512(y);
   const __m512i low = _mm512_set1_epi32(static_cast<int>(kQ8Low));
   const __m512i top = _mm512_set1_epi32(static_cast<int>(kQ8Low + kQ8Buckets - 1));
-  const __m512i ffff = _mm512_set1_epi32(0xFFFF);
-  __m512i idx, key;
+  // key << 16: y's low 16 bits on top, complemented for negative y (larger magnitudes first).
+  __m512i key = _mm512_slli_epi32(bits, 16);
+  __m512i idx;
   if constexpr (kNonNeg) {
     idx = _mm512_srli_epi32(bits, 16);
-    key = _mm512_and_si512(bits, ffff);
   } else {
     idx = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), 16);
-    // key: the low 16 bits, complemented for negative y (larger magnitudes first).
-    key = _mm512_ternarylogic_epi32(bits, _mm512_srai_epi32(bits, 31), ffff, 0x28);  // (a ^ b) & c
   }
   idx = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(idx, low), top), low);
   if constexpr (!kNonNeg) {
     const __mmask16 neg = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
     idx = _mm512_mask_add_epi32(idx, neg, idx, _mm512_set1_epi32(static_cast<int>(kQ8Buckets)));
+    key = _mm512_mask_xor_epi32(key, neg, key, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
   }
   const __m512i e = _mm512_i32gather_epi32(idx, q.entry, 4);
-  const __mmask16 up = _mm512_cmpge_epu32_mask(key, _mm512_srli_epi32(e, 8));
-  // base + 1 <= 255 where a threshold lies inside: no carry out of the low byte.
+  // key > lim - 1: key << 16 > e (base < 2^16 below it). base + 1 <= 255 where a threshold
+  // lies inside: no carry out of the low byte.
+  const __mmask16 up = _mm512_cmpgt_epu32_mask(key, e);
   return _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
 }
 

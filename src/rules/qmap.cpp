@@ -146,12 +146,13 @@ Qmap make(const std::uint32_t* bits) {
       const float first = neg ? -hi : lo, last = neg ? -lo : hi;  // the bucket's least, greatest y
       const unsigned base = count_le(first), inside = count_le(last) - base;
       if (inside > 1) throw Error(Status::Internal, "qmap: two thresholds in a SIMD bucket");
-      std::uint32_t lim = 0x10000u;
+      std::uint32_t lim = 0x10000u;  // none: key > 0xFFFF never holds
       if (inside == 1) {
         const std::uint32_t low = std::bit_cast<std::uint32_t>(m.threshold[base]) & 0xFFFFu;
-        lim = neg ? 0xFFFFu - low : low;
+        lim = neg ? 0xFFFFu - low : low;  // >= 1: the threshold is above the bucket's first y
+        if (lim == 0) throw Error(Status::Internal, "qmap: a threshold at a SIMD bucket's start");
       }
-      m.simd_entry[neg * kSimdBuckets + b] = base | lim << 8;
+      m.simd_entry[neg * kSimdBuckets + b] = base | (lim - 1) << 16;
     }
   }
   return m;

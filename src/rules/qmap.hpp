@@ -23,10 +23,10 @@
 //
 // The SIMD kernels read one 32-bit entry per code instead (Qmap::simd_entry, one gather):
 // within a bucket of 2^16 ulps there is at most one threshold (the construction checks), so
-// the entry holds the base and that threshold's low 16 bits, and the code is base + (key >=
-// lim), an integer comparison of y's low 16 bits. Buckets below kSimdLow hold no threshold
-// (checked too) and share kSimdLow's entry; y is clamped to [-1, 1] first, where the code is
-// the code of +-1 as in quantize().
+// the entry holds the base and that threshold's low 16 bits, and the code is base + (key >
+// lim - 1), an integer comparison of y's low 16 bits. Buckets below kSimdLow hold no
+// threshold (checked too) and share kSimdLow's entry. Only y in [-1, 1] (the kernels' y = m /
+// scale, |m| <= scale; they clamp the bucket index, not y).
 #pragma once
 
 #include <cstddef>
@@ -58,9 +58,10 @@ struct Qmap {
   std::uint8_t base_pos[kBuckets];
   std::uint8_t base_neg[kBuckets];
   /// The SIMD quantizer's entries, [neg * kSimdBuckets + max(bits(|y|) >> 16, kSimdLow) -
-  /// kSimdLow] = base | lim << 8: the code of y in [-1, 1] is base + (key >= lim), key =
-  /// bits(y) & 0xFFFF for y >= +0 and 0xFFFF - (bits(y) & 0xFFFF) for y <= -0 (the order of y
-  /// inside the bucket); lim = 0x10000 where no threshold lies inside.
+  /// kSimdLow] = base | (lim - 1) << 16: the code of y in [-1, 1] is base + (key > lim - 1),
+  /// key = bits(y) & 0xFFFF for y >= +0 and 0xFFFF - (bits(y) & 0xFFFF) for y <= -0 (the
+  /// order of y inside the bucket), lim the key of the threshold inside the bucket (>= 1);
+  /// lim - 1 = 0xFFFF where none lies inside. (key << 16 > entry as unsigned is the same test.)
   alignas(64) std::uint32_t simd_entry[2 * kSimdBuckets];
 };
 
