@@ -189,31 +189,37 @@ __m256 adam8_regs(const AdamVec& c, float* p, const float* grad, __m256& mv, __m
   return pv;
 }
 
+/// Q8Map::entry minus kQ8Low entries: indexed by the bucket bits(|y|) >> 16 itself (an
+/// address for the gathers; only indices >= kQ8Low are used).
+const int* entry_base(const Q8Map& q) {
+  return reinterpret_cast<const int*>(reinterpret_cast<std::uintptr_t>(q.entry) -
+                                      kQ8Low * sizeof(std::uint32_t));
+}
+
 /// The codes of 8 floats y in [-1, 1] (in the low byte of each lane, higher bits not
 /// cleared) through the SIMD entries (Qmap::simd_entry in src/rules/qmap.hpp): one gather of
 /// the bucket's entry, one comparison of y's key with the bucket's threshold. kNonNeg: every
-/// y is >= +0 (exp_avg_sq), no sign to handle. The bucket index is clamped to the table (y
-/// is in [-1, 1] in the kernel: |m| <= its block's scale), so no y reads outside it.
+/// y is >= +0 (exp_avg_sq), no sign to handle. |y| below 2^-23 takes the first bucket's
+/// entry (max, which also sends NaN there: no y reads outside the table; y is in [-1, 1] in
+/// the kernel, |m| <= its block's scale).
 template <bool kNonNeg>
-__m256i quantize8(__m256 y, const Q8Map& q) {
+__m256i quantize8(__m256 y, const int* base) {
   const __m256i bits = _mm256_castps_si256(y);
+  const __m256 first = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(kQ8Low << 16)));
   const __m256i ffff = _mm256_set1_epi32(0xFFFF);
-  __m256i idx, key, neg;
+  __m256i idx, key;
   if constexpr (kNonNeg) {
-    idx = _mm256_srli_epi32(bits, 16);
+    idx = _mm256_srli_epi32(_mm256_castps_si256(_mm256_max_ps(y, first)), 16);
     key = _mm256_and_si256(bits, ffff);
   } else {
-    neg = _mm256_srai_epi32(bits, 31);  // all ones for y <= -0
-    idx = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)), 16);
+    const __m256i neg = _mm256_srai_epi32(bits, 31);  // all ones for y <= -0
+    const __m256 mag = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)));
+    idx = _mm256_srli_epi32(_mm256_castps_si256(_mm256_max_ps(mag, first)), 16);
+    idx = _mm256_add_epi32(idx, _mm256_and_si256(neg, _mm256_set1_epi32(static_cast<int>(kQ8Buckets))));
     // key: the low 16 bits, complemented for negative y (larger magnitudes first).
     key = _mm256_and_si256(_mm256_xor_si256(bits, neg), ffff);
   }
-  // idx < 2^16: a saturating 16-bit subtraction is max(idx, low) - low.
-  idx = _mm256_min_epu32(_mm256_subs_epu16(idx, _mm256_set1_epi32(static_cast<int>(kQ8Low))),
-                         _mm256_set1_epi32(static_cast<int>(kQ8Buckets - 1)));
-  if constexpr (!kNonNeg)
-    idx = _mm256_add_epi32(idx, _mm256_and_si256(neg, _mm256_set1_epi32(static_cast<int>(kQ8Buckets))));
-  const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(q.entry), idx, 4);
+  const __m256i e = _mm256_i32gather_epi32(base, idx, 4);
   // key > lim - 1 (both < 2^16): e + 1 (base + 1 <= 255 there, no carry out of the low
   // byte); else e.
   return _mm256_sub_epi32(e, _mm256_cmpgt_epi32(key, _mm256_srli_epi32(e, 16)));
@@ -233,14 +239,14 @@ template <bool kNonNeg>
 void q8_quantize_run(const float* y, std::size_t n, const Q8Map& q, std::uint8_t* code) {
   std::size_t i = 0;
   for (; i + 2 * kW <= n; i += 2 * kW)
-    store_codes16(code + i, quantize8<kNonNeg>(_mm256_loadu_ps(y + i), q),
-                  quantize8<kNonNeg>(_mm256_loadu_ps(y + i + kW), q));
+    store_codes16(code + i, quantize8<kNonNeg>(_mm256_loadu_ps(y + i), entry_base(q)),
+                  quantize8<kNonNeg>(_mm256_loadu_ps(y + i + kW), entry_base(q)));
   if (i < n) {
     alignas(32) float t[2 * kW] = {};
     std::uint8_t c[2 * kW];
     for (std::size_t k = i; k < n; ++k) t[k - i] = y[k];
-    store_codes16(c, quantize8<kNonNeg>(_mm256_load_ps(t), q),
-                  quantize8<kNonNeg>(_mm256_load_ps(t + kW), q));
+    store_codes16(c, quantize8<kNonNeg>(_mm256_load_ps(t), entry_base(q)),
+                  quantize8<kNonNeg>(_mm256_load_ps(t + kW), entry_base(q)));
     for (std::size_t k = i; k < n; ++k) code[k] = c[k - i];
   }
 }
@@ -259,7 +265,7 @@ __m256 dequantize8(const std::uint8_t* code, const float* value, __m256 scale) {
 
 /// The codes of 16 of a block's m and v under its new scales.
 void requantize16(const float* m, const float* v, __m256 scale_m, __m256 scale_v,
-                  std::uint8_t* code_m, std::uint8_t* code_v, const Q8Map& qs, const Q8Map& qu) {
+                  std::uint8_t* code_m, std::uint8_t* code_v, const int* qs, const int* qu) {
   store_codes16(code_m, quantize8<false>(_mm256_div_ps(_mm256_load_ps(m), scale_m), qs),
                 quantize8<false>(_mm256_div_ps(_mm256_load_ps(m + kW), scale_m), qs));
   store_codes16(code_v, quantize8<true>(_mm256_div_ps(_mm256_load_ps(v), scale_v), qu),
@@ -284,6 +290,8 @@ void adamw8bit_run(const AdamVec& c, float* p, const float* grad, std::uint8_t* 
   alignas(32) float mbuf[2][kQBlock];  // the updated m and v of blocks b (b % 2) and b - 1
   alignas(32) float vbuf[2][kQBlock];
   const Q8Map ks = qs, ku = qu;  // local copies: the stores below cannot alias them
+  const int* es = entry_base(qs);
+  const int* eu = entry_base(qu);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const float floor = 1e-12f;
   __m256 prev_sm = _mm256_setzero_ps(), prev_sv = _mm256_setzero_ps();
@@ -295,7 +303,7 @@ void adamw8bit_run(const AdamVec& c, float* p, const float* grad, std::uint8_t* 
     if (b == blocks) {  // the last block's requantization alone
       const std::size_t last = (b - 1) * kQBlock;
       for (std::size_t i = 0; i < kQBlock; i += 2 * kW)
-        requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + last + i, code_v + last + i, ks, ku);
+        requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + last + i, code_v + last + i, es, eu);
       break;
     }
     const std::size_t at = b * kQBlock;
@@ -321,7 +329,7 @@ void adamw8bit_run(const AdamVec& c, float* p, const float* grad, std::uint8_t* 
       max_v = _mm256_max_ps(max_v, _mm256_max_ps(v0, v1));
       if (b > 0) {
         const std::size_t prev = at - kQBlock;
-        requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + prev + i, code_v + prev + i, ks, ku);
+        requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + prev + i, code_v + prev + i, es, eu);
       }
     }
     const float am = reduce_max(max_m), av = reduce_max(max_v);

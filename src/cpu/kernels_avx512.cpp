@@ -174,31 +174,36 @@ __m512 adam16_regs(const AdamVec& c, float* p, const float* grad, __m512& mv, __
   return pv;
 }
 
+/// Q8Map::entry minus kQ8Low entries: indexed by the bucket bits(|y|) >> 16 itself (an
+/// address for the gathers; only indices >= kQ8Low are used).
+const void* entry_base(const Q8Map& q) {
+  return reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(q.entry) -
+                                       kQ8Low * sizeof(std::uint32_t));
+}
+
 /// The codes of 16 floats y in [-1, 1] (in the low byte of each lane, higher bits not
 /// cleared) through the SIMD entries (Qmap::simd_entry in src/rules/qmap.hpp): one gather of
 /// the bucket's entry, one comparison of y's key with the bucket's threshold. kNonNeg: every
-/// y is >= +0 (exp_avg_sq), no sign to handle. The bucket index is clamped to the table (y
-/// is in [-1, 1] in the kernel: |m| <= its block's scale), so no y reads outside it.
+/// y is >= +0 (exp_avg_sq), no sign to handle. |y| below 2^-23 takes the first bucket's
+/// entry (max, which also sends NaN there: no y reads outside the table; y is in [-1, 1] in
+/// the kernel, |m| <= its block's scale).
 template <bool kNonNeg>
-__m512i quantize16(__m512 y, const Q8Map& q) {
+__m512i quantize16(__m512 y, const void* base) {
   const __m512i bits = _mm512_castps_si512(y);
-  const __m512i low = _mm512_set1_epi32(static_cast<int>(kQ8Low));
-  const __m512i top = _mm512_set1_epi32(static_cast<int>(kQ8Low + kQ8Buckets - 1));
+  const __m512 first = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(kQ8Low << 16)));
   // key << 16: y's low 16 bits on top, complemented for negative y (larger magnitudes first).
   __m512i key = _mm512_slli_epi32(bits, 16);
   __m512i idx;
   if constexpr (kNonNeg) {
-    idx = _mm512_srli_epi32(bits, 16);
+    idx = _mm512_srli_epi32(_mm512_castps_si512(_mm512_max_ps(y, first)), 16);
   } else {
-    idx = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), 16);
-  }
-  idx = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(idx, low), top), low);
-  if constexpr (!kNonNeg) {
+    const __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
+    idx = _mm512_srli_epi32(_mm512_castps_si512(_mm512_max_ps(mag, first)), 16);
     const __mmask16 neg = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
     idx = _mm512_mask_add_epi32(idx, neg, idx, _mm512_set1_epi32(static_cast<int>(kQ8Buckets)));
     key = _mm512_mask_xor_epi32(key, neg, key, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
   }
-  const __m512i e = _mm512_i32gather_epi32(idx, q.entry, 4);
+  const __m512i e = _mm512_i32gather_epi32(idx, base, 4);
   // key > lim - 1: key << 16 > e (base < 2^16 below it). base + 1 <= 255 where a threshold
   // lies inside: no carry out of the low byte.
   const __mmask16 up = _mm512_cmpgt_epu32_mask(key, e);
@@ -210,13 +215,13 @@ void q8_quantize_run(const float* y, std::size_t n, const Q8Map& q, std::uint8_t
   std::size_t i = 0;
   for (; i + kW <= n; i += kW)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(code + i),
-                     _mm512_cvtepi32_epi8(quantize16<kNonNeg>(_mm512_loadu_ps(y + i), q)));
+                     _mm512_cvtepi32_epi8(quantize16<kNonNeg>(_mm512_loadu_ps(y + i), entry_base(q))));
   if (i < n) {
     alignas(64) float t[kW] = {};
     alignas(16) std::uint8_t c[kW];
     for (std::size_t k = i; k < n; ++k) t[k - i] = y[k];
     _mm_store_si128(reinterpret_cast<__m128i*>(c),
-                    _mm512_cvtepi32_epi8(quantize16<kNonNeg>(_mm512_load_ps(t), q)));
+                    _mm512_cvtepi32_epi8(quantize16<kNonNeg>(_mm512_load_ps(t), entry_base(q))));
     for (std::size_t k = i; k < n; ++k) code[k] = c[k - i];
   }
 }
@@ -235,7 +240,7 @@ __m512 dequantize16(const std::uint8_t* code, const float* value, __m512 scale) 
 
 /// The codes of 16 of a block's m and v (16 lanes each) under its new scales.
 void requantize16(const float* m, const float* v, __m512 scale_m, __m512 scale_v,
-                  std::uint8_t* code_m, std::uint8_t* code_v, const Q8Map& qs, const Q8Map& qu) {
+                  std::uint8_t* code_m, std::uint8_t* code_v, const void* qs, const void* qu) {
   const __m512i cm = quantize16<false>(_mm512_div_ps(_mm512_load_ps(m), scale_m), qs);
   const __m512i cv = quantize16<true>(_mm512_div_ps(_mm512_load_ps(v), scale_v), qu);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(code_m), _mm512_cvtepi32_epi8(cm));
@@ -254,6 +259,8 @@ void adamw8bit_run(const AdamVec& c, float* p, const float* grad, std::uint8_t* 
   alignas(64) float mbuf[2][kQBlock];  // the updated m and v of blocks b (b % 2) and b - 1
   alignas(64) float vbuf[2][kQBlock];
   const Q8Map ks = qs, ku = qu;  // local copies: the stores below cannot alias them
+  const void* es = entry_base(qs);
+  const void* eu = entry_base(qu);
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const float floor = 1e-12f;
   __m512 prev_sm = _mm512_setzero_ps(), prev_sv = _mm512_setzero_ps();
@@ -265,7 +272,7 @@ void adamw8bit_run(const AdamVec& c, float* p, const float* grad, std::uint8_t* 
     if (b == blocks) {  // the last block's requantization alone
       const std::size_t last = (b - 1) * kQBlock;
       for (std::size_t i = 0; i < kQBlock; i += kW)
-        requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + last + i, code_v + last + i, ks, ku);
+        requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + last + i, code_v + last + i, es, eu);
       break;
     }
     const std::size_t at = b * kQBlock;
@@ -283,7 +290,7 @@ void adamw8bit_run(const AdamVec& c, float* p, const float* grad, std::uint8_t* 
       max_v = _mm512_max_ps(max_v, vv);
       if (b > 0) {
         const std::size_t prev = at - kQBlock;
-        requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + prev + i, code_v + prev + i, ks, ku);
+        requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + prev + i, code_v + prev + i, es, eu);
       }
     }
     const float am = _mm512_reduce_max_ps(max_m), av = _mm512_reduce_max_ps(max_v);
