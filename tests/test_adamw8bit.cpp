@@ -306,7 +306,7 @@ TEST(AdamW8bitKernel, TenStepsEqualTorchBitForBit) {
 }
 
 // Every ISA's block kernel (AVX2 and AVX-512: gathers, the SIMD quantizer, many blocks per
-// call) gives the portable
+// call with one block's requantization overlapping the next one's update) gives the portable
 // block's bits: weights, replica (bf16 and fp32), codes and scales, over 67 blocks of values
 // spread over many binades (some blocks all zero), in three segments whose boundaries do not
 // fall on the kernel's units, AdamW and Adam-L2, three steps.

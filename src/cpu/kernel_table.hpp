@@ -67,9 +67,9 @@ struct RangeKernels {
                         std::uint8_t* level);
   /// `blocks` whole AdamW8bit blocks of 256 elements in one segment (src/rules/adamw8bit.hpp):
   /// bitwise the portable rules::q8::adamw8bit_block on each, scale_m[b] and scale_v[b] the
-  /// scales of block b. Many blocks per call, so the step's constants and the tables'
-  /// addresses are set up once. Null where the ISA has none (the caller runs the portable
-  /// block).
+  /// scales of block b. Many blocks per call, so the constants stay in registers and one
+  /// block's requantization overlaps the next one's update. Null where the ISA has none (the
+  /// caller runs the portable block).
   void (*adamw8bit_blocks)(const StepScalars& s, const SegmentScalars& g, float* p,
                            const float* grad, std::uint8_t* code_m, std::uint8_t* code_v,
                            float* scale_m, float* scale_v, bf16* out_bf16, float* out_f32,

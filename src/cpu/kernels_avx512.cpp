@@ -247,31 +247,42 @@ void requantize16(const float* m, const float* v, __m512 scale_m, __m512 scale_v
   _mm_storeu_si128(reinterpret_cast<__m128i*>(code_v), _mm512_cvtepi32_epi8(cv));
 }
 
-/// AdamW8bit blocks, one after the other: dequantize and adam16_regs() (the fp32 AdamW
-/// arithmetic), the replica, the new scales (max is exact and order-free on finite values:
-/// the portable loop's result), requantize from m and v kept in L1. Each block's arithmetic
-/// is the portable block's, operation for operation. (Overlapping one block's
-/// requantization with the next one's update measured no faster: the out-of-order core
-/// already runs the gathers beside the divider.)
+/// AdamW8bit blocks, software-pipelined: block b's update (dequantize, adam16_regs(): the fp32
+/// AdamW arithmetic, the replica, the new scales) runs in the same loop as block b - 1's
+/// requantization, so the divider (the update's square root and divisions) and the gathers
+/// (the requantization's) work at the same time: 20 ns per 16 elements in L2 on the Xeon of
+/// docs/performance.md, against 32 ns for each block's two loops one after the other. Each
+/// block's arithmetic is the portable block's, operation for operation; max is exact and
+/// order-free on finite values.
 template <bool kL2>
 void adamw8bit_run(const AdamVec& c, float* p, const float* grad, std::uint8_t* code_m,
                    std::uint8_t* code_v, float* scale_m, float* scale_v, bf16* out_bf16,
                    float* out_f32, std::size_t blocks, const Q8Map& qs, const Q8Map& qu) {
-  alignas(64) float m[kQBlock];
-  alignas(64) float v[kQBlock];
-  const float* value_m = qs.value;  // locals: the stores below cannot alias them
-  const float* value_v = qu.value;
-  const void* entry_m = entry_base(qs);
-  const void* entry_v = entry_base(qu);
+  alignas(64) float mbuf[2][kQBlock];  // the updated m and v of blocks b (b % 2) and b - 1
+  alignas(64) float vbuf[2][kQBlock];
+  const Q8Map ks = qs, ku = qu;  // local copies: the stores below cannot alias them
+  const void* es = entry_base(qs);
+  const void* eu = entry_base(qu);
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const float floor = 1e-12f;
-  for (std::size_t b = 0; b < blocks; ++b) {
+  __m512 prev_sm = _mm512_setzero_ps(), prev_sv = _mm512_setzero_ps();
+  for (std::size_t b = 0; b <= blocks; ++b) {
+    float* m = mbuf[b % 2];
+    float* v = vbuf[b % 2];
+    const float* pm = mbuf[(b + 1) % 2];
+    const float* pv = vbuf[(b + 1) % 2];
+    if (b == blocks) {  // the last block's requantization alone
+      const std::size_t last = (b - 1) * kQBlock;
+      for (std::size_t i = 0; i < kQBlock; i += kW)
+        requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + last + i, code_v + last + i, es, eu);
+      break;
+    }
     const std::size_t at = b * kQBlock;
     const __m512 sm = _mm512_set1_ps(scale_m[b]), sv = _mm512_set1_ps(scale_v[b]);
     __m512 max_m = _mm512_setzero_ps(), max_v = _mm512_setzero_ps();
     for (std::size_t i = 0; i < kQBlock; i += kW) {
-      __m512 mv = dequantize16(code_m + at + i, value_m, sm);
-      __m512 vv = dequantize16(code_v + at + i, value_v, sv);
+      __m512 mv = dequantize16(code_m + at + i, ks.value, sm);
+      __m512 vv = dequantize16(code_v + at + i, ku.value, sv);
       const __m512 pw = adam16_regs<kL2>(c, p + at + i, grad + at + i, mv, vv);
       if (out_bf16) store_bf16x16(out_bf16 + at + i, pack_bf16(pw), false);
       if (out_f32) store_f32x16(out_f32 + at + i, pw, false);
@@ -279,13 +290,16 @@ void adamw8bit_run(const AdamVec& c, float* p, const float* grad, std::uint8_t* 
       _mm512_store_ps(v + i, vv);
       max_m = _mm512_max_ps(max_m, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(mv), abs_mask)));
       max_v = _mm512_max_ps(max_v, vv);
+      if (b > 0) {
+        const std::size_t prev = at - kQBlock;
+        requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + prev + i, code_v + prev + i, es, eu);
+      }
     }
     const float am = _mm512_reduce_max_ps(max_m), av = _mm512_reduce_max_ps(max_v);
     scale_m[b] = am > floor ? am : floor;
     scale_v[b] = av > floor ? av : floor;
-    const __m512 nsm = _mm512_set1_ps(scale_m[b]), nsv = _mm512_set1_ps(scale_v[b]);
-    for (std::size_t i = 0; i < kQBlock; i += kW)
-      requantize16(m + i, v + i, nsm, nsv, code_m + at + i, code_v + at + i, entry_m, entry_v);
+    prev_sm = _mm512_set1_ps(scale_m[b]);
+    prev_sv = _mm512_set1_ps(scale_v[b]);
   }
 }
 
