@@ -25,8 +25,9 @@
 // within a bucket of 2^16 ulps there is at most one threshold (the construction checks), so
 // the entry holds the base and that threshold's low 16 bits, and the code is base + (key >
 // lim - 1), an integer comparison of y's low 16 bits. Buckets below kSimdLow hold no
-// threshold (checked too) and share kSimdLow's entry. Only y in [-1, 1] (the kernels' y = m /
-// scale, |m| <= scale; they clamp the bucket index, not y).
+// threshold (checked too) and share kSimdLow's entry (the kernels take the bucket of
+// max(|y|, 2^-23), which also sends NaN there). Only y in [-1, 1]: the kernels' y = m / scale,
+// |m| <= scale.
 #pragma once
 
 #include <cstddef>
