@@ -82,9 +82,10 @@ TEST(Qmap, ThresholdSearchIsTorchaosRoundingForEveryFloatNearEveryBoundary) {
 }
 
 // The SIMD kernels' quantizer (one gather of Qmap::simd_entry, one comparison) gives
-// quantize()'s code for the same floats as above inside [-1, 1], per ISA that has one, and
-// its path for non-negative y (exp_avg_sq) for those >= +0. (An exhaustive run over every
-// float in [-1, 1] agreed too; it takes a minute, so it is not a test.)
+// quantize()'s code for the same floats as above, bucket edges, values beyond [-1, 1],
+// infinities and NaNs of both signs (inf / inf, a scale that overflowed, gives x86's
+// negative NaN), per ISA that has one; its sign-free path too, for the unsigned map. (A run
+// over all 2^32 floats agreed as well; it takes a minute, so it is not a test.)
 TEST(Qmap, SimdQuantizerIsTheThresholdSearch) {
   const cpu::RangeKernels* tables[] = {&cpu::kPortableKernels,
 #if defined(SHARDOPT_CPU_X86)
@@ -102,10 +103,16 @@ TEST(Qmap, SimdQuantizerIsTheThresholdSearch) {
     if (!k.q8_quantize || !cpu::isa_supported(isas[t])) continue;
     ++tested;
     for (const Qmap* m : {&signed_map(), &unsigned_map()}) {
-      std::vector<float> probes = {0.0f, -0.0f, 1.0f, -1.0f, 1e-30f, -1e-30f,
+      const float inf = std::numeric_limits<float>::infinity();
+      std::vector<float> probes = {0.0f, -0.0f, 1.0f, -1.0f, 1e-30f, -1e-30f, 2.0f, -2.0f,
+                                   1e30f, -1e30f, inf, -inf,
                                    std::numeric_limits<float>::denorm_min(),
                                    -std::numeric_limits<float>::denorm_min(),
                                    std::numeric_limits<float>::min(), -std::numeric_limits<float>::min()};
+      for (std::uint32_t nan : {0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0xFFBFFFFFu, 0x7FFFFFFFu})
+        probes.push_back(std::bit_cast<float>(nan));
+      volatile float big = inf;
+      probes.push_back(big / big);  // the hardware's default NaN
       for (int c = 0; c < 256; ++c)
         for (float center : {m->value[c], c < 255 ? m->threshold[c] : 1.0f, -m->value[c]}) {
           float lo = center, hi = center;
@@ -127,21 +134,17 @@ TEST(Qmap, SimdQuantizerIsTheThresholdSearch) {
         s = s * 1664525u + 1013904223u;
         probes.push_back(static_cast<float>(static_cast<double>(s) / 4294967296.0 * 2.0 - 1.0));
       }
-      std::vector<float> y;
-      for (float p : probes)
-        if (p >= -1.0f && p <= 1.0f) y.push_back(p);
+      const std::vector<float>& y = probes;
       const cpu::Q8Map q{m->value, m->simd_entry};
       std::vector<std::uint8_t> got(y.size());
-      k.q8_quantize(y.data(), y.size(), q, false, got.data());
-      for (std::size_t i = 0; i < y.size(); ++i)
-        ASSERT_EQ(got[i], quantize(*m, y[i])) << k.name << " " << std::hexfloat << y[i];
-      std::vector<float> nonneg;
-      for (float p : y)
-        if (!std::signbit(p)) nonneg.push_back(p);
-      got.assign(nonneg.size(), 0);
-      k.q8_quantize(nonneg.data(), nonneg.size(), q, true, got.data());
-      for (std::size_t i = 0; i < nonneg.size(); ++i)
-        ASSERT_EQ(got[i], quantize(*m, nonneg[i])) << k.name << " nonneg " << std::hexfloat << nonneg[i];
+      for (bool nonneg : {false, true}) {
+        if (nonneg && m != &unsigned_map()) continue;  // the sign-free path is the unsigned map's
+        k.q8_quantize(y.data(), y.size(), q, nonneg, got.data());
+        for (std::size_t i = 0; i < y.size(); ++i)
+          ASSERT_EQ(got[i], quantize(*m, y[i]))
+              << k.name << (nonneg ? " sign-free " : " ") << std::hexfloat << y[i] << " bits "
+              << std::bit_cast<std::uint32_t>(y[i]);
+      }
       // Odd lengths: the tails.
       for (std::size_t n : {1u, 7u, 15u, 17u, 33u}) {
         got.assign(n, 0);
@@ -331,6 +334,9 @@ TEST(AdamW8bitKernel, EveryIsaGivesThePortableBits) {
       for (int step = 1; step <= 3; ++step) {
         for (std::size_t k = 0; k < n; ++k)
           grad[k] = (k / kBlock) % 9 == 4 ? 0.0f : golden_value(6, step, 0, k, static_cast<int>(k / kBlock) % 20);
+        // Block 30 overflows: its v (and scale) become Inf at step 2, then v / scale = NaN.
+        if (step == 2)
+          for (std::size_t k = 30 * kBlock; k < 31 * kBlock; k += 7) grad[k] = 3e38f;
         const StepHyper h{1e-2, 0.9, 0.999, 1e-8, 0.1, mode, step};
         const UpdateSegment segs[3] = {{0, 21 * kBlock, make_segment_scalars(h, 1.0, true)},
                                        {21 * kBlock, 40 * kBlock, make_segment_scalars(h, 0.5, false)},

@@ -28,7 +28,7 @@ struct Q8Map {
 /// Qmap::simd_entry's first bucket and buckets per sign (kSimdLow and kSimdBuckets there;
 /// src/rules/adamw8bit.cpp checks that they agree), constants so that they cost no register.
 inline constexpr std::uint32_t kQ8Low = 0x3400u;
-inline constexpr std::uint32_t kQ8Buckets = 0x3F80u - kQ8Low + 1;
+inline constexpr std::uint32_t kQ8Buckets = 0x7FFFu - kQ8Low + 1;
 
 struct RangeKernels {
   const char* name;
@@ -75,8 +75,9 @@ struct RangeKernels {
                            float* scale_m, float* scale_v, bf16* out_bf16, float* out_f32,
                            std::size_t blocks, const Q8Map& qs, const Q8Map& qu);
   /// The codes of y[0, n) as the block kernels compute them (for the tests): bitwise
-  /// rules::q8::quantize for y in [-1, 1]; nonneg: the path for y >= +0 only (exp_avg_sq,
-  /// never negative), which skips the sign. Null with adamw8bit_blocks.
+  /// rules::q8::quantize for every float y, NaN and infinities included; nonneg: the path for
+  /// a map without negative thresholds (the unsigned map), which skips the sign. Null with
+  /// adamw8bit_blocks.
   void (*q8_quantize)(const float* y, std::size_t n, const Q8Map& q, bool nonneg,
                       std::uint8_t* code);
   /// exact_deposit_pack (kernels.hpp) on one range.

@@ -196,25 +196,24 @@ const int* entry_base(const Q8Map& q) {
                                       kQ8Low * sizeof(std::uint32_t));
 }
 
-/// The codes of 8 floats y in [-1, 1] (in the low byte of each lane, higher bits not
-/// cleared) through the SIMD entries (Qmap::simd_entry in src/rules/qmap.hpp): one gather of
-/// the bucket's entry, one comparison of y's key with the bucket's threshold. kNonNeg: every
-/// y is >= +0 (exp_avg_sq), no sign to handle. |y| below 2^-23 takes the first bucket's
-/// entry (max, which also sends NaN there: no y reads outside the table; y is in [-1, 1] in
-/// the kernel, |m| <= its block's scale).
+/// The codes of 8 floats (in the low byte of each lane, higher bits not cleared) through the
+/// SIMD entries, as quantize16 in kernels_avx512.cpp: the bucket of |y| < 2^-23 raised to the
+/// table's first; |y| > 1, infinities and NaN have the code of +-1 by the sign bit there, as
+/// quantize() gives them. kNonNeg: a map without negative thresholds
+/// (exp_avg_sq's), where every y with the sign bit set has the first bucket's code 0.
 template <bool kNonNeg>
 __m256i quantize8(__m256 y, const int* base) {
   const __m256i bits = _mm256_castps_si256(y);
-  const __m256 first = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(kQ8Low << 16)));
   const __m256i ffff = _mm256_set1_epi32(0xFFFF);
+  const __m256i low = _mm256_set1_epi32(static_cast<int>(kQ8Low));
   __m256i idx, key;
   if constexpr (kNonNeg) {
-    idx = _mm256_srli_epi32(_mm256_castps_si256(_mm256_max_ps(y, first)), 16);
+    idx = _mm256_max_epi32(_mm256_srai_epi32(bits, 16), low);
     key = _mm256_and_si256(bits, ffff);
   } else {
     const __m256i neg = _mm256_srai_epi32(bits, 31);  // all ones for y <= -0
-    const __m256 mag = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)));
-    idx = _mm256_srli_epi32(_mm256_castps_si256(_mm256_max_ps(mag, first)), 16);
+    idx = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)), 16);
+    idx = _mm256_max_epi32(idx, low);
     idx = _mm256_add_epi32(idx, _mm256_and_si256(neg, _mm256_set1_epi32(static_cast<int>(kQ8Buckets))));
     // key: the low 16 bits, complemented for negative y (larger magnitudes first).
     key = _mm256_and_si256(_mm256_xor_si256(bits, neg), ffff);
@@ -325,8 +324,9 @@ void adamw8bit_run(const AdamVec& c, float* p, const float* grad, std::uint8_t* 
       _mm256_store_ps(m + i + kW, m1);
       _mm256_store_ps(v + i, v0);
       _mm256_store_ps(v + i + kW, v1);
-      max_m = _mm256_max_ps(max_m, _mm256_max_ps(_mm256_and_ps(m0, abs_mask), _mm256_and_ps(m1, abs_mask)));
-      max_v = _mm256_max_ps(max_v, _mm256_max_ps(v0, v1));
+      // max(x, acc) returns acc where x is NaN: std::max(acc, x), as the portable loop.
+      max_m = _mm256_max_ps(_mm256_and_ps(m1, abs_mask), _mm256_max_ps(_mm256_and_ps(m0, abs_mask), max_m));
+      max_v = _mm256_max_ps(v1, _mm256_max_ps(v0, max_v));
       if (b > 0) {
         const std::size_t prev = at - kQBlock;
         requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + prev + i, code_v + prev + i, es, eu);

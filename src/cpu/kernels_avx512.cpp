@@ -181,24 +181,26 @@ const void* entry_base(const Q8Map& q) {
                                        kQ8Low * sizeof(std::uint32_t));
 }
 
-/// The codes of 16 floats y in [-1, 1] (in the low byte of each lane, higher bits not
-/// cleared) through the SIMD entries (Qmap::simd_entry in src/rules/qmap.hpp): one gather of
-/// the bucket's entry, one comparison of y's key with the bucket's threshold. kNonNeg: every
-/// y is >= +0 (exp_avg_sq), no sign to handle. |y| below 2^-23 takes the first bucket's
-/// entry (max, which also sends NaN there: no y reads outside the table; y is in [-1, 1] in
-/// the kernel, |m| <= its block's scale).
+/// The codes of 16 floats (in the low byte of each lane, higher bits not cleared) through the
+/// SIMD entries (Qmap::simd_entry in src/rules/qmap.hpp): one gather of the bucket's entry,
+/// one comparison of y's key with the bucket's threshold. The bucket of |y| below the table
+/// (|y| < 2^-23) is raised to its first bucket, which holds no threshold; the table goes on to
+/// the last bucket of any float, where |y| > 1, infinities and NaN have the code of +-1 whatever
+/// the key, as quantize() gives them (a NaN's code follows its sign bit there too). kNonNeg: a map without
+/// negative thresholds (exp_avg_sq's): every y with the sign bit set then has code 0, the
+/// first bucket's base, so the sign needs no handling (y as a signed integer clamps there).
 template <bool kNonNeg>
 __m512i quantize16(__m512 y, const void* base) {
   const __m512i bits = _mm512_castps_si512(y);
-  const __m512 first = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(kQ8Low << 16)));
+  const __m512i low = _mm512_set1_epi32(static_cast<int>(kQ8Low));
   // key << 16: y's low 16 bits on top, complemented for negative y (larger magnitudes first).
   __m512i key = _mm512_slli_epi32(bits, 16);
   __m512i idx;
   if constexpr (kNonNeg) {
-    idx = _mm512_srli_epi32(_mm512_castps_si512(_mm512_max_ps(y, first)), 16);
+    idx = _mm512_max_epi32(_mm512_srai_epi32(bits, 16), low);
   } else {
-    const __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
-    idx = _mm512_srli_epi32(_mm512_castps_si512(_mm512_max_ps(mag, first)), 16);
+    idx = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), 16);
+    idx = _mm512_max_epu32(idx, low);
     const __mmask16 neg = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
     idx = _mm512_mask_add_epi32(idx, neg, idx, _mm512_set1_epi32(static_cast<int>(kQ8Buckets)));
     key = _mm512_mask_xor_epi32(key, neg, key, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
@@ -288,8 +290,9 @@ void adamw8bit_run(const AdamVec& c, float* p, const float* grad, std::uint8_t* 
       if (out_f32) store_f32x16(out_f32 + at + i, pw, false);
       _mm512_store_ps(m + i, mv);
       _mm512_store_ps(v + i, vv);
-      max_m = _mm512_max_ps(max_m, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(mv), abs_mask)));
-      max_v = _mm512_max_ps(max_v, vv);
+      // max(x, acc) returns acc where x is NaN: std::max(acc, x), as the portable loop.
+      max_m = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(mv), abs_mask)), max_m);
+      max_v = _mm512_max_ps(vv, max_v);
       if (b > 0) {
         const std::size_t prev = at - kQBlock;
         requantize16(pm + i, pv + i, prev_sm, prev_sv, code_m + prev + i, code_v + prev + i, es, eu);

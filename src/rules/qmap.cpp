@@ -136,10 +136,19 @@ Qmap make(const std::uint32_t* bits) {
   // The SIMD entries: base and the one threshold inside each bucket (its key: the low 16
   // bits, complemented for negative y, where larger magnitudes come first).
   const float below = std::bit_cast<float>((kSimdLow << kBucketShift) | 0xFFFFu);
-  for (unsigned c = 0; c < 255; ++c)
+  for (unsigned c = 0; c < 255; ++c) {
     if (std::fabs(m.threshold[c]) <= below)
       throw Error(Status::Internal, "qmap: a threshold below the SIMD table's first bucket");
+    if (m.value[0] >= 0.0f && m.threshold[c] < 0.0f)  // the kernels' sign-free path
+      throw Error(Status::Internal, "qmap: a negative threshold in an unsigned map");
+  }
+  const std::size_t one = (0x3F800000u >> kBucketShift) - kSimdLow;  // 1.0's bucket
   for (std::size_t b = 0; b < kSimdBuckets; ++b) {
+    if (b > one) {  // beyond 1 (infinities, NaN): the code of +-1, as quantize() clamps
+      m.simd_entry[b] = m.simd_entry[one];
+      m.simd_entry[kSimdBuckets + b] = m.simd_entry[kSimdBuckets + one];
+      continue;
+    }
     const std::uint32_t lo_bits = static_cast<std::uint32_t>(kSimdLow + b) << kBucketShift;
     const float lo = std::bit_cast<float>(lo_bits), hi = std::bit_cast<float>(lo_bits | 0xFFFFu);
     for (int neg = 0; neg < 2; ++neg) {

@@ -25,9 +25,10 @@
 // within a bucket of 2^16 ulps there is at most one threshold (the construction checks), so
 // the entry holds the base and that threshold's low 16 bits, and the code is base + (key >
 // lim - 1), an integer comparison of y's low 16 bits. Buckets below kSimdLow hold no
-// threshold (checked too) and share kSimdLow's entry (the kernels take the bucket of
-// max(|y|, 2^-23), which also sends NaN there). Only y in [-1, 1]: the kernels' y = m / scale,
-// |m| <= scale.
+// threshold (checked too) and share kSimdLow's entry; the buckets beyond 1.0's (|y| > 1,
+// infinities, NaN) repeat 1.0's entry, where the code is that of +-1 by the sign bit whatever
+// the key, as in quantize(). The unsigned map has no negative threshold (checked), so there every y with the
+// sign bit set has code 0, the first bucket's base: its kernels skip the sign.
 #pragma once
 
 #include <cstddef>
@@ -46,8 +47,10 @@ inline constexpr std::size_t kBuckets = (0x3F800000u >> kBucketShift) + 1;
 
 /// The first bucket of Qmap::simd_entry (|y| >= 2^-23); smaller |y| use its entry.
 inline constexpr std::uint32_t kSimdLow = 0x3400u;
-/// Buckets per sign in Qmap::simd_entry: kSimdLow to 1.0's bucket.
-inline constexpr std::size_t kSimdBuckets = (0x3F800000u >> kBucketShift) - kSimdLow + 1;
+/// Buckets per sign in Qmap::simd_entry: kSimdLow to the last one of any float (infinities
+/// and NaN included; those above 1.0's bucket repeat its entry), so no index needs clamping
+/// from above.
+inline constexpr std::size_t kSimdBuckets = (0x7FFFFFFFu >> kBucketShift) - kSimdLow + 1;
 
 struct Qmap {
   float value[256];
