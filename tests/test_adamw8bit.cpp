@@ -81,7 +81,7 @@ TEST(Qmap, ThresholdSearchIsTorchaosRoundingForEveryFloatNearEveryBoundary) {
   }
 }
 
-// The SIMD kernels' quantizer (one gather of Qmap::simd_entry, one comparison) gives
+// The SIMD kernels' quantizer (one gather of simd_entries(), one comparison) gives
 // quantize()'s code for the same floats as above, bucket edges, values beyond [-1, 1],
 // infinities and NaNs of both signs (inf / inf, a scale that overflowed, gives x86's
 // negative NaN), per ISA that has one; its sign-free path too, for the unsigned map. (A run
@@ -135,7 +135,7 @@ TEST(Qmap, SimdQuantizerIsTheThresholdSearch) {
         probes.push_back(static_cast<float>(static_cast<double>(s) / 4294967296.0 * 2.0 - 1.0));
       }
       const std::vector<float>& y = probes;
-      const cpu::Q8Map q{m->value, m->simd_entry};
+      const cpu::Q8Map q{m->value, simd_entries(*m)};
       std::vector<std::uint8_t> got(y.size());
       for (bool nonneg : {false, true}) {
         if (nonneg && m != &unsigned_map()) continue;  // the sign-free path is the unsigned map's

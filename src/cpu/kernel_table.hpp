@@ -19,13 +19,13 @@ namespace shardopt::cpu {
 
 /// An 8-bit quantization map as AdamW8bit's SIMD kernels read it (src/rules/qmap.hpp's Qmap):
 /// its 256 values and its SIMD quantizer entries, [neg * kQ8Buckets + max(bits(|y|) >> 16,
-/// kQ8Low) - kQ8Low] = base | (lim - 1) << 16 (Qmap::simd_entry): the code of y in [-1, 1] is
+/// kQ8Low) - kQ8Low] = base | (lim - 1) << 16 (rules::q8::simd_entries()): the code of y is
 /// base + (key > lim - 1), key = the low 16 bits of y, complemented for y <= -0.
 struct Q8Map {
   const float* value;
   const std::uint32_t* entry;
 };
-/// Qmap::simd_entry's first bucket and buckets per sign (kSimdLow and kSimdBuckets there;
+/// The entries' first bucket and buckets per sign (kSimdLow and kSimdBuckets in qmap.hpp;
 /// src/rules/adamw8bit.cpp checks that they agree), constants so that they cost no register.
 inline constexpr std::uint32_t kQ8Low = 0x3400u;
 inline constexpr std::uint32_t kQ8Buckets = 0x7FFFu - kQ8Low + 1;

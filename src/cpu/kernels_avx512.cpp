@@ -182,7 +182,7 @@ const void* entry_base(const Q8Map& q) {
 }
 
 /// The codes of 16 floats (in the low byte of each lane, higher bits not cleared) through the
-/// SIMD entries (Qmap::simd_entry in src/rules/qmap.hpp): one gather of the bucket's entry,
+/// SIMD entries (simd_entries() in src/rules/qmap.hpp): one gather of the bucket's entry,
 /// one comparison of y's key with the bucket's threshold. The bucket of |y| below the table
 /// (|y| < 2^-23) is raised to its first bucket, which holds no threshold; the table goes on to
 /// the last bucket of any float, where |y| > 1, infinities and NaN have the code of +-1 whatever

@@ -42,7 +42,7 @@ namespace {
 
 static_assert(cpu::kQ8Low == kSimdLow && cpu::kQ8Buckets == kSimdBuckets);
 
-cpu::Q8Map simd_map(const Qmap& q) { return cpu::Q8Map{q.value, q.simd_entry}; }
+cpu::Q8Map simd_map(const Qmap& q) { return cpu::Q8Map{q.value, simd_entries(q)}; }
 
 /// Blocks per unit of the threaded loop (a unit is split where a segment ends).
 constexpr std::size_t kUnitBlocks = 16;

@@ -21,7 +21,7 @@
 // tests/test_adamw8bit.cpp looks: 64 floats on each side of every threshold and entry,
 // 200000 random floats in [-1, 1], signed zeros, subnormals and values beyond [-1, 1].
 //
-// The SIMD kernels read one 32-bit entry per code instead (Qmap::simd_entry, one gather):
+// The SIMD kernels read one 32-bit entry per code instead (simd_entries(), one gather):
 // within a bucket of 2^16 ulps there is at most one threshold (the construction checks), so
 // the entry holds the base and that threshold's low 16 bits, and the code is base + (key >
 // lim - 1), an integer comparison of y's low 16 bits. Buckets below kSimdLow hold no
@@ -45,9 +45,9 @@ inline constexpr unsigned kBucketShift = 16;
 /// Buckets of |y| in [0, 1] (bits of 1.0f >> kBucketShift, plus one).
 inline constexpr std::size_t kBuckets = (0x3F800000u >> kBucketShift) + 1;
 
-/// The first bucket of Qmap::simd_entry (|y| >= 2^-23); smaller |y| use its entry.
+/// The first bucket of simd_entries() (|y| >= 2^-23); smaller |y| use its entry.
 inline constexpr std::uint32_t kSimdLow = 0x3400u;
-/// Buckets per sign in Qmap::simd_entry: kSimdLow to the last one of any float (infinities
+/// Buckets per sign in simd_entries(): kSimdLow to the last one of any float (infinities
 /// and NaN included; those above 1.0's bucket repeat its entry), so no index needs clamping
 /// from above.
 inline constexpr std::size_t kSimdBuckets = (0x7FFFFFFFu >> kBucketShift) - kSimdLow + 1;
@@ -61,17 +61,19 @@ struct Qmap {
   /// bucket's lowest value; y < 0: minus its largest magnitude).
   std::uint8_t base_pos[kBuckets];
   std::uint8_t base_neg[kBuckets];
-  /// The SIMD quantizer's entries, [neg * kSimdBuckets + max(bits(|y|) >> 16, kSimdLow) -
-  /// kSimdLow] = base | (lim - 1) << 16: the code of y in [-1, 1] is base + (key > lim - 1),
-  /// key = bits(y) & 0xFFFF for y >= +0 and 0xFFFF - (bits(y) & 0xFFFF) for y <= -0 (the
-  /// order of y inside the bucket), lim the key of the threshold inside the bucket (>= 1);
-  /// lim - 1 = 0xFFFF where none lies inside. (key << 16 > entry as unsigned is the same test.)
-  alignas(64) std::uint32_t simd_entry[2 * kSimdBuckets];
 };
 
 /// The signed (exp_avg) and unsigned (exp_avg_sq) maps.
 const Qmap& signed_map();
 const Qmap& unsigned_map();
+/// The SIMD quantizer's entries of signed_map() or unsigned_map() (2 * kSimdBuckets of them,
+/// 152 KiB, kept apart from Qmap, which the CUDA backend copies to the device whole):
+/// [neg * kSimdBuckets + max(bits(|y|) >> 16, kSimdLow) - kSimdLow] = base | (lim - 1) << 16.
+/// The code of y is base + (key > lim - 1), key = bits(y) & 0xFFFF for y >= +0 and 0xFFFF -
+/// (bits(y) & 0xFFFF) for y <= -0 (the order of y inside the bucket), lim the key of the
+/// threshold inside the bucket (>= 1); lim - 1 = 0xFFFF where none lies inside. (key << 16 >
+/// entry as unsigned is the same test.)
+const std::uint32_t* simd_entries(const Qmap& q);
 /// FNV-1a 64 of a map's 256 little-endian float bits (saved in checkpoints).
 std::uint64_t map_checksum(const Qmap& q);
 inline constexpr std::uint64_t kSignedChecksum = 0x17e728ba6ba93316ull;
