@@ -5,7 +5,8 @@
 // update is the fair ceiling for an optimizer that updates in place: it pays no
 // write-allocate read, which STREAM does not count either. Each kernel runs through the
 // dispatched ISA, forced to the portable path, without non-temporal stores where it has
-// them, and as the straightforward scalar loop (the baseline). After the Google Benchmark
+// them, and as the straightforward scalar loop (the baseline); AdamW and AdamW8bit also
+// forced to AVX2 where AVX-512 is the best ISA. After the Google Benchmark
 // output a table gives parameters/s, GB/s and the fraction of the in-place bandwidth.
 //
 //   bench_cpu_kernels [--sizes=1Mi,16Mi,64Mi,256Mi] [--threads=2] [Google Benchmark flags]
@@ -106,7 +107,7 @@ void scalar_adam(const StepScalars& s, const SegmentScalars& sg, float* p, const
 
 // ---- what runs: name, bytes per parameter, body -------------------------------------------
 
-enum class Variant { Dispatched, Portable, NoStream, Scalar, Ceiling };
+enum class Variant { Dispatched, Avx2, Portable, NoStream, Scalar, Ceiling };
 
 struct Kernel {
   std::string name;
@@ -193,13 +194,15 @@ std::vector<Kernel> kernels() {
     std::function<double(Buffers&)> fn;
     bool streams;
     std::function<double(Buffers&)> scalar;
+    bool avx2 = false;  ///< also forced to AVX2 where AVX-512 is the best ISA
   };
   const std::vector<Entry> entries = {
       {"adamw_bf16", 30, adam, true,
        [s, sg](Buffers& b) {
          scalar_adam(s, sg, b.p.get(), b.g.get(), b.m.get(), b.v.get(), b.half.get(), b.n);
          return 0.0;
-       }},
+       },
+       true},
       // The scalar loops: the kernels' portable arithmetic on one thread.
       {"lion_bf16", 22, lion, false,
        [ls](Buffers& b) {
@@ -220,7 +223,8 @@ std::vector<Kernel> kernels() {
                                       scales[n / rules::q8::kBlock + k / rules::q8::kBlock],
                                       b.half.get() + k, nullptr, rules::q8::kBlock);
          return 0.0;
-       }},
+       },
+       true},
       {"cast_f32_to_bf16", 6, down, true,
        [](Buffers& b) {
          const float* x = b.p.get();
@@ -313,6 +317,17 @@ std::vector<Kernel> kernels() {
   };
   for (const Entry& e : entries) {
     add(e.name, e.bytes, Variant::Dispatched, e.fn);
+#if defined(__x86_64__) || defined(_M_X64)
+    if (e.avx2 && cpu::best_isa() == Isa::Avx512) {
+      add(e.name, e.bytes, Variant::Avx2, [fn = e.fn](Buffers& b) {
+        const Isa keep = cpu::active_isa();
+        cpu::set_isa(Isa::Avx2);
+        const double r = fn(b);
+        cpu::set_isa(keep);
+        return r;
+      });
+    }
+#endif
     if (e.streams) {
       add(e.name, e.bytes, Variant::NoStream, [fn = e.fn](Buffers& b) {
         const StreamPolicy keep = cpu::stream_policy();
@@ -338,6 +353,8 @@ std::string variant_label(Variant v) {
   switch (v) {
     case Variant::Dispatched:
       return cpu::isa_name(cpu::active_isa());
+    case Variant::Avx2:
+      return "avx2";
     case Variant::Portable:
       return "portable";
     case Variant::NoStream:
@@ -403,6 +420,26 @@ void print_table() {
   }
 }
 
+/// The CPU's model name (/proc/cpuinfo), or "unknown".
+std::string cpu_model() {
+  std::FILE* f = std::fopen("/proc/cpuinfo", "r");
+  if (!f) return "unknown";
+  char line[512];
+  std::string model = "unknown";
+  while (std::fgets(line, sizeof line, f)) {
+    if (std::strncmp(line, "model name", 10) != 0) continue;
+    const char* colon = std::strchr(line, ':');
+    if (colon) {
+      model = colon + 1;
+      model.erase(0, model.find_first_not_of(" \t"));
+      model.erase(model.find_last_not_of(" \t\n") + 1);
+    }
+    break;
+  }
+  std::fclose(f);
+  return model;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -432,6 +469,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&rest_argc, rest.data());
   if (benchmark::ReportUnrecognizedArguments(rest_argc, rest.data())) return 1;
 
+  std::printf("CPU: %s, %ld online\n", cpu_model().c_str(), sysconf(_SC_NPROCESSORS_ONLN));
   std::printf("shardopt CPU kernels: ISA %s (best %s), streaming stores %s above %zu MiB\n",
               cpu::isa_name(cpu::active_isa()), cpu::isa_name(cpu::best_isa()),
               cpu::stream_policy() == StreamPolicy::Auto ? "auto"

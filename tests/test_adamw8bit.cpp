@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/kernel_table.hpp"
 #include "cpu/kernels.hpp"
 #include "rules/adamw8bit.hpp"
 #include "rules/qmap.hpp"
@@ -78,6 +79,83 @@ TEST(Qmap, ThresholdSearchIsTorchaosRoundingForEveryFloatNearEveryBoundary) {
       ASSERT_EQ(quantize(*m, y), quantize_reference(m->value, y)) << std::hexfloat << y;
     }
   }
+}
+
+// The SIMD kernels' quantizer (one gather of simd_entries(), one comparison) gives
+// quantize()'s code for the same floats as above, bucket edges, values beyond [-1, 1],
+// infinities and NaNs of both signs (inf / inf, a scale that overflowed, gives x86's
+// negative NaN), per ISA that has one; its sign-free path too, for the unsigned map. (A run
+// over all 2^32 floats agreed as well; it takes a minute, so it is not a test.)
+TEST(Qmap, SimdQuantizerIsTheThresholdSearch) {
+  const cpu::RangeKernels* tables[] = {&cpu::kPortableKernels,
+#if defined(SHARDOPT_CPU_X86)
+                                       &cpu::kAvx2Kernels, &cpu::kAvx512Kernels,
+#endif
+  };
+  const cpu::Isa isas[] = {cpu::Isa::Portable,
+#if defined(SHARDOPT_CPU_X86)
+                           cpu::Isa::Avx2, cpu::Isa::Avx512,
+#endif
+  };
+  int tested = 0;
+  for (std::size_t t = 0; t < std::size(tables); ++t) {
+    const cpu::RangeKernels& k = *tables[t];
+    if (!k.q8_quantize || !cpu::isa_supported(isas[t])) continue;
+    ++tested;
+    for (const Qmap* m : {&signed_map(), &unsigned_map()}) {
+      const float inf = std::numeric_limits<float>::infinity();
+      std::vector<float> probes = {0.0f, -0.0f, 1.0f, -1.0f, 1e-30f, -1e-30f, 2.0f, -2.0f,
+                                   1e30f, -1e30f, inf, -inf,
+                                   std::numeric_limits<float>::denorm_min(),
+                                   -std::numeric_limits<float>::denorm_min(),
+                                   std::numeric_limits<float>::min(), -std::numeric_limits<float>::min()};
+      for (std::uint32_t nan : {0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0xFFBFFFFFu, 0x7FFFFFFFu})
+        probes.push_back(std::bit_cast<float>(nan));
+      volatile float big = inf;
+      probes.push_back(big / big);  // the hardware's default NaN
+      for (int c = 0; c < 256; ++c)
+        for (float center : {m->value[c], c < 255 ? m->threshold[c] : 1.0f, -m->value[c]}) {
+          float lo = center, hi = center;
+          for (int k2 = 0; k2 < 64; ++k2) {
+            probes.push_back(lo);
+            probes.push_back(hi);
+            lo = next_down(lo);
+            hi = next_up(hi);
+          }
+        }
+      for (std::uint32_t b = 0x33000000u; b <= 0x3F800000u; b += 0x8000u) {  // bucket edges
+        for (std::uint32_t d : {0u, 1u, 0x7FFFu, 0xFFFFu}) {
+          probes.push_back(std::bit_cast<float>(b + d));
+          probes.push_back(-std::bit_cast<float>(b + d));
+        }
+      }
+      std::uint32_t s = 777;
+      for (int i = 0; i < 200000; ++i) {
+        s = s * 1664525u + 1013904223u;
+        probes.push_back(static_cast<float>(static_cast<double>(s) / 4294967296.0 * 2.0 - 1.0));
+      }
+      const std::vector<float>& y = probes;
+      const cpu::Q8Map q{m->value, simd_entries(*m)};
+      std::vector<std::uint8_t> got(y.size());
+      for (bool nonneg : {false, true}) {
+        if (nonneg && m != &unsigned_map()) continue;  // the sign-free path is the unsigned map's
+        k.q8_quantize(y.data(), y.size(), q, nonneg, got.data());
+        for (std::size_t i = 0; i < y.size(); ++i)
+          ASSERT_EQ(got[i], quantize(*m, y[i]))
+              << k.name << (nonneg ? " sign-free " : " ") << std::hexfloat << y[i] << " bits "
+              << std::bit_cast<std::uint32_t>(y[i]);
+      }
+      // Odd lengths: the tails.
+      for (std::size_t n : {1u, 7u, 15u, 17u, 33u}) {
+        got.assign(n, 0);
+        k.q8_quantize(y.data() + 5, n, q, false, got.data());
+        for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], quantize(*m, y[5 + i])) << k.name << " n " << n;
+      }
+    }
+  }
+#if defined(SHARDOPT_CPU_X86)
+  if (cpu::isa_supported(cpu::Isa::Avx2)) EXPECT_GE(tested, 1);
+#endif
 }
 
 // 24 blocks quantized by torch (torchao's algorithm written in torch ops): the same scales and
@@ -230,12 +308,19 @@ TEST(AdamW8bitKernel, TenStepsEqualTorchBitForBit) {
   }
 }
 
-// Every ISA's block kernel (AVX-512's gathers and bucket tables) gives the portable block's
-// bits: weights, replica (bf16 and fp32), codes and scales, over 64 blocks of values spread
-// over many binades (some blocks all zero), AdamW and Adam-L2, three steps.
+// Every ISA's block kernel (AVX2 and AVX-512: gathers, the SIMD quantizer, many blocks per
+// call with one block's requantization overlapping the next one's update) gives the portable
+// block's bits: weights, replica (bf16 and fp32), codes and scales, over 67 blocks of values
+// spread over many binades (some blocks all zero), in three segments whose boundaries do not
+// fall on the kernel's units, AdamW and Adam-L2, three steps.
 TEST(AdamW8bitKernel, EveryIsaGivesThePortableBits) {
+#if defined(SHARDOPT_CPU_X86)
+  // The SIMD tables have a kernel (else this test would compare the portable block to itself).
+  EXPECT_NE(cpu::kAvx2Kernels.adamw8bit_blocks, nullptr);
+  EXPECT_NE(cpu::kAvx512Kernels.adamw8bit_blocks, nullptr);
+#endif
   const cpu::Isa keep = cpu::active_isa();
-  const std::size_t n = 64 * kBlock;
+  const std::size_t n = 67 * kBlock;
   for (AdamMode mode : {AdamMode::AdamW, AdamMode::AdamL2}) {
     std::vector<std::vector<std::uint8_t>> codes;
     std::vector<std::vector<float>> results;
@@ -249,9 +334,13 @@ TEST(AdamW8bitKernel, EveryIsaGivesThePortableBits) {
       for (int step = 1; step <= 3; ++step) {
         for (std::size_t k = 0; k < n; ++k)
           grad[k] = (k / kBlock) % 9 == 4 ? 0.0f : golden_value(6, step, 0, k, static_cast<int>(k / kBlock) % 20);
+        // Block 30 overflows: its v (and scale) become Inf at step 2, then v / scale = NaN.
+        if (step == 2)
+          for (std::size_t k = 30 * kBlock; k < 31 * kBlock; k += 7) grad[k] = 3e38f;
         const StepHyper h{1e-2, 0.9, 0.999, 1e-8, 0.1, mode, step};
-        const UpdateSegment segs[2] = {{0, n / 2, make_segment_scalars(h, 1.0, true)},
-                                       {n / 2, n, make_segment_scalars(h, 0.5, false)}};
+        const UpdateSegment segs[3] = {{0, 21 * kBlock, make_segment_scalars(h, 1.0, true)},
+                                       {21 * kBlock, 40 * kBlock, make_segment_scalars(h, 0.5, false)},
+                                       {40 * kBlock, n, make_segment_scalars(h, 2.0, true)}};
         adamw8bit_update(make_step_scalars(h, 0.25), segs, p.data(), grad.data(), cm.data(),
                          cv.data(), sm.data(), sv.data(), step == 2 ? nullptr : o16.data(),
                          step == 2 ? o32.data() : nullptr);

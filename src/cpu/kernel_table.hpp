@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "kernels.hpp"
 #include "shardopt/adam_math.hpp"
@@ -16,16 +17,18 @@
 
 namespace shardopt::cpu {
 
-/// An 8-bit quantization map as AdamW8bit's SIMD kernel reads it (src/rules/qmap.hpp's Qmap:
-/// its values, thresholds and bucket bases; base_pos and base_neg adjacent, readable 3 bytes
-/// past base_neg's end).
+/// An 8-bit quantization map as AdamW8bit's SIMD kernels read it (src/rules/qmap.hpp's Qmap):
+/// its 256 values and its SIMD quantizer entries, [neg * kQ8Buckets + max(bits(|y|) >> 16,
+/// kQ8Low) - kQ8Low] = base | (lim - 1) << 16 (rules::q8::simd_entries()): the code of y is
+/// base + (key > lim - 1), key = the low 16 bits of y, complemented for y <= -0.
 struct Q8Map {
   const float* value;
-  const float* threshold;
-  const std::uint8_t* base;  ///< base_pos; base_neg follows at base + buckets
-  std::uint32_t buckets;
-  std::uint32_t shift;
+  const std::uint32_t* entry;
 };
+/// The entries' first bucket and buckets per sign (kSimdLow and kSimdBuckets in qmap.hpp;
+/// src/rules/adamw8bit.cpp checks that they agree), constants so that they cost no register.
+inline constexpr std::uint32_t kQ8Low = 0x3400u;
+inline constexpr std::uint32_t kQ8Buckets = 0x7FFFu - kQ8Low + 1;
 
 struct RangeKernels {
   const char* name;
@@ -62,13 +65,21 @@ struct RangeKernels {
   /// exact_deposit (kernels.hpp) on one range.
   void (*exact_deposit)(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
                         std::uint8_t* level);
-  /// One whole AdamW8bit block of 256 elements (src/rules/adamw8bit.hpp): bitwise the
-  /// portable rules::q8::adamw8bit_block. Null where the ISA has none (the caller runs the
-  /// portable block).
-  void (*adamw8bit_block)(const StepScalars& s, const SegmentScalars& g, float* p,
-                          const float* grad, std::uint8_t* code_m, std::uint8_t* code_v,
-                          float& scale_m, float& scale_v, bf16* out_bf16, float* out_f32,
-                          const Q8Map& qs, const Q8Map& qu);
+  /// `blocks` whole AdamW8bit blocks of 256 elements in one segment (src/rules/adamw8bit.hpp):
+  /// bitwise the portable rules::q8::adamw8bit_block on each, scale_m[b] and scale_v[b] the
+  /// scales of block b. Many blocks per call, so the constants stay in registers and one
+  /// block's requantization overlaps the next one's update. Null where the ISA has none (the
+  /// caller runs the portable block).
+  void (*adamw8bit_blocks)(const StepScalars& s, const SegmentScalars& g, float* p,
+                           const float* grad, std::uint8_t* code_m, std::uint8_t* code_v,
+                           float* scale_m, float* scale_v, bf16* out_bf16, float* out_f32,
+                           std::size_t blocks, const Q8Map& qs, const Q8Map& qu);
+  /// The codes of y[0, n) as the block kernels compute them (for the tests): bitwise
+  /// rules::q8::quantize for every float y, NaN and infinities included; nonneg: the path for
+  /// a map without negative thresholds (the unsigned map), which skips the sign. Null with
+  /// adamw8bit_blocks.
+  void (*q8_quantize)(const float* y, std::size_t n, const Q8Map& q, bool nonneg,
+                      std::uint8_t* code);
   /// exact_deposit_pack (kernels.hpp) on one range.
   void (*exact_deposit_pack)(const float* g, std::size_t n, const std::int64_t* top,
                              const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out);

@@ -109,6 +109,7 @@ const RangeKernels kPortableKernels = {
     portable::exact_combine_packed,
     portable::exact_deposit,
     nullptr,
+    nullptr,
     portable::exact_deposit_pack,
 };
 

@@ -40,10 +40,12 @@ void adamw8bit_block(const StepScalars& s, const SegmentScalars& g, float* p, co
 
 namespace {
 
-cpu::Q8Map simd_map(const Qmap& q) {
-  return cpu::Q8Map{q.value, q.threshold, q.base_pos, static_cast<std::uint32_t>(kBuckets),
-                    kBucketShift};
-}
+static_assert(cpu::kQ8Low == kSimdLow && cpu::kQ8Buckets == kSimdBuckets);
+
+cpu::Q8Map simd_map(const Qmap& q) { return cpu::Q8Map{q.value, simd_entries(q)}; }
+
+/// Blocks per unit of the threaded loop (a unit is split where a segment ends).
+constexpr std::size_t kUnitBlocks = 16;
 
 }  // namespace
 
@@ -58,23 +60,38 @@ void adamw8bit_update(const StepScalars& s, std::span<const UpdateSegment> segme
   for (const UpdateSegment& seg : segments)
     require(seg.begin % kBlock == 0 && seg.end % kBlock == 0, Status::Internal,
             "adamw8bit_update: a segment boundary inside a block");
-  const std::ptrdiff_t blocks = static_cast<std::ptrdiff_t>(n / kBlock);
-  // The ISA's block kernel where it has one (AVX-512), bitwise the portable block.
-  const auto simd = cpu::active_kernels().adamw8bit_block;
+  const std::size_t blocks = n / kBlock;
+  const std::ptrdiff_t units = static_cast<std::ptrdiff_t>((blocks + kUnitBlocks - 1) / kUnitBlocks);
+  // The ISA's kernel where it has one (AVX2, AVX-512), bitwise the portable block. Each block
+  // is computed alone, so neither the units nor the thread count change a bit.
+  const auto simd = cpu::active_kernels().adamw8bit_blocks;
   const cpu::Q8Map qs = simd_map(signed_map()), qu = simd_map(unsigned_map());
-#pragma omp parallel for schedule(static) if (blocks > 64)
-  for (std::ptrdiff_t b = 0; b < blocks; ++b) {
-    const std::size_t at = static_cast<std::size_t>(b) * kBlock;
-    const auto seg = std::upper_bound(segments.begin(), segments.end(), at,
-                                      [](std::size_t i, const UpdateSegment& sg) { return i < sg.end; });
-    bf16* o16 = out_bf16 ? out_bf16 + at : nullptr;
-    float* o32 = out_f32 ? out_f32 + at : nullptr;
-    if (simd)
-      simd(s, seg->scalars, master + at, grad + at, code_m + at, code_v + at, scale_m[b],
-           scale_v[b], o16, o32, qs, qu);
-    else
-      adamw8bit_block(s, seg->scalars, master + at, grad + at, code_m + at, code_v + at,
-                      scale_m[b], scale_v[b], o16, o32, kBlock);
+#pragma omp parallel for schedule(static) if (units > 4)
+  for (std::ptrdiff_t u = 0; u < units; ++u) {
+    std::size_t b = static_cast<std::size_t>(u) * kUnitBlocks;
+    const std::size_t unit_end = std::min(blocks, b + kUnitBlocks);
+    auto seg = std::upper_bound(segments.begin(), segments.end(), b * kBlock,
+                                [](std::size_t i, const UpdateSegment& sg) { return i < sg.end; });
+    while (b < unit_end) {
+      const std::size_t end = std::min(unit_end, seg->end / kBlock), at = b * kBlock;
+      bf16* o16 = out_bf16 ? out_bf16 + at : nullptr;
+      float* o32 = out_f32 ? out_f32 + at : nullptr;
+      if (end == b) {
+        // an empty segment
+      } else if (simd) {
+        simd(s, seg->scalars, master + at, grad + at, code_m + at, code_v + at, scale_m + b,
+             scale_v + b, o16, o32, end - b, qs, qu);
+      } else {
+        for (std::size_t k = b; k < end; ++k) {
+          const std::size_t o = (k - b) * kBlock;
+          adamw8bit_block(s, seg->scalars, master + at + o, grad + at + o, code_m + at + o,
+                          code_v + at + o, scale_m[k], scale_v[k], o16 ? o16 + o : nullptr,
+                          o32 ? o32 + o : nullptr, kBlock);
+        }
+      }
+      b = end;
+      ++seg;
+    }
   }
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -135,6 +136,53 @@ Qmap make(const std::uint32_t* bits) {
   return m;
 }
 
+// The number of thresholds <= y.
+unsigned count_le(const Qmap& m, float y) {
+  unsigned n = 0;
+  while (n < 255 && m.threshold[n] <= y) ++n;
+  return n;
+}
+
+struct SimdEntries {
+  alignas(64) std::uint32_t entry[2 * kSimdBuckets];
+};
+
+SimdEntries make_simd_entries(const Qmap& m) {
+  SimdEntries t{};
+  // The SIMD entries: base and the one threshold inside each bucket (its key: the low 16
+  // bits, complemented for negative y, where larger magnitudes come first).
+  const float below = std::bit_cast<float>((kSimdLow << kBucketShift) | 0xFFFFu);
+  for (unsigned c = 0; c < 255; ++c) {
+    if (std::fabs(m.threshold[c]) <= below)
+      throw Error(Status::Internal, "qmap: a threshold below the SIMD table's first bucket");
+    if (m.value[0] >= 0.0f && m.threshold[c] < 0.0f)  // the kernels' sign-free path
+      throw Error(Status::Internal, "qmap: a negative threshold in an unsigned map");
+  }
+  const std::size_t one = (0x3F800000u >> kBucketShift) - kSimdLow;  // 1.0's bucket
+  for (std::size_t b = 0; b < kSimdBuckets; ++b) {
+    if (b > one) {  // beyond 1 (infinities, NaN): the code of +-1, as quantize() clamps
+      t.entry[b] = t.entry[one];
+      t.entry[kSimdBuckets + b] = t.entry[kSimdBuckets + one];
+      continue;
+    }
+    const std::uint32_t lo_bits = static_cast<std::uint32_t>(kSimdLow + b) << kBucketShift;
+    const float lo = std::bit_cast<float>(lo_bits), hi = std::bit_cast<float>(lo_bits | 0xFFFFu);
+    for (int neg = 0; neg < 2; ++neg) {
+      const float first = neg ? -hi : lo, last = neg ? -lo : hi;  // the bucket's least, greatest y
+      const unsigned base = count_le(m, first), inside = count_le(m, last) - base;
+      if (inside > 1) throw Error(Status::Internal, "qmap: two thresholds in a SIMD bucket");
+      std::uint32_t lim = 0x10000u;  // none: key > 0xFFFF never holds
+      if (inside == 1) {
+        const std::uint32_t low = std::bit_cast<std::uint32_t>(m.threshold[base]) & 0xFFFFu;
+        lim = neg ? 0xFFFFu - low : low;  // >= 1: the threshold is above the bucket's first y
+        if (lim == 0) throw Error(Status::Internal, "qmap: a threshold at a SIMD bucket's start");
+      }
+      t.entry[neg * kSimdBuckets + b] = base | (lim - 1) << 16;
+    }
+  }
+  return t;
+}
+
 }  // namespace
 
 const Qmap& signed_map() {
@@ -145,6 +193,16 @@ const Qmap& signed_map() {
 const Qmap& unsigned_map() {
   static const Qmap m = make(kQmapUnsignedBits);
   return m;
+}
+
+const std::uint32_t* simd_entries(const Qmap& q) {
+  if (&q == &signed_map()) {
+    static const SimdEntries t = make_simd_entries(q);
+    return t.entry;
+  }
+  require(&q == &unsigned_map(), Status::Internal, "simd_entries: not one of the two maps");
+  static const SimdEntries t = make_simd_entries(q);
+  return t.entry;
 }
 
 std::uint64_t map_checksum(const Qmap& q) { return fnv1a64(q.value, sizeof q.value); }

@@ -20,6 +20,15 @@
 // comparisons: no branch and no search. The same code as the reference wherever
 // tests/test_adamw8bit.cpp looks: 64 floats on each side of every threshold and entry,
 // 200000 random floats in [-1, 1], signed zeros, subnormals and values beyond [-1, 1].
+//
+// The SIMD kernels read one 32-bit entry per code instead (simd_entries(), one gather):
+// within a bucket of 2^16 ulps there is at most one threshold (the construction checks), so
+// the entry holds the base and that threshold's low 16 bits, and the code is base + (key >
+// lim - 1), an integer comparison of y's low 16 bits. Buckets below kSimdLow hold no
+// threshold (checked too) and share kSimdLow's entry; the buckets beyond 1.0's (|y| > 1,
+// infinities, NaN) repeat 1.0's entry, where the code is that of +-1 by the sign bit whatever
+// the key, as in quantize(). The unsigned map has no negative threshold (checked), so there every y with the
+// sign bit set has code 0, the first bucket's base: its kernels skip the sign.
 #pragma once
 
 #include <cstddef>
@@ -36,6 +45,13 @@ inline constexpr unsigned kBucketShift = 16;
 /// Buckets of |y| in [0, 1] (bits of 1.0f >> kBucketShift, plus one).
 inline constexpr std::size_t kBuckets = (0x3F800000u >> kBucketShift) + 1;
 
+/// The first bucket of simd_entries() (|y| >= 2^-23); smaller |y| use its entry.
+inline constexpr std::uint32_t kSimdLow = 0x3400u;
+/// Buckets per sign in simd_entries(): kSimdLow to the last one of any float (infinities
+/// and NaN included; those above 1.0's bucket repeat its entry), so no index needs clamping
+/// from above.
+inline constexpr std::size_t kSimdBuckets = (0x7FFFFFFFu >> kBucketShift) - kSimdLow + 1;
+
 struct Qmap {
   float value[256];
   /// threshold[c]: the smallest float y that quantizes to c + 1 or more (c < 255);
@@ -44,13 +60,20 @@ struct Qmap {
   /// The number of thresholds <= the smallest float of each bucket of |y| (y >= 0: the
   /// bucket's lowest value; y < 0: minus its largest magnitude).
   std::uint8_t base_pos[kBuckets];
-  std::uint8_t base_neg[kBuckets];  ///< right after base_pos (the SIMD kernel indexes both)
-  std::uint8_t pad[4];              ///< a 32-bit gather may read 3 bytes past base_neg
+  std::uint8_t base_neg[kBuckets];
 };
 
 /// The signed (exp_avg) and unsigned (exp_avg_sq) maps.
 const Qmap& signed_map();
 const Qmap& unsigned_map();
+/// The SIMD quantizer's entries of signed_map() or unsigned_map() (2 * kSimdBuckets of them,
+/// 152 KiB, kept apart from Qmap, which the CUDA backend copies to the device whole):
+/// [neg * kSimdBuckets + max(bits(|y|) >> 16, kSimdLow) - kSimdLow] = base | (lim - 1) << 16.
+/// The code of y is base + (key > lim - 1), key = bits(y) & 0xFFFF for y >= +0 and 0xFFFF -
+/// (bits(y) & 0xFFFF) for y <= -0 (the order of y inside the bucket), lim the key of the
+/// threshold inside the bucket (>= 1); lim - 1 = 0xFFFF where none lies inside. (key << 16 >
+/// entry as unsigned is the same test.)
+const std::uint32_t* simd_entries(const Qmap& q);
 /// FNV-1a 64 of a map's 256 little-endian float bits (saved in checkpoints).
 std::uint64_t map_checksum(const Qmap& q);
 inline constexpr std::uint64_t kSignedChecksum = 0x17e728ba6ba93316ull;
