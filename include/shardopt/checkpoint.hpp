@@ -7,7 +7,8 @@
 // checksummed. A save writes into a temporary directory and publishes it by rename, so a
 // process killed at any moment leaves the previous checkpoint complete. A checkpoint saved at
 // N ranks loads at any M ranks, in any stage, bit for bit; checkpoints of the previous
-// formats (1, 2) still load. Format and protocol: docs/checkpoint-format.md. All ranks must see
+// formats (1 to 4) still load. Each parameter's state is its rule's (AdamW's moments,
+// Lion's momentum, AdamW8bit's codes and block scales). Format and protocol: docs/checkpoint-format.md. All ranks must see
 // the same file system path.
 #pragma once
 

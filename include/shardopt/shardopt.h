@@ -614,8 +614,7 @@ SHARDOPT_API shardopt_status_t shardopt_set_loss_scale(shardopt_optimizer_t opt,
  * every rank, naming the directory and the holder's host and pid, and changes nothing; a
  * killed job's lock dies with it. *published (may be NULL) receives the new checkpoint's
  * directory, a string owned by the handle, valid until the next save or destroy. Waits for
- * gathers in flight. A group using SHARDOPT_RULE_ADAMW8BIT: SHARDOPT_ERROR_UNSUPPORTED on
- * every rank, nothing written (checkpoints do not hold 8-bit state yet). */
+ * gathers in flight. AdamW8bit's state is saved as its 8-bit codes and block scales. */
 SHARDOPT_API shardopt_status_t shardopt_save_checkpoint(shardopt_optimizer_t opt, const char* dir,
                                                         int keep, const char** published);
 
