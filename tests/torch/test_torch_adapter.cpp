@@ -1194,9 +1194,11 @@ std::vector<torch::ScalarType> zeroing_dtypes() {
 }
 
 ZeroingRun train_zeroing(Zeroing z, Shape s, Stage stage, torch::ScalarType dtype, int micro,
-                         Reduction red = Reduction::Default) {
+                         Reduction red = Reduction::Default, Rule rule = Rule::AdamW) {
   auto net = make_gain_net(dtype);
-  ShardedAdamW opt(units_of_shape(*net, s), adamw(), zeroing_world(), zeroing_options(stage, s, red));
+  ShardedAdamW opt(units_of_shape(*net, s),
+                   shardopt::libtorch::RuleOptions(adamw()).rule(rule).min_8bit_numel(kMin8bit),
+                   zeroing_world(), zeroing_options(stage, s, red));
   ZeroingRun run;
   for (int step = 0; step < kZeroingSteps; ++step) {
     zero_the_way(z, opt, *net);
@@ -1214,7 +1216,7 @@ ZeroingRun train_zeroing(Zeroing z, Shape s, Stage stage, torch::ScalarType dtyp
 // The same through the shardopt API by hand (stage 3 as stage 2): gradients from plain
 // autograd, passed with accumulate_grad in backward order after zero_grad().
 ZeroingRun by_hand_zeroing(Shape s, Stage stage, torch::ScalarType dtype, int micro,
-                           Reduction red = Reduction::Default) {
+                           Reduction red = Reduction::Default, Rule rule = Rule::AdamW) {
   auto net = make_gain_net(dtype);
   const ShardedAdamW::Units units = units_of_shape(*net, s);
   OptimizerOptions o = zeroing_options(stage == Stage::Zero3 ? Stage::Zero2 : stage, s, red);
@@ -1222,6 +1224,10 @@ ZeroingRun by_hand_zeroing(Shape s, Stage stage, torch::ScalarType dtype, int mi
   o.adam.lr = 1e-2;
   o.adam.weight_decay = 0.05;
   ShardedOptimizer opt(zeroing_world(), o);
+  GroupOptions g;
+  g.rule = rule;
+  g.adamw8bit.min_8bit_numel = kMin8bit;
+  opt.set_group(0, g);
   std::vector<torch::Tensor> params;
   for (std::size_t u = 0; u < units.size(); ++u) {
     if (u > 0) opt.begin_unit();
@@ -1372,6 +1378,23 @@ TEST_P(AdapterZeroing, TrainsOnTheRightGradient) {
           const auto w = worst_param(run.state.arrays[0], t->second.flat, numels);
           EXPECT_LT(w.first, 2e-5) << "parameter " << w.second << " (the gain is " << gain_index(s) << ")";
         }
+    }
+}
+
+// Every idiom under the other rules: the gradient reaches the rule's update the same way
+// (stage 1 fp32: .grad() views the flat buffer; stage 2: the hooks), two micro-batches.
+TEST_P(AdapterZeroing, UnderLionAndAdamW8bit) {
+  const Zeroing z = GetParam();
+  for (Rule rule : {Rule::Lion, Rule::AdamW8bit})
+    for (Stage stage : {Stage::Zero1, Stage::Zero2}) {
+      SCOPED_TRACE(std::string(rule_name(rule)) + "/" + stage_name(stage));
+      const ZeroingRun run = train_zeroing(z, Shape::Middle, stage, torch::kFloat, 2,
+                                           Reduction::Default, rule);
+      const ZeroingRun ref = by_hand_zeroing(Shape::Middle, stage, torch::kFloat, 2,
+                                             Reduction::Default, rule);
+      EXPECT_EQ(run.norms, ref.norms);
+      EXPECT_TRUE(run.state == ref.state);
+      if (rule == Rule::AdamW8bit) EXPECT_FALSE(run.state.codes[0].empty());
     }
 }
 
