@@ -12,6 +12,7 @@
 #include <string_view>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "shardopt/error.hpp"
 #include "shardopt/memory.hpp"
@@ -87,6 +88,25 @@ class Communicator {
   virtual std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count_per_rank,
                                                         CommType type) = 0;
 
+  // The uneven forms (issue 32, whole-tensor ownership): rank r's block holds counts[r]
+  // elements (0 allowed) and starts at offset_r = counts[0] + ... + counts[r - 1]; the buffer
+  // holds sum(counts) elements. `counts` has size() entries, the same on every rank. In place
+  // like the equal forms; requests complete as theirs do. The base class composes them from
+  // the equal primitives (any communicator, device ones included for the reduce-scatter);
+  // single process, plain MPI and shared memory have their own.
+
+  /// Starts an in-place uneven reduce-scatter (sum): on completion buf + offset_rank() holds
+  /// the sum over ranks of everyone's block rank() (counts[rank()] elements); the rest of
+  /// the buffer is undefined. `wire` is F32 or BF16.
+  virtual std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(
+      float* buf, std::span<const std::size_t> counts, CommType wire);
+
+  /// Starts an in-place uneven all-gather: on entry block rank() holds this rank's data; on
+  /// completion every block holds its owner's data. `type` is F32 or U16.
+  virtual std::unique_ptr<CommRequest> start_all_gather_v(void* buf,
+                                                          std::span<const std::size_t> counts,
+                                                          CommType type);
+
   /// Starts an in-place sum over all ranks of `count` fp32 values; `wire` is F32 or BF16.
   virtual std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
                                                             CommType wire) = 0;
@@ -101,6 +121,13 @@ class Communicator {
   }
   void all_gather_inplace(void* buf, std::size_t count_per_rank, CommType type) {
     start_all_gather(buf, count_per_rank, type)->wait();
+  }
+  void reduce_scatter_sum_v_inplace(float* buf, std::span<const std::size_t> counts,
+                                    CommType wire = CommType::F32) {
+    start_reduce_scatter_sum_v(buf, counts, wire)->wait();
+  }
+  void all_gather_v_inplace(void* buf, std::span<const std::size_t> counts, CommType type) {
+    start_all_gather_v(buf, counts, type)->wait();
   }
 
   /// Blocking, in place, host memory: the integer form of the reduce-scatter above (block
@@ -188,6 +215,11 @@ inline constexpr int kCollectiveTimeoutExitCode = 14;
 
 /// A request that completed when it was made (blocking implementations return it).
 std::unique_ptr<CommRequest> completed_request();
+
+/// The offsets of the blocks of an uneven collective: size counts.size() + 1, the last entry
+/// sum(counts). Throws Error(InvalidArgument) naming `what` unless counts.size() == ranks.
+std::vector<std::size_t> uneven_offsets(std::span<const std::size_t> counts, int ranks,
+                                        const char* what);
 
 /// A group of one: every collective is a no-op (or a copy). Needs no MPI.
 std::shared_ptr<Communicator> make_single_process_communicator();

@@ -1,12 +1,14 @@
 // checked_comm.cpp: the debugging decorator of make_checked_communicator(): before every
 // collective, all ranks compare what they are about to enter.
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "describe.hpp"
 #include "shardopt/comm.hpp"
+#include "shardopt/layout.hpp"  // fnv1a64
 
 namespace shardopt {
 namespace {
@@ -14,7 +16,7 @@ namespace {
 enum class Op : std::uint32_t {
   ReduceScatterSum, AllGather, AllReduceSumStarted, AllReduceSum, AllReduceSumHost,
   AllGatherBytes, BroadcastBytes, Barrier, AllocateCollectiveBuffer, ReduceScatterInt,
-  AllReduceInt, ReduceScatterCombine,
+  AllReduceInt, ReduceScatterCombine, ReduceScatterSumV, AllGatherV,
 };
 
 const char* op_name(Op op) {
@@ -31,6 +33,8 @@ const char* op_name(Op op) {
     case Op::ReduceScatterInt: return "reduce_scatter_int";
     case Op::AllReduceInt: return "all_reduce_int";
     case Op::ReduceScatterCombine: return "reduce_scatter_combine";
+    case Op::ReduceScatterSumV: return "reduce_scatter_sum_v";
+    case Op::AllGatherV: return "all_gather_v";
   }
   return "?";
 }
@@ -52,7 +56,7 @@ struct Entry {
   std::uint32_t op;
   std::uint32_t type;
   std::uint64_t count;
-  std::int64_t root;   // broadcast_bytes: the root; otherwise 0
+  std::int64_t root;   // broadcast_bytes: the root; the uneven ones: their counts' hash; else 0
 };
 static_assert(sizeof(Entry) == 32);
 
@@ -70,6 +74,14 @@ std::string describe(const Entry& e) {
     case Op::AllGather:
       return s + "(" + std::to_string(e.count) + " per rank, " +
              type_name(static_cast<CommType>(e.type)) + ")";
+    case Op::ReduceScatterSumV:
+    case Op::AllGatherV: {
+      char hash[24];
+      std::snprintf(hash, sizeof hash, "%016llx",
+                    static_cast<unsigned long long>(static_cast<std::uint64_t>(e.root)));
+      return s + "(" + std::to_string(e.count) + " in all, counts #" + hash + ", " +
+             type_name(static_cast<CommType>(e.type)) + ")";
+    }
     case Op::BroadcastBytes:
       return s + "(" + std::to_string(e.count) + " bytes, root " + std::to_string(e.root) + ")";
     default:
@@ -102,6 +114,18 @@ class CheckedCommunicator final : public Communicator {
                                                 CommType type) override {
     check(Op::AllGather, type, count);
     return in_->start_all_gather(buf, count, type);
+  }
+  // The uneven ones compare the total and a hash of the counts (their number included).
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(float* buf,
+                                                          std::span<const std::size_t> counts,
+                                                          CommType wire) override {
+    check_v(Op::ReduceScatterSumV, wire, counts);
+    return in_->start_reduce_scatter_sum_v(buf, counts, wire);
+  }
+  std::unique_ptr<CommRequest> start_all_gather_v(void* buf, std::span<const std::size_t> counts,
+                                                  CommType type) override {
+    check_v(Op::AllGatherV, type, counts);
+    return in_->start_all_gather_v(buf, counts, type);
   }
   std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
                                                     CommType wire) override {
@@ -149,9 +173,21 @@ class CheckedCommunicator final : public Communicator {
   }
 
  private:
+  void check_v(Op op, CommType type, std::span<const std::size_t> counts) {
+    std::uint64_t total = 0;
+    std::vector<std::uint64_t> c(counts.size() + 1);
+    c[0] = counts.size();
+    for (std::size_t r = 0; r < counts.size(); ++r) {
+      c[r + 1] = counts[r];
+      total += counts[r];
+    }
+    const std::uint64_t hash = fnv1a64(c.data(), c.size() * sizeof c[0]);
+    check(op, type, static_cast<std::size_t>(total), static_cast<std::int64_t>(hash));
+  }
+
   // Every rank gathers every rank's entry and decides from the same data, so all of them
   // throw the same Error or none does.
-  void check(Op op, CommType type, std::size_t count, int root = 0) {
+  void check(Op op, CommType type, std::size_t count, std::int64_t root = 0) {
     Entry mine{};
     mine.seq = seq_++;
     mine.op = static_cast<std::uint32_t>(op);

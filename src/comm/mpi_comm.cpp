@@ -34,6 +34,8 @@ class MpiRequest final : public CommRequest {
  public:
   std::vector<MPI_Request> requests;
   std::vector<bf16> wire;
+  std::vector<bf16> wire_out;   ///< an uneven reduce-scatter's bf16 result
+  std::vector<float> f32_out;   ///< an uneven reduce-scatter's fp32 result
   std::function<void(MpiRequest&)> launch;  ///< starts the MPI operation(s) into `requests`
   std::function<void()> on_complete;
 
@@ -221,6 +223,75 @@ class MpiCommunicator final : public Communicator {
       if (rank_ != 0)
         req->on_complete = [buf, own, count] { std::memcpy(own, buf, count * sizeof(float)); };
     }
+    queue_.submit(req.get());
+    return req;
+  }
+
+  // Uneven reduce-scatter: MPI_Ireduce_scatter with recvcounts, out of place (MPICH 4.0's
+  // in-place form corrupts memory for unequal counts) into a result the request owns, copied
+  // to this rank's block on completion. Counts (and their sum) above INT_MAX are refused.
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(float* buf,
+                                                          std::span<const std::size_t> counts,
+                                                          CommType wire) override {
+    const std::vector<std::size_t> off = uneven_offsets(counts, size_, "reduce_scatter_sum_v");
+    require(wire == CommType::F32 || wire == CommType::BF16, Status::InvalidArgument,
+            "reduce_scatter_sum_v: wire F32 or BF16");
+    std::vector<int> icounts(counts.size());
+    for (std::size_t r = 0; r < counts.size(); ++r)
+      icounts[r] = mpi::checked_int(counts[r], "MPI_Ireduce_scatter");
+    mpi::checked_int(off.back(), "MPI_Ireduce_scatter");
+    const std::size_t me = static_cast<std::size_t>(rank_);
+    const std::size_t mine = counts[me];
+    float* own = buf + off[me];
+    const bool bf = wire == CommType::BF16;
+    auto req = std::make_unique<MpiRequest>(queue_, dog_, "reduce_scatter_sum_v");
+    internode_ += static_cast<std::uint64_t>(off.back() - mine) * (bf ? 2 : 4);
+    MpiRequest* rq = req.get();
+    if (bf) {
+      req->launch = [this, buf, icounts, total = off.back(), mine](MpiRequest& r) {
+        r.wire.resize(total);
+        r.wire_out.resize(mine);
+        cpu::cast_f32_to_bf16(buf, r.wire.data(), total);
+        r.requests.resize(1);
+        SHARDOPT_MPI(MPI_Ireduce_scatter(r.wire.data(), r.wire_out.data(), icounts.data(),
+                                         MPI_UINT16_T, bf16_sum_op_, comm_, &r.requests[0]));
+      };
+      req->on_complete = [rq, own, mine] { cpu::cast_bf16_to_f32(rq->wire_out.data(), own, mine); };
+    } else {
+      req->launch = [this, buf, icounts, mine](MpiRequest& r) {
+        r.f32_out.resize(mine);
+        r.requests.resize(1);
+        SHARDOPT_MPI(MPI_Ireduce_scatter(buf, r.f32_out.data(), icounts.data(), MPI_FLOAT,
+                                         MPI_SUM, comm_, &r.requests[0]));
+      };
+      req->on_complete = [rq, own, mine] {
+        if (mine != 0) std::memcpy(own, rq->f32_out.data(), mine * sizeof(float));
+      };
+    }
+    queue_.submit(req.get());
+    return req;
+  }
+
+  // Uneven all-gather: MPI_Iallgatherv in place; counts and offsets above INT_MAX refused.
+  std::unique_ptr<CommRequest> start_all_gather_v(void* buf, std::span<const std::size_t> counts,
+                                                  CommType type) override {
+    const std::vector<std::size_t> off = uneven_offsets(counts, size_, "all_gather_v");
+    require(type == CommType::F32 || type == CommType::U16, Status::InvalidArgument,
+            "all_gather_v: type F32 or U16");
+    std::vector<int> icounts(counts.size()), displ(counts.size());
+    for (std::size_t r = 0; r < counts.size(); ++r) {
+      icounts[r] = mpi::checked_int(counts[r], "MPI_Iallgatherv");
+      displ[r] = mpi::checked_int(off[r], "MPI_Iallgatherv");
+    }
+    mpi::checked_int(off.back(), "MPI_Iallgatherv");
+    auto req = std::make_unique<MpiRequest>(queue_, dog_, "all_gather_v");
+    internode_ += static_cast<std::uint64_t>(off.back() - counts[static_cast<std::size_t>(rank_)]) *
+                  mpi::type_size(type);
+    req->launch = [this, buf, icounts, displ, type](MpiRequest& r) {
+      r.requests.resize(1);
+      SHARDOPT_MPI(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, icounts.data(),
+                                   displ.data(), mpi::datatype(type), comm_, &r.requests[0]));
+    };
     queue_.submit(req.get());
     return req;
   }

@@ -324,6 +324,40 @@ class ShmCommunicator final : public Communicator {
     return completed_request();
   }
 
+  // The uneven forms take the same paths with per-rank block offsets: on one node every
+  // block is summed by all node ranks together (a single-owner bucket is split between them
+  // like an equal one); on several, the leaders' reduce-scatter and all-gather are uneven
+  // already. A bf16 wire or a buffer outside the windows takes plain MPI's form.
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(float* buf,
+                                                          std::span<const std::size_t> counts,
+                                                          CommType wire) override {
+    const std::vector<std::size_t> start = uneven_offsets(counts, size(), "reduce_scatter_sum_v");
+    const WindowView v = find(buf, start.back() * sizeof(float));
+    if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32)
+      return plain_->start_reduce_scatter_sum_v(buf, counts, wire);
+    const mpi::Watchdog::Ticket t = dog_->enter("reduce_scatter_sum_v (shared memory)");
+    std::vector<std::size_t> c(counts.begin(), counts.end());
+    if (topo_->num_nodes == 1) return pending(t, v, {node_reduce_scatter_v_step(v, std::move(c), start)});
+    queue_.drain();
+    hierarchical_reduce_scatter(v, c, start);
+    return completed_request();
+  }
+
+  std::unique_ptr<CommRequest> start_all_gather_v(void* buf, std::span<const std::size_t> counts,
+                                                  CommType type) override {
+    std::vector<std::size_t> start = uneven_offsets(counts, size(), "all_gather_v");
+    require(type == CommType::F32 || type == CommType::U16, Status::InvalidArgument,
+            "all_gather_v: type F32 or U16");
+    for (std::size_t& s : start) s *= mpi::type_size(type);  // bytes
+    const WindowView v = find(buf, start.back());
+    if (v.win == nullptr || !hierarchy_usable()) return plain_->start_all_gather_v(buf, counts, type);
+    const mpi::Watchdog::Ticket t = dog_->enter("all_gather_v (shared memory)");
+    if (topo_->num_nodes == 1) return pending(t, v, {node_all_gather_step(v, start)});
+    queue_.drain();
+    all_gather(v, start);
+    return completed_request();
+  }
+
   // Inside a window, an all-reduce is the reduce-scatter followed by the all-gather (each
   // rank sums 1/N of the buffer, then copies the other N-1 parts): 2 (N-1)/N of the buffer
   // read from peers, as a ring all-reduce moves, without MPI's out-of-place temporaries.
@@ -452,6 +486,19 @@ class ShmCommunicator final : public Communicator {
       for (int k = 0; k < topo_->node_size; ++k) {
         const std::size_t s = start[static_cast<std::size_t>(k)];
         sum_part(v, s, count, v.f32(k) + s);
+      }
+    };
+  }
+
+  // node_reduce_scatter_step with a count per block.
+  std::function<void()> node_reduce_scatter_v_step(const WindowView& v,
+                                                   std::vector<std::size_t> counts,
+                                                   std::vector<std::size_t> start) const {
+    return [this, v, counts = std::move(counts), start = std::move(start)] {
+      for (int k = 0; k < topo_->node_size; ++k) {
+        const std::size_t s = start[static_cast<std::size_t>(k)];
+        const std::size_t n = counts[static_cast<std::size_t>(k)];
+        if (n != 0) sum_part(v, s, n, v.f32(k) + s);
       }
     };
   }

@@ -24,6 +24,18 @@ class SingleProcessCommunicator final : public Communicator {
     if (wire == CommType::BF16) round_through_bf16(buf, count);
     return completed_request();
   }
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(float* buf,
+                                                          std::span<const std::size_t> counts,
+                                                          CommType wire) override {
+    const std::vector<std::size_t> off = uneven_offsets(counts, 1, "reduce_scatter_sum_v");
+    if (wire == CommType::BF16) round_through_bf16(buf, off.back());
+    return completed_request();
+  }
+  std::unique_ptr<CommRequest> start_all_gather_v(void*, std::span<const std::size_t> counts,
+                                                  CommType) override {
+    uneven_offsets(counts, 1, "all_gather_v");
+    return completed_request();
+  }
   std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
                                                     CommType wire) override {
     if (wire == CommType::BF16) round_through_bf16(buf, count);
