@@ -4,7 +4,7 @@
 // bytes, element count, type, reduction, time, algbw, busbw and #wrong, the number of
 // elements that differ from the exact expected result (a correctness check of every size).
 //
-//   mpiexec -n 2 bench_collectives -b 1Mi -e 64Mi -f 4 [-o reduce_scatter,all_gather]
+//   mpiexec -n 2 bench_collectives -b 1Mi -e 64Mi -f 4 [-o reduce_scatter,all_gather,pair,uneven_pair]
 //                                  [-d float|bf16] [--comm mpi,shm] [-n 20] [-w 3] [--csv]
 //
 // size = bytes of the whole in-place buffer (all ranks' blocks, as nccl-tests counts it),
@@ -15,6 +15,11 @@
 // wire: reduce-scatter and all-reduce of fp32 buffers summed as bf16, all-gather of a bf16
 // replica; size then counts 2 bytes per element. Inputs are small integers, so every sum is
 // exact in either type and #wrong must be 0.
+// Issue 32's comparison: -o pair,uneven_pair times a reduce-scatter followed by an
+// all-gather of the same fp32 buffer, with equal blocks (pair) and with the whole buffer
+// owned by rank 0 and every other count 0 (uneven_pair: start_reduce_scatter_sum_v and
+// start_all_gather_v); busbw counts them as an all-reduce. uneven_reduce_scatter and
+// uneven_all_gather time the two halves of uneven_pair alone. Float only.
 #include <mpi.h>
 
 #include <algorithm>
@@ -37,7 +42,7 @@ using namespace shardopt;
 
 namespace {
 
-enum class Op { ReduceScatter, AllGather, AllReduce };
+enum class Op { ReduceScatter, AllGather, AllReduce, Pair, UnevenPair, UnevenReduceScatter, UnevenAllGather };
 enum class Type { Float, Bf16 };
 
 struct Args {
@@ -51,7 +56,16 @@ struct Args {
 };
 
 const char* op_name(Op op) {
-  return op == Op::ReduceScatter ? "reduce_scatter" : op == Op::AllGather ? "all_gather" : "all_reduce";
+  switch (op) {
+    case Op::ReduceScatter: return "reduce_scatter";
+    case Op::AllGather: return "all_gather";
+    case Op::AllReduce: return "all_reduce";
+    case Op::Pair: return "pair";
+    case Op::UnevenPair: return "uneven_pair";
+    case Op::UnevenReduceScatter: return "uneven_reduce_scatter";
+    case Op::UnevenAllGather: return "uneven_all_gather";
+  }
+  return "?";
 }
 
 int parse(int argc, char** argv, bool print, Args& a) {
@@ -69,7 +83,11 @@ int parse(int argc, char** argv, bool print, Args& a) {
       ->delimiter(',')
       ->transform(cli::choice<Op>({{"reduce_scatter", Op::ReduceScatter},
                                    {"all_gather", Op::AllGather},
-                                   {"all_reduce", Op::AllReduce}}))
+                                   {"all_reduce", Op::AllReduce},
+                                   {"pair", Op::Pair},
+                                   {"uneven_pair", Op::UnevenPair},
+                                   {"uneven_reduce_scatter", Op::UnevenReduceScatter},
+                                   {"uneven_all_gather", Op::UnevenAllGather}}))
       ->default_str("reduce_scatter,all_gather,all_reduce");
   app.add_option("-d,--datatype", a.type, "float, or bf16 on the wire")
       ->transform(cli::choice<Type>({{"float", Type::Float}, {"bf16", Type::Bf16}}))
@@ -105,6 +123,20 @@ void run_collective(Communicator& c, Op op, Type type, void* buf, std::size_t co
     case Op::AllReduce:
       c.start_all_reduce_sum(static_cast<float*>(buf), count_per_rank * n, wire)->wait();
       return;
+    case Op::Pair:
+      c.reduce_scatter_sum_inplace(static_cast<float*>(buf), count_per_rank, CommType::F32);
+      c.all_gather_inplace(buf, count_per_rank, CommType::F32);
+      return;
+    case Op::UnevenPair:
+    case Op::UnevenReduceScatter:
+    case Op::UnevenAllGather: {  // rank 0 owns the whole bucket
+      std::vector<std::size_t> counts(n, 0);
+      counts[0] = count_per_rank * n;
+      if (op != Op::UnevenAllGather)
+        c.reduce_scatter_sum_v_inplace(static_cast<float*>(buf), counts, CommType::F32);
+      if (op != Op::UnevenReduceScatter) c.all_gather_v_inplace(buf, counts, CommType::F32);
+      return;
+    }
   }
 }
 
@@ -148,11 +180,18 @@ std::size_t count_wrong(const Case& k, const void* buf) {
     return s;
   };
   std::size_t wrong = 0;
-  if (k.op == Op::ReduceScatter) {
+  if (k.op == Op::UnevenReduceScatter) {
+    const auto* p = static_cast<const float*>(buf);
+    if (k.rank == 0)
+      for (std::size_t i = 0; i < k.total(); ++i) wrong += p[i] != sum(i);
+  } else if (k.op == Op::UnevenAllGather) {
+    const auto* p = static_cast<const float*>(buf);
+    for (std::size_t i = 0; i < k.total(); ++i) wrong += p[i] != input(0, i);
+  } else if (k.op == Op::ReduceScatter) {
     const auto* p = static_cast<const float*>(buf);
     const std::size_t own = static_cast<std::size_t>(k.rank) * k.per;
     for (std::size_t i = own; i < own + k.per; ++i) wrong += p[i] != sum(i);
-  } else if (k.op == Op::AllReduce) {
+  } else if (k.op == Op::AllReduce || k.op == Op::Pair || k.op == Op::UnevenPair) {
     const auto* p = static_cast<const float*>(buf);
     for (std::size_t i = 0; i < k.total(); ++i) wrong += p[i] != sum(i);
   } else {
@@ -207,6 +246,10 @@ int run(const Args& a, int rank, int ranks) {
     Allocation buffer = comm->allocate_collective_buffer(&tracker, MemCategory::Scratch, max_elems * 4);
     if (!buffer.data()) buffer = allocate_host(&tracker, MemCategory::Scratch, max_elems * 4);
     for (Op op : a.ops) {
+      if ((op == Op::Pair || op >= Op::UnevenPair) && a.type != Type::Float) {
+        if (rank == 0) std::printf("# %s: float only, skipped\n", op_name(op));
+        continue;
+      }
       if (rank == 0 && !a.csv) {
         std::printf("#\n# %s, communicator %s (--comm %s), %d ranks, in place\n", op_name(op),
                     comm->name().c_str(), which.c_str(), ranks);
@@ -222,9 +265,11 @@ int run(const Args& a, int rank, int ranks) {
         total_wrong += r.wrong;
         const double size = static_cast<double>(k.total() * k.elem_bytes());
         const double algbw = size / r.seconds / 1e9;
-        const double busbw = algbw * (op == Op::AllReduce ? 2 * frac : frac);
+        const bool one = op == Op::ReduceScatter || op == Op::AllGather ||
+                         op == Op::UnevenReduceScatter || op == Op::UnevenAllGather;
+        const double busbw = algbw * (one ? frac : 2 * frac);
         const char* type = a.type == Type::Bf16 ? "bf16" : "float";
-        const char* redop = op == Op::AllGather ? "none" : "sum";
+        const char* redop = op == Op::AllGather || op == Op::UnevenAllGather ? "none" : "sum";
         if (rank != 0) continue;
         if (a.csv)
           std::printf("%s,%s,%d,%zu,%zu,%s,%s,%.2f,%.3f,%.3f,%zu\n", comm->name().c_str(),

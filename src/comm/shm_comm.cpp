@@ -352,7 +352,7 @@ class ShmCommunicator final : public Communicator {
     const WindowView v = find(buf, start.back());
     if (v.win == nullptr || !hierarchy_usable()) return plain_->start_all_gather_v(buf, counts, type);
     const mpi::Watchdog::Ticket t = dog_->enter("all_gather_v (shared memory)");
-    if (topo_->num_nodes == 1) return pending(t, v, {node_all_gather_step(v, start)});
+    if (topo_->num_nodes == 1) return pending(t, v, {node_all_gather_v_step(v, start)});
     queue_.drain();
     all_gather(v, start);
     return completed_request();
@@ -499,6 +499,29 @@ class ShmCommunicator final : public Communicator {
         const std::size_t s = start[static_cast<std::size_t>(k)];
         const std::size_t n = counts[static_cast<std::size_t>(k)];
         if (n != 0) sum_part(v, s, n, v.f32(k) + s);
+      }
+    };
+  }
+
+  // The uneven node all-gather: every node rank copies its part of every (destination,
+  // block) pair, into every peer's buffer, so a single owner's block is copied by all ranks
+  // together (each copies (N-1)/N of a buffer, as in the equal form) instead of by every
+  // reader alone. Between the two syncs each byte is written by one rank and no rank writes
+  // a block that is read (an owner's block is never a destination).
+  std::function<void()> node_all_gather_v_step(const WindowView& v,
+                                               std::vector<std::size_t> start) const {
+    return [this, v, start = std::move(start)] {
+      const int n = topo_->node_size;
+      const int me = topo_->node_rank;
+      for (int j = 0; j < n; ++j) {
+        const int d = (me + j) % n;  // ranks begin with different destinations
+        for (int p = 0; p < n; ++p) {
+          if (p == d) continue;
+          const std::size_t b = start[static_cast<std::size_t>(p)];
+          const Range part = split_part(start[static_cast<std::size_t>(p) + 1] - b, n, me);
+          if (part.empty()) continue;
+          std::memcpy(v.at(d) + b + part.begin, v.at(p) + b + part.begin, part.size());
+        }
       }
     };
   }
