@@ -227,7 +227,8 @@ std::shared_ptr<Communicator> make_single_process_communicator();
 /// Wraps `inner` for debugging (OptimizerOptions::debug_collectives,
 /// SHARDOPT_DEBUG_COLLECTIVES=1): before every collective, all ranks exchange what they are
 /// entering (the operation, its element count and type, the root, and its sequence number on
-/// this communicator) and compare. At the first divergence every rank throws the same
+/// this communicator; for the uneven collectives the total and a hash of the counts) and
+/// compare. At the first divergence every rank throws the same
 /// Error(InvalidState) naming the collective and what each rank entered, instead of hanging or
 /// mixing up data. Cost: one extra blocking all-gather of 32 bytes per rank before every
 /// collective (a started collective is started only once all ranks reach it).
