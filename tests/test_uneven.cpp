@@ -289,4 +289,24 @@ TEST(UnevenArguments, WrongNumberOfCountsIsRefused) {
                     {"reduce_scatter_sum_v", "counts for"}, "too many counts");
 }
 
+// Plain MPI counts are ints: a count (or a total) above INT_MAX is refused with the same
+// clear Error on every rank before anything is sent (the buffer is never touched).
+TEST(UnevenArguments, CountsAboveTheMpiIntLimitAreRefused) {
+  auto c = make_mpi_communicator(MPI_COMM_WORLD, {MpiCommKind::Plain, 0});
+  std::vector<std::size_t> counts(static_cast<std::size_t>(c->size()), 0);
+  counts[0] = std::size_t{1} << 31;
+  float dummy = 0;
+  expect_same_error(Status::Unsupported,
+                    [&] { c->reduce_scatter_sum_v_inplace(&dummy, counts); },
+                    {"MPI_Ireduce_scatter", "exceeds the MPI int limit"}, "reduce-scatter");
+  expect_same_error(Status::Unsupported,
+                    [&] { c->all_gather_v_inplace(&dummy, counts, CommType::U16); },
+                    {"MPI_Iallgatherv", "exceeds the MPI int limit"}, "all-gather");
+  // The communicator is still usable.
+  counts.assign(counts.size(), 1);
+  std::vector<float> buf(counts.size(), 1.0f);
+  c->reduce_scatter_sum_v_inplace(buf.data(), counts);
+  EXPECT_EQ(buf[static_cast<std::size_t>(c->rank())], static_cast<float>(c->size()));
+}
+
 }  // namespace

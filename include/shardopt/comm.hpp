@@ -92,8 +92,11 @@ class Communicator {
   // elements (0 allowed) and starts at offset_r = counts[0] + ... + counts[r - 1]; the buffer
   // holds sum(counts) elements. `counts` has size() entries, the same on every rank. In place
   // like the equal forms; requests complete as theirs do. The base class composes them from
-  // the equal primitives (any communicator, device ones included for the reduce-scatter);
-  // single process, plain MPI and shared memory have their own.
+  // the other collectives: the reduce-scatter as an all-reduce of the whole buffer (any
+  // communicator, device buffers included), the all-gather as one broadcast_bytes per rank
+  // with a non-zero count (host buffers only; device buffers: Error(Unsupported); the
+  // request is complete on return). Single process, plain MPI and shared memory have their
+  // own forms; plain MPI refuses counts or totals above INT_MAX (Error(Unsupported)).
 
   /// Starts an in-place uneven reduce-scatter (sum): on completion buf + offset_rank() holds
   /// the sum over ranks of everyone's block rank() (counts[rank()] elements); the rest of
