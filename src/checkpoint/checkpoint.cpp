@@ -193,6 +193,7 @@ std::vector<Block> write_shard(ShardedOptimizer& opt, Metadata& m, const fs::pat
     const std::uint64_t start = f.bytes();
     std::uint32_t crc = 0;
     const auto put = [&](const void* data, std::size_t bytes) {
+      if (bytes == 0) return;  // (an empty array's data() may be null)
       crc = crc32c_update(crc, data, bytes);
       f.write(data, bytes);
     };

@@ -148,9 +148,10 @@ struct FullState {
       if (arrays[a].size() != o.arrays[a].size() ||
           std::memcmp(arrays[a].data(), o.arrays[a].data(), arrays[a].size() * 4) != 0)
         return false;
-    for (int x = 0; x < 2; ++x)
+    for (int x = 0; x < 2; ++x)  // (no 8-bit state: empty vectors, whose data() may be null)
       if (codes[x] != o.codes[x] || scales[x].size() != o.scales[x].size() ||
-          std::memcmp(scales[x].data(), o.scales[x].data(), scales[x].size() * 4) != 0)
+          (!scales[x].empty() &&
+           std::memcmp(scales[x].data(), o.scales[x].data(), scales[x].size() * 4) != 0))
         return false;
     return step == o.step;
   }
@@ -222,7 +223,7 @@ inline void broadcast_state(Communicator& comm, FullState& s) {
     std::uint64_t n = v.size();
     comm.broadcast_bytes(&n, sizeof n, 0);
     v.resize(n);
-    comm.broadcast_bytes(v.data(), n * sizeof(v[0]), 0);
+    if (n > 0) comm.broadcast_bytes(v.data(), n * sizeof(v[0]), 0);
   };
   for (auto& a : s.arrays) send(a);
   for (auto& c : s.codes) send(c);
