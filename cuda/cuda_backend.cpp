@@ -16,6 +16,7 @@
 #include "cuda_check.hpp"
 #include "cuda_ops.hpp"
 #include "host_wait.hpp"
+#include "rules/adamw8bit.hpp"
 #include "rules/qmap.hpp"
 #include "shardopt/cuda_comm.hpp"
 #include "shardopt/error.hpp"
@@ -226,14 +227,7 @@ class CudaBackend final : public Backend {
                         std::uint8_t* code_v, float* scale_m, float* scale_v, void* replica,
                         DType replica_dtype) override {
     constexpr std::size_t kBlock = rules::q8::kBlock;
-    if (segments.empty()) return;
-    const std::size_t n = segments.back().end;
-    require(segments.front().begin == 0 && n % kBlock == 0, Status::Internal,
-            "adamw8bit_update: the range is not whole blocks");
-    for (const UpdateSegment& seg : segments)
-      require(seg.begin % kBlock == 0 && seg.end % kBlock == 0, Status::Internal,
-              "adamw8bit_update: a segment boundary inside a block");
-    if (n == 0) return;
+    if (rules::q8::require_whole_blocks(segments) == 0) return;
     const rules::q8::Qmap* maps = device_qmaps();
     // Groups are few: one launch per segment, its scalars by value (no upload).
     for (const UpdateSegment& seg : segments) {

@@ -17,6 +17,7 @@
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "support/harness.hpp"
+#include "support/same_error.hpp"
 #include "support/world.hpp"
 #ifdef SHARDOPT_WITH_MPI
 #include "shardopt/mpi_comm.hpp"
@@ -27,30 +28,7 @@ using shardopt::test::Harness;
 
 namespace {
 
-// Runs f() on every rank. Every rank must throw Error(want) whose message contains each of
-// `needles`, and the message must be the same on every rank.
-void expect_same_error(Status want, const std::function<void()>& f,
-                       const std::vector<std::string>& needles, const std::string& what) {
-  Status got = Status::Ok;
-  std::string message;
-  try {
-    f();
-  } catch (const Error& e) {
-    got = e.status();
-    message = e.what();
-  }
-  EXPECT_EQ(got, want) << what << ": " << (message.empty() ? "no error" : message);
-  for (const std::string& n : needles)
-    EXPECT_NE(message.find(n), std::string::npos) << what << ": '" << n << "' not in: " << message;
-  // Compare the messages across ranks (on a communicator of the test's own).
-  auto w = test::world();
-  const std::uint64_t mine = fnv1a64(message.data(), message.size());
-  std::vector<std::uint64_t> all(static_cast<std::size_t>(w->size()));
-  w->all_gather_bytes(&mine, all.data(), sizeof mine);
-  for (std::size_t r = 0; r < all.size(); ++r)
-    EXPECT_EQ(all[r], mine) << what << ": rank " << r << " got a different message than this "
-                            << "rank's: " << message;
-}
+using test::expect_same_error;
 
 int last_rank() { return test::world_size() - 1; }
 bool is_last() { return test::world_rank() == last_rank(); }

@@ -17,6 +17,7 @@
 
 #include "shardopt/layout.hpp"  // fnv1a64
 #include "shardopt/mpi_comm.hpp"
+#include "support/same_error.hpp"
 #include "support/world.hpp"
 
 using namespace shardopt;
@@ -214,27 +215,7 @@ std::string case_name(const testing::TestParamInfo<std::size_t>& info) {
 INSTANTIATE_TEST_SUITE_P(Communicators, Uneven,
                          testing::Range<std::size_t>(0, communicators().size()), case_name);
 
-// The same Error on every rank (compared by hash), whose message holds each needle.
-void expect_same_error(Status want, const std::function<void()>& f,
-                       const std::vector<std::string>& needles, const std::string& what) {
-  Status got = Status::Ok;
-  std::string message;
-  try {
-    f();
-  } catch (const Error& e) {
-    got = e.status();
-    message = e.what();
-  }
-  EXPECT_EQ(got, want) << what << ": " << (message.empty() ? "no error" : message);
-  for (const std::string& s : needles)
-    EXPECT_NE(message.find(s), std::string::npos) << what << ": '" << s << "' not in: " << message;
-  auto w = test::world();
-  const std::uint64_t mine = fnv1a64(message.data(), message.size());
-  std::vector<std::uint64_t> all(static_cast<std::size_t>(w->size()));
-  w->all_gather_bytes(&mine, all.data(), sizeof mine);
-  for (std::size_t r = 0; r < all.size(); ++r)
-    EXPECT_EQ(all[r], mine) << what << ": rank " << r << " got another message than: " << message;
-}
+using test::expect_same_error;
 
 // A rank passing other counts (same total or not, or another number of them) meets the same
 // Error(InvalidState) on every rank instead of a hang; the communicator goes on working.

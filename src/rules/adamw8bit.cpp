@@ -54,13 +54,7 @@ void adamw8bit_update(const StepScalars& s, std::span<const UpdateSegment> segme
                       std::uint8_t* code_v, float* scale_m, float* scale_v, bf16* out_bf16,
                       float* out_f32) {
   if (segments.empty()) return;
-  const std::size_t n = segments.back().end;
-  require(segments.front().begin == 0 && n % kBlock == 0, Status::Internal,
-          "adamw8bit_update: the range is not whole blocks");
-  for (const UpdateSegment& seg : segments)
-    require(seg.begin % kBlock == 0 && seg.end % kBlock == 0, Status::Internal,
-            "adamw8bit_update: a segment boundary inside a block");
-  const std::size_t blocks = n / kBlock;
+  const std::size_t blocks = require_whole_blocks(segments) / kBlock;
   const std::ptrdiff_t units = static_cast<std::ptrdiff_t>((blocks + kUnitBlocks - 1) / kUnitBlocks);
   // The ISA's kernel where it has one (AVX2, AVX-512), bitwise the portable block. Each block
   // is computed alone, so neither the units nor the thread count change a bit.

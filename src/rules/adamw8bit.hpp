@@ -16,8 +16,22 @@
 #include "shardopt/adam_math.hpp"
 #include "rules/qmap.hpp"
 #include "shardopt/bf16.hpp"
+#include "shardopt/error.hpp"
 
 namespace shardopt::rules::q8 {
+
+/// Checks that `segments` tile [0, n) in whole blocks (every bound a multiple of kBlock), as
+/// every AdamW8bit kernel (CPU and CUDA) needs; Error(Internal) otherwise. Returns n.
+inline std::size_t require_whole_blocks(std::span<const UpdateSegment> segments) {
+  if (segments.empty()) return 0;
+  const std::size_t n = segments.back().end;
+  require(segments.front().begin == 0 && n % kBlock == 0, Status::Internal,
+          "adamw8bit_update: the range is not whole blocks");
+  for (const UpdateSegment& seg : segments)
+    require(seg.begin % kBlock == 0 && seg.end % kBlock == 0, Status::Internal,
+            "adamw8bit_update: a segment boundary inside a block");
+  return n;
+}
 
 /// AdamW8bit over segments tiling [0, n), n = segments.back().end a multiple of kBlock, each
 /// segment's bounds multiples of kBlock: master, grad, the codes (n each) and the scales
