@@ -10,10 +10,15 @@
 //   leave:   leaves its loop cleanly (destroys its optimizer, MPI_Finalize) while the others
 //            run another step;
 //   c_step:  as alone, through the C ABI (shardopt_step alone).
-// The job must end by the watchdog's MPI_Abort; reaching the end is a failure (exit code 1).
+// A rank whose shardopt call throws Error(Communication) (the watchdog gave up) writes the
+// message to DIR/error<R>.txt and then, as programs do: calls MPI_Abort (AFTER `abort`, the
+// default), exits with code 3 without MPI_Finalize (`exit`), or calls MPI_Finalize first
+// (`finalize`: MPI waits there for the missing ranks, so the watchdog's last resort must end
+// the process). Reaching the end otherwise is a failure (exit code 1).
 // TIMEOUT_SECONDS 0 leaves collective_timeout_s at its default (the test sets
 // SHARDOPT_COLLECTIVE_TIMEOUT).
-//   collective_timeout_driver DIR RANK[,RANK...] TIMEOUT_SECONDS step|get_master|alone|acquire|leave
+//   collective_timeout_driver DIR RANK[,RANK...] TIMEOUT_SECONDS
+//                             step|get_master|alone|acquire|leave|c_step [abort|exit|finalize]
 #include <mpi.h>
 #include <signal.h>
 #include <unistd.h>
@@ -57,6 +62,35 @@ void write_pid(const std::string& dir, int rank) {
   write_file(dir + "/rank" + std::to_string(rank) + ".pid", std::to_string(getpid()) + "\n");
 }
 
+// What the program does after the watchdog's Error(Communication).
+enum class After {
+  Abort,     // MPI_Abort (the MPI idiom), once every rank in `peers` has written its error
+  Exit,      // exit code 3 without MPI_Finalize
+  Finalize,  // MPI_Finalize, then exit code 3 (an RAII guard, a plain return from main)
+};
+After after = After::Abort;
+std::set<int> peers;  // the ranks expected to get the error too
+
+// Records the error in DIR/error<R>.txt, then ends as `after` says.
+int gave_up(const std::string& dir, const std::string& message) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  write_file(dir + "/error" + std::to_string(rank) + ".txt", message);
+  if (after == After::Finalize) MPI_Finalize();
+  if (after == After::Abort) {
+    // The first MPI_Abort ends every rank: let the others record theirs first (10 s at most).
+    for (int k = 0; k < 1000; ++k) {
+      bool all = true;
+      for (int p : peers)
+        all = all && access((dir + "/error" + std::to_string(p) + ".txt").c_str(), F_OK) == 0;
+      if (all) break;
+      usleep(10000);
+    }
+    MPI_Abort(MPI_COMM_WORLD, 3);
+  }
+  return 3;
+}
+
 // The C ABI trainer: one step on every rank, then rank `alone` steps alone.
 int c_step(const std::string& dir, int alone, double timeout) {
   shardopt_config_t c;
@@ -84,7 +118,7 @@ int c_step(const std::string& dir, int alone, double timeout) {
   write_pid(dir, rank);
   if (rank == alone) {
     write_file(dir + "/stopped", std::to_string(getpid()) + "\n");
-    step();
+    if (step() == SHARDOPT_ERROR_COMMUNICATION) return gave_up(dir, shardopt_last_error(opt));
   } else {
     MPI_Barrier(MPI_COMM_WORLD);
   }
@@ -104,15 +138,29 @@ std::set<int> rank_set(const std::string& list) {
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: %s DIR RANK TIMEOUT_SECONDS step|get_master|alone|acquire|leave\n",
+  if (argc != 5 && argc != 6) {
+    std::fprintf(stderr,
+                 "usage: %s DIR RANK TIMEOUT_SECONDS step|get_master|alone|acquire|leave|c_step "
+                 "[abort|exit|finalize]\n",
                  argv[0]);
     return 2;
   }
+  const std::string then = argc == 6 ? argv[5] : "abort";
+  after = then == "finalize" ? After::Finalize : then == "exit" ? After::Exit : After::Abort;
   const std::string dir = argv[1];
   const std::set<int> stop_ranks = rank_set(argv[2]);
   const int stop_rank = *stop_ranks.begin();
   const std::string where = argv[4];
+  {  // the ranks that wait in the library, as test_collective_timeout's reporters()
+    int size = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (where == "alone" || where == "acquire" || where == "c_step") {
+      peers = {stop_rank};
+    } else {
+      for (int r = 0; r < size; ++r)
+        if (stop_ranks.count(r) == 0) peers.insert(r);
+    }
+  }
   if (where == "c_step") return c_step(dir, stop_rank, std::atof(argv[3]));
   try {
     auto comm = make_mpi_communicator(MPI_COMM_WORLD);
@@ -171,6 +219,9 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "rank %d: the collective completed although rank %s is stopped\n", rank,
                  argv[2]);
+  } catch (const Error& e) {
+    if (e.status() == Status::Communication) return gave_up(dir, e.what());
+    std::fprintf(stderr, "error: %s\n", e.what());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
   }

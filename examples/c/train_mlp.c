@@ -36,6 +36,15 @@
 enum { kIn = 16, kHidden = 64, kOut = 4, kGlobalBatch = 96, kParams = 4 };
 static const double kPi = 3.14159265358979323846;
 
+/* Ends the job after a communication error (a collective timeout: the other ranks are
+   missing, so MPI_Finalize and this program's own collectives would wait for them). */
+#ifdef SHARDOPT_WITH_MPI
+#define ABORT_ON_COMMUNICATION(st) \
+  if ((st) == SHARDOPT_ERROR_COMMUNICATION) MPI_Abort(MPI_COMM_WORLD, 1)
+#else
+#define ABORT_ON_COMMUNICATION(st) (void)(st)
+#endif
+
 /* Returns from the enclosing function with the failing call's status and message. */
 #define CHECK(call)                                                                      \
   do {                                                                                   \
@@ -43,6 +52,7 @@ static const double kPi = 3.14159265358979323846;
     if (st_ != SHARDOPT_SUCCESS) {                                                       \
       fprintf(stderr, "train_mlp_c: %s (%s)\n", shardopt_last_error(opt),                \
               shardopt_status_string(st_));                                              \
+      ABORT_ON_COMMUNICATION(st_);                                                       \
       return 1;                                                                          \
     }                                                                                    \
   } while (0)

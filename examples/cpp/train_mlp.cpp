@@ -399,6 +399,10 @@ int main(int argc, char** argv) {
   } catch (const Error& e) {
     std::fprintf(stderr, "train_mlp: %s: %s\n", status_name(e.status()), e.what());
     rc = 1;
+#ifdef SHARDOPT_WITH_MPI
+    // A collective timeout: the missing ranks would keep MPI_Finalize waiting.
+    if (e.status() == Status::Communication) MPI_Abort(MPI_COMM_WORLD, 1);
+#endif
   }
 #ifdef SHARDOPT_WITH_MPI
   MPI_Finalize();

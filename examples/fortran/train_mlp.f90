@@ -70,6 +70,8 @@ contains
     character(len=*), intent(in) :: msg
     if (status == SHARDOPT_SUCCESS) return
     write (error_unit, '(a,a,a,a,a)') 'train_mlp_f: ', trim(msg), ' (', shardopt_status_string(status), ')'
+    ! A collective timeout: the missing ranks would keep the job waiting (mpi_finalize too).
+    if (status == SHARDOPT_ERROR_COMMUNICATION) call mpi_abort(MPI_COMM_WORLD, 1)
     error stop 1
   end subroutine check
 

@@ -188,14 +188,20 @@ class Communicator {
   virtual std::uint64_t internode_bytes() const { return 0; }
 
   /// Local. A rank that waits longer than `seconds` in one collective of this communicator
-  /// prints to stderr which collective it waits in and which ranks have not arrived, then
-  /// aborts the job (MPI_Abort on MPI_COMM_WORLD, error code kCollectiveTimeoutExitCode): an
-  /// MPI collective cannot be cancelled. While it waits it polls, sleeping between polls
-  /// after the first 50 ms instead of spinning. 0 (the default) waits forever with plain
-  /// blocking calls. The MPI communicators implement it. The NCCL communicator applies it to
-  /// its host-side MPI collectives as above and to its NCCL collectives, where a timeout
-  /// aborts the NCCL communicator and throws the same Error(Communication) on every rank
-  /// that can still answer instead (nccl_comm.hpp). The others never wait.
+  /// gives up: it asks every rank what it is in, and every rank waiting in the library that
+  /// is asked gives up with it; each prints to stderr the collective it waits in and which
+  /// ranks have not arrived, and all of them throw the same Error(Communication) (its text
+  /// names the collective, the missing ranks and their nodes, and the ranks that gave up).
+  /// Every later call of the communicator throws it again: an MPI collective cannot be
+  /// cancelled. MPI_Finalize would then wait for the missing ranks, so the program should
+  /// end the job with MPI_Abort; a rank still running `seconds` after its error ends the job
+  /// itself (MPI_Abort on MPI_COMM_WORLD, code kCollectiveTimeoutExitCode). While it waits it
+  /// polls, sleeping between polls after the first 50 ms instead of spinning. 0 (the
+  /// default) waits forever with plain blocking calls. The MPI communicators implement it.
+  /// The NCCL communicator applies it to its host-side MPI collectives as above and to its
+  /// NCCL collectives, where a timeout aborts the NCCL communicator and throws the same
+  /// Error(Communication) on every rank that can still answer (nccl_comm.hpp). The others
+  /// never wait.
   virtual void set_collective_timeout(double /*seconds*/) {}
 };
 
@@ -213,7 +219,8 @@ class CallScope {
   static const char* current() noexcept;
 };
 
-/// The MPI_Abort error code of a collective timeout (see set_collective_timeout).
+/// The exit code with which a rank ends the job (MPI_Abort) when it still runs a collective
+/// timeout after its timeout error (see set_collective_timeout).
 inline constexpr int kCollectiveTimeoutExitCode = 14;
 
 /// A request that completed when it was made (blocking implementations return it).

@@ -37,7 +37,7 @@ namespace shardopt {
 /// and throws Error(Communication, "NCCL communicator aborted: rank r: <cause>; ...") with
 /// the same message on every rank that answers within a grace period (timeout/4, 0.5-5 s);
 /// every later call throws it again. The same timeout covers the host collectives as in the
-/// MPI communicators: a rank that waits longer in one aborts the job (MPI_Abort).
+/// MPI communicators: the ranks waiting in one throw the same Error(Communication) (comm.hpp).
 std::shared_ptr<Communicator> make_nccl_communicator(MPI_Comm comm,
                                                      cudaStream_t compute_stream = nullptr);
 

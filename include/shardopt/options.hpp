@@ -155,9 +155,10 @@ struct OptimizerOptions {
   /// Seconds a rank may wait in one collective (Communicator::set_collective_timeout, which
   /// the constructor calls on the communicator). MPI communicators: the rank prints the call
   /// and collective it waits in, what every other rank is in and which have not arrived, and
-  /// aborts the job. NCCL: the NCCL communicator is aborted and every rank that can still
-  /// answer throws the same Error(Communication) (nccl_comm.hpp); its host-side MPI
-  /// collectives time out as MPI's.
+  /// every rank waiting in the library throws the same Error(Communication); the program
+  /// should end the job with MPI_Abort (comm.hpp, set_collective_timeout). NCCL: the NCCL
+  /// communicator is aborted and every rank that can still answer throws the same
+  /// Error(Communication) (nccl_comm.hpp); its host-side MPI collectives time out as MPI's.
   /// 0 (the default): SHARDOPT_COLLECTIVE_TIMEOUT if set, else kDefaultCollectiveTimeoutS
   /// (kDebugCollectiveTimeoutS with debug_collectives). kNoCollectiveTimeout (any negative
   /// value): wait forever. The constructor stores the value it chose in options().

@@ -252,7 +252,11 @@ typedef struct shardopt_config {
   /* Since 0.2.0 (collective safety, plain MPI): */
   double collective_timeout_s; /* > 0: a rank that waits longer than this in one collective
                            reports the call and collective every rank is in and the ranks
-                           that have not arrived, then aborts the job (docs/architecture.md,
+                           that have not arrived, and returns SHARDOPT_ERROR_COMMUNICATION
+                           with the same message on every rank that was waiting; end the
+                           job with MPI_Abort then (MPI_Finalize would wait for the missing
+                           ranks; a process still running this long after the error is
+                           ended by the library, code 14) (docs/architecture.md,
                            "Errors and collectives"); 0: the SHARDOPT_COLLECTIVE_TIMEOUT
                            environment variable (seconds; 0, off or none: no timeout), else
                            SHARDOPT_DEFAULT_COLLECTIVE_TIMEOUT (600 s; 60 s with

@@ -134,6 +134,7 @@ MpiRequest::~MpiRequest() {
 
 bool MpiRequest::test() {
   if (done_) return true;
+  dog_->throw_if_failed();
   queue_.poll();
   if (!started_ || done_) return done_;
   if (test_started()) queue_.completed(this);
@@ -142,6 +143,7 @@ bool MpiRequest::test() {
 
 void MpiRequest::wait() {
   if (done_) return;
+  dog_->throw_if_failed();
   queue_.start(this);
   wait_started();
   queue_.completed(this);

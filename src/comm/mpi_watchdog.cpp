@@ -8,12 +8,17 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "describe.hpp"
 #include "shardopt/comm.hpp"
+#include "shardopt/error.hpp"
+#include "shardopt/options.hpp"
 
 namespace shardopt::mpi {
 namespace {
@@ -49,12 +54,19 @@ void Watchdog::attach(MPI_Comm comm) {
   SHARDOPT_MPI(MPI_Comm_size(comm_, &size_));
 }
 
+void Watchdog::throw_if_failed() const {
+  if (failed())
+    throw Error(Status::Communication, "this communicator gave up on a collective earlier: " + failure_);
+}
+
 Watchdog::Ticket Watchdog::enter(const char* name) {
+  throw_if_failed();
   current_ = Ticket{entered_++, name};
   return current_;
 }
 
 void Watchdog::wait(const Ticket& t, int n, MPI_Request* requests) {
+  throw_if_failed();
   if (!active()) {
     SHARDOPT_MPI(MPI_Waitall(n, requests, MPI_STATUSES_IGNORE));
     return;
@@ -67,24 +79,30 @@ void Watchdog::wait(const Ticket& t, int n, MPI_Request* requests) {
     if (done) return;
     if (interrupt_) interrupt_();
     const double waited = since(start);
-    if (timeout_ > 0 && waited > timeout_) report_and_abort(t, waited);
+    if (timeout_ > 0 && waited > timeout_) give_up(t, waited);
     if (waited < kSpinSeconds) {
       // After a short pure spin (most collectives of a step complete within it), let a
       // rank or program that shares this CPU run.
       if (yield_ && waited > kPureSpinSeconds) sched_yield();
       continue;
     }
-    answer_questions();
+    // A peer that asks has given up on its collective: this one cannot complete either.
+    if (answer_questions()) give_up(t, waited);
     std::this_thread::sleep_for(std::chrono::duration<double>(sleep));
     sleep = std::min(2 * sleep, kMaxSleepSeconds);
   }
 }
 
-void Watchdog::answer_questions() {
+bool Watchdog::answer_questions() {
+  bool asked = false;
   for (;;) {
     int flag = 0;
     MPI_Status st;
-    if (MPI_Iprobe(MPI_ANY_SOURCE, kQuestionTag, comm_, &flag, &st) != MPI_SUCCESS || !flag) return;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, kQuestionTag, comm_, &flag, &st) != MPI_SUCCESS || !flag)
+      return asked;
+    asked = true;
+    asked_by_.resize(static_cast<std::size_t>(size_), 0);
+    asked_by_[static_cast<std::size_t>(st.MPI_SOURCE)] = 1;
     std::uint64_t asked = 0;
     MPI_Recv(&asked, 1, MPI_UINT64_T, st.MPI_SOURCE, kQuestionTag, comm_, MPI_STATUS_IGNORE);
     Answer a{};
@@ -97,20 +115,52 @@ void Watchdog::answer_questions() {
   }
 }
 
-void Watchdog::report_and_abort(const Ticket& t, double waited) {
-  // Ask everyone; answer the others' questions while collecting (they time out too).
-  const std::uint64_t asked = t.seq;
-  std::vector<MPI_Request> sent;
+namespace {
+
+// The last resort after a give-up (mpi_watchdog.hpp): one per process.
+void arm_exit(double seconds, const std::string& why) {
+  static std::once_flag once;
+  std::call_once(once, [seconds, why] {
+    std::thread([seconds, why] {
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+      const std::string msg = why + "\n";
+      // write(2), not stdio: another thread may hold stderr's lock (and this one must not wait).
+      [[maybe_unused]] const ssize_t w = ::write(2, msg.data(), msg.size());
+      // MPI_Abort, not a plain exit: across nodes, MPICH's hydra left the job running when a
+      // rank exited while another node's ranks were stopped (measured on pretend nodes), and
+      // its abort takes every node down. From this thread while the program's may be inside
+      // MPI: an MPI library may refuse that, so the exit follows if it returns.
+      MPI_Abort(MPI_COMM_WORLD, kCollectiveTimeoutExitCode);
+      ::_exit(kCollectiveTimeoutExitCode);
+    }).detach();
+  });
+}
+
+}  // namespace
+
+void Watchdog::give_up(const Ticket& t, double waited) {
+  // Ask everyone; answer the others' questions while collecting (they give up too).
+  // The sends may never complete (a stopped rank does not receive), so their buffer outlives
+  // this call and the watchdog: 8 bytes, once per give-up.
+  const std::uint64_t* asked = new std::uint64_t(t.seq);
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    sent.emplace_back();
-    MPI_Isend(&asked, 1, MPI_UINT64_T, r, kQuestionTag, comm_, &sent.back());
+    MPI_Request q = MPI_REQUEST_NULL;
+    if (MPI_Isend(asked, 1, MPI_UINT64_T, r, kQuestionTag, comm_, &q) == MPI_SUCCESS)
+      MPI_Request_free(&q);
   }
+  asked_by_.resize(static_cast<std::size_t>(size_), 0);
   std::vector<int> answered(static_cast<std::size_t>(size_), 0);
   std::vector<Answer> answers(static_cast<std::size_t>(size_));
-  int missing = size_ - 1;
+  const double grace = grace_seconds(timeout_);
   const Clock::time_point start = Clock::now();
-  while (missing > 0 && since(start) < grace_seconds(timeout_)) {
+  auto everyone_heard = [&] {
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_ && !(answered[static_cast<std::size_t>(r)] && asked_by_[static_cast<std::size_t>(r)]))
+        return false;
+    return true;
+  };
+  while (!everyone_heard() && since(start) < grace) {
     answer_questions();
     int flag = 0;
     MPI_Status st;
@@ -118,7 +168,6 @@ void Watchdog::report_and_abort(const Ticket& t, double waited) {
       Answer a{};
       MPI_Recv(&a, sizeof a, MPI_BYTE, st.MPI_SOURCE, kAnswerTag, comm_, MPI_STATUS_IGNORE);
       const auto r = static_cast<std::size_t>(st.MPI_SOURCE);
-      if (!answered[r]) --missing;
       answered[r] = 1;
       answers[r] = a;
       continue;
@@ -126,48 +175,63 @@ void Watchdog::report_and_abort(const Ticket& t, double waited) {
     std::this_thread::sleep_for(std::chrono::duration<double>(kMaxSleepSeconds));
   }
 
+  // The report: built only from what every rank that gave up together knows alike (the
+  // collective's number and name, the answers, the calls), so their texts are equal.
   const std::string mine = call_text(CallScope::current(), sizeof Answer{}.call);
   std::vector<int> silent;
-  std::string behind, arrived = std::to_string(rank_) + " (" + mine + ")";
+  std::string behind, arrived;
   for (int r = 0; r < size_; ++r) {
-    if (r == rank_) continue;
     const Answer& a = answers[static_cast<std::size_t>(r)];
-    const std::string call = call_text(a.call, sizeof a.call);
-    if (!answered[static_cast<std::size_t>(r)]) {
+    if (r == rank_) {
+      arrived += (arrived.empty() ? "" : ", ") + std::to_string(r) + " (" + mine + ")";
+    } else if (!answered[static_cast<std::size_t>(r)]) {
       silent.push_back(r);
     } else if (a.entered > t.seq) {
-      arrived += ", " + std::to_string(r) + " (" + call + ")";
+      arrived += (arrived.empty() ? "" : ", ") + std::to_string(r) + " (" +
+                 call_text(a.call, sizeof a.call) + ")";
     } else {
       const std::string name(a.name, strnlen(a.name, sizeof a.name));
-      behind += "; rank " + std::to_string(r) + " is in " + call + ", waiting in collective #" +
-                std::to_string(a.waiting) + " (" + name + ")";
+      behind += "; rank " + std::to_string(r) + " is in " + call_text(a.call, sizeof a.call) +
+                ", waiting in collective #" + std::to_string(a.waiting) + " (" + name + ")";
     }
   }
-  char head[160];
-  std::snprintf(head, sizeof head, "waited %.1f s (collective timeout %.3g s)", waited, timeout_);
-  std::string msg = "shardopt: rank " + std::to_string(rank_) + ": collective timeout: " +
-                    head + " in " + mine + ", collective #" + std::to_string(t.seq) + " (" +
-                    t.name + "); ranks not arrived: ";
+  char timeout_text[64];
+  std::snprintf(timeout_text, sizeof timeout_text, "%.3g s", timeout_);
+  std::string msg = std::string("collective timeout (") + timeout_text + "): collective #" +
+                    std::to_string(t.seq) + " (" + t.name + ") did not complete; ranks not arrived: ";
   if (silent.empty() && behind.empty()) msg += "none found";
   if (!silent.empty())
     msg += rank_list(silent) + " (no answer within " +
-           std::to_string(static_cast<int>(grace_seconds(timeout_) * 1000)) +
+           std::to_string(static_cast<int>(grace * 1000)) +
            " ms: in no shardopt call (skipped this one, left the loop, or busy elsewhere), "
            "stopped, gone, or waiting without a timeout)";
   if (!silent.empty() && static_cast<int>(node_of_.size()) == size_)
     msg += "; by node: " + ranks_by_node(silent, node_of_, host_of_);
   if (!behind.empty()) msg += (silent.empty() ? behind.substr(2) : behind);
-  msg += "; arrived: " + arrived + ". An MPI collective cannot be cancelled: "
-         "aborting the job (MPI_Abort, error code " + std::to_string(kCollectiveTimeoutExitCode) +
-         ").\n";
-  std::fputs(msg.c_str(), stderr);
+  msg += "; gave up together: " + arrived +
+         ". This communicator cannot be used again, and MPI cannot cancel the abandoned "
+         "collective (MPI_Finalize would wait for the missing ranks): end the job with "
+         "MPI_Abort; a process still running " + std::string(timeout_text) +
+         " after this error is ended by shardopt (code " +
+         std::to_string(kCollectiveTimeoutExitCode) + ").";
+  char head[200];
+  std::snprintf(head, sizeof head, "shardopt: rank %d: collective timeout: waited %.1f s in ",
+                rank_, waited);
+  const std::string line = head + mine + ", collective #" + std::to_string(t.seq) + " (" +
+                           t.name + "): Error(Communication): " + msg + "\n";
+  std::fputs(line.c_str(), stderr);
   std::fflush(stderr);
-  // Gives the launcher time to forward the message: MPI_Abort tears the job down at once, and
-  // MPICH's hydra once dropped every rank's pending output (a fresh-machine run of
-  // test_collective_timeout, 1 of its 12 cases).
+  // Gives the launcher time to forward the report: a program's MPI_Abort right after the
+  // error tears the job down at once, and MPICH's hydra then drops pending output (seen in
+  // test_collective_timeout without this pause).
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  MPI_Abort(MPI_COMM_WORLD, kCollectiveTimeoutExitCode);
-  std::abort();  // MPI_Abort does not return; if it did, end this process anyway
+  failure_ = msg;
+  arm_exit(timeout_ > 0 ? timeout_ : kDefaultCollectiveTimeoutS,
+           "shardopt: rank " + std::to_string(rank_) + ": still running " + timeout_text +
+               " after the collective timeout's Error(Communication) (the process must end "
+               "without MPI_Finalize): ending it (exit code " +
+               std::to_string(kCollectiveTimeoutExitCode) + ")");
+  throw Error(Status::Communication, msg);
 }
 
 }  // namespace shardopt::mpi

@@ -3,9 +3,9 @@
 // without yielding, waits are plain blocking MPI calls. Otherwise every wait polls MPI_Test:
 // it spins for the first kSpinSeconds (calling sched_yield between polls after the first
 // kPureSpinSeconds when yielding), then sleeps between polls (up to kMaxSleepSeconds); with a
-// timeout, once it has waited longer it asks every rank which call and collective it is in,
-// prints its own, theirs and the ranks that have not arrived to stderr, and calls MPI_Abort.
-// Internal.
+// timeout, once it has waited longer it gives up: it asks every rank which call and collective
+// it is in, prints its own, theirs and the ranks that have not arrived to stderr, and throws
+// Error(Communication). Internal.
 //
 // Arrival. Every Communicator-level collective a rank enters gets the next number (enter());
 // all ranks enter the same collectives in the same order, so a number names the same
@@ -14,6 +14,20 @@
 // traffic); a rank that is itself waiting under the watchdog answers with how many
 // collectives it has entered. A rank that does not answer within the grace period is stopped,
 // busy outside the library, or waiting without a timeout: it is reported as not arrived.
+//
+// Giving up together. A waiting rank that is asked gives up too, at once (the collective can
+// no longer complete: the asker has left it): it answers, asks every rank itself, and
+// collects. Each rank that gives up keeps answering until the grace period ends (or until
+// every other rank has both answered it and asked it), so every rank that was waiting within
+// the grace hears from every other such rank, and all of them build the same report from the
+// same answers (the Error's text names no rank-local detail; the stderr line adds the
+// rank's own). Then it throws Error(Communication) with that text, and so does every later
+// wait and collective of this watchdog: the abandoned MPI requests can never complete, so the
+// communicator is unusable (failed()). Neither can MPI_Finalize complete while the missing
+// ranks live (MPICH 4.0 waits for them), so a rank that gave up also arms a last resort: if
+// its process still runs `timeout` seconds later (a program that called MPI_Finalize, or
+// waits in its own collective), it prints why and ends the process (_exit with
+// kCollectiveTimeoutExitCode), which makes the launcher end the job.
 //
 // Interrupt. A communicator built on this one (the NCCL communicator's host side) can ask
 // every wait to call a function between polls (set_interrupt): it may throw to end the wait.
@@ -76,8 +90,17 @@ class Watchdog {
   /// The collective entered last (for waits inside it, e.g. the shared-memory barriers).
   const Ticket& current() const { return current_; }
 
-  /// Waits for `n` requests of collective `t` (MPI_Waitall without a timeout).
+  /// Waits for `n` requests of collective `t` (MPI_Waitall without a timeout). Throws
+  /// Error(Communication) when it gives up (see above) or gave up before.
   void wait(const Ticket& t, int n, MPI_Request* requests);
+
+  /// Whether this watchdog gave up on a collective: its communicator must not be used again
+  /// (nor can it free its shared-memory windows: MPI_Win_free is collective).
+  bool failed() const { return !failure_.empty(); }
+  /// Throws the Error(Communication) of the collective it gave up on, if any.
+  void throw_if_failed() const;
+  /// The Error text of a give-up: the same on every rank that gave up together.
+  const std::string& failure() const { return failure_; }
 
   /// Runs a blocking MPI collective: blocking() unless waits poll; then its non-blocking
   /// form start(&request), and wait(). Both throw through SHARDOPT_MPI.
@@ -93,8 +116,9 @@ class Watchdog {
   }
 
  private:
-  void answer_questions();
-  [[noreturn]] void report_and_abort(const Ticket& t, double waited);
+  /// Answers every question that has come in; returns whether one did (a peer gave up).
+  bool answer_questions();
+  [[noreturn]] void give_up(const Ticket& t, double waited);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
@@ -105,6 +129,8 @@ class Watchdog {
   std::vector<std::string> host_of_;
   std::uint64_t entered_ = 0;
   Ticket current_;
+  std::vector<char> asked_by_;  ///< ranks whose question came in
+  std::string failure_;
 };
 
 }  // namespace shardopt::mpi

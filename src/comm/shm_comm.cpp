@@ -118,6 +118,7 @@ class ShmRequest final : public CommRequest {
   /// Runs the steps whose barriers have completed (all of them with `block`, waiting under
   /// the watchdog: timeouts and yielding as for every other wait). Returns whether done.
   bool advance(bool block) {
+    dog_->throw_if_failed();
     start();
     while (!done_) {
       if (block) {

@@ -63,6 +63,9 @@ ShmWindow::~ShmWindow() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized || win_ == MPI_WIN_NULL) return;
+  // After a collective timeout the node's other ranks may never come (MPI_Win_free is
+  // collective): the window is left to the process's end.
+  if (dog_ && dog_->failed()) return;
   MPI_Win_unlock_all(win_);
   MPI_Win_free(&win_);
 }

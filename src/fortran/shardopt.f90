@@ -62,7 +62,9 @@ module shardopt
   integer(c_int), parameter, public :: SHARDOPT_RULE_LION = 1
   integer(c_int), parameter, public :: SHARDOPT_RULE_ADAMW8BIT = 2
   !> shardopt_config%collective_timeout_s for no timeout; 0 (the default) means 600 s, or
-  !> SHARDOPT_COLLECTIVE_TIMEOUT from the environment.
+  !> SHARDOPT_COLLECTIVE_TIMEOUT from the environment. A timeout returns
+  !> SHARDOPT_ERROR_COMMUNICATION on every waiting rank: end the job with MPI_Abort (not
+  !> MPI_Finalize, which would wait for the missing ranks).
   real(c_double), parameter, public :: SHARDOPT_NO_COLLECTIVE_TIMEOUT = -1.0_c_double
   integer(c_int), parameter, public :: SHARDOPT_HYPER_LR = 0
   integer(c_int), parameter, public :: SHARDOPT_HYPER_BETA1 = 1
