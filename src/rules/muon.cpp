@@ -6,6 +6,8 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cpu/kernels.hpp"
 #include "shardopt/error.hpp"

@@ -37,7 +37,8 @@ inline constexpr int kMaxNsSteps = 99;
 enum class LrAdjust : std::uint8_t {
   Original = 0,       ///< "original" (and torch's None): lr * sqrt(max(1, rows / cols))
   MatchRmsAdamW = 1,  ///< "match_rms_adamw" (Moonshot): lr * 0.2 * sqrt(max(rows, cols))
-  None = 2,           ///< lr unchanged (torch's fallback for any other value)
+  None = 2,           ///< lr unchanged (torch's _adjust_lr for any other name; its
+                      ///< constructor accepts only the two above)
 };
 
 /// Hyperparameters of one group's Muon step, in double as the trainer gives them.
