@@ -114,7 +114,8 @@ double newton_schulz_flops(std::size_t rows, std::size_t cols, int steps);
 /// One Muon step on a rows x cols row-major matrix: master, grad and momentum (rows * cols
 /// each) in fp32; the new weights' replica copy written to out_bf16 (round to nearest even)
 /// or out_f32 where not null. Error(InvalidArgument) for a zero extent, a null array, a
-/// negative or non-finite hyperparameter, or ns_steps outside [0, kMaxNsSteps]. Threaded with
+/// negative or non-finite lr, momentum, weight_decay or eps, a non-finite a, b or c, or
+/// ns_steps outside [0, kMaxNsSteps]. Threaded with
 /// OpenMP; the result does not depend on the thread count.
 void step(const Config& cfg, std::size_t rows, std::size_t cols, float* master, const float* grad,
           float* momentum, bf16* out_bf16, float* out_f32, Workspace& ws);
