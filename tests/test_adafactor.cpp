@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -232,6 +233,7 @@ void set_threads(int t) {
 struct Result {
   std::vector<float> p, a, b, f32;
   std::vector<bf16> h;
+  std::vector<StepStats> stats;
 };
 
 /// Three steps of a parameter (factored when shape.rows > 0) at `threads` threads.
@@ -246,13 +248,15 @@ Result run_steps(const Shape& shape, std::size_t n, int threads) {
   r.f32.assign(n, 0.0f);
   r.h.assign(n, bf16{0});
   const Config c = with(0.3, 0.1, false, 1.0);
+  r.stats.resize(3);
   for (std::int64_t t = 1; t <= 3; ++t) {
     const std::vector<float> g =
         factored ? gradient(rng, shape.batch, shape.rows, shape.cols) : gradient(rng, 1, 1, n);
+    StepStats* st = &r.stats[static_cast<std::size_t>(t - 1)];
     if (factored)
-      step(c, t, shape, r.p.data(), g.data(), r.a.data(), r.b.data(), r.h.data(), r.f32.data());
+      step(c, t, shape, r.p.data(), g.data(), r.a.data(), r.b.data(), r.h.data(), r.f32.data(), st);
     else
-      step_vector(c, t, n, r.p.data(), g.data(), r.a.data(), r.h.data(), r.f32.data());
+      step_vector(c, t, n, r.p.data(), g.data(), r.a.data(), r.h.data(), r.f32.data(), st);
   }
   set_threads(0);
   return r;
@@ -265,8 +269,21 @@ bool same_bits(const std::vector<float>& x, const std::vector<float>& y) {
   return true;
 }
 
+bool same_bits(const std::vector<StepStats>& x, const std::vector<StepStats>& y) {
+  for (std::size_t k = 0; k < x.size(); ++k)
+    for (auto f : {&StepStats::sum_sq_param, &StepStats::sum_sq_update, &StepStats::alpha,
+                   &StepStats::denom})
+      if (std::bit_cast<std::uint64_t>(x[k].*f) != std::bit_cast<std::uint64_t>(y[k].*f))
+        return false;
+  return x.size() == y.size();
+}
+
 // Shapes above the kernel's one-thread threshold (4096 elements), none a multiple of the
-// lane count, with row counts above and below the 32 row chunks.
+// lane count, with row counts above and below the 32 row chunks. The fp32 results alone would
+// rarely see a change in the order of a double sum of squares (the change, ~n 2^-53 relative,
+// moves an fp32 rounding about once in 2^29 / n statistics), so the double sums themselves
+// (StepStats) are compared too: with values over eight decades, any other grouping of them
+// changes their last bits.
 TEST(Adafactor, BitwiseIdenticalAtOneTwoAndThreeThreads) {
 #if !defined(_OPENMP)
   GTEST_SKIP() << "built without OpenMP";
@@ -283,6 +300,7 @@ TEST(Adafactor, BitwiseIdenticalAtOneTwoAndThreeThreads) {
     const Result one = run_steps(s.shape, s.n, 1);
     for (int threads : {2, 3}) {
       const Result r = run_steps(s.shape, s.n, threads);
+      EXPECT_TRUE(same_bits(one.stats, r.stats)) << threads << " threads: the double sums";
       EXPECT_TRUE(same_bits(one.p, r.p)) << threads << " threads: weights";
       EXPECT_TRUE(same_bits(one.a, r.a)) << threads << " threads: row_var / variance";
       EXPECT_TRUE(same_bits(one.b, r.b)) << threads << " threads: col_var";
@@ -376,15 +394,22 @@ TEST(Adafactor, UpdateClippingTriggersOnlyAboveD) {
     for (std::size_t j = 0; j < C; ++j) g[i * C + j] = 0.5f * float(i + 1) * (j % 2 ? 1.0f : -0.25f);
   for (double d : {1.0, 2.0}) {
     std::vector<float> p(R * C, 1.0f), row(R, 0.0f), col(C, 0.0f);
+    StepStats st{};
     step(with(1e-2, 0, false, d), 2, R, C, p.data(), g.data(), row.data(), col.data(), nullptr,
-         nullptr);
+         nullptr, &st);
+    EXPECT_NEAR(st.sum_sq_update / double(R * C), 1.0 / w, 1e-5);
+    if (d == 1.0) EXPECT_NEAR(st.denom, big, 1e-6);
+    else EXPECT_EQ(st.denom, 1.0);
     const double stride = d == 1.0 ? 0.01 : 0.01 * big;
     for (std::size_t k = 0; k < R * C; ++k)
       EXPECT_NEAR(p[k], 1.0 - stride * (g[k] > 0 ? 1 : -1), 2e-7) << "d=" << d << " k=" << k;
   }
-  // t = 1, a rank-1 gradient: the estimate is g^2 exactly in the math, RMS(u) = 1: not clipped.
+  // t = 1, a rank-1 gradient: the estimate is g^2 in the math, RMS(u) = 1 = d: the boundary,
+  // where clipping or not changes the step by an ulp at most.
   std::vector<float> p(R * C, 1.0f), row(R, 0.0f), col(C, 0.0f);
-  step(Config{}, 1, R, C, p.data(), g.data(), row.data(), col.data(), nullptr, nullptr);
+  StepStats st{};
+  step(Config{}, 1, R, C, p.data(), g.data(), row.data(), col.data(), nullptr, nullptr, &st);
+  EXPECT_NEAR(st.denom, 1.0, 1e-6);
   for (std::size_t k = 0; k < R * C; ++k) EXPECT_NEAR(p[k], 1.0 - 0.01 * (g[k] > 0 ? 1 : -1), 2e-7);
 }
 

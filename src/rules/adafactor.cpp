@@ -45,15 +45,20 @@ double sq(float x) { return static_cast<double>(x) * static_cast<double>(x); }  
 double py_max(double a, double b) { return b > a ? b : a; }
 double py_min(double a, double b) { return b < a ? b : a; }
 
-/// alpha / denom from RMS(p) and RMS(u), given as double sums of squares over n elements.
-/// torch: max(eps2, ||p|| / sqrt(n)) * rho, max(1, ||u|| / (sqrt(n) d)), the norms fp32.
-float step_coefficient(const Scalars& s, double sum_p, double sum_u, std::size_t n) {
+/// The coefficient a of p + a * u from the sums of p^2 and u^2 over n elements (torch:
+/// alpha = max(eps2, ||p|| / sqrt(n)) * rho, denom = max(1, ||u|| / (sqrt(n) d)), the norms
+/// fp32 tensors, the rest Python floats; a = -alpha / denom, negated again under maximize).
+float step_coefficient(const Scalars& s, double sum_p, double sum_u, std::size_t n,
+                       StepStats* stats) {
   const double root_n = std::sqrt(static_cast<double>(n));
   const double rms_p = static_cast<double>(static_cast<float>(std::sqrt(sum_p))) / root_n;
   const double alpha = py_max(s.eps2, rms_p) * s.rho;
   const double ratio = static_cast<double>(static_cast<float>(std::sqrt(sum_u))) / (root_n * s.d);
   const double denom = py_max(1.0, ratio);
-  return static_cast<float>(-alpha / denom);
+  if (stats) *stats = StepStats{sum_p, sum_u, alpha, denom};
+  // maximize negates g: g^2 and RMS(u) are unchanged, u and so the step change sign.
+  const float a = static_cast<float>(-alpha / denom);
+  return s.maximize ? -a : a;
 }
 
 void require_pointers(const float* master, const float* grad, const float* a, const float* b,
@@ -99,12 +104,13 @@ std::size_t state_floats(std::size_t rows, std::size_t cols, bool factored) {
 std::size_t state_floats(const Shape& shape) { return shape.batch * (shape.rows + shape.cols); }
 
 void step(const Config& c, std::int64_t t, std::size_t rows, std::size_t cols, float* master,
-          const float* grad, float* row_var, float* col_var, bf16* out_bf16, float* out_f32) {
-  step(c, t, Shape{1, rows, cols}, master, grad, row_var, col_var, out_bf16, out_f32);
+          const float* grad, float* row_var, float* col_var, bf16* out_bf16, float* out_f32,
+          StepStats* stats) {
+  step(c, t, Shape{1, rows, cols}, master, grad, row_var, col_var, out_bf16, out_f32, stats);
 }
 
 void step(const Config& c, std::int64_t t, const Shape& shape, float* master, const float* grad,
-          float* row_var, float* col_var, bf16* out_bf16, float* out_f32) {
+          float* row_var, float* col_var, bf16* out_bf16, float* out_f32, StepStats* stats) {
   const Scalars s = make_scalars(c, t);
   const std::size_t B = shape.batch, R = shape.rows, C = shape.cols;
   require(B > 0 && R > 0 && C > 0, Status::InvalidArgument,
@@ -194,8 +200,7 @@ void step(const Config& c, std::int64_t t, const Shape& shape, float* master, co
     sum_p += p_part[k];
     sum_u += u_part[k];
   }
-  // maximize negates g: g^2 and RMS(u) are unchanged, the update changes sign.
-  const float a = step_coefficient(s, sum_p, sum_u, n) * (s.maximize ? -1.0f : 1.0f);
+  const float a = step_coefficient(s, sum_p, sum_u, n, stats);
 
   // (3) The update, row by row (no sums: any split gives the same bits).
 #pragma omp parallel for schedule(static) if (par)
@@ -215,7 +220,8 @@ void step(const Config& c, std::int64_t t, const Shape& shape, float* master, co
 }
 
 void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master,
-                 const float* grad, float* variance, bf16* out_bf16, float* out_f32) {
+                 const float* grad, float* variance, bf16* out_bf16, float* out_f32,
+                 StepStats* stats) {
   const Scalars s = make_scalars(c, t);
   require(n > 0, Status::InvalidArgument,
           "adafactor::step_vector: n must be >= 1 (torch cannot step an empty tensor either)");
@@ -248,7 +254,7 @@ void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master,
     sum_p += p_part[k];
     sum_u += u_part[k];
   }
-  const float a = step_coefficient(s, sum_p, sum_u, n) * (s.maximize ? -1.0f : 1.0f);
+  const float a = step_coefficient(s, sum_p, sum_u, n, stats);
 
   // (2) The update.
 #pragma omp parallel for schedule(static) if (par)

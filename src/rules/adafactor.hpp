@@ -76,6 +76,15 @@ struct Scalars {
   bool maximize;
 };
 
+/// What a step measured, when the caller asks (diagnostics, tests): the double sums behind
+/// RMS(p) and RMS(u), bitwise the same at every thread count, and the step's factors.
+struct StepStats {
+  double sum_sq_param;   ///< sum of p^2, p before the decay
+  double sum_sq_update;  ///< sum of u^2
+  double alpha;          ///< max(eps2, RMS(p)) * rho
+  double denom;          ///< max(1, RMS(u) / d): above 1 when the update was clipped
+};
+
 /// Checks the configuration (torch's constructor checks) and t >= 1; Error(InvalidArgument).
 Scalars make_scalars(const Config& c, std::int64_t t);
 
@@ -89,14 +98,18 @@ std::size_t state_floats(const Shape& shape);
 /// copied to out_bf16 (round to nearest even) and / or out_f32 when not null. t is the 1-based
 /// step count the caller keeps (torch's state["step"] after its increment). Zero state is
 /// torch's initial state. Threaded with OpenMP; results do not depend on the thread count.
+/// `stats`, when not null, receives the step's measurements.
 void step(const Config& c, std::int64_t t, const Shape& shape, float* master, const float* grad,
-          float* row_var, float* col_var, bf16* out_bf16, float* out_f32);
+          float* row_var, float* col_var, bf16* out_bf16, float* out_f32,
+          StepStats* stats = nullptr);
 /// A 2-D parameter of rows x cols (a 1 x n tensor is factored too, as in torch).
 void step(const Config& c, std::int64_t t, std::size_t rows, std::size_t cols, float* master,
-          const float* grad, float* row_var, float* col_var, bf16* out_bf16, float* out_f32);
+          const float* grad, float* row_var, float* col_var, bf16* out_bf16, float* out_f32,
+          StepStats* stats = nullptr);
 /// One step of an unfactored parameter (dim <= 1) of n elements, variance (n floats).
 void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master,
-                 const float* grad, float* variance, bf16* out_bf16, float* out_f32);
+                 const float* grad, float* variance, bf16* out_bf16, float* out_f32,
+                 StepStats* stats = nullptr);
 
 // ---- the fp32 elementwise arithmetic, shared by the loops (and a future device kernel) -------
 
