@@ -40,6 +40,34 @@ std::size_t chunk_first(std::size_t c, std::size_t n, std::size_t rows) { return
 
 double sq(float x) { return static_cast<double>(x) * static_cast<double>(x); }  // exact
 
+/// Columns per tile of the update loops: u of a tile lives on the stack between its loops.
+/// A multiple of kLanes, so element j of a row goes to lane j % kLanes, tile or not.
+constexpr std::size_t kTile = 512;
+static_assert(kTile % kLanes == 0);
+
+/// acc[j % kLanes] += x[j]^2 over a run starting at lane 0 (simple loops the compiler
+/// vectorises; the order of each lane's additions is the run's order).
+void add_squares(Lanes& acc, const float* __restrict x, std::size_t n) {
+  Lanes a;
+  for (std::size_t k = 0; k < kLanes; ++k) a[k] = acc[k];
+  std::size_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (std::size_t k = 0; k < kLanes; ++k) a[k] += sq(x[j + k]);
+  for (std::size_t k = 0; j < n; ++j, ++k) a[k] += sq(x[j]);
+  for (std::size_t k = 0; k < kLanes; ++k) acc[k] = a[k];
+}
+
+/// col[j] += x[j]^2: a chunk's column sums, one row more.
+void add_column_squares(double* __restrict col, const float* __restrict x, std::size_t n) {
+  for (std::size_t j = 0; j < n; ++j) col[j] += sq(x[j]);
+}
+
+/// u of a run of one row (row factor r, clamped mean m).
+void factored_updates(float* __restrict u, const float* __restrict g, const float* __restrict cv,
+                      float r, float m, float eps1_sq, std::size_t n) {
+  for (std::size_t j = 0; j < n; ++j) u[j] = update_element(factored_variance(r, cv[j], m), g[j], eps1_sq);
+}
+
 /// Python's max(a, b) and min(a, b) on floats: the first argument unless the second compares
 /// greater (less), so a NaN second argument gives the first, as torch's scalars do.
 double py_max(double a, double b) { return b > a ? b : a; }
@@ -67,10 +95,29 @@ void require_pointers(const float* master, const float* grad, const float* a, co
           std::string("adafactor::") + what + ": a null master, grad or state pointer");
 }
 
-/// The new weight of one element: decay, then p + a * u (torch's mul_, then add_(u, alpha)).
-inline float new_weight(const Scalars& s, float p, float a, float u) {
-  if (s.apply_decay) p = p * s.decay;
-  return p + a * u;
+/// The new weights: decay, then p + a * u (torch's mul_, then add_(u, alpha): two roundings,
+/// -ffp-contract=off keeps them two),
+/// An unfactored run: v = lerp(v, g * g, w) (torch's grad * grad, an fp32 product), u from v.
+void variance_updates(float* __restrict v, float* __restrict u, const float* __restrict g,
+                      float w, float eps1_sq, std::size_t n) {
+  for (std::size_t j = 0; j < n; ++j) {
+    v[j] = lerp(v[j], g[j] * g[j], w);
+    u[j] = update_element(v[j], g[j], eps1_sq);
+  }
+}
+
+/// Over a run, then its replicas.
+void apply_updates(const Scalars& s, float a, float* __restrict p, const float* __restrict u,
+                   bf16* __restrict out_bf16, float* __restrict out_f32, std::size_t n) {
+  if (s.apply_decay) {
+    for (std::size_t j = 0; j < n; ++j) p[j] = p[j] * s.decay + a * u[j];
+  } else {
+    for (std::size_t j = 0; j < n; ++j) p[j] = p[j] + a * u[j];
+  }
+  if (out_bf16)
+    for (std::size_t j = 0; j < n; ++j) out_bf16[j] = to_bf16(p[j]);
+  if (out_f32)
+    for (std::size_t j = 0; j < n; ++j) out_f32[j] = p[j];
 }
 
 }  // namespace
@@ -142,20 +189,9 @@ void step(const Config& c, std::int64_t t, const Shape& shape, float* master, co
         const float* gi = g + i * C;
         const float* pi = p + i * C;
         Lanes rl = {};
-        std::size_t j = 0;
-        for (; j + kLanes <= C; j += kLanes)
-          for (std::size_t k = 0; k < kLanes; ++k) {
-            const double x = sq(gi[j + k]);
-            cp[j + k] += x;
-            rl[k] += x;
-            pl[k] += sq(pi[j + k]);
-          }
-        for (std::size_t k = 0; j < C; ++j, ++k) {
-          const double x = sq(gi[j]);
-          cp[j] += x;
-          rl[k] += x;
-          pl[k] += sq(pi[j]);
-        }
+        add_squares(rl, gi, C);
+        add_column_squares(cp, gi, C);
+        add_squares(pl, pi, C);
         rv[i] = lerp(rv[i], mean_square(combine(rl), C), s.weight);
       }
       p_part[b * nc + static_cast<std::size_t>(ch)] = combine(pl);
@@ -182,16 +218,16 @@ void step(const Config& c, std::int64_t t, const Shape& shape, float* master, co
     const float* cv = col_var + b * C;
     const float m = mean_r[b];
     Lanes ul = {};
+    float u[kTile];
     const std::size_t last = chunk_first(ch + 1, nc, R);
     for (std::size_t i = chunk_first(ch, nc, R); i < last; ++i) {
       const float* gi = grad + b * mat + i * C;
       const float r = row_var[b * R + i];
-      std::size_t j = 0;
-      for (; j + kLanes <= C; j += kLanes)
-        for (std::size_t k = 0; k < kLanes; ++k)
-          ul[k] += sq(update_element(factored_variance(r, cv[j + k], m), gi[j + k], s.eps1_sq));
-      for (std::size_t k = 0; j < C; ++j, ++k)
-        ul[k] += sq(update_element(factored_variance(r, cv[j], m), gi[j], s.eps1_sq));
+      for (std::size_t j = 0; j < C; j += kTile) {
+        const std::size_t len = std::min(kTile, C - j);
+        factored_updates(u, gi + j, cv + j, r, m, s.eps1_sq, len);
+        add_squares(ul, u, len);
+      }
     }
     u_part[static_cast<std::size_t>(task)] = combine(ul);
   }
@@ -209,12 +245,12 @@ void step(const Config& c, std::int64_t t, const Shape& shape, float* master, co
     const std::size_t at = static_cast<std::size_t>(row) * C;
     const float* cv = col_var + b * C;
     const float r = row_var[row], m = mean_r[b];
-    for (std::size_t j = 0; j < C; ++j) {
-      const float u = update_element(factored_variance(r, cv[j], m), grad[at + j], s.eps1_sq);
-      const float p = new_weight(s, master[at + j], a, u);
-      master[at + j] = p;
-      if (out_bf16) out_bf16[at + j] = to_bf16(p);
-      if (out_f32) out_f32[at + j] = p;
+    float u[kTile];
+    for (std::size_t j = 0; j < C; j += kTile) {
+      const std::size_t len = std::min(kTile, C - j), o = at + j;
+      factored_updates(u, grad + o, cv + j, r, m, s.eps1_sq, len);
+      apply_updates(s, a, master + o, u, out_bf16 ? out_bf16 + o : nullptr,
+                    out_f32 ? out_f32 + o : nullptr, len);
     }
   }
 }
@@ -240,11 +276,12 @@ void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master,
     const float* p = master + first;
     float* v = variance + first;
     Lanes pl = {}, ul = {};
-    for (std::size_t j = 0; j < len; ++j) {
-      const float vj = lerp(v[j], g[j] * g[j], s.weight);
-      v[j] = vj;
-      pl[j % kLanes] += sq(p[j]);
-      ul[j % kLanes] += sq(update_element(vj, g[j], s.eps1_sq));
+    add_squares(pl, p, len);
+    float u[kTile];
+    for (std::size_t j = 0; j < len; j += kTile) {
+      const std::size_t tl = std::min(kTile, len - j);
+      variance_updates(v + j, u, g + j, s.weight, s.eps1_sq, tl);
+      add_squares(ul, u, tl);
     }
     p_part[static_cast<std::size_t>(ch)] = combine(pl);
     u_part[static_cast<std::size_t>(ch)] = combine(ul);
@@ -258,12 +295,16 @@ void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master,
 
   // (2) The update.
 #pragma omp parallel for schedule(static) if (par)
-  for (std::ptrdiff_t jj = 0; jj < static_cast<std::ptrdiff_t>(n); ++jj) {
-    const std::size_t j = static_cast<std::size_t>(jj);
-    const float p = new_weight(s, master[j], a, update_element(variance[j], grad[j], s.eps1_sq));
-    master[j] = p;
-    if (out_bf16) out_bf16[j] = to_bf16(p);
-    if (out_f32) out_f32[j] = p;
+  for (std::ptrdiff_t ch = 0; ch < static_cast<std::ptrdiff_t>(nc); ++ch) {
+    const std::size_t first = static_cast<std::size_t>(ch) * kVectorChunk;
+    const std::size_t last = std::min(n, first + kVectorChunk);
+    float u[kTile];
+    for (std::size_t j = first; j < last; j += kTile) {
+      const std::size_t len = std::min(kTile, last - j);
+      for (std::size_t k = 0; k < len; ++k) u[k] = update_element(variance[j + k], grad[j + k], s.eps1_sq);
+      apply_updates(s, a, master + j, u, out_bf16 ? out_bf16 + j : nullptr,
+                    out_f32 ? out_f32 + j : nullptr, len);
+    }
   }
 }
 
