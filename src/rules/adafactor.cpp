@@ -3,9 +3,11 @@
 // Factored: three passes over g. (1) Statistics: per fixed chunk of rows, the row sums of g^2
 // (each row's lerp done at once), the chunk's column sums and its sum of p^2; the chunks'
 // column sums are then added in chunk order. (2) RMS(u), per chunk. (3) The update. The
-// chunks depend on the shape only, so every sum has one order whatever the thread count. u is
-// recomputed in (3) rather than stored: the same arithmetic gives the same bits, and storing
-// it would cost a parameter-sized buffer in an optimizer chosen to save memory.
+// chunks depend on the shape only, and a run's sum goes through kLanes interleaved partial
+// sums added in one tree, so every sum has one order whatever the thread count. u is
+// recomputed in (3) rather than stored (a 512-column tile at a time, on the stack): the same
+// arithmetic gives the same bits, and storing it would cost a parameter-sized buffer in an
+// optimizer chosen to save memory. Unfactored: chunks of 4096 elements, two passes.
 #include "rules/adafactor.hpp"
 
 #include <algorithm>
