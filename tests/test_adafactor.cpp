@@ -32,7 +32,7 @@ namespace {
 
 struct Model {
   Config c;
-  Shape shape;     // factored when shape.rows > 0; else a vector of n
+  Shape shape;  // factored when shape.rows > 0; else a vector of n
   std::size_t n;
   std::vector<double> p, row, col, var;
 
@@ -144,7 +144,7 @@ double max_rel(const std::vector<float>& a, const std::vector<double>& b, double
 
 struct Case {
   const char* name;
-  Shape shape;     // rows == 0: a vector of shape.cols elements
+  Shape shape;  // rows == 0: a vector of shape.cols elements
   Config cfg;
 };
 
@@ -195,22 +195,24 @@ TEST(Adafactor, TenStepsMatchTheDoubleModelOfTorch) {
         col(factored ? cs.shape.batch * cs.shape.cols : 0), var(factored ? 0 : n);
     double state_err = 0.0, weight_err = 0.0;
     for (std::int64_t t = 1; t <= 10; ++t) {
-      const std::vector<float> g = factored ? gradient(rng, cs.shape.batch, cs.shape.rows, cs.shape.cols)
-                                            : gradient(rng, 1, 1, n);
+      const std::vector<float> g = factored
+                                       ? gradient(rng, cs.shape.batch, cs.shape.rows, cs.shape.cols)
+                                       : gradient(rng, 1, 1, n);
       if (factored)
         step(cs.cfg, t, cs.shape, p.data(), g.data(), row.data(), col.data(), nullptr, nullptr);
       else
         step_vector(cs.cfg, t, n, p.data(), g.data(), var.data(), nullptr, nullptr);
       model.step(t, g);
       if (factored) {
-        state_err = std::max({state_err, max_rel(row, model.row, 0.0), max_rel(col, model.col, 0.0)});
+        state_err =
+            std::max({state_err, max_rel(row, model.row, 0.0), max_rel(col, model.col, 0.0)});
       } else {
         state_err = std::max(state_err, max_rel(var, model.var, 0.0));
       }
       weight_err = std::max(weight_err, max_rel(p, model.p, Model::rms(model.p)));
     }
-    std::printf("[ adafactor ] %-40s max rel error: state %.3g, weights %.3g\n", cs.name,
-                state_err, weight_err);
+    std::printf("[ adafactor ] %-40s max rel error: state %.3g, weights %.3g\n", cs.name, state_err,
+                weight_err);
     EXPECT_LE(state_err, kStateTol);
     EXPECT_LE(weight_err, kWeightTol);
     worst_state = std::max(worst_state, state_err);
@@ -291,7 +293,7 @@ TEST(Adafactor, BitwiseIdenticalAtOneTwoAndThreeThreads) {
   const struct {
     Shape shape;
     std::size_t n;
-  } shapes[] = {{{1, 67, 131}, 67 * 131},   {{1, 1, 4099}, 4099},   {{1, 4099, 1}, 4099},
+  } shapes[] = {{{1, 67, 131}, 67 * 131},   {{1, 1, 4099}, 4099},       {{1, 4099, 1}, 4099},
                 {{1, 301, 257}, 301 * 257}, {{3, 67, 41}, 3 * 67 * 41}, {{1, 0, 0}, 10007},
                 {{1, 0, 0}, 20000}};
   for (const auto& s : shapes) {
@@ -391,15 +393,18 @@ TEST(Adafactor, UpdateClippingTriggersOnlyAboveD) {
   const std::size_t R = 6, C = 9;
   std::vector<float> g(R * C);
   for (std::size_t i = 0; i < R; ++i)
-    for (std::size_t j = 0; j < C; ++j) g[i * C + j] = 0.5f * float(i + 1) * (j % 2 ? 1.0f : -0.25f);
+    for (std::size_t j = 0; j < C; ++j)
+      g[i * C + j] = 0.5f * float(i + 1) * (j % 2 ? 1.0f : -0.25f);
   for (double d : {1.0, 2.0}) {
     std::vector<float> p(R * C, 1.0f), row(R, 0.0f), col(C, 0.0f);
     StepStats st{};
     step(with(1e-2, 0, false, d), 2, R, C, p.data(), g.data(), row.data(), col.data(), nullptr,
          nullptr, &st);
     EXPECT_NEAR(st.sum_sq_update / double(R * C), 1.0 / w, 1e-5);
-    if (d == 1.0) EXPECT_NEAR(st.denom, big, 1e-6);
-    else EXPECT_EQ(st.denom, 1.0);
+    if (d == 1.0)
+      EXPECT_NEAR(st.denom, big, 1e-6);
+    else
+      EXPECT_EQ(st.denom, 1.0);
     const double stride = d == 1.0 ? 0.01 : 0.01 * big;
     for (std::size_t k = 0; k < R * C; ++k)
       EXPECT_NEAR(p[k], 1.0 - stride * (g[k] > 0 ? 1 : -1), 2e-7) << "d=" << d << " k=" << k;
@@ -528,23 +533,37 @@ TEST(Adafactor, InvalidArgumentsThrow) {
   expect_invalid(factored(bad, 1, 3, 4), "d < 1");
   bad = Config{}, bad.weight_decay = -0.1;
   expect_invalid(factored(bad, 1, 3, 4), "weight_decay < 0");
-  expect_invalid([&] { step(Config{}, 1, 3, 4, nullptr, g.data(), row.data(), col.data(), nullptr, nullptr); },
-                 "null master");
-  expect_invalid([&] { step(Config{}, 1, 3, 4, p.data(), g.data(), row.data(), nullptr, nullptr, nullptr); },
-                 "null col_var");
-  expect_invalid([&] { step(Config{}, 1, Shape{0, 3, 4}, p.data(), g.data(), row.data(), col.data(), nullptr, nullptr); },
-                 "batch = 0");
+  expect_invalid(
+      [&] { step(Config{}, 1, 3, 4, nullptr, g.data(), row.data(), col.data(), nullptr, nullptr); },
+      "null master");
+  expect_invalid(
+      [&] { step(Config{}, 1, 3, 4, p.data(), g.data(), row.data(), nullptr, nullptr, nullptr); },
+      "null col_var");
+  expect_invalid(
+      [&] {
+        step(Config{}, 1, Shape{0, 3, 4}, p.data(), g.data(), row.data(), col.data(), nullptr,
+             nullptr);
+      },
+      "batch = 0");
   const std::size_t huge = std::size_t{1} << 40;
-  expect_invalid([&] { step(Config{}, 1, Shape{1, huge, huge}, p.data(), g.data(), row.data(), col.data(), nullptr, nullptr); },
-                 "size overflow");
-  expect_invalid([&] { step_vector(Config{}, 1, 0, p.data(), g.data(), var.data(), nullptr, nullptr); },
-                 "n = 0");
-  expect_invalid([&] { step_vector(Config{}, 0, 12, p.data(), g.data(), var.data(), nullptr, nullptr); },
-                 "vector t = 0");
-  expect_invalid([&] { step_vector(Config{}, 1, 12, p.data(), nullptr, var.data(), nullptr, nullptr); },
-                 "null grad");
-  expect_invalid([&] { step_vector(Config{}, 1, 12, p.data(), g.data(), nullptr, nullptr, nullptr); },
-                 "null variance");
+  expect_invalid(
+      [&] {
+        step(Config{}, 1, Shape{1, huge, huge}, p.data(), g.data(), row.data(), col.data(), nullptr,
+             nullptr);
+      },
+      "size overflow");
+  expect_invalid(
+      [&] { step_vector(Config{}, 1, 0, p.data(), g.data(), var.data(), nullptr, nullptr); },
+      "n = 0");
+  expect_invalid(
+      [&] { step_vector(Config{}, 0, 12, p.data(), g.data(), var.data(), nullptr, nullptr); },
+      "vector t = 0");
+  expect_invalid(
+      [&] { step_vector(Config{}, 1, 12, p.data(), nullptr, var.data(), nullptr, nullptr); },
+      "null grad");
+  expect_invalid(
+      [&] { step_vector(Config{}, 1, 12, p.data(), g.data(), nullptr, nullptr, nullptr); },
+      "null variance");
   EXPECT_TRUE(same_bits(p, p0));  // nothing was written
 }
 

@@ -67,7 +67,8 @@ void add_column_squares(double* __restrict col, const float* __restrict x, std::
 /// u of a run of one row (row factor r, clamped mean m).
 void factored_updates(float* __restrict u, const float* __restrict g, const float* __restrict cv,
                       float r, float m, float eps1_sq, std::size_t n) {
-  for (std::size_t j = 0; j < n; ++j) u[j] = update_element(factored_variance(r, cv[j], m), g[j], eps1_sq);
+  for (std::size_t j = 0; j < n; ++j)
+    u[j] = update_element(factored_variance(r, cv[j], m), g[j], eps1_sq);
 }
 
 /// Python's max(a, b) and min(a, b) on floats: the first argument unless the second compares
@@ -100,8 +101,8 @@ void require_pointers(const float* master, const float* grad, const float* a, co
 /// The new weights: decay, then p + a * u (torch's mul_, then add_(u, alpha): two roundings,
 /// -ffp-contract=off keeps them two),
 /// An unfactored run: v = lerp(v, g * g, w) (torch's grad * grad, an fp32 product), u from v.
-void variance_updates(float* __restrict v, float* __restrict u, const float* __restrict g,
-                      float w, float eps1_sq, std::size_t n) {
+void variance_updates(float* __restrict v, float* __restrict u, const float* __restrict g, float w,
+                      float eps1_sq, std::size_t n) {
   for (std::size_t j = 0; j < n; ++j) {
     v[j] = lerp(v[j], g[j] * g[j], w);
     u[j] = update_element(v[j], g[j], eps1_sq);
@@ -216,7 +217,8 @@ void step(const Config& c, std::int64_t t, const Shape& shape, float* master, co
   // (2) RMS(u): u^2 summed per chunk of every matrix.
 #pragma omp parallel for schedule(static) if (par)
   for (std::ptrdiff_t task = 0; task < static_cast<std::ptrdiff_t>(B * nc); ++task) {
-    const std::size_t b = static_cast<std::size_t>(task) / nc, ch = static_cast<std::size_t>(task) % nc;
+    const std::size_t b = static_cast<std::size_t>(task) / nc,
+                      ch = static_cast<std::size_t>(task) % nc;
     const float* cv = col_var + b * C;
     const float m = mean_r[b];
     Lanes ul = {};
@@ -257,9 +259,8 @@ void step(const Config& c, std::int64_t t, const Shape& shape, float* master, co
   }
 }
 
-void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master,
-                 const float* grad, float* variance, bf16* out_bf16, float* out_f32,
-                 StepStats* stats) {
+void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master, const float* grad,
+                 float* variance, bf16* out_bf16, float* out_f32, StepStats* stats) {
   const Scalars s = make_scalars(c, t);
   require(n > 0, Status::InvalidArgument,
           "adafactor::step_vector: n must be >= 1 (torch cannot step an empty tensor either)");
@@ -303,7 +304,8 @@ void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master,
     float u[kTile];
     for (std::size_t j = first; j < last; j += kTile) {
       const std::size_t len = std::min(kTile, last - j);
-      for (std::size_t k = 0; k < len; ++k) u[k] = update_element(variance[j + k], grad[j + k], s.eps1_sq);
+      for (std::size_t k = 0; k < len; ++k)
+        u[k] = update_element(variance[j + k], grad[j + k], s.eps1_sq);
       apply_updates(s, a, master + j, u, out_bf16 ? out_bf16 + j : nullptr,
                     out_f32 ? out_f32 + j : nullptr, len);
     }

@@ -49,12 +49,12 @@ namespace shardopt::rules::adafactor {
 /// None means the parameter dtype's machine epsilon: fp32's, the master weights' dtype; torch
 /// stepping bf16 parameters directly would take bf16's 2^-7).
 struct Config {
-  double lr = 1e-2;            ///< caps the relative step rho; scales the weight decay
-  double beta2_decay = -0.8;   ///< the second moment's weight at step t is t^beta2_decay
+  double lr = 1e-2;           ///< caps the relative step rho; scales the weight decay
+  double beta2_decay = -0.8;  ///< the second moment's weight at step t is t^beta2_decay
   double eps1 = std::numeric_limits<float>::epsilon();  ///< floor of mean(row_var); eps1^2 of v
-  double eps2 = 1e-3;          ///< floor of RMS(p) in the step size
-  double d = 1.0;              ///< update clipping threshold on RMS(u)
-  double weight_decay = 0.0;   ///< decoupled: p *= 1 - lr * wd
+  double eps2 = 1e-3;                                   ///< floor of RMS(p) in the step size
+  double d = 1.0;                                       ///< update clipping threshold on RMS(u)
+  double weight_decay = 0.0;                            ///< decoupled: p *= 1 - lr * wd
   bool maximize = false;
 };
 
@@ -68,14 +68,14 @@ struct Shape {
 
 /// The scalars of step t that do not depend on the data.
 struct Scalars {
-  float weight;     ///< lerp weight 1 - beta2_t = t^beta2_decay, rounded once
-  double rho;       ///< min(lr, 1/sqrt(t)): alpha = max(eps2, RMS(p)) * rho in double
+  float weight;  ///< lerp weight 1 - beta2_t = t^beta2_decay, rounded once
+  double rho;    ///< min(lr, 1/sqrt(t)): alpha = max(eps2, RMS(p)) * rho in double
   double eps2;
   double d;
-  float decay;      ///< 1 - lr * wd
-  bool apply_decay; ///< wd != 0 (torch skips the multiply otherwise)
-  float eps1;       ///< clamp of mean(row_var)
-  float eps1_sq;    ///< clamp of v: eps1 * eps1 in double, rounded once
+  float decay;       ///< 1 - lr * wd
+  bool apply_decay;  ///< wd != 0 (torch skips the multiply otherwise)
+  float eps1;        ///< clamp of mean(row_var)
+  float eps1_sq;     ///< clamp of v: eps1 * eps1 in double, rounded once
   bool maximize;
 };
 
@@ -110,17 +110,15 @@ void step(const Config& c, std::int64_t t, std::size_t rows, std::size_t cols, f
           const float* grad, float* row_var, float* col_var, bf16* out_bf16, float* out_f32,
           StepStats* stats = nullptr);
 /// One step of an unfactored parameter (dim <= 1) of n elements, variance (n floats).
-void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master,
-                 const float* grad, float* variance, bf16* out_bf16, float* out_f32,
-                 StepStats* stats = nullptr);
+void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master, const float* grad,
+                 float* variance, bf16* out_bf16, float* out_f32, StepStats* stats = nullptr);
 
 // ---- the fp32 elementwise arithmetic, shared by the loops (and a future device kernel) -------
 
 /// torch's lerp (aten/src/ATen/native/Lerp.h): the form chosen by the weight keeps the result
 /// exact at both ends (weight 1 gives `end` exactly).
 SHARDOPT_HD float lerp(float self, float end, float weight) {
-  return fabsf(weight) < 0.5f ? self + weight * (end - self)
-                              : end - (end - self) * (1.0f - weight);
+  return fabsf(weight) < 0.5f ? self + weight * (end - self) : end - (end - self) * (1.0f - weight);
 }
 
 /// A mean of squares from its double sum, as torch computes it: vector_norm (fp32 tensor),

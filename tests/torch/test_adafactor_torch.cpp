@@ -41,8 +41,8 @@ struct TorchStep {
       v = var.clone();
     }
     at::Tensor u = v.clamp_(c.eps1 * c.eps1).rsqrt_().mul_(g);
-    const double ratio = u.norm(2).item<float>() /
-                         (std::pow(static_cast<double>(u.numel()), 0.5) * c.d);
+    const double ratio =
+        u.norm(2).item<float>() / (std::pow(static_cast<double>(u.numel()), 0.5) * c.d);
     p.add_(u, -alpha / std::max(1.0, ratio));
   }
 };
@@ -69,9 +69,12 @@ TEST(AdafactorTorch, TenStepsLandWhereTorchsKernelsDo) {
     std::vector<std::int64_t> shape;
     Config cfg;
     const char* name;
-  } cases[] = {{{96, 64}, Config{}, "96x64"},          {{64, 96}, big, "64x96 lr=0.5 maximize"},
-               {{128, 128}, wd, "128x128 weight_decay"}, {{3, 33, 17}, Config{}, "3x33x17"},
-               {{1, 100}, Config{}, "1x100"},          {{1000}, Config{}, "1000"},
+  } cases[] = {{{96, 64}, Config{}, "96x64"},
+               {{64, 96}, big, "64x96 lr=0.5 maximize"},
+               {{128, 128}, wd, "128x128 weight_decay"},
+               {{3, 33, 17}, Config{}, "3x33x17"},
+               {{1, 100}, Config{}, "1x100"},
+               {{1000}, Config{}, "1000"},
                {{1000}, wd, "1000 weight_decay"}};
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
