@@ -332,10 +332,12 @@ TEST(Ownership, SpanningParametersKeepEqualSlices) {
     EXPECT_EQ(p.owner[1], kAllRanks);
     EXPECT_EQ(p.spanning_params, 1u);
     EXPECT_GE(p.equal_buckets, 1u);
-    std::size_t shared = 0;  // ragged buckets with a pinned piece of emb (its head and tail)
-    for (std::size_t b = l.param(1).buckets.begin; b < l.param(1).buckets.end; ++b)
-      shared += p.buckets[b].equal ? 0 : 1;
-    EXPECT_EQ(shared, 2u);
+    // Its head shares a ragged bucket with m0 (pinned to the last rank); its tail with m1 at
+    // 2 and 4 ranks (pinned to rank 0; at 3 the tail bucket is its own, equal).
+    const OwnedBucket& head_bucket = p.buckets[l.param(1).buckets.end - 1];
+    const OwnedBucket& tail_bucket = p.buckets[l.param(1).buckets.begin];
+    EXPECT_FALSE(head_bucket.equal);
+    EXPECT_EQ(tail_bucket.equal, world == 3);
     for (std::size_t b = 0; b < l.num_buckets(); ++b)
       EXPECT_EQ(p.buckets[b].equal,
                 l.bucket(b).num_params() == 1 && spans(l, l.bucket(b).first_param)) << b;
