@@ -384,8 +384,9 @@ void print_ownership(const Args& a) {
   }
   if (!a.csv)
     std::printf("\nbuckets: automatic buckets are raised to the largest matrix (every matrix "
-                "inside one bucket); equal: buckets of one spanning (element-wise) tensor, cut "
-                "in equal slices; the others are cut into ragged per-rank ranges\n");
+                "inside one bucket); equal: buckets that hold only pieces of tensors larger than a "
+                "bucket (element-wise), cut in equal slices; the others are cut into ragged "
+                "per-rank ranges (docs/architecture.md)\n");
 }
 
 void print_csv(const Args& a) {
