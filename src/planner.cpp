@@ -89,7 +89,8 @@ double state_bytes_per_elem(const ParamInfo& p, bool matrix, const PlanConfig& c
 FlatLayout unit_per_tensor(const FlatLayout& layout) {
   FlatLayout out;
   int unit = 0;
-  for (const ParamInfo& p : layout.params()) out.add(p.name, p.numel, p.group, unit++);
+  for (const ParamInfo& p : layout.params())
+    out.add(p.name, p.numel, p.group, unit++, Shape2D{p.rows, p.cols});
   return out;
 }
 
