@@ -190,8 +190,10 @@ OwnerPlan assign_owners(const FlatLayout& layout, const std::vector<ParamCost>& 
         ob.order.push_back(head);
         ranges[n - 1].end = bk.flat.end;
       } else {
-        std::size_t last = n;  // the padding goes to the last rank with elements here
-        while (last-- > 0 && ranges[last].empty()) {}
+        // The padding goes to the last rank with elements here (there is one: the bucket
+        // holds a whole parameter).
+        std::size_t last = n - 1;
+        while (last > 0 && ranges[last].empty()) --last;
         ranges[last].end = bk.flat.end;
         for (std::size_t r = last + 1; r < n; ++r) ranges[r] = Range{bk.flat.end, bk.flat.end};
       }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -342,6 +343,50 @@ TEST(Ownership, SpanningParametersKeepEqualSlices) {
       EXPECT_EQ(p.buckets[b].equal,
                 l.bucket(b).num_params() == 1 && spans(l, l.bucket(b).first_param)) << b;
   }
+}
+
+// Random layouts (sizes, shapes, units, alignments, bucket sizes, rank counts): every
+// invariant holds, and the plan is the same when made again.
+TEST(Ownership, RandomLayouts) {
+  std::mt19937 rng(32);
+  std::size_t pinned = 0, equal = 0, empty_ranges = 0;  // coverage of the cases
+  for (int iter = 0; iter < 300; ++iter) {
+    FlatLayout l;
+    const int params = 1 + static_cast<int>(rng() % 40);
+    int unit = 0;
+    std::vector<bool> shaped;
+    for (int i = 0; i < params; ++i) {
+      if (i > 0 && rng() % 8 == 0) ++unit;
+      const std::size_t rows = 1 + rng() % 90, cols = 1 + rng() % (rng() % 4 == 0 ? 2000 : 90);
+      const bool two_d = rows > 1 && cols > 1 && rng() % 3 != 0;
+      l.add("p" + std::to_string(i), rows * cols, 0, unit,
+            two_d ? Shape2D{rows, cols} : Shape2D{});
+      shaped.push_back(two_d);
+    }
+    l.set_ownership(Ownership::Whole);
+    const int world = 1 + static_cast<int>(rng() % 9);
+    const std::size_t align = rng() % 4 == 0 ? FlatLayout::kQuantBlockElems : FlatLayout::kAlignElems;
+    l.build(world, 64 + rng() % 20000, FlatLayout::kMaxAutoBucketElems, align);
+    std::vector<bool> matrix;  // 2-D parameters inside one bucket run the matrix rule
+    for (std::size_t i = 0; i < l.num_params(); ++i) matrix.push_back(shaped[i] && !spans(l, i));
+    const auto costs = costs_of(l, matrix, 8, 12);
+    const bool by_state = rng() % 2 == 0;
+    const OwnerPlan p = assign_owners(l, costs, OwnerOptions{by_state});
+    SCOPED_TRACE("iteration " + std::to_string(iter) + ", " + std::to_string(world) + " ranks");
+    check_plan(l, costs, p);
+    expect_same(p, assign_owners(l, costs, OwnerOptions{by_state}));
+    if (::testing::Test::HasFailure()) break;
+    for (const OwnedBucket& ob : p.buckets) {
+      equal += ob.equal ? 1 : 0;
+      for (std::size_t i : ob.order) pinned += !ob.equal && p.owner[i] == kAllRanks ? 1 : 0;
+      for (std::size_t c : ob.counts) empty_ranges += c == 0 ? 1 : 0;
+    }
+  }
+  std::printf("random layouts: %zu pinned pieces, %zu equal buckets, %zu empty ranges\n", pinned,
+              equal, empty_ranges);
+  EXPECT_GT(pinned, 0u);
+  EXPECT_GT(equal, 0u);
+  EXPECT_GT(empty_ranges, 0u);
 }
 
 TEST(Ownership, RefusesMatricesAcrossBucketsAndBadInput) {
