@@ -163,6 +163,9 @@ OwnershipReport plan_ownership(const FlatLayout& layout, const PlanConfig& confi
                                const OwnerOptions& options) {
   check(config);
   const auto is_matrix = [&](std::size_t i) { return i < config.matrix.size() && config.matrix[i]; };
+  require(config.matrix.size() <= layout.num_params(), Status::InvalidArgument,
+          "plan_ownership: " + std::to_string(config.matrix.size()) + " matrix flags for " +
+              std::to_string(layout.num_params()) + " parameters");
   OwnershipReport report;
   for (std::size_t i = 0; i < layout.num_params(); ++i)
     if (is_matrix(i)) {

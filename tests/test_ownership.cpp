@@ -507,6 +507,9 @@ TEST(Ownership, PlannerChecksItsInputs) {
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::Unsupported);
   }
+  c.matrix.push_back(false);  // more flags than parameters
+  EXPECT_THROW(plan_ownership(m.layout, c), Error);
+  c.matrix.pop_back();
   c.bucket_elems = std::size_t{1} << 20;  // smaller than the matrices
   EXPECT_THROW(plan_ownership(m.layout, c), Error);
   FlatLayout flat = m.layout;

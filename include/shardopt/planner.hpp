@@ -81,7 +81,7 @@ struct PlanConfig {
   Ownership ownership = Ownership::Flat;
   /// Per parameter: whether it runs the matrix rule (Muon: Newton-Schulz on its 2-D shape,
   /// one fp32 momentum, kMuonStateBytesPerElem). Empty or shorter than the layout: the rest
-  /// are element-wise (their group's rule). Read by plan_ownership only.
+  /// are element-wise (their group's rule); longer is an error. Read by plan_ownership only.
   std::vector<bool> matrix;
 };
 
