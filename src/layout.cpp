@@ -19,7 +19,8 @@ std::uint64_t fnv1a64(const void* data, std::size_t bytes, std::uint64_t seed) {
   return h;
 }
 
-std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group, int unit) {
+std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group, int unit,
+                            Shape2D shape) {
   require(!built(), Status::InvalidState, "add_param: the layout is already finalized");
   require(!name.empty(), Status::InvalidArgument, "add_param: the parameter name is empty");
   require(numel > 0, Status::InvalidArgument,
@@ -36,10 +37,25 @@ std::size_t FlatLayout::add(std::string_view name, std::size_t numel, int group,
           "add_param: parameter '" + std::string(name) + "' is in unit " + std::to_string(unit) +
               ", but units are contiguous: the previous parameter is in unit " +
               std::to_string(last_unit));
+  const bool shaped = shape.rows != 0 || shape.cols != 0;
+  require(!shaped || (shape.rows > 0 && numel % shape.rows == 0 &&
+                      numel / shape.rows == shape.cols),
+          Status::InvalidArgument,
+          "add_param: parameter '" + std::string(name) + "' has " + std::to_string(numel) +
+              " elements, but its shape is " + std::to_string(shape.rows) + " x " +
+              std::to_string(shape.cols));
   index_.emplace(std::string(name), params_.size());
-  params_.push_back(ParamInfo{std::string(name), numel, group, unit, Range{}, Range{}});
+  params_.push_back(ParamInfo{std::string(name), numel, group, unit, Range{}, Range{},
+                              shaped ? shape.rows : 1, shaped ? shape.cols : numel});
   unpadded_ += numel;
   return params_.size() - 1;
+}
+
+void FlatLayout::set_ownership(Ownership ownership) {
+  require(!built(), Status::InvalidState, "set_ownership: the layout is already built");
+  require(ownership == Ownership::Flat || ownership == Ownership::Whole, Status::InvalidArgument,
+          "set_ownership: invalid ownership " + std::to_string(static_cast<int>(ownership)));
+  ownership_ = ownership;
 }
 
 void FlatLayout::build(int world_size, std::size_t bucket_elems, std::size_t max_auto_elems,
@@ -198,6 +214,15 @@ std::uint64_t FlatLayout::fingerprint() const {
     const std::uint64_t rec[4] = {p.name.size(), p.numel, static_cast<std::uint64_t>(p.group),
                                   static_cast<std::uint64_t>(p.unit)};
     h = fnv1a64(rec, sizeof rec, h);
+  }
+  if (ownership_ == Ownership::Whole) {  // Flat layouts hash as they always have
+    const std::uint64_t mark[2] = {0x57484f4c45ull /* "WHOLE" */,
+                                   static_cast<std::uint64_t>(ownership_)};
+    h = fnv1a64(mark, sizeof mark, h);
+    for (const ParamInfo& p : params_) {
+      const std::uint64_t shape[2] = {p.rows, p.cols};
+      h = fnv1a64(shape, sizeof shape, h);
+    }
   }
   return h;
 }

@@ -21,6 +21,7 @@ PlanConfig plan_config(const OptimizerOptions& options, int world_size) {
   c.units_in_flight = options.units_in_flight;
   c.reduction = options.reduction;
   c.reduce_dtype = options.reduce_dtype;
+  c.ownership = options.ownership;
   return c;
 }
 
@@ -64,6 +65,23 @@ void check(const PlanConfig& c) {
               (c.reduce_dtype == DType::BF16 && c.reduction == Reduction::Default),
           Status::InvalidArgument,
           "plan_memory: reduce_dtype must be F32, or BF16 with the default reduction");
+  require(c.ownership == Ownership::Flat || c.ownership == Ownership::Whole,
+          Status::InvalidArgument, "plan_memory: invalid ownership");
+}
+
+// State bytes per element of parameter `p` on its owner under `config` (plan_ownership).
+double state_bytes_per_elem(const ParamInfo& p, bool matrix, const PlanConfig& config) {
+  const double master = config.param_dtype == DType::F32 ? 0.0 : 4.0;
+  if (matrix) return kMuonStateBytesPerElem + master;
+  const std::size_t g = static_cast<std::size_t>(p.group);
+  const GroupOptions group = g < config.groups.size() ? config.groups[g] : GroupOptions{};
+  switch (group.rule) {
+    case Rule::Lion: return 4.0 + master;
+    case Rule::AdamW8bit:
+      return (p.numel >= group.adamw8bit.min_8bit_numel ? 2.0 + 8.0 / 256 : 8.0) + master;
+    case Rule::AdamW: break;
+  }
+  return 8.0 + master;
 }
 
 }  // namespace
@@ -71,12 +89,16 @@ void check(const PlanConfig& c) {
 FlatLayout unit_per_tensor(const FlatLayout& layout) {
   FlatLayout out;
   int unit = 0;
-  for (const ParamInfo& p : layout.params()) out.add(p.name, p.numel, p.group, unit++);
+  for (const ParamInfo& p : layout.params())
+    out.add(p.name, p.numel, p.group, unit++, Shape2D{p.rows, p.cols});
   return out;
 }
 
 MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   check(config);
+  require(config.ownership == Ownership::Flat, Status::Unsupported,
+          "plan_memory: ownership Whole: its per-rank buffers are not modelled yet (the step "
+          "does not run it); plan_ownership reports its owners and per-rank loads");
   FlatLayout built = layout;
   if (built.built()) {
     require(built.world_size() == config.world_size, Status::InvalidArgument,
@@ -135,6 +157,49 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   if (config.grad_views_across_buckets && plan.staged)
     plan.bytes[static_cast<int>(b.spill.category)] += b.spill.bytes;
   return plan;
+}
+
+OwnershipReport plan_ownership(const FlatLayout& layout, const PlanConfig& config,
+                               const OwnerOptions& options) {
+  check(config);
+  const auto is_matrix = [&](std::size_t i) { return i < config.matrix.size() && config.matrix[i]; };
+  require(config.matrix.size() <= layout.num_params(), Status::InvalidArgument,
+          "plan_ownership: " + std::to_string(config.matrix.size()) + " matrix flags for " +
+              std::to_string(layout.num_params()) + " parameters");
+  OwnershipReport report;
+  for (std::size_t i = 0; i < layout.num_params(); ++i)
+    if (is_matrix(i)) {
+      ++report.matrices;
+      report.largest_matrix = std::max(report.largest_matrix, layout.param(i).numel);
+    }
+  FlatLayout built = layout;
+  if (built.built()) {
+    require(built.ownership() == Ownership::Whole, Status::InvalidArgument,
+            "plan_ownership: the layout is built with Flat ownership");
+    require(built.world_size() == config.world_size, Status::InvalidArgument,
+            "plan_ownership: the layout is built for " + std::to_string(built.world_size()) +
+                " ranks, the plan asks for " + std::to_string(config.world_size));
+  } else {
+    std::size_t bucket = config.bucket_elems;
+    if (bucket == 0)
+      bucket = std::max(FlatLayout::auto_bucket_elems(built.unpadded_size(),
+                                                      auto_bucket_cap(config.device)),
+                        report.largest_matrix);
+    built.set_ownership(Ownership::Whole);
+    built.build(config.world_size, bucket, auto_bucket_cap(config.device),
+                rules::layout_align(built, config.groups));
+  }
+  std::vector<ParamCost> costs;
+  costs.reserve(built.num_params());
+  for (std::size_t i = 0; i < built.num_params(); ++i) {
+    const ParamInfo& p = built.param(i);
+    costs.push_back(param_cost(p, is_matrix(i), state_bytes_per_elem(p, is_matrix(i), config)));
+    report.ns_flops += costs.back().ns_flops;
+  }
+  report.plan = assign_owners(built, costs, options);
+  report.bucket_elems = built.bucket_elems();
+  report.num_buckets = built.num_buckets();
+  return report;
 }
 
 double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype, Rule rule) {

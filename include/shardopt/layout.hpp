@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "shardopt/dtype.hpp"
+#include "shardopt/ownership.hpp"
 #include "shardopt/range.hpp"
 
 namespace shardopt {
@@ -48,6 +49,17 @@ struct ParamInfo {
   int unit = 0;   ///< the unit it belongs to (units are contiguous in registration order)
   Range flat;     ///< where the parameter lives in the flat buffer (valid once built)
   Range buckets;  ///< indices of the buckets it has elements in (valid once built)
+  /// Its 2-D shape (rows x cols == numel; 1 x numel when registered without one). Only the
+  /// owner rule of whole-tensor ownership reads it (Newton-Schulz cost, ownership.hpp).
+  std::size_t rows = 1;
+  std::size_t cols = 0;
+};
+
+/// An optional 2-D shape for FlatLayout::add: rows x cols (in the trainer's storage order,
+/// e.g. torch's (out_features, in_features)). {0, 0}: none, the parameter is 1 x numel.
+struct Shape2D {
+  std::size_t rows = 0;
+  std::size_t cols = 0;
 };
 
 /// The piece of one parameter that falls inside one range (a rank's slice of a bucket).
@@ -134,8 +146,20 @@ class FlatLayout {
 
   /// Registers a parameter in `unit`; throws Error(InvalidArgument) for an empty or duplicate
   /// name, a zero size, or a unit other than the last parameter's unit or the next one
-  /// (units are contiguous, numbered from 0). Offsets are assigned by build().
-  std::size_t add(std::string_view name, std::size_t numel, int group, int unit = 0);
+  /// (units are contiguous, numbered from 0). Offsets are assigned by build(). `shape`, when
+  /// given, is the parameter's 2-D shape: rows x cols must equal numel (InvalidArgument
+  /// otherwise); without it the parameter is 1 x numel. The shape enters the fingerprint only
+  /// of a Whole layout (set_ownership), so Flat layouts and their checkpoints are unchanged.
+  std::size_t add(std::string_view name, std::size_t numel, int group, int unit = 0,
+                  Shape2D shape = {});
+
+  /// Whole-tensor ownership (ownership.hpp): marks the layout as one whose buckets are cut by
+  /// an OwnerPlan (assign_owners) rather than into equal slices. build() forms the same
+  /// buckets either way (Bucket::slice() and owner_of() still describe the equal cut); the
+  /// mark adds the ownership and every parameter's shape to the fingerprint. Before build()
+  /// only (InvalidState after). The optimizer's step does not run Whole layouts yet.
+  void set_ownership(Ownership ownership);
+  Ownership ownership() const { return ownership_; }
 
   /// Places the parameters and cuts the buckets for `world_size` ranks and buckets of about
   /// `bucket_elems` elements (0: auto_bucket_elems of the registered elements, at most
@@ -187,7 +211,7 @@ class FlatLayout {
   std::vector<ShardPiece> owned_pieces(int rank) const;
 
   /// A hash of everything that must agree between ranks (names, sizes, groups, units, order,
-  /// world size, bucket size).
+  /// world size, bucket size; for a Whole layout also the ownership and the shapes).
   std::uint64_t fingerprint() const;
   /// One line per parameter, for error messages and logs.
   std::string describe(std::size_t max_lines = 16) const;
@@ -203,6 +227,7 @@ class FlatLayout {
   std::size_t capacity_ = 0;
   std::size_t align_ = kAlignElems;
   int world_size_ = 0;
+  Ownership ownership_ = Ownership::Flat;
 };
 
 /// 64-bit FNV-1a, used for layout fingerprints and checksums of small records.

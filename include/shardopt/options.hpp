@@ -6,6 +6,7 @@
 
 #include "shardopt/adam_math.hpp"
 #include "shardopt/dtype.hpp"
+#include "shardopt/ownership.hpp"
 
 namespace shardopt {
 
@@ -144,6 +145,10 @@ struct OptimizerOptions {
   LossScaling loss_scaling;
   /// Default, or Reproducible (see Reduction; needs reduce_dtype F32 and Device::Cpu).
   Reduction reduction = Reduction::Default;
+  /// Flat (equal slices of every bucket), or Whole (every parameter on one rank:
+  /// ownership.hpp). Whole is planned (plan_ownership) but not built yet: finalize() refuses it
+  /// with Error(Unsupported), so nothing silently runs a Flat layout in its place.
+  Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------
   /// Debugging: before every collective, every rank checks that all ranks are entering the

@@ -36,6 +36,7 @@
 #include "shardopt/layout.hpp"
 #include "shardopt/memory.hpp"
 #include "shardopt/options.hpp"
+#include "shardopt/ownership.hpp"
 
 namespace shardopt {
 
@@ -75,6 +76,13 @@ struct PlanConfig {
   /// The rank whose memory is planned: with mixed rules the ranks' state sizes differ (each
   /// owns other pieces); with one rule every rank's are equal.
   int rank = 0;
+  /// Flat (equal slices: plan_memory), or Whole (one owner per parameter: plan_ownership;
+  /// plan_memory refuses it with Error(Unsupported) until the step runs it).
+  Ownership ownership = Ownership::Flat;
+  /// Per parameter: whether it runs the matrix rule (Muon: Newton-Schulz on its 2-D shape,
+  /// one fp32 momentum, kMuonStateBytesPerElem). Empty or shorter than the layout: the rest
+  /// are element-wise (their group's rule); longer is an error. Read by plan_ownership only.
+  std::vector<bool> matrix;
 };
 
 /// The largest automatic bucket (bucket_elems 0) on `device` (FlatLayout::auto_bucket_elems).
@@ -125,8 +133,32 @@ struct MemoryPlan {
 /// config.world_size) or built for exactly that world size. Stage 3 plans the layout's
 /// units as they are (one unit if it declares none: see unit_per_tensor()). Throws Error(InvalidArgument)
 /// for an invalid configuration or a layout built for another world size, and
-/// Error(Unsupported) for a gradient dtype other than F32.
+/// Error(Unsupported) for a gradient dtype other than F32 or ownership Whole (plan_ownership).
 MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config);
+
+/// The owner plan of whole-tensor ownership (ownership.hpp) and the figures shardopt-plan
+/// --ownership whole prints.
+struct OwnershipReport {
+  OwnerPlan plan;                  ///< owners, ragged cuts, per-rank loads and their spread
+  std::size_t bucket_elems = 0;    ///< the bucket size the layout was built with
+  std::size_t num_buckets = 0;
+  std::size_t matrices = 0;        ///< parameters with config.matrix set
+  std::size_t largest_matrix = 0;  ///< elements of the largest of them
+  std::uint64_t ns_flops = 0;      ///< Newton-Schulz flops of one step, all ranks together
+};
+
+/// Whole-tensor ownership of `layout` under `config` (whatever config.ownership says; stage,
+/// reduction and staging options do not enter). Every parameter's state bytes per element on
+/// its owner: a matrix (config.matrix) kMuonStateBytesPerElem, any other its group's rule
+/// (AdamW 8, Lion 4, AdamW8bit 2 + 8/256, fp32 8 below min_8bit_numel), plus 4 for the fp32
+/// master of a bf16 replica. An unbuilt layout is copied, marked Whole and built for
+/// config.world_size with config.bucket_elems; automatic buckets (0) are
+/// FlatLayout::auto_bucket_elems on config.device, raised to the largest matrix so that
+/// every matrix fits one bucket. A built layout must be a Whole one for config.world_size.
+/// Throws as plan_memory for an invalid configuration, and Error(InvalidArgument) for a
+/// matrix without a 2-D shape or one that spans buckets (assign_owners).
+OwnershipReport plan_ownership(const FlatLayout& layout, const PlanConfig& config,
+                               const OwnerOptions& options = {});
 
 /// The ZeRO paper's per-rank model-state bytes (Rajbhandari et al. 2020, section 5) with
 /// shardopt's byte counts: replica p = dtype_size(param_dtype), gradient 4 (fp32; the paper

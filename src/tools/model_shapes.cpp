@@ -5,53 +5,72 @@
 
 namespace shardopt::tools {
 
-FlatLayout gpt_layout(const GptShape& s) {
+namespace {
+
+// Registers a tensor with its shape (rows x cols) and whether it is a Muon matrix.
+void add(ModelParams& m, const std::string& name, std::size_t rows, std::size_t cols,
+         bool matrix) {
+  m.layout.add(name, rows * cols, 0, 0, Shape2D{rows, cols});
+  m.matrix.push_back(matrix);
+}
+// A 1-D tensor (norm weight or bias): element-wise.
+void add(ModelParams& m, const std::string& name, std::size_t numel) {
+  m.layout.add(name, numel, 0);
+  m.matrix.push_back(false);
+}
+
+}  // namespace
+
+ModelParams gpt_model(const GptShape& s) {
   const std::size_t d = s.d_model;
-  FlatLayout l;
-  l.add("wte", s.vocab * d, 0);
-  l.add("wpe", s.context * d, 0);
+  ModelParams m;
+  add(m, "wte", s.vocab, d, false);
+  add(m, "wpe", s.context, d, false);
   for (std::size_t i = 0; i < s.n_layer; ++i) {
     std::string h = "h";  // appended, not "h" + ...: avoids a GCC 12 -Wrestrict false positive
     h += std::to_string(i) + ".";
-    l.add(h + "ln_1.weight", d, 0);
-    l.add(h + "ln_1.bias", d, 0);
-    l.add(h + "attn.c_attn.weight", 3 * d * d, 0);
-    l.add(h + "attn.c_attn.bias", 3 * d, 0);
-    l.add(h + "attn.c_proj.weight", d * d, 0);
-    l.add(h + "attn.c_proj.bias", d, 0);
-    l.add(h + "ln_2.weight", d, 0);
-    l.add(h + "ln_2.bias", d, 0);
-    l.add(h + "mlp.c_fc.weight", 4 * d * d, 0);
-    l.add(h + "mlp.c_fc.bias", 4 * d, 0);
-    l.add(h + "mlp.c_proj.weight", 4 * d * d, 0);
-    l.add(h + "mlp.c_proj.bias", d, 0);
+    add(m, h + "ln_1.weight", d);
+    add(m, h + "ln_1.bias", d);
+    add(m, h + "attn.c_attn.weight", d, 3 * d, true);  // Conv1D: in x out
+    add(m, h + "attn.c_attn.bias", 3 * d);
+    add(m, h + "attn.c_proj.weight", d, d, true);
+    add(m, h + "attn.c_proj.bias", d);
+    add(m, h + "ln_2.weight", d);
+    add(m, h + "ln_2.bias", d);
+    add(m, h + "mlp.c_fc.weight", d, 4 * d, true);
+    add(m, h + "mlp.c_fc.bias", 4 * d);
+    add(m, h + "mlp.c_proj.weight", 4 * d, d, true);
+    add(m, h + "mlp.c_proj.bias", d);
   }
-  l.add("ln_f.weight", d, 0);
-  l.add("ln_f.bias", d, 0);
-  return l;
+  add(m, "ln_f.weight", d);
+  add(m, "ln_f.bias", d);
+  return m;
 }
 
-FlatLayout llama_layout(const LlamaShape& s) {
+ModelParams llama_model(const LlamaShape& s) {
   const std::size_t d = s.d_model;
-  FlatLayout l;
-  l.add("tok_embeddings", s.vocab * d, 0);
+  ModelParams m;
+  add(m, "tok_embeddings", s.vocab, d, false);
   for (std::size_t i = 0; i < s.n_layer; ++i) {
     std::string h = "layers.";
     h += std::to_string(i) + ".";
-    l.add(h + "attention_norm", d, 0);
-    l.add(h + "wq", d * d, 0);
-    l.add(h + "wk", d * s.d_kv, 0);
-    l.add(h + "wv", d * s.d_kv, 0);
-    l.add(h + "wo", d * d, 0);
-    l.add(h + "ffn_norm", d, 0);
-    l.add(h + "w1", s.d_ffn * d, 0);
-    l.add(h + "w3", s.d_ffn * d, 0);
-    l.add(h + "w2", d * s.d_ffn, 0);
+    add(m, h + "attention_norm", d);
+    add(m, h + "wq", d, d, true);  // nn.Linear: out x in
+    add(m, h + "wk", s.d_kv, d, true);
+    add(m, h + "wv", s.d_kv, d, true);
+    add(m, h + "wo", d, d, true);
+    add(m, h + "ffn_norm", d);
+    add(m, h + "w1", s.d_ffn, d, true);
+    add(m, h + "w3", s.d_ffn, d, true);
+    add(m, h + "w2", d, s.d_ffn, true);
   }
-  l.add("norm", d, 0);
-  if (!s.tied) l.add("output", s.vocab * d, 0);
-  return l;
+  add(m, "norm", d);
+  if (!s.tied) add(m, "output", s.vocab, d, false);
+  return m;
 }
+
+FlatLayout gpt_layout(const GptShape& s) { return gpt_model(s).layout; }
+FlatLayout llama_layout(const LlamaShape& s) { return llama_model(s).layout; }
 
 namespace {
 
@@ -87,9 +106,11 @@ std::vector<NamedModel> known_models() {
   return out;
 }
 
-FlatLayout model_layout(std::string_view name) {
+FlatLayout model_layout(std::string_view name) { return model_params(name).layout; }
+
+ModelParams model_params(std::string_view name) {
   for (const Preset& p : kPresets)
-    if (name == p.name) return p.llama ? llama_layout(p.ll) : gpt_layout(p.gpt);
+    if (name == p.name) return p.llama ? llama_model(p.ll) : gpt_model(p.gpt);
   std::string names;
   for (const Preset& p : kPresets) names += std::string(names.empty() ? "" : ", ") + p.name;
   throw Error(Status::InvalidArgument,

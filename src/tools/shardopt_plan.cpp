@@ -1,6 +1,8 @@
 // shardopt_plan.cpp: shardopt-plan, the memory planner on the command line. Prints the
 // per-rank bytes of a model for each stage and rank count (a table, or CSV), and with
-// --budget the largest model that fits. See docs/memory.md.
+// --budget the largest model that fits; with --ownership whole, the owner plan of whole-tensor
+// ownership instead (per-rank elements, state bytes and Newton-Schulz flops). See
+// docs/memory.md.
 #include <cmath>
 #include <algorithm>
 #include <cstdio>
@@ -60,9 +62,9 @@ std::string human_bytes(double b) {
 }
 
 std::string human_count(double n) {
-  const char* units[] = {"", "K", "M", "B", "T"};
+  const char* units[] = {"", "K", "M", "B", "T", "P", "E"};
   int u = 0;
-  while (n >= 1000 && u < 4) {
+  while (n >= 1000 && u < 6) {
     n /= 1000;
     ++u;
   }
@@ -88,6 +90,9 @@ struct Args {
   std::size_t tensor_elems = std::size_t{1} << 24;
   std::optional<std::size_t> budget;
   bool csv = false;
+  Ownership ownership = Ownership::Flat;
+  std::vector<bool> matrix;  // per parameter: a Muon matrix (presets only)
+  bool per_rank = false;
 
   // Nodes of ranks_per_node ranks for n ranks (one node when n is smaller); 0 when they do
   // not divide n (the planner models equal nodes only).
@@ -111,6 +116,15 @@ struct Args {
     GroupOptions g;
     g.rule = rule;
     c.groups = {g};
+    return c;
+  }
+
+  // Whole-tensor ownership at n ranks (stages do not enter).
+  PlanConfig ownership_config(int n) const {
+    PlanConfig c = config(Stage::Zero1, n);
+    c.nodes = 1;
+    c.ownership = Ownership::Whole;
+    c.matrix = matrix;
     return c;
   }
 };
@@ -201,6 +215,13 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
   app.add_option("--budget", a.budget, "also print the largest model that fits in BYTES per rank (e.g. 80GiB, 40GB)")
       ->transform(cli::size(cli::Unit::Bytes))->check(CLI::PositiveNumber);
   app.add_flag("--csv", a.csv, "CSV instead of tables");
+  app.add_option("--ownership", a.ownership,
+                 "flat (equal slices: the memory tables) or whole (every parameter on one rank: "
+                 "the owner plan's per-rank elements, state bytes and Newton-Schulz flops; the "
+                 "presets' projection matrices are Muon matrices, everything else element-wise)")
+      ->transform(cli::choice<Ownership>({{"flat", Ownership::Flat}, {"whole", Ownership::Whole}}))
+      ->default_str("flat");
+  app.add_flag("--per-rank", a.per_rank, "with --ownership whole: also every rank's figures");
   if (const int rc = cli::parse(app, argc, argv); rc >= 0) return rc;
 
   if (list_models) {
@@ -213,12 +234,18 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
     a.layout = uniform_layout(psi, uniform_tensor_elems(psi, a.tensor_elems));
   } else if (!model.empty()) {
     a.model_name = model;
-    a.layout = tools::model_layout(model);
+    tools::ModelParams m = tools::model_params(model);
+    a.layout = std::move(m.layout);
+    a.matrix = std::move(m.matrix);
   } else {
     a.model_name = layout_file;
     a.layout = read_layout_file(layout_file);
   }
   // The planner validates dtypes and sizes: fail before printing anything.
+  if (a.ownership == Ownership::Whole) {
+    plan_ownership(a.layout, a.ownership_config(a.ranks[0]));
+    return std::nullopt;
+  }
   for (Stage s : a.stages)
     plan_memory(s == Stage::Zero3 ? unit_per_tensor(a.layout) : a.layout, a.config(s, a.ranks[0]));
   return std::nullopt;
@@ -310,6 +337,58 @@ void print_tables(const Args& a) {
     }
 }
 
+// Whole-tensor ownership: per rank count, the spread of the per-rank loads.
+void print_ownership(const Args& a) {
+  FlatLayout probe = a.layout;
+  probe.build(1, OptimizerOptions{}.bucket_elems);
+  const double psi = static_cast<double>(probe.unpadded_size());
+  if (a.csv) {
+    std::printf("model,psi,ranks,bucket_elems,buckets,equal_buckets,matrices,elems_max,elems_mean,"
+                "state_bytes_max,state_bytes_mean,ns_flops_max,ns_flops_mean\n");
+  } else {
+    std::printf("model %s: Psi = %s parameters (%zu) in %zu tensors\n", a.model_name.c_str(),
+                human_count(psi).c_str(), probe.unpadded_size(), probe.num_params());
+    std::printf("whole-tensor ownership: Muon matrices (Newton-Schulz, %d iterations, %.0f B of "
+                "state per element + the master) and element-wise %s; replica %s\n",
+                kNewtonSchulzIterations, kMuonStateBytesPerElem, rule_name(a.rule),
+                dtype_name(a.param_dtype));
+    std::printf("per rank: elements of its ranges (padding included), optimizer state bytes "
+                "(master included), Newton-Schulz flops per step; max and max/mean over ranks\n\n");
+    std::printf("%6s %9s %8s %6s %9s %10s %8s %11s %8s %11s %8s\n", "ranks", "buckets", "equal",
+                "mats", "bucket", "elems", "max/mean", "state", "max/mean", "NS flops", "max/mean");
+  }
+  for (int n : a.ranks) {
+    const OwnershipReport r = plan_ownership(a.layout, a.ownership_config(n));
+    const OwnerPlan& p = r.plan;
+    if (a.csv) {
+      std::printf("%s,%zu,%d,%zu,%zu,%zu,%zu,%.0f,%.1f,%.0f,%.1f,%.0f,%.1f\n",
+                  a.model_name.c_str(), probe.unpadded_size(), n, r.bucket_elems, r.num_buckets,
+                  p.equal_buckets, r.matrices, p.elems.max, p.elems.mean, p.state_bytes.max,
+                  p.state_bytes.mean, p.ns_flops.max, p.ns_flops.mean);
+      continue;
+    }
+    std::printf("%6d %9zu %8zu %6zu %9s %10s %8.4f %11s %8.4f %11s %8.4f\n", n, r.num_buckets,
+                p.equal_buckets, r.matrices,
+                human_count(static_cast<double>(r.bucket_elems)).c_str(),
+                human_count(p.elems.max).c_str(), p.elems.max_over_mean(),
+                human_bytes(p.state_bytes.max).c_str(), p.state_bytes.max_over_mean(),
+                human_count(p.ns_flops.max).c_str(), p.ns_flops.max_over_mean());
+    if (!a.per_rank) continue;
+    for (std::size_t k = 0; k < p.ranks.size(); ++k) {
+      const RankLoad& l = p.ranks[k];
+      std::printf("%6s rank %-4zu %22s %10s %8s %11s %8s %11s  %zu matrices\n", "", k, "",
+                  human_count(static_cast<double>(l.elems)).c_str(), "",
+                  human_bytes(static_cast<double>(l.state_bytes)).c_str(), "",
+                  human_count(static_cast<double>(l.ns_flops)).c_str(), l.matrices);
+    }
+  }
+  if (!a.csv)
+    std::printf("\nbuckets: automatic buckets are raised to the largest matrix (every matrix "
+                "inside one bucket); equal: buckets that hold only pieces of tensors larger than a "
+                "bucket (element-wise), cut in equal slices; the others are cut into ragged "
+                "per-rank ranges (docs/architecture.md)\n");
+}
+
 void print_csv(const Args& a) {
   std::printf("model,psi,padded_elems,stage,ranks,param_dtype,grad_dtype,bucket_elems,"
               "buckets_in_flight,accumulate_without_sync,params_bytes,grads_bytes,master_bytes,"
@@ -344,9 +423,13 @@ int main(int argc, char** argv) {
   try {
     Args a;
     if (const std::optional<int> rc = parse_args(argc, argv, a)) return *rc;
-    if (a.bucket_elems == 0)  // automatic, as finalize() chooses it for this model
+    // Automatic, as finalize() chooses it for this model (whole ownership: plan_ownership
+    // chooses, raising it to the largest matrix).
+    if (a.bucket_elems == 0 && a.ownership == Ownership::Flat)
       a.bucket_elems = FlatLayout::auto_bucket_elems(a.layout.unpadded_size(), auto_bucket_cap(a.device));
-    if (a.csv) {
+    if (a.ownership == Ownership::Whole) {
+      print_ownership(a);
+    } else if (a.csv) {
       print_csv(a);
     } else {
       print_tables(a);
