@@ -15,6 +15,8 @@
 #include "shardopt/lion_math.hpp"
 #include "shardopt/memory.hpp"
 #include "shardopt/options.hpp"
+#include "shardopt/error.hpp"
+#include "rules/muon.hpp"
 
 namespace shardopt {
 
@@ -78,6 +80,20 @@ class Backend {
                                 float* master, const float* grad, std::uint8_t* code_m,
                                 std::uint8_t* code_v, float* scale_m, float* scale_v,
                                 void* replica, DType replica_dtype) = 0;
+
+  /// Muon (src/rules/muon.hpp) on one whole rows x cols matrix: the reduced gradient `grad`
+  /// is first multiplied by `grad_scale` into scratch memory (fp32, element by element,
+  /// exactly as adam_update applies StepScalars::grad_scale), then rules::muon::step runs
+  /// once on it with master, the momentum m and the replica as in adam_update(). Only the CPU
+  /// backend has it; the default throws Error(Unsupported).
+  virtual void muon_update(const rules::muon::Config& cfg, std::size_t rows, std::size_t cols,
+                           float grad_scale, float* master, const float* grad, float* m,
+                           void* replica, DType replica_dtype) {
+    (void)cfg, (void)rows, (void)cols, (void)grad_scale, (void)master, (void)grad, (void)m,
+        (void)replica, (void)replica_dtype;
+    throw Error(Status::Unsupported,
+                std::string("the Muon rule is not implemented on the ") + name() + " backend");
+  }
 
   /// Waits for queued work (device backends); a no-op on the CPU.
   virtual void synchronize() {}

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -197,6 +198,22 @@ std::size_t ShardedOptimizer::add_param(std::string_view name, std::size_t numel
   return layout_.add(name, numel, group, current_unit_);
 }
 
+std::size_t ShardedOptimizer::add_param(std::string_view name, Shape2D shape, int group) {
+  require_registering("add_param");
+  require(shape.rows > 0 && shape.cols > 0 &&
+              shape.rows <= std::numeric_limits<std::size_t>::max() / shape.cols,
+          Status::InvalidArgument,
+          "add_param: parameter '" + std::string(name) + "' has shape " +
+              std::to_string(shape.rows) + " x " + std::to_string(shape.cols) +
+              " (need rows > 0, cols > 0)");
+  require(group >= 0 && static_cast<std::size_t>(group) < groups_.size(),
+          Status::InvalidArgument,
+          "add_param: parameter '" + std::string(name) + "' names group " +
+              std::to_string(group) + ", but only " + std::to_string(groups_.size()) +
+              " groups exist");
+  return layout_.add(name, shape.rows * shape.cols, group, current_unit_, shape);
+}
+
 int ShardedOptimizer::begin_unit() {
   require_registering("begin_unit");
   const bool empty = layout_.num_params() == 0 || layout_.params().back().unit < current_unit_;
@@ -226,8 +243,59 @@ std::uint64_t configuration_fingerprint(const FlatLayout& layout, const Optimize
                            g.lion.beta1, g.lion.beta2,
                            static_cast<double>(g.adamw8bit.min_8bit_numel)};
     h = fnv1a64(rec, sizeof rec, h);
+    if (g.rule == Rule::Muon) {  // other rules' fingerprints stay as they were
+      const double muon[8] = {g.muon.momentum, g.muon.nesterov ? 1.0 : 0.0,
+                              static_cast<double>(g.muon.ns_steps), g.muon.ns_a, g.muon.ns_b,
+                              g.muon.ns_c, g.muon.eps, static_cast<double>(g.muon.lr_adjust)};
+      h = fnv1a64(muon, sizeof muon, h);
+    }
+  }
+  if (o.ownership != Ownership::Flat) {
+    const std::int64_t own = static_cast<int>(o.ownership);
+    h = fnv1a64(&own, sizeof own, h);
   }
   return h;
+}
+
+bool is_muon(const ParamInfo& p, const std::vector<GroupOptions>& groups) {
+  const std::size_t g = static_cast<std::size_t>(p.group);
+  return g < groups.size() && groups[g].rule == Rule::Muon;
+}
+
+// Muon's requirements before the layout is built (the same verdict on every rank: they
+// depend on the registration and the options only).
+void check_muon_params(const FlatLayout& layout, const std::vector<GroupOptions>& groups,
+                       const OptimizerOptions& o) {
+  bool any = false;
+  for (const ParamInfo& p : layout.params()) {
+    if (!is_muon(p, groups)) continue;
+    any = true;
+    require(p.rows > 1 && p.cols > 1, Status::InvalidArgument,
+            "finalize: parameter '" + p.name + "' is in a Muon group (group " +
+                std::to_string(p.group) + ") but is not a 2-D matrix (shape " +
+                std::to_string(p.rows) + " x " + std::to_string(p.cols) +
+                "; Muon needs rows > 1 and cols > 1: register it with add_param(name, Shape2D, "
+                "group), or put it in an AdamW group)");
+  }
+  if (!any) return;
+  require(o.ownership == Ownership::Whole, Status::InvalidArgument,
+          "finalize: Muon needs whole matrices: set OptimizerOptions::ownership = "
+          "Ownership::Whole");
+  require(o.device == Device::Cpu, Status::Unsupported,
+          "finalize: the Muon rule runs on Device::Cpu only (no CUDA kernels yet)");
+}
+
+// After build(): every Muon matrix must lie inside one bucket, so that the rank updating
+// that bucket (data-parallel: every rank; Whole stages 1-2: its owner) holds all of it.
+void check_muon_buckets(const FlatLayout& layout, const std::vector<GroupOptions>& groups) {
+  for (const ParamInfo& p : layout.params())
+    require(!is_muon(p, groups) || p.buckets.size() == 1, Status::InvalidArgument,
+            "finalize: Muon parameter '" + p.name + "' (" + std::to_string(p.rows) + " x " +
+                std::to_string(p.cols) + " = " + std::to_string(p.numel) +
+                " elements) spans " + std::to_string(p.buckets.size()) +
+                " buckets of " + std::to_string(layout.bucket_elems()) +
+                " elements; a matrix must fit one bucket: raise OptimizerOptions::bucket_elems "
+                "to at least its size");
 }
 
 struct RankSummary {
@@ -245,11 +313,17 @@ void ShardedOptimizer::finalize() {
   FlatLayout layout = layout_;
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
-    // Whole-tensor ownership is planned (ownership.hpp) but the step does not run it yet.
-    require(options_.ownership == Ownership::Flat, Status::Unsupported,
-            "ownership Whole: not built yet");
+    check_muon_params(layout, groups_, options_);
+    // Whole-tensor ownership is planned (ownership.hpp); the step runs it at data-parallel,
+    // where every rank holds and updates every bucket whole, but not at stages 1-3 yet.
+    require(options_.ownership == Ownership::Flat || options_.stage == Stage::DataParallel,
+            Status::Unsupported,
+            std::string("ownership Whole: not built yet at stage ") + stage_name(options_.stage) +
+                " (it runs at data-parallel only)");
+    if (options_.ownership == Ownership::Whole) layout.set_ownership(Ownership::Whole);
     layout.build(comm_->size(), options_.bucket_elems, auto_bucket_cap(options_.device),
                  rules::layout_align(layout, groups_));
+    check_muon_buckets(layout, groups_);
   });
 
   // Every rank compares everyone's fingerprint, so all of them detect a mismatch.

@@ -67,20 +67,44 @@ const char* rule_name(Rule r) noexcept {
     case Rule::AdamW: return "AdamW";
     case Rule::Lion: return "Lion";
     case Rule::AdamW8bit: return "AdamW8bit";
+    case Rule::Muon: return "Muon";
   }
   return "unknown rule";
+}
+
+const char* muon_lr_adjust_name(MuonLrAdjust a) noexcept {
+  switch (a) {
+    case MuonLrAdjust::Original: return "original";
+    case MuonLrAdjust::MatchRmsAdamW: return "match_rms_adamw";
+    case MuonLrAdjust::None: return "none";
+  }
+  return "unknown lr adjustment";
 }
 
 std::string validate(const GroupOptions& g) {
   if (!std::isfinite(g.lr_scale) || g.lr_scale < 0)
     return "invalid group lr_scale " + std::to_string(g.lr_scale) + " (need >= 0)";
-  if (g.rule != Rule::AdamW && g.rule != Rule::Lion && g.rule != Rule::AdamW8bit)
+  if (g.rule != Rule::AdamW && g.rule != Rule::Lion && g.rule != Rule::AdamW8bit &&
+      g.rule != Rule::Muon)
     return "invalid group rule " + std::to_string(static_cast<int>(g.rule)) +
-           " (AdamW 0, Lion 1, AdamW8bit 2)";
+           " (AdamW 0, Lion 1, AdamW8bit 2, Muon 3)";
   auto beta_ok = [](double b) { return std::isfinite(b) && b >= 0 && b < 1; };
   if (!beta_ok(g.lion.beta1) || !beta_ok(g.lion.beta2))
     return "invalid Lion betas " + std::to_string(g.lion.beta1) + ", " +
            std::to_string(g.lion.beta2) + " (need 0 <= beta < 1)";
+  const MuonConfig& m = g.muon;
+  if (!beta_ok(m.momentum))
+    return "invalid Muon momentum " + std::to_string(m.momentum) + " (need 0 <= momentum < 1)";
+  if (m.ns_steps < 0 || m.ns_steps > 99)
+    return "invalid Muon ns_steps " + std::to_string(m.ns_steps) + " (need 0..99)";
+  if (!std::isfinite(m.ns_a) || !std::isfinite(m.ns_b) || !std::isfinite(m.ns_c))
+    return "invalid Muon Newton-Schulz coefficients (need finite a, b, c)";
+  if (!std::isfinite(m.eps) || m.eps <= 0)
+    return "invalid Muon eps " + std::to_string(m.eps) + " (need eps > 0)";
+  if (m.lr_adjust != MuonLrAdjust::Original && m.lr_adjust != MuonLrAdjust::MatchRmsAdamW &&
+      m.lr_adjust != MuonLrAdjust::None)
+    return "invalid Muon lr_adjust " + std::to_string(static_cast<int>(m.lr_adjust)) +
+           " (Original 0, MatchRmsAdamW 1, None 2)";
   return {};
 }
 

@@ -76,7 +76,8 @@ double state_bytes_per_elem(const ParamInfo& p, bool matrix, const PlanConfig& c
   const std::size_t g = static_cast<std::size_t>(p.group);
   const GroupOptions group = g < config.groups.size() ? config.groups[g] : GroupOptions{};
   switch (group.rule) {
-    case Rule::Lion: return 4.0 + master;
+    case Rule::Lion:
+    case Rule::Muon: return 4.0 + master;
     case Rule::AdamW8bit:
       return (p.numel >= group.adamw8bit.min_8bit_numel ? 2.0 + 8.0 / 256 : 8.0) + master;
     case Rule::AdamW: break;
@@ -96,10 +97,13 @@ FlatLayout unit_per_tensor(const FlatLayout& layout) {
 
 MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   check(config);
-  require(config.ownership == Ownership::Flat, Status::Unsupported,
-          "plan_memory: ownership Whole: its per-rank buffers are not modelled yet (the step "
-          "does not run it); plan_ownership reports its owners and per-rank loads");
+  // Whole at data-parallel holds the same buffers as Flat (every rank holds everything).
+  require(config.ownership == Ownership::Flat || config.stage == Stage::DataParallel,
+          Status::Unsupported,
+          "plan_memory: ownership Whole at stages 1-3: its per-rank buffers are not modelled "
+          "yet (the step does not run it); plan_ownership reports its owners and per-rank loads");
   FlatLayout built = layout;
+  if (!built.built() && config.ownership == Ownership::Whole) built.set_ownership(Ownership::Whole);
   if (built.built()) {
     require(built.world_size() == config.world_size, Status::InvalidArgument,
             "plan_memory: the layout is built for " + std::to_string(built.world_size()) +
@@ -205,9 +209,9 @@ OwnershipReport plan_ownership(const FlatLayout& layout, const PlanConfig& confi
 double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dtype, Rule rule) {
   const double p = static_cast<double>(dtype_size(param_dtype));
   const double g = 4.0;
-  // The rule's state per element: Lion one fp32 array, AdamW two, AdamW8bit two bytes and
-  // two fp32 scales per 256 elements (every parameter taken as 8-bit).
-  const double state = rule == Rule::Lion ? 4.0 : rule == Rule::AdamW8bit ? 2.0 + 8.0 / 256 : 8.0;
+  // The rule's state per element: Lion and Muon one fp32 array, AdamW two, AdamW8bit two
+  // bytes and two fp32 scales per 256 elements (every parameter taken as 8-bit).
+  const double state = rule == Rule::Lion || rule == Rule::Muon ? 4.0 : rule == Rule::AdamW8bit ? 2.0 + 8.0 / 256 : 8.0;
   const double k = state + (param_dtype == DType::F32 ? 0.0 : 4.0);
   switch (stage) {
     case Stage::DataParallel: return (p + g + k) * psi;

@@ -54,8 +54,8 @@ Wire wire_of(const StepSettings& s) {
   return w;
 }
 
-// Per group: lr_scale, the weight-decay flag, the rule and Lion's betas.
-constexpr std::size_t kGroupFields = 5;
+// Per group: lr_scale, the weight-decay flag, the rule, Lion's betas and Muon's settings.
+constexpr std::size_t kGroupFields = 13;
 std::vector<double> groups_of(const StepSettings& s) {
   std::vector<double> g;
   for (const GroupOptions& o : s.groups) {
@@ -64,6 +64,14 @@ std::vector<double> groups_of(const StepSettings& s) {
     g.push_back(static_cast<double>(o.rule));
     g.push_back(canonical(o.lion.beta1));
     g.push_back(canonical(o.lion.beta2));
+    g.push_back(canonical(o.muon.momentum));
+    g.push_back(o.muon.nesterov ? 1.0 : 0.0);
+    g.push_back(static_cast<double>(o.muon.ns_steps));
+    g.push_back(canonical(o.muon.ns_a));
+    g.push_back(canonical(o.muon.ns_b));
+    g.push_back(canonical(o.muon.ns_c));
+    g.push_back(canonical(o.muon.eps));
+    g.push_back(static_cast<double>(o.muon.lr_adjust));
   }
   return g;
 }
@@ -150,6 +158,14 @@ void describe(std::string& out, const std::string& name, int ranks,
       });
       describe(diff, group + " lion.beta1", n, field(3));
       describe(diff, group + " lion.beta2", n, field(4));
+      describe(diff, group + " muon.momentum", n, field(5));
+      describe(diff, group + " muon.nesterov", n, field(6));
+      describe(diff, group + " muon.ns_steps", n, field(7));
+      describe(diff, group + " muon.ns_a", n, field(8));
+      describe(diff, group + " muon.ns_b", n, field(9));
+      describe(diff, group + " muon.ns_c", n, field(10));
+      describe(diff, group + " muon.eps", n, field(11));
+      describe(diff, group + " muon.lr_adjust", n, field(12));
     }
   }
   if (diff.empty()) diff = " (the settings hash differently but compare equal)";

@@ -93,6 +93,14 @@ class ShardedOptimizer {
   /// Registers a parameter; returns its index. Throws for an empty/duplicate name, zero
   /// size or unknown group.
   std::size_t add_param(std::string_view name, std::size_t numel, int group = 0);
+  /// Registers a 2-D parameter of shape.rows x shape.cols elements (row-major, in the
+  /// trainer's storage order, e.g. torch's (out_features, in_features)); the layout keeps the
+  /// shape (ParamInfo::rows/cols). Rule::Muon needs it: every parameter of a Muon group must
+  /// be registered this way with rows > 1 and cols > 1. Throws as above, and for a zero extent.
+  std::size_t add_param(std::string_view name, Shape2D shape, int group = 0);
+  std::size_t add_param(std::string_view name, std::size_t rows, std::size_t cols, int group) {
+    return add_param(name, Shape2D{rows, cols}, group);
+  }
   /// Starts a new unit and returns its index: parameters registered from now on belong to it
   /// (until the next begin_unit()). Unit 0 is open from the start, and a unit with no
   /// parameters yet is reused, so the first call returns 0. Buckets never straddle units

@@ -75,9 +75,18 @@ enum class Rule : int {
   /// parameter the layout aligns to 256 elements (FlatLayout::kQuantBlockElems). On
   /// Device::Cpu and Device::Cuda, bit for bit the same (cuda/adamw8bit_op.hpp).
   AdamW8bit = 2,
+  /// Muon (Jordan et al. 2024; the semantics of torch.optim.Muon, src/rules/muon.hpp) on 2-D
+  /// matrices, issue 32: M = lerp(M, g, 1 - mu); U = nesterov ? lerp(g, M, mu) : M;
+  /// O = Newton-Schulz(U) (fp32, once per step on the reduced gradient);
+  /// p *= 1 - lr * wd; p -= adjusted_lr * O. State exp_avg (the momentum M, fp32, 4 bytes per
+  /// element). Every parameter of a Muon group must be registered with a 2-D shape (rows > 1,
+  /// cols > 1: add_param(name, Shape2D, group)) and the optimizer must use
+  /// Ownership::Whole (a matrix is updated whole by one rank); finalize() refuses anything
+  /// else. Device::Cpu only; data-parallel (stage 0) only until Whole runs stages 1-2.
+  Muon = 3,
 };
 const char* rule_name(Rule r) noexcept;
-inline constexpr int kNumRules = 3;
+inline constexpr int kNumRules = 4;
 
 /// Lion's own hyperparameters (lr and weight decay come from AdamConfig and the group).
 struct LionConfig {
@@ -91,6 +100,27 @@ struct AdamW8bitConfig {
   std::size_t min_8bit_numel = 4096;
 };
 
+/// Muon's learning-rate adjustment (torch.optim.Muon's adjust_lr_fn).
+enum class MuonLrAdjust : int {
+  Original = 0,       ///< lr * sqrt(max(1, rows / cols)) (torch's default, "original")
+  MatchRmsAdamW = 1,  ///< lr * 0.2 * sqrt(max(rows, cols)) ("match_rms_adamw", Moonshot)
+  None = 2,           ///< lr unchanged
+};
+const char* muon_lr_adjust_name(MuonLrAdjust a) noexcept;
+
+/// Muon's own hyperparameters (lr is AdamConfig::lr x lr_scale; the weight decay is
+/// AdamConfig::weight_decay where the group's weight_decay is on, as for Lion).
+struct MuonConfig {
+  double momentum = 0.95;  ///< mu, 0 <= mu < 1
+  bool nesterov = true;
+  int ns_steps = 5;        ///< Newton-Schulz iterations, 0..99
+  double ns_a = 3.4445;    ///< quintic coefficients (Keller Jordan's)
+  double ns_b = -4.7750;
+  double ns_c = 2.0315;
+  double eps = 1e-7;       ///< the Frobenius-norm clamp of Newton-Schulz, > 0
+  MuonLrAdjust lr_adjust = MuonLrAdjust::Original;
+};
+
 /// Options of one parameter group. Group 0 always exists with the defaults.
 struct GroupOptions {
   double lr_scale = 1.0;      ///< this group's lr is lr * lr_scale
@@ -99,6 +129,7 @@ struct GroupOptions {
   Rule rule = Rule::AdamW;
   LionConfig lion;            ///< used when rule is Lion (validated always)
   AdamW8bitConfig adamw8bit;  ///< used when rule is AdamW8bit
+  MuonConfig muon;            ///< used when rule is Muon (validated always)
 };
 std::string validate(const GroupOptions& g);
 
@@ -146,8 +177,10 @@ struct OptimizerOptions {
   /// Default, or Reproducible (see Reduction; needs reduce_dtype F32 and Device::Cpu).
   Reduction reduction = Reduction::Default;
   /// Flat (equal slices of every bucket), or Whole (every parameter on one rank:
-  /// ownership.hpp). Whole is planned (plan_ownership) but not built yet: finalize() refuses it
-  /// with Error(Unsupported), so nothing silently runs a Flat layout in its place.
+  /// ownership.hpp). Rule::Muon needs Whole. Whole runs at Stage::DataParallel (every rank
+  /// holds and updates everything, so every matrix is whole); at stages 1-3 it is not built
+  /// yet: finalize() refuses it with Error(Unsupported), so nothing silently runs a Flat
+  /// layout in its place.
   Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------

@@ -1,5 +1,6 @@
 // cpu_backend.cpp: the Backend of host memory and the CPU kernels.
 #include <cstring>
+#include <vector>
 
 #include "../backend.hpp"
 #include "../rules/adamw8bit.hpp"
@@ -67,6 +68,22 @@ class CpuBackend final : public Backend {
     rules::q8::adamw8bit_update(s, segments, master, grad, code_m, code_v, scale_m, scale_v,
                                 out_bf16, out_f32);
   }
+  void muon_update(const rules::muon::Config& cfg, std::size_t rows, std::size_t cols,
+                   float grad_scale, float* master, const float* grad, float* m, void* replica,
+                   DType replica_dtype) override {
+    bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
+    float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
+    const std::size_t n = rows * cols;
+    if (scaled_.size() < n) scaled_.resize(n);
+    // One fp32 multiply per element, as adam_element's `grad * s.grad_scale`.
+    float* g = scaled_.data();
+    for (std::size_t i = 0; i < n; ++i) g[i] = grad[i] * grad_scale;
+    rules::muon::step(cfg, rows, cols, master, g, m, out_bf16, out_f32, muon_ws_);
+  }
+
+ private:
+  std::vector<float> scaled_;       // the scaled gradient of one Muon matrix
+  rules::muon::Workspace muon_ws_;  // Newton-Schulz scratch, reused across matrices
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "rules/rule_step.hpp"
 
 #include "shardopt/error.hpp"
+#include "rules/muon.hpp"
 #include "shardopt/lion_math.hpp"
 
 namespace shardopt::rules {
@@ -58,6 +59,43 @@ void update_lion(Backend& be, const StepInputs& in, const std::vector<GroupSegme
   be.lion_update(segs, master, grad, m, replica, replica_dtype);
 }
 
+// Muon's hyperparameters of group `o` (lr and weight decay as Lion takes them).
+muon::Config muon_config(const StepInputs& in, const GroupOptions& o) {
+  muon::Config c;
+  c.lr = in.hyper.lr * o.lr_scale;
+  c.weight_decay = o.weight_decay ? in.hyper.weight_decay : 0.0;
+  c.momentum = o.muon.momentum;
+  c.nesterov = o.muon.nesterov;
+  c.ns_steps = o.muon.ns_steps;
+  c.a = o.muon.ns_a;
+  c.b = o.muon.ns_b;
+  c.c = o.muon.ns_c;
+  c.eps = o.muon.eps;
+  c.adjust = static_cast<muon::LrAdjust>(static_cast<int>(o.muon.lr_adjust));
+  return c;
+}
+
+// Muon on every parameter of `flat` (a part of a window: pointers at its first element).
+// Each must lie whole inside it: whole-tensor ownership puts every matrix on one rank, inside
+// one bucket (finalize() refuses a matrix that spans buckets).
+void update_muon(Backend& be, const FlatLayout& layout, const StepInputs& in, Range flat,
+                 float* master, const float* grad, float* m, void* replica, DType replica_dtype) {
+  const std::size_t elem = dtype_size(replica_dtype);
+  for (const ShardPiece& piece : layout.pieces_in(flat)) {
+    const ParamInfo& p = layout.param(piece.param);
+    if (piece.in_param.begin != 0 || piece.in_param.end != p.numel || p.rows * p.cols != p.numel)
+      throw Error(Status::Internal,
+                  "update_window: Muon parameter '" + p.name + "' is not whole in this window "
+                  "(elements [" + std::to_string(piece.in_param.begin) + ", " +
+                  std::to_string(piece.in_param.end) + ") of " + std::to_string(p.numel) + ")");
+    const GroupOptions& o = (*in.groups)[static_cast<std::size_t>(p.group)];
+    const std::size_t off = piece.local.begin;  // relative to `flat`
+    be.muon_update(muon_config(in, o), p.rows, p.cols, static_cast<float>(in.grad_scale),
+                   master + off, grad + off, m + off,
+                   replica ? static_cast<char*>(replica) + off * elem : nullptr, replica_dtype);
+  }
+}
+
 }  // namespace
 
 void update_window(Backend& be, const FlatLayout& layout, const StateLayout& state,
@@ -83,6 +121,10 @@ void update_window(Backend& be, const FlatLayout& layout, const StateLayout& sta
         return;
       case Rule::Lion:
         update_lion(be, in, groups, master, grad, slot(Slot::ExpAvg), replica, w.replica_dtype);
+        return;
+      case Rule::Muon:
+        update_muon(be, layout, in, flat, master, grad, slot(Slot::ExpAvg), replica,
+                    w.replica_dtype);
         return;
       case Rule::AdamW8bit: {
         const StepScalars s = make_step_scalars(in.hyper, in.grad_scale);

@@ -23,7 +23,7 @@ namespace shardopt::rules {
 
 /// The state arrays a rule may keep.
 enum class Slot : int {
-  ExpAvg = 0,    ///< fp32 per element: AdamW's first moment, Lion's momentum
+  ExpAvg = 0,    ///< fp32 per element: AdamW's first moment, Lion's and Muon's momentum
   ExpAvgSq = 1,  ///< fp32 per element: AdamW's second moment
   CodeM = 2,     ///< u8 per element: AdamW8bit's exp_avg codes (signed map)
   CodeV = 3,     ///< u8 per element: AdamW8bit's exp_avg_sq codes (unsigned map)
@@ -55,6 +55,7 @@ constexpr std::uint32_t slots_of(Rule rule) {
     case Rule::AdamW: return 0b000011u;      // exp_avg, exp_avg_sq
     case Rule::Lion: return 0b000001u;       // exp_avg (the momentum)
     case Rule::AdamW8bit: return 0b111100u;  // codes and scales of both
+    case Rule::Muon: return 0b000001u;       // exp_avg (the momentum)
   }
   return 0;
 }

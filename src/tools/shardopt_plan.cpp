@@ -203,11 +203,13 @@ std::optional<int> parse_args(int argc, char** argv, Args& a) {
                "bytes per element with one micro-batch per rank)");
   app.add_option("--rule", a.rule,
                  "the update rule of every parameter: adamw (exp_avg and exp_avg_sq, 8 bytes of "
-                 "state per element), lion (one momentum, 4 bytes) or adamw8bit (8-bit codes and "
-                 "block scales, 2.03 bytes; fp32 below 4096 elements)")
+                 "state per element), lion (one momentum, 4 bytes), adamw8bit (8-bit codes and "
+                 "block scales, 2.03 bytes; fp32 below 4096 elements) or muon (one momentum, 4 "
+                 "bytes; 2-D matrices under whole ownership)")
       ->transform(CLI::CheckedTransformer(
           std::map<std::string, Rule>{
-              {"adamw", Rule::AdamW}, {"lion", Rule::Lion}, {"adamw8bit", Rule::AdamW8bit}},
+              {"adamw", Rule::AdamW}, {"lion", Rule::Lion}, {"adamw8bit", Rule::AdamW8bit},
+              {"muon", Rule::Muon}},
           CLI::ignore_case))
       ->default_str("adamw");
   app.add_option("--tensor-elems", a.tensor_elems, "tensor size assumed with --psi and --budget")

@@ -1,0 +1,429 @@
+// test_muon_rule.cpp: Rule::Muon as an optimizer rule (issue 32) at whatever rank count the
+// binary runs with (1 without MPI; 1-4 under mpiexec): 2-D matrices in a Muon group next to
+// 1-D parameters in an AdamW group, Ownership::Whole at data-parallel. Against a double model
+// of torch.optim.Muon; the same bits at every rank count and bucket size as one process that
+// runs every rank's micro-batches; micro-batches summed before Newton-Schulz (once per step);
+// the refusals, the same on every rank; memory_report() == plan_memory().
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardopt/bf16.hpp"
+#include "shardopt/checkpoint.hpp"
+#include "shardopt/optimizer.hpp"
+#include "shardopt/planner.hpp"
+#include "support/same_error.hpp"
+#include "support/world.hpp"
+
+using namespace shardopt;
+
+namespace {
+
+struct P {
+  const char* name;
+  std::size_t rows, cols;  // cols 0: a 1-D parameter of `rows` elements (AdamW group)
+};
+// Matrices in group 1 (Muon), vectors in group 0 (AdamW), interleaved.
+const std::vector<P> kModel = {{"m0", 96, 64},  {"b0", 100, 0}, {"m1", 64, 96}, {"b1", 37, 0},
+                               {"m2", 128, 128}, {"m3", 33, 17}, {"b2", 64, 0}};
+std::size_t numel(const P& p) { return p.cols ? p.rows * p.cols : p.rows; }
+
+GroupOptions muon_group(bool nesterov = true, MuonLrAdjust adjust = MuonLrAdjust::Original) {
+  GroupOptions g;
+  g.rule = Rule::Muon;
+  g.lr_scale = 1.0;
+  g.weight_decay = true;
+  g.muon.nesterov = nesterov;
+  g.muon.lr_adjust = adjust;
+  return g;
+}
+
+OptimizerOptions muon_options(std::size_t bucket, DType dtype = DType::BF16) {
+  OptimizerOptions o;
+  o.stage = Stage::DataParallel;
+  o.ownership = Ownership::Whole;
+  o.param_dtype = dtype;
+  o.adam.lr = 0.02;
+  o.adam.weight_decay = 0.1;
+  o.bucket_elems = bucket;
+  return o;
+}
+
+// splitmix64 in [0, 2^64).
+std::uint64_t mix(std::uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// A multiple of 2^-10 in [-0.5, 0.5]: any sum of a few of them is exact in fp32.
+float grad_value(std::uint64_t mb, std::uint64_t step, std::uint64_t param, std::uint64_t k) {
+  const std::uint64_t h = mix(mix(mix(mix(mb) ^ step) ^ param) ^ k);
+  return static_cast<float>(static_cast<int>(h % 1025) - 512) / 1024.0f;
+}
+float init_value(std::uint64_t param, std::uint64_t k) {
+  return static_cast<float>(static_cast<int>(mix(param * 7919 + k) % 2001) - 1000) * 1e-4f;
+}
+
+std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm,
+                                       const OptimizerOptions& o, const GroupOptions& g) {
+  auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
+  const int muon = opt->add_group(g);
+  for (const P& p : kModel) {
+    if (p.cols) opt->add_param(p.name, Shape2D{p.rows, p.cols}, muon);
+    else opt->add_param(p.name, p.rows, 0);
+  }
+  opt->finalize();
+  for (std::size_t i = 0; i < kModel.size(); ++i) {
+    std::vector<float> v(numel(kModel[i]));
+    for (std::size_t k = 0; k < v.size(); ++k) v[k] = init_value(i, k);
+    opt->set_param(i, v);
+  }
+  return opt;
+}
+
+// Runs micro-batches [first, last) of step `step` (each the gradients grad_value(mb, ...),
+// times `factor`), then steps.
+void run_step(ShardedOptimizer& opt, int step, int first, int last, float factor = 1.0f) {
+  for (int mb = first; mb < last; ++mb) {
+    opt.begin_backward(mb + 1 == last);
+    for (std::size_t i = kModel.size(); i-- > 0;) {
+      std::vector<float> g(numel(kModel[i]));
+      for (std::size_t k = 0; k < g.size(); ++k)
+        g[k] = grad_value(static_cast<std::uint64_t>(mb), static_cast<std::uint64_t>(step), i, k) *
+               factor;
+      opt.accumulate_grad(i, g);
+      opt.grad_ready(i);
+    }
+  }
+  opt.step();
+}
+
+struct Snapshot {
+  std::vector<std::vector<float>> master, exp_avg;
+  std::vector<std::vector<std::uint16_t>> replica;  // raw bits (bf16 or the low half of f32)
+  std::vector<std::vector<float>> replica_f32;
+};
+Snapshot snapshot(ShardedOptimizer& opt) {
+  Snapshot s;
+  for (std::size_t i = 0; i < kModel.size(); ++i) {
+    const std::size_t n = numel(kModel[i]);
+    std::vector<float> m(n), e(n);
+    opt.get_master(i, m);
+    opt.get_state(StateArray::ExpAvg, i, e);
+    s.master.push_back(m);
+    s.exp_avg.push_back(e);
+    if (opt.options().param_dtype == DType::BF16) {
+      const std::span<bf16> r = opt.param<bf16>(i);
+      std::vector<std::uint16_t> bits(n);
+      std::memcpy(bits.data(), r.data(), n * sizeof(std::uint16_t));
+      s.replica.push_back(bits);
+      s.replica_f32.emplace_back();
+    } else {
+      const std::span<float> r = opt.param<float>(i);
+      s.replica.emplace_back();
+      s.replica_f32.emplace_back(r.begin(), r.end());
+    }
+  }
+  return s;
+}
+template <class T>
+bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
+  return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0;
+}
+void expect_same(const Snapshot& a, const Snapshot& b, const std::string& what) {
+  for (std::size_t i = 0; i < kModel.size(); ++i) {
+    EXPECT_TRUE(same_bits(a.master[i], b.master[i])) << what << ": master of " << kModel[i].name;
+    EXPECT_TRUE(same_bits(a.exp_avg[i], b.exp_avg[i])) << what << ": exp_avg of " << kModel[i].name;
+    EXPECT_TRUE(same_bits(a.replica[i], b.replica[i])) << what << ": replica of " << kModel[i].name;
+    EXPECT_TRUE(same_bits(a.replica_f32[i], b.replica_f32[i]))
+        << what << ": replica of " << kModel[i].name;
+  }
+}
+
+// ---- the double model of torch.optim.Muon (tests/test_muon.cpp's) ---------------------------
+
+std::vector<double> ns_double(std::size_t rows, std::size_t cols, const std::vector<double>& u,
+                              double a, double b, double c, double eps, int steps) {
+  const bool tr = rows > cols;
+  const std::size_t m = tr ? cols : rows, n = tr ? rows : cols;
+  std::vector<double> x(m * n), s(m * m), ss(m * m), y(m * n);
+  for (std::size_t i = 0; i < m; ++i)
+    for (std::size_t j = 0; j < n; ++j) x[i * n + j] = tr ? u[j * m + i] : u[i * n + j];
+  double norm = 0;
+  for (double v : x) norm += v * v;
+  norm = std::max(std::sqrt(norm), eps);
+  for (double& v : x) v /= norm;
+  for (int it = 0; it < steps; ++it) {
+    for (std::size_t i = 0; i < m; ++i)
+      for (std::size_t j = 0; j < m; ++j) {
+        double acc = 0;
+        for (std::size_t k = 0; k < n; ++k) acc += x[i * n + k] * x[j * n + k];
+        s[i * m + j] = acc;
+      }
+    std::fill(ss.begin(), ss.end(), 0.0);
+    for (std::size_t i = 0; i < m; ++i)
+      for (std::size_t k = 0; k < m; ++k)
+        for (std::size_t j = 0; j < m; ++j) ss[i * m + j] += s[i * m + k] * s[k * m + j];
+    for (std::size_t e = 0; e < m * m; ++e) ss[e] = b * s[e] + c * ss[e];
+    for (std::size_t e = 0; e < m * n; ++e) y[e] = a * x[e];
+    for (std::size_t i = 0; i < m; ++i)
+      for (std::size_t k = 0; k < m; ++k)
+        for (std::size_t j = 0; j < n; ++j) y[i * n + j] += ss[i * m + k] * x[k * n + j];
+    std::swap(x, y);
+  }
+  std::vector<double> out(rows * cols);
+  for (std::size_t i = 0; i < m; ++i)
+    for (std::size_t j = 0; j < n; ++j) (tr ? out[j * m + i] : out[i * n + j]) = x[i * n + j];
+  return out;
+}
+
+void model_step(const MuonConfig& mc, double lr, double wd, std::size_t rows, std::size_t cols,
+                std::vector<double>& p, std::vector<double>& buf, const std::vector<double>& g) {
+  const double mu = mc.momentum;
+  std::vector<double> u(p.size());
+  for (std::size_t e = 0; e < p.size(); ++e) {
+    buf[e] = buf[e] + (1 - mu) * (g[e] - buf[e]);
+    u[e] = mc.nesterov ? g[e] + mu * (buf[e] - g[e]) : buf[e];
+  }
+  const std::vector<double> o = ns_double(rows, cols, u, mc.ns_a, mc.ns_b, mc.ns_c, mc.eps, mc.ns_steps);
+  const double r = static_cast<double>(rows), c = static_cast<double>(cols);
+  const double ratio = mc.lr_adjust == MuonLrAdjust::Original        ? std::sqrt(std::max(1.0, r / c))
+                       : mc.lr_adjust == MuonLrAdjust::MatchRmsAdamW ? 0.2 * std::sqrt(std::max(r, c))
+                                                                     : 1.0;
+  for (std::size_t e = 0; e < p.size(); ++e) p[e] = p[e] * (1 - lr * wd) - lr * ratio * o[e];
+}
+
+double rel_frobenius(const std::vector<float>& x, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    num += (x[i] - ref[i]) * (x[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / den);
+}
+
+// Micro-batches per step in the bit-identity tests: divisible by 1, 2, 3 and 4 ranks.
+constexpr int kMicroBatches = 12;
+
+}  // namespace
+
+// (a) Ten steps against the double model, every matrix; the three lr adjustments and
+// nesterov off once each. One micro-batch per rank.
+TEST(MuonRule, TenStepsMatchTheDoubleModel) {
+  const int world = test::world_size(), rank = test::world_rank();
+  struct Case {
+    GroupOptions g;
+    double lr_scale;
+    bool decay;
+  };
+  const std::vector<Case> cases = {{muon_group(true, MuonLrAdjust::Original), 1.0, true},
+                                   {muon_group(false, MuonLrAdjust::MatchRmsAdamW), 0.5, true},
+                                   {muon_group(true, MuonLrAdjust::None), 1.0, false}};
+  for (const Case& c : cases) {
+    GroupOptions g = c.g;
+    g.lr_scale = c.lr_scale;
+    g.weight_decay = c.decay;
+    const OptimizerOptions o = muon_options(20000);
+    auto opt = make(test::world(), o, g);
+    const double lr = o.adam.lr * c.lr_scale, wd = c.decay ? o.adam.weight_decay : 0.0;
+    std::vector<std::vector<double>> pd, bd;
+    for (std::size_t i = 0; i < kModel.size(); ++i) {
+      std::vector<double> p(numel(kModel[i]));
+      for (std::size_t k = 0; k < p.size(); ++k) p[k] = init_value(i, k);
+      pd.push_back(p);
+      bd.emplace_back(p.size(), 0.0);
+    }
+    const std::vector<std::vector<double>> p0 = pd;
+    for (int t = 0; t < 10; ++t) {
+      run_step(*opt, t, rank, rank + 1);
+      for (std::size_t i = 0; i < kModel.size(); ++i) {
+        if (!kModel[i].cols) continue;
+        std::vector<double> gsum(pd[i].size(), 0.0);
+        for (int r = 0; r < world; ++r)
+          for (std::size_t k = 0; k < gsum.size(); ++k)
+            gsum[k] += grad_value(static_cast<std::uint64_t>(r), static_cast<std::uint64_t>(t), i, k);
+        for (double& v : gsum) v /= world;
+        model_step(g.muon, lr, wd, kModel[i].rows, kModel[i].cols, pd[i], bd[i], gsum);
+      }
+    }
+    for (std::size_t i = 0; i < kModel.size(); ++i) {
+      const std::size_t n = numel(kModel[i]);
+      std::vector<float> m(n), e(n);
+      opt->get_master(i, m);
+      opt->get_state(StateArray::ExpAvg, i, e);
+      if (!kModel[i].cols) {  // AdamW moved it
+        std::vector<float> init(n);
+        for (std::size_t k = 0; k < n; ++k) init[k] = init_value(i, k);
+        EXPECT_FALSE(same_bits(m, init)) << kModel[i].name;
+        continue;
+      }
+      std::vector<float> dp(n);
+      std::vector<double> dd(n);
+      for (std::size_t k = 0; k < n; ++k) {
+        dp[k] = static_cast<float>(static_cast<double>(m[k]) - p0[i][k]);
+        dd[k] = pd[i][k] - p0[i][k];
+      }
+      const double err = rel_frobenius(m, pd[i]), err_change = rel_frobenius(dp, dd),
+                   err_m = rel_frobenius(e, bd[i]);
+      if (rank == 0)
+        std::printf("  %s %zux%zu (%s): master %.3g, change %.3g, momentum %.3g\n", kModel[i].name,
+                    kModel[i].rows, kModel[i].cols, muon_lr_adjust_name(g.muon.lr_adjust), err,
+                    err_change, err_m);
+      // test_muon measures ~3e-7 (master) and ~1.5e-6 (change) on the bare math.
+      EXPECT_LT(err, 1e-6) << kModel[i].name;
+      EXPECT_LT(err_change, 5e-6) << kModel[i].name;
+      EXPECT_LT(err_m, 1e-6) << kModel[i].name;
+      // The bf16 replica is the master rounded.
+      const std::span<bf16> r = opt->param<bf16>(i);
+      for (std::size_t k = 0; k < n; ++k)
+        ASSERT_EQ(r[k].bits, float_to_bf16_bits(m[k])) << kModel[i].name << " " << k;
+    }
+  }
+}
+
+// (b) The same bits at every rank count and bucket size as one process running every rank's
+// micro-batches (12 per step, spread evenly), bf16 and fp32 replicas.
+TEST(MuonRule, SameBitsAsOneProcessAtAnyRankCountAndBucketSize) {
+  const int world = test::world_size(), rank = test::world_rank();
+  const int per_rank = kMicroBatches / world;
+  ASSERT_EQ(per_rank * world, kMicroBatches);
+  for (DType dtype : {DType::BF16, DType::F32})
+    for (std::size_t bucket : {std::size_t{16384}, std::size_t{24000}, std::size_t{70000}}) {
+      const OptimizerOptions o = muon_options(bucket, dtype);
+      auto opt = make(test::world(), o, muon_group());
+      auto single = make(make_single_process_communicator(), o, muon_group());
+      for (int t = 0; t < 4; ++t) {
+        run_step(*opt, t, rank * per_rank, (rank + 1) * per_rank);
+        run_step(*single, t, 0, kMicroBatches);
+      }
+      expect_same(snapshot(*opt), snapshot(*single),
+                  std::string(dtype_name(dtype)) + ", bucket " + std::to_string(bucket));
+    }
+}
+
+// (c) Four micro-batches give the bits of one micro-batch of their average: Newton-Schulz
+// runs once per step on the reduced gradient, not per micro-batch.
+TEST(MuonRule, MicroBatchesAreSummedBeforeNewtonSchulz) {
+  const OptimizerOptions o = muon_options(24000);
+  auto four = make(test::world(), o, muon_group());
+  auto one = make(test::world(), o, muon_group());
+  for (int t = 0; t < 3; ++t) {
+    run_step(*four, t, 0, 4);
+    // The average of the four (exact: multiples of 2^-12, summed exactly).
+    one->begin_backward(true);
+    for (std::size_t i = kModel.size(); i-- > 0;) {
+      std::vector<float> g(numel(kModel[i]), 0.0f);
+      for (int mb = 0; mb < 4; ++mb)
+        for (std::size_t k = 0; k < g.size(); ++k)
+          g[k] += grad_value(static_cast<std::uint64_t>(mb), static_cast<std::uint64_t>(t), i, k);
+      for (float& v : g) v *= 0.25f;
+      one->accumulate_grad(i, g);
+      one->grad_ready(i);
+    }
+    one->step();
+  }
+  expect_same(snapshot(*four), snapshot(*one), "4 micro-batches against 1");
+}
+
+// Reproducible mode runs Muon too: the same bits as the default mode with exact gradients.
+TEST(MuonRule, ReproducibleModeMatchesTheDefault) {
+  const int world = test::world_size(), rank = test::world_rank();
+  const int per_rank = kMicroBatches / world;
+  OptimizerOptions o = muon_options(24000);
+  auto opt = make(test::world(), o, muon_group());
+  o.reduction = Reduction::Reproducible;
+  auto exact = make(test::world(), o, muon_group());
+  for (int t = 0; t < 3; ++t) {
+    run_step(*opt, t, rank * per_rank, (rank + 1) * per_rank);
+    run_step(*exact, t, rank * per_rank, (rank + 1) * per_rank);
+  }
+  expect_same(snapshot(*opt), snapshot(*exact), "reproducible against default");
+}
+
+// (d) The refusals, the same error on every rank.
+TEST(MuonRule, RefusalsAreTheSameOnEveryRank) {
+  auto finalize_with = [](OptimizerOptions o, bool vector_in_muon) {
+    return [o, vector_in_muon] {
+      ShardedOptimizer opt(test::world(), o);
+      const int muon = opt.add_group(muon_group());
+      opt.add_param("w", Shape2D{64, 32}, muon);
+      opt.add_param("bias", 64, vector_in_muon ? muon : 0);
+      opt.finalize();
+    };
+  };
+  const OptimizerOptions ok = muon_options(4096);
+  test::expect_same_error(Status::InvalidArgument, finalize_with(ok, true),
+                          {"'bias'", "Muon", "not a 2-D matrix"}, "1-D parameter in a Muon group");
+  test::expect_same_error(
+      Status::InvalidArgument,
+      [&] {
+        ShardedOptimizer opt(test::world(), ok);
+        const int muon = opt.add_group(muon_group());
+        opt.add_param("row", Shape2D{1, 64}, muon);
+        opt.finalize();
+      },
+      {"'row'", "not a 2-D matrix"}, "1 x n parameter in a Muon group");
+  OptimizerOptions flat = ok;
+  flat.ownership = Ownership::Flat;
+  test::expect_same_error(Status::InvalidArgument, finalize_with(flat, false),
+                          {"Muon needs whole matrices", "Ownership::Whole"}, "Flat layout");
+  for (Stage s : {Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
+    OptimizerOptions staged = ok;
+    staged.stage = s;
+    test::expect_same_error(Status::Unsupported, finalize_with(staged, false),
+                            {"ownership Whole", stage_name(s)}, stage_name(s));
+  }
+  OptimizerOptions small = ok;
+  small.bucket_elems = 1000;  // the 64 x 32 matrix spans buckets
+  test::expect_same_error(Status::InvalidArgument, finalize_with(small, false),
+                          {"'w'", "spans", "bucket"}, "matrix spanning buckets");
+  // Invalid Muon settings are refused by add_group on every rank.
+  GroupOptions bad = muon_group();
+  bad.muon.ns_steps = 100;
+  test::expect_same_error(
+      Status::InvalidArgument, [&] { ShardedOptimizer(test::world(), ok).add_group(bad); },
+      {"ns_steps"}, "ns_steps 100");
+  bad = muon_group();
+  bad.muon.momentum = 1.0;
+  test::expect_same_error(
+      Status::InvalidArgument, [&] { ShardedOptimizer(test::world(), ok).add_group(bad); },
+      {"momentum"}, "momentum 1");
+  // Checkpoints of Muon state: refused clearly.
+  auto opt = make(test::world(), ok.bucket_elems < 16384 ? muon_options(20000) : ok, muon_group());
+  test::expect_same_error(
+      Status::Unsupported,
+      [&] { save_checkpoint(*opt, std::filesystem::temp_directory_path() / "shardopt_muon_ckpt"); },
+      {"Muon"}, "save_checkpoint");
+}
+
+// (e) The memory each rank holds is the planner's: 4 bytes of state per Muon element.
+TEST(MuonRule, MemoryReportEqualsThePlan) {
+  const int world = test::world_size();
+  for (DType dtype : {DType::BF16, DType::F32}) {
+    auto opt = make(test::world(), muon_options(20000, dtype), muon_group());
+    PlanConfig pc = plan_config(opt->options(), world);
+    pc.groups = opt->groups();
+    pc.rank = test::world_rank();
+    FlatLayout unbuilt;
+    for (const ParamInfo& p : opt->layout().params())
+      unbuilt.add(p.name, p.numel, p.group, p.unit, p.rows > 1 ? Shape2D{p.rows, p.cols} : Shape2D{});
+    const MemoryPlan plan = plan_memory(unbuilt, pc);
+    const MemoryReport rep = opt->memory_report();
+    for (MemCategory cat : {MemCategory::Params, MemCategory::Grads, MemCategory::Master,
+                            MemCategory::Moments})
+      EXPECT_EQ(plan[cat], rep[cat]) << mem_category_name(cat) << " " << dtype_name(dtype);
+    // Moments: 4 bytes per Muon element, 8 per AdamW element (and their padding).
+    std::size_t muon = 0, adamw = 0;
+    for (const P& p : kModel) (p.cols ? muon : adamw) += numel(p);
+    EXPECT_GE(rep[MemCategory::Moments], 4 * muon + 8 * adamw);
+    EXPECT_LT(rep[MemCategory::Moments], 8 * (muon + adamw));
+  }
+}
