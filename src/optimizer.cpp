@@ -321,8 +321,9 @@ void ShardedOptimizer::finalize() {
             std::string("ownership Whole: not built yet at stage ") + stage_name(options_.stage) +
                 " (it runs at data-parallel only)");
     if (options_.ownership == Ownership::Whole) layout.set_ownership(Ownership::Whole);
-    layout.build(comm_->size(), options_.bucket_elems, auto_bucket_cap(options_.device),
-                 rules::layout_align(layout, groups_));
+    const std::size_t cap = auto_bucket_cap(options_.device);
+    layout.build(comm_->size(), rules::layout_bucket_elems(layout, groups_, options_.bucket_elems, cap),
+                 cap, rules::layout_align(layout, groups_));
     check_muon_buckets(layout, groups_);
   });
 

@@ -118,8 +118,10 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
             "plan_memory: the layout is built with another alignment than these groups' rules "
             "need (AdamW8bit: 256 elements)");
   } else {
-    built.build(config.world_size, config.bucket_elems, auto_bucket_cap(config.device),
-                rules::layout_align(built, config.groups));
+    built.build(config.world_size,
+                rules::layout_bucket_elems(built, config.groups, config.bucket_elems,
+                                           auto_bucket_cap(config.device)),
+                auto_bucket_cap(config.device), rules::layout_align(built, config.groups));
   }
 
   // The very plan ShardedOptimizer::finalize() allocates from.

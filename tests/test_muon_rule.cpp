@@ -407,9 +407,13 @@ TEST(MuonRule, RefusalsAreTheSameOnEveryRank) {
 // (e) The memory each rank holds is the planner's: 4 bytes of state per Muon element.
 TEST(MuonRule, MemoryReportEqualsThePlan) {
   const int world = test::world_size();
-  for (DType dtype : {DType::BF16, DType::F32}) {
-    auto opt = make(test::world(), muon_options(20000, dtype), muon_group());
+  for (DType dtype : {DType::BF16, DType::F32})
+  for (std::size_t bucket : {std::size_t{20000}, std::size_t{0}}) {
+    auto opt = make(test::world(), muon_options(bucket, dtype), muon_group());
     PlanConfig pc = plan_config(opt->options(), world);
+    // Automatic: raised from 4096 to the largest matrix (128 x 128), in the planner too.
+    if (bucket == 0) EXPECT_EQ(opt->options().bucket_elems, 128u * 128u);
+    pc.bucket_elems = bucket;
     pc.groups = opt->groups();
     pc.rank = test::world_rank();
     FlatLayout unbuilt;

@@ -540,6 +540,13 @@ TEST(Ownership, FinalizeRefusesWhole) {
     EXPECT_NE(std::string(e.what()).find("ownership Whole: not built yet"), std::string::npos)
         << e.what();
   }
+  // Data-parallel runs Whole (every rank holds every matrix whole; Rule::Muon needs it).
+  OptimizerOptions dp = o;
+  dp.stage = Stage::DataParallel;
+  ShardedOptimizer whole(make_single_process_communicator(), dp);
+  whole.add_param("w", 64);
+  EXPECT_NO_THROW(whole.finalize());
+  EXPECT_EQ(whole.layout().ownership(), Ownership::Whole);
   OptimizerOptions bad;
   bad.ownership = static_cast<Ownership>(7);
   EXPECT_THROW(ShardedOptimizer(make_single_process_communicator(), bad), Error);

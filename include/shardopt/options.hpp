@@ -159,8 +159,9 @@ struct OptimizerOptions {
   /// Gradients are reduced, and stage 1/2 parameters gathered, in buckets of about this many
   /// elements; a larger parameter spans several. 0 (the default): automatic, an eighth of
   /// the model between 4096 and 2^20 elements, 2^24 on Device::Cuda
-  /// (FlatLayout::auto_bucket_elems: why), so that stage 2 saves memory on small models too.
-  /// finalize() stores the size it chose here.
+  /// (FlatLayout::auto_bucket_elems: why), so that stage 2 saves memory on small models too;
+  /// raised to the largest Rule::Muon matrix where that is larger (a matrix must fit one
+  /// bucket). finalize() stores the size it chose here.
   std::size_t bucket_elems = 0;
   /// Start each bucket's collective as soon as it is complete (and, after the update, gather
   /// the replica bucket by bucket) instead of doing all communication inside step().

@@ -71,6 +71,13 @@ std::vector<Rule> param_rules(const FlatLayout& layout, std::span<const GroupOpt
 /// 8-bit state, else kAlignElems.
 std::size_t layout_align(const FlatLayout& layout, std::span<const GroupOptions> groups);
 
+/// The bucket_elems to build `layout` with: `requested`, except that an automatic size (0)
+/// is raised to the largest Muon matrix when FlatLayout::auto_bucket_elems(registered
+/// elements, max_auto_elems) is smaller, so that every matrix fits one bucket (a Muon matrix
+/// must be whole in one bucket; plan_ownership raises its automatic size the same way).
+std::size_t layout_bucket_elems(const FlatLayout& layout, std::span<const GroupOptions> groups,
+                                std::size_t requested, std::size_t max_auto_elems);
+
 /// The public state arrays: ExpAvg / ExpAvgSq are fp32 values under every rule (AdamW8bit's
 /// dequantized); which slot holds them under `rule` (AdamW8bit: its codes).
 constexpr Slot slot_of(StateArray a, Rule rule) {

@@ -32,6 +32,17 @@ std::size_t layout_align(const FlatLayout& layout, std::span<const GroupOptions>
   return FlatLayout::kAlignElems;
 }
 
+std::size_t layout_bucket_elems(const FlatLayout& layout, std::span<const GroupOptions> groups,
+                                std::size_t requested, std::size_t max_auto_elems) {
+  if (requested != 0) return requested;
+  std::size_t largest = 0;
+  const std::vector<Rule> rules = param_rules(layout, groups);
+  for (std::size_t i = 0; i < rules.size(); ++i)
+    if (rules[i] == Rule::Muon) largest = std::max(largest, layout.param(i).numel);
+  const std::size_t automatic = FlatLayout::auto_bucket_elems(layout.unpadded_size(), max_auto_elems);
+  return largest > automatic ? largest : 0;  // 0: build() picks the automatic size itself
+}
+
 StateLayout::StateLayout(const FlatLayout& layout, std::span<const GroupOptions> groups,
                          Stage stage, int rank) {
   const std::vector<Rule> rules = param_rules(layout, groups);

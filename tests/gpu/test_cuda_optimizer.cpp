@@ -379,6 +379,29 @@ TEST(CudaDevice, AutomaticBucketSizeIsTheDevicePlanners) {
   EXPECT_EQ(plan.bucket_elems, largest);
 }
 
+// Rule::Muon has no device kernels: finalize() refuses it with Error(Unsupported) on every
+// rank, before anything is allocated (issue 32).
+TEST(CudaDevice, RefusesTheMuonRule) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  OptimizerOptions o;
+  o.device = Device::Cuda;
+  o.stage = Stage::DataParallel;
+  o.ownership = Ownership::Whole;
+  ShardedOptimizer opt(test::gpu_world(), o);
+  GroupOptions muon;
+  muon.rule = Rule::Muon;
+  opt.add_param("w", Shape2D{64, 32}, opt.add_group(muon));
+  opt.add_param("b", 64, 0);
+  try {
+    opt.finalize();
+    FAIL() << "finalize() accepted Muon on Device::Cuda";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Muon rule runs on Device::Cpu only"), std::string::npos)
+        << e.what();
+  }
+}
+
 // Device buffers cannot go through a host communicator, at any size (even one rank runs host
 // code on the data: the bf16 wire's rounding): every rank gets the same InvalidArgument
 // before anything is allocated (needs no GPU).
