@@ -245,11 +245,24 @@ void ShardedOptimizer::finalize() {
   FlatLayout layout = layout_;
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
-    // Whole-tensor ownership is planned (ownership.hpp) but the step does not run it yet.
-    require(options_.ownership == Ownership::Flat, Status::Unsupported,
-            "ownership Whole: not built yet");
+    // Whole-tensor ownership (ownership.hpp) runs stages 0 to 2 on the CPU with the default
+    // reduction; the rest assumes equal slices.
+    if (options_.ownership == Ownership::Whole) {
+      require(options_.stage != Stage::Zero3, Status::Unsupported,
+              "ownership Whole: stage 3 (zero3) is not supported yet (its unit gathers assume "
+              "equal slices); use stage 0, 1 or 2");
+      require(options_.reduction != Reduction::Reproducible, Status::Unsupported,
+              "ownership Whole: Reduction::Reproducible is not supported yet (its exact "
+              "exchange assumes equal slices); use the default reduction");
+      require(options_.device == Device::Cpu, Status::Unsupported,
+              "ownership Whole: Device::Cuda is not supported yet; use the CPU");
+      layout.set_ownership(Ownership::Whole);
+    }
     layout.build(comm_->size(), options_.bucket_elems, auto_bucket_cap(options_.device),
                  rules::layout_align(layout, groups_));
+    if (options_.ownership == Ownership::Whole)
+      layout.apply_owners(
+          assign_owners(layout, rules::owner_costs(layout, groups_, options_.param_dtype)));
   });
 
   // Every rank compares everyone's fingerprint, so all of them detect a mismatch.
@@ -416,7 +429,8 @@ Rule ShardedOptimizer::rule_of(std::size_t i) const {
 
 std::size_t ShardedOptimizer::local_size() const {
   require_finalized("local_size");
-  return options_.stage == Stage::DataParallel ? layout_.padded_size() : layout_.shard_size();
+  return options_.stage == Stage::DataParallel ? layout_.padded_size()
+                                               : layout_.shard_size(comm_->rank());
 }
 
 std::vector<ShardPiece> ShardedOptimizer::local_pieces() const {

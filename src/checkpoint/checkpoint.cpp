@@ -312,6 +312,9 @@ fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveO
   const int rank = comm.rank();
   collective(comm, "save_checkpoint", [&] {
     require(opt.finalized(), Status::InvalidState, "save_checkpoint: finalize() first");
+    require(opt.options().ownership == Ownership::Flat, Status::Unsupported,
+            "save_checkpoint: ownership Whole: checkpoints of a Whole layout are not "
+            "supported yet");
     require(options.keep >= 1, Status::InvalidArgument, "save_checkpoint: keep must be >= 1");
   });
 
@@ -509,6 +512,9 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
   std::uint64_t identity = 0;  // must agree: every rank loads the same checkpoint
   collective(comm, "load_checkpoint", [&] {
           require(opt.finalized(), Status::InvalidState, "load_checkpoint: finalize() first");
+          require(opt.options().ownership == Ownership::Flat, Status::Unsupported,
+                  "load_checkpoint: ownership Whole: checkpoints of a Whole layout are not "
+                  "supported yet");
           const fs::path dir = resolve_checkpoint_dir(path);
           m = read_metadata(dir);
           check_compatible(m, opt);
