@@ -188,13 +188,18 @@ void ShardedOptimizer::set_group(int group, const GroupOptions& g) {
 }
 
 std::size_t ShardedOptimizer::add_param(std::string_view name, std::size_t numel, int group) {
+  return add_param(name, numel, group, Shape2D{});
+}
+
+std::size_t ShardedOptimizer::add_param(std::string_view name, std::size_t numel, int group,
+                                        Shape2D shape) {
   require_registering("add_param");
   require(group >= 0 && static_cast<std::size_t>(group) < groups_.size(),
           Status::InvalidArgument,
           "add_param: parameter '" + std::string(name) + "' names group " +
               std::to_string(group) + ", but only " + std::to_string(groups_.size()) +
               " groups exist");
-  return layout_.add(name, numel, group, current_unit_);
+  return layout_.add(name, numel, group, current_unit_, shape);
 }
 
 int ShardedOptimizer::begin_unit() {

@@ -94,6 +94,16 @@ std::vector<GroupOptions> groups() {
   return {adamw, lion, q8};
 }
 
+// Some parameters registered with a 2-D shape (rows x cols), the rest without.
+Shape2D shape_of(std::size_t i) {
+  switch (kSizes[i]) {
+    case 300: return {20, 15};
+    case 1000: return {40, 25};
+    case 2048: return {32, 64};
+    default: return {};
+  }
+}
+
 float grad_value(int rank, int step, std::size_t i, std::size_t k) {
   const std::uint64_t h = fnv1a64(&k, sizeof k, (static_cast<std::uint64_t>(rank) * 131 + step) * 7919 + i);
   return static_cast<float>(static_cast<int>(h % 2001) - 1000) / 1024.0f;  // multiples of 2^-10
@@ -118,7 +128,7 @@ std::unique_ptr<ShardedOptimizer> make(const OptimizerOptions& o, std::shared_pt
   opt->add_group(g[1]);
   opt->add_group(g[2]);
   for (std::size_t i = 0; i < kSizes.size(); ++i)
-    opt->add_param("p" + std::to_string(i), kSizes[i], kGroups[i]);
+    opt->add_param("p" + std::to_string(i), kSizes[i], kGroups[i], shape_of(i));
   return opt;
 }
 
@@ -176,7 +186,7 @@ Result run(const RunSpec& r, CountingComm* counter = nullptr) {
   pc.grad_views_across_buckets = true;   // grad() of the parameter across buckets (stage 2)
   pc.accumulate_without_sync = r.micro > 1;
   FlatLayout unbuilt;
-  for (std::size_t i = 0; i < kSizes.size(); ++i) unbuilt.add("p" + std::to_string(i), kSizes[i], kGroups[i]);
+  for (std::size_t i = 0; i < kSizes.size(); ++i) unbuilt.add("p" + std::to_string(i), kSizes[i], kGroups[i], 0, shape_of(i));
   EXPECT_EQ(opt->memory_report().bytes, plan_memory(unbuilt, pc).bytes) << "rank " << rank;
   EXPECT_EQ(opt->memory_report().bytes, plan_memory(opt->layout(), pc).bytes) << "rank " << rank;
   return res;

@@ -93,6 +93,10 @@ class ShardedOptimizer {
   /// Registers a parameter; returns its index. Throws for an empty/duplicate name, zero
   /// size or unknown group.
   std::size_t add_param(std::string_view name, std::size_t numel, int group = 0);
+  /// The same with the parameter's 2-D shape (rows x cols == numel, torch's storage order):
+  /// whole-tensor ownership prices a matrix rule's parameters by it (ownership.hpp); it
+  /// enters only a Whole layout's fingerprint.
+  std::size_t add_param(std::string_view name, std::size_t numel, int group, Shape2D shape);
   /// Starts a new unit and returns its index: parameters registered from now on belong to it
   /// (until the next begin_unit()). Unit 0 is open from the start, and a unit with no
   /// parameters yet is reused, so the first call returns 0. Buckets never straddle units

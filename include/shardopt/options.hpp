@@ -146,8 +146,9 @@ struct OptimizerOptions {
   /// Default, or Reproducible (see Reduction; needs reduce_dtype F32 and Device::Cpu).
   Reduction reduction = Reduction::Default;
   /// Flat (equal slices of every bucket), or Whole (every parameter on one rank:
-  /// ownership.hpp). Whole is planned (plan_ownership) but not built yet: finalize() refuses it
-  /// with Error(Unsupported), so nothing silently runs a Flat layout in its place.
+  /// ownership.hpp). Whole runs stages 0, 1 and 2 on the CPU with the default reduction;
+  /// finalize() refuses it (Error(Unsupported)) at stage 3, with Reduction::Reproducible or
+  /// Device::Cuda, and save_checkpoint / load_checkpoint refuse a Whole optimizer.
   Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------
