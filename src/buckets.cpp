@@ -90,9 +90,10 @@ void BucketSet::finish_op(std::size_t b) {
     // rank's offset, and when a reduction completes differs between ranks.
     const Bucket& bk = layout_.bucket(b);
     float* slot = slot_data(s.slot);
-    backend_.accumulate(grads_.as<float>() + bk.local_begin,
-                        slot + static_cast<std::size_t>(comm_.rank()) * bk.slice_elems,
-                        DType::F32, bk.slice_elems);
+    const int me = comm_.rank();
+    backend_.accumulate(grads_.as<float>() + bk.local_begin_of(me),
+                        slot + (bk.slice(me).begin - bk.flat.begin), DType::F32,
+                        bk.slice_size(me));
     backend_.fill_zero(slot, bk.flat.size() * sizeof(float));
   }
   // The norm's part now, while the slice just written is in cache; a later reduction of the
@@ -249,7 +250,9 @@ void BucketSet::start_grad_sync(std::size_t b) {
     begin_op(b, Op::GradSync,
              cfg_.stage == Stage::DataParallel
                  ? comm_.start_all_reduce_sum(data, bk.flat.size(), cfg_.wire)
-                 : comm_.start_reduce_scatter_sum(data, bk.slice_elems, cfg_.wire));
+             : bk.equal_cut ? comm_.start_reduce_scatter_sum(data, bk.slice_elems, cfg_.wire)
+                            // Whole ownership: the bucket's ragged per-rank ranges
+                            : comm_.start_reduce_scatter_sum_v(data, bk.counts, cfg_.wire));
   }
   grad_in_flight_.push_back(b);
   next_start_ = b + 1;
@@ -381,20 +384,20 @@ Range BucketSet::window(std::size_t b) const {
 
 std::size_t BucketSet::window_local(std::size_t b) const {
   const Bucket& bk = layout_.bucket(b);
-  return cfg_.stage == Stage::DataParallel ? bk.flat.begin : bk.local_begin;
+  return cfg_.stage == Stage::DataParallel ? bk.flat.begin : bk.local_begin_of(comm_.rank());
 }
 
 const float* BucketSet::reduced_grad(std::size_t b) const {
-  if (staged()) return grads_.as<float>() + layout_.bucket(b).local_begin;
+  if (staged()) return grads_.as<float>() + layout_.bucket(b).local_begin_of(comm_.rank());
   return grads_.as<float>() + window(b).begin;
 }
 
 Backend::Slice BucketSet::norm_slice(std::size_t b) const {
   const Bucket& bk = layout_.bucket(b);
-  const std::size_t skip = cfg_.stage == Stage::DataParallel
-                               ? static_cast<std::size_t>(comm_.rank()) * bk.slice_elems
-                               : 0;
-  return {reduced_grad(b) + skip, bk.slice_elems};
+  const int me = comm_.rank();
+  const std::size_t skip =
+      cfg_.stage == Stage::DataParallel ? bk.slice(me).begin - bk.flat.begin : 0;
+  return {reduced_grad(b) + skip, bk.slice_size(me)};
 }
 
 std::span<const double> BucketSet::norm_sums() const { return norm_sums_; }
@@ -429,9 +432,11 @@ void BucketSet::zero_grads() {
 void BucketSet::start_param_sync(std::size_t b) {
   const Bucket& bk = layout_.bucket(b);
   const std::size_t elem = cfg_.param_type == CommType::F32 ? 4 : 2;
+  char* data = replica_ + bk.flat.begin * elem;
   begin_op(b, Op::ParamSync,
-           comm_.start_all_gather(replica_ + bk.flat.begin * elem, bk.slice_elems,
-                                  cfg_.param_type));
+           bk.equal_cut ? comm_.start_all_gather(data, bk.slice_elems, cfg_.param_type)
+                        // Whole ownership: the bucket's ragged per-rank ranges
+                        : comm_.start_all_gather_v(data, bk.counts, cfg_.param_type));
 }
 
 void BucketSet::wait_param(std::size_t i) {

@@ -14,7 +14,7 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
   constexpr std::size_t f32 = sizeof(float);
   const std::size_t padded = layout.padded_size();
   BufferPlan p;
-  p.local_elems = stage == Stage::DataParallel ? padded : layout.shard_size();
+  p.local_elems = stage == Stage::DataParallel ? padded : layout.shard_size(rank);
   const std::size_t psize = dtype_size(param_dtype);
   const bool zero3 = stage == Stage::Zero3;
   p.replica = {MemCategory::Params, (zero3 ? p.local_elems : padded) * psize, false};
@@ -40,7 +40,9 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
     // rank, or a model of one or two buckets) stage 2 keeps stage 1's full buffer, so it
     // never needs more memory than stage 1. Stage 3 keeps no full-size buffer on more than
     // one rank (on one, the full buffer is the shard).
-    if (layout.world_size() > 1 && (zero3 || p.local_elems + staging < padded)) {
+    // (The largest rank's shard: with Whole ownership shards differ, the scheme must not.)
+    const std::size_t largest_shard = layout.shard_size();
+    if (layout.world_size() > 1 && (zero3 || largest_shard + staging < padded)) {
       p.grads_scheme = GradScheme::Staged;
       p.slots = static_cast<int>(slots);
       p.slot_elems = sizes.front();

@@ -168,13 +168,34 @@ std::size_t FlatLayout::bucket_at(std::size_t flat) const {
   return static_cast<std::size_t>(it - buckets_.begin());
 }
 
+std::size_t Bucket::max_slice() const {
+  if (!ragged()) return slice_elems;
+  return *std::max_element(counts.begin(), counts.end());
+}
+
 int FlatLayout::owner_of(std::size_t flat) const {
   const Bucket& b = buckets_[bucket_at(flat)];
+  if (b.ragged()) {
+    for (int r = world_size_; r-- > 0;)  // the last rank whose range starts at or before it
+      if (b.counts[static_cast<std::size_t>(r)] > 0 && b.slice(r).begin <= flat) return r;
+    return 0;
+  }
   return static_cast<int>((flat - b.flat.begin) / b.slice_elems);
 }
 
 std::vector<ShardPiece> FlatLayout::pieces_in(Range window) const {
   std::vector<ShardPiece> out;
+  if (!by_flat_.empty()) {  // Whole, applied: parameters in flat order through by_flat_
+    auto it = std::upper_bound(by_flat_.begin(), by_flat_.end(), window.begin,
+                               [&](std::size_t pos, std::size_t i) { return pos < params_[i].flat.end; });
+    for (; it != by_flat_.end() && params_[*it].flat.begin < window.end; ++it) {
+      const ParamInfo& p = params_[*it];
+      const Range f = p.flat.intersect(window);
+      if (f.empty()) continue;
+      out.push_back(ShardPiece{*it, f, f.shifted_down(window.begin), f.shifted_down(p.flat.begin)});
+    }
+    return out;
+  }
   // Parameters are sorted by offset: binary search for the first one ending after window.begin.
   auto it = std::upper_bound(params_.begin(), params_.end(), window.begin,
                              [](std::size_t pos, const ParamInfo& p) { return pos < p.flat.end; });
@@ -187,14 +208,50 @@ std::vector<ShardPiece> FlatLayout::pieces_in(Range window) const {
   return out;
 }
 
+void FlatLayout::apply_owners(const OwnerPlan& plan) {
+  require(built() && ownership_ == Ownership::Whole, Status::InvalidState,
+          "apply_owners: the layout is not built with Whole ownership");
+  require(!owners_applied(), Status::InvalidState, "apply_owners: owners are already applied");
+  const std::size_t n = static_cast<std::size_t>(world_size_);
+  require(plan.world_size == world_size_ && plan.owner.size() == params_.size() &&
+              plan.flat.size() == params_.size() && plan.buckets.size() == buckets_.size(),
+          Status::InvalidArgument, "apply_owners: the plan is for another layout");
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    require(plan.flat[i].size() == params_[i].numel, Status::InvalidArgument,
+            "apply_owners: the plan is for another layout");
+    params_[i].flat = plan.flat[i];
+  }
+  owners_ = plan.owner;
+  shard_sizes_.assign(n, 0);
+  for (std::size_t b = buckets_.size(); b-- > 0;) {  // flat order: local order
+    Bucket& bk = buckets_[b];
+    const OwnedBucket& ob = plan.buckets[b];
+    require(ob.flat == bk.flat && ob.counts.size() == n && ob.offsets.size() == n,
+            Status::InvalidArgument, "apply_owners: the plan is for another layout");
+    bk.counts = ob.counts;
+    bk.offsets = ob.offsets;
+    bk.local_begins = shard_sizes_;
+    bk.equal_cut = true;
+    for (std::size_t r = 0; r < n; ++r) {
+      bk.equal_cut = bk.equal_cut && ob.counts[r] == bk.slice_elems;
+      shard_sizes_[r] += ob.counts[r];
+    }
+  }
+  by_flat_.resize(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) by_flat_[i] = i;
+  std::sort(by_flat_.begin(), by_flat_.end(),
+            [&](std::size_t x, std::size_t y) { return params_[x].flat.begin < params_[y].flat.begin; });
+}
+
 std::vector<ShardPiece> FlatLayout::owned_pieces(int rank) const {
   require(built(), Status::InvalidState, "the layout is not built");
   require(rank >= 0 && rank < world_size_, Status::InvalidArgument, "rank out of range");
   std::vector<ShardPiece> out;
   for (std::size_t b = buckets_.size(); b-- > 0;) {
     const Bucket& bk = buckets_[b];
+    const std::size_t lb = bk.local_begin_of(rank);
     for (ShardPiece pc : pieces_in(bk.slice(rank))) {
-      pc.local = Range{pc.local.begin + bk.local_begin, pc.local.end + bk.local_begin};
+      pc.local = Range{pc.local.begin + lb, pc.local.end + lb};
       out.push_back(pc);
     }
   }

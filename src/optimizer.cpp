@@ -188,13 +188,18 @@ void ShardedOptimizer::set_group(int group, const GroupOptions& g) {
   groups_[static_cast<std::size_t>(group)] = g;
 }
 
+// The group check of both add_param forms.
+namespace {
+void require_group(std::string_view name, int group, std::size_t groups) {
+  require(group >= 0 && static_cast<std::size_t>(group) < groups, Status::InvalidArgument,
+          "add_param: parameter '" + std::string(name) + "' names group " +
+              std::to_string(group) + ", but only " + std::to_string(groups) + " groups exist");
+}
+}  // namespace
+
 std::size_t ShardedOptimizer::add_param(std::string_view name, std::size_t numel, int group) {
   require_registering("add_param");
-  require(group >= 0 && static_cast<std::size_t>(group) < groups_.size(),
-          Status::InvalidArgument,
-          "add_param: parameter '" + std::string(name) + "' names group " +
-              std::to_string(group) + ", but only " + std::to_string(groups_.size()) +
-              " groups exist");
+  require_group(name, group, groups_.size());
   return layout_.add(name, numel, group, current_unit_);
 }
 
@@ -206,11 +211,7 @@ std::size_t ShardedOptimizer::add_param(std::string_view name, Shape2D shape, in
           "add_param: parameter '" + std::string(name) + "' has shape " +
               std::to_string(shape.rows) + " x " + std::to_string(shape.cols) +
               " (need rows > 0, cols > 0)");
-  require(group >= 0 && static_cast<std::size_t>(group) < groups_.size(),
-          Status::InvalidArgument,
-          "add_param: parameter '" + std::string(name) + "' names group " +
-              std::to_string(group) + ", but only " + std::to_string(groups_.size()) +
-              " groups exist");
+  require_group(name, group, groups_.size());
   return layout_.add(name, shape.rows * shape.cols, group, current_unit_, shape);
 }
 
@@ -314,17 +315,29 @@ void ShardedOptimizer::finalize() {
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
     check_muon_params(layout, groups_, options_);
-    // Whole-tensor ownership is planned (ownership.hpp); the step runs it at data-parallel,
-    // where every rank holds and updates every bucket whole, but not at stages 1-3 yet.
-    require(options_.ownership == Ownership::Flat || options_.stage == Stage::DataParallel,
-            Status::Unsupported,
-            std::string("ownership Whole: not built yet at stage ") + stage_name(options_.stage) +
-                " (it runs at data-parallel only)");
-    if (options_.ownership == Ownership::Whole) layout.set_ownership(Ownership::Whole);
+    // Whole-tensor ownership (ownership.hpp) runs stages 0 to 2 on the CPU with the default
+    // reduction; the rest assumes equal slices.
+    if (options_.ownership == Ownership::Whole) {
+      require(options_.stage != Stage::Zero3, Status::Unsupported,
+              "ownership Whole: stage 3 (zero3) is not supported yet (its unit gathers assume "
+              "equal slices); use stage 0, 1 or 2");
+      // Data-parallel all-reduces whole buckets, whatever the ownership.
+      require(options_.reduction != Reduction::Reproducible ||
+                  options_.stage == Stage::DataParallel,
+              Status::Unsupported,
+              "ownership Whole: Reduction::Reproducible is not supported yet at stages 1-2 (its "
+              "exact exchange assumes equal slices); use the default reduction or stage 0");
+      require(options_.device == Device::Cpu, Status::Unsupported,
+              "ownership Whole: Device::Cuda is not supported yet; use the CPU");
+      layout.set_ownership(Ownership::Whole);
+    }
     const std::size_t cap = auto_bucket_cap(options_.device);
     layout.build(comm_->size(), rules::layout_bucket_elems(layout, groups_, options_.bucket_elems, cap),
                  cap, rules::layout_align(layout, groups_));
     check_muon_buckets(layout, groups_);
+    if (options_.ownership == Ownership::Whole)
+      layout.apply_owners(
+          assign_owners(layout, rules::owner_costs(layout, groups_, options_.param_dtype)));
   });
 
   // Every rank compares everyone's fingerprint, so all of them detect a mismatch.
@@ -491,7 +504,8 @@ Rule ShardedOptimizer::rule_of(std::size_t i) const {
 
 std::size_t ShardedOptimizer::local_size() const {
   require_finalized("local_size");
-  return options_.stage == Stage::DataParallel ? layout_.padded_size() : layout_.shard_size();
+  return options_.stage == Stage::DataParallel ? layout_.padded_size()
+                                               : layout_.shard_size(comm_->rank());
 }
 
 std::vector<ShardPiece> ShardedOptimizer::local_pieces() const {

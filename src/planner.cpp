@@ -97,13 +97,18 @@ FlatLayout unit_per_tensor(const FlatLayout& layout) {
 
 MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   check(config);
-  // Whole at data-parallel holds the same buffers as Flat (every rank holds everything).
-  require(config.ownership == Ownership::Flat || config.stage == Stage::DataParallel,
-          Status::Unsupported,
-          "plan_memory: ownership Whole at stages 1-3: its per-rank buffers are not modelled "
-          "yet (the step does not run it); plan_ownership reports its owners and per-rank loads");
+  const bool whole = config.ownership == Ownership::Whole;
+  if (whole) {  // as finalize() refuses them
+    require(config.stage != Stage::Zero3, Status::Unsupported,
+            "plan_memory: ownership Whole: stage 3 (zero3) is not supported yet");
+    require(config.reduction != Reduction::Reproducible || config.stage == Stage::DataParallel,
+            Status::Unsupported,
+            "plan_memory: ownership Whole: Reduction::Reproducible is not supported yet at "
+            "stages 1-2");
+    require(config.device == Device::Cpu, Status::Unsupported,
+            "plan_memory: ownership Whole: Device::Cuda is not supported yet");
+  }
   FlatLayout built = layout;
-  if (!built.built() && config.ownership == Ownership::Whole) built.set_ownership(Ownership::Whole);
   if (built.built()) {
     require(built.world_size() == config.world_size, Status::InvalidArgument,
             "plan_memory: the layout is built for " + std::to_string(built.world_size()) +
@@ -117,12 +122,21 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
             Status::InvalidArgument,
             "plan_memory: the layout is built with another alignment than these groups' rules "
             "need (AdamW8bit: 256 elements)");
+    require(!whole || built.ownership() == Ownership::Whole, Status::InvalidArgument,
+            std::string("plan_memory: the layout is built with ") +
+                ownership_name(built.ownership()) + " ownership, the plan asks for " +
+                ownership_name(config.ownership));
   } else {
+    if (whole) built.set_ownership(Ownership::Whole);
     built.build(config.world_size,
                 rules::layout_bucket_elems(built, config.groups, config.bucket_elems,
                                            auto_bucket_cap(config.device)),
                 auto_bucket_cap(config.device), rules::layout_align(built, config.groups));
   }
+  // Whole: the very cut finalize() makes (its per-rank ranges size every local array).
+  if (whole && !built.owners_applied())
+    built.apply_owners(assign_owners(built, rules::owner_costs(built, config.groups,
+                                                               config.param_dtype)));
 
   // The very plan ShardedOptimizer::finalize() allocates from.
   const BufferPlan b =

@@ -501,12 +501,14 @@ TEST(Ownership, PlannerChecksItsInputs) {
   c.world_size = 4;
   c.matrix = m.matrix;
   c.ownership = Ownership::Whole;
+  c.stage = Stage::Zero3;  // plan_memory plans Whole at stages 0-2 only, as finalize() runs it
   try {
     plan_memory(m.layout, c);
-    FAIL() << "plan_memory planned a Whole layout";
+    FAIL() << "plan_memory planned a Whole layout at stage 3";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::Unsupported);
   }
+  c.stage = Stage::Zero1;
   c.matrix.push_back(false);  // more flags than parameters
   EXPECT_THROW(plan_ownership(m.layout, c), Error);
   c.matrix.pop_back();
@@ -527,17 +529,25 @@ TEST(Ownership, PlannerChecksItsInputs) {
   EXPECT_EQ(plan_config(OptimizerOptions{}, 2).ownership, Ownership::Flat);
 }
 
-TEST(Ownership, FinalizeRefusesWhole) {
+// Whole runs at stages 0-2 (test_whole checks the step against Flat); stage 3 is refused.
+TEST(Ownership, FinalizeRefusesWholeAtStage3) {
   OptimizerOptions o;
   o.ownership = Ownership::Whole;
+  {
+    ShardedOptimizer opt(make_single_process_communicator(), o);
+    opt.add_param("w", 64);
+    opt.finalize();
+    EXPECT_TRUE(opt.layout().owners_applied());
+  }
+  o.stage = Stage::Zero3;
   ShardedOptimizer opt(make_single_process_communicator(), o);
   opt.add_param("w", 64);
   try {
     opt.finalize();
-    FAIL() << "finalize() accepted ownership Whole";
+    FAIL() << "finalize() accepted ownership Whole at stage 3";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::Unsupported);
-    EXPECT_NE(std::string(e.what()).find("ownership Whole: not built yet"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("ownership Whole: stage 3"), std::string::npos)
         << e.what();
   }
   // Data-parallel runs Whole (every rank holds every matrix whole; Rule::Muon needs it).

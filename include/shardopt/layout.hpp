@@ -29,6 +29,7 @@
 //   param    position inside one parameter (0 .. numel)
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -78,12 +79,38 @@ struct Bucket {
   std::size_t slice_elems = 0;  ///< flat.size() / N: every rank's share
   std::size_t local_begin = 0;  ///< flat.begin / N: where the slice sits in the local arrays
 
-  /// Rank r's slice, in flat coordinates.
+  /// Whole ownership (FlatLayout::apply_owners): per rank, its range's elements, where it
+  /// starts (from flat.begin) and where it sits in that rank's local arrays. Empty for a Flat
+  /// layout (and a Whole one before apply_owners): equal slices, slice_elems / local_begin.
+  std::vector<std::size_t> counts, offsets, local_begins;
+  bool equal_cut = true;  ///< every rank's count is slice_elems (the equal collectives apply)
+
+  bool ragged() const { return !counts.empty(); }
+  /// Rank r's slice (its range), in flat coordinates.
   Range slice(int rank) const {
+    if (ragged()) {
+      const std::size_t r = static_cast<std::size_t>(rank);
+      return {flat.begin + offsets[r], flat.begin + offsets[r] + counts[r]};
+    }
     const std::size_t b = flat.begin + static_cast<std::size_t>(rank) * slice_elems;
     return {b, b + slice_elems};
   }
-  /// The slice's place in every rank's local arrays.
+  /// Rank r's elements of the bucket.
+  std::size_t slice_size(int rank) const {
+    return ragged() ? counts[static_cast<std::size_t>(rank)] : slice_elems;
+  }
+  /// Where rank r's slice sits in rank r's local arrays.
+  std::size_t local_begin_of(int rank) const {
+    return ragged() ? local_begins[static_cast<std::size_t>(rank)] : local_begin;
+  }
+  /// The slice's place in rank r's local arrays.
+  Range local(int rank) const {
+    const std::size_t b = local_begin_of(rank);
+    return {b, b + slice_size(rank)};
+  }
+  /// The largest rank's elements (slice_elems when equal).
+  std::size_t max_slice() const;
+  /// The slice's place in every rank's local arrays (Flat layouts).
   Range local() const { return {local_begin, local_begin + slice_elems}; }
   std::size_t num_params() const { return end_param - first_param; }
 };
@@ -155,11 +182,23 @@ class FlatLayout {
 
   /// Whole-tensor ownership (ownership.hpp): marks the layout as one whose buckets are cut by
   /// an OwnerPlan (assign_owners) rather than into equal slices. build() forms the same
-  /// buckets either way (Bucket::slice() and owner_of() still describe the equal cut); the
-  /// mark adds the ownership and every parameter's shape to the fingerprint. Before build()
-  /// only (InvalidState after). The optimizer's step does not run Whole layouts yet.
+  /// buckets either way (Bucket::slice() and owner_of() describe the equal cut until
+  /// apply_owners); the mark adds the ownership and every parameter's shape to the
+  /// fingerprint. Before build() only (InvalidState after).
   void set_ownership(Ownership ownership);
   Ownership ownership() const { return ownership_; }
+  /// Whole ownership, after build(): cuts every bucket as `plan` (assign_owners of this
+  /// layout) says. Parameters move to plan.flat (their place inside their bucket, ordered by
+  /// owner); Bucket::slice(r), local_begin_of(r), shard_size(r), owner_of, pieces_in and
+  /// owned_pieces then describe the ragged ranges. InvalidState unless built Whole and not
+  /// applied yet; InvalidArgument for a plan of another layout.
+  void apply_owners(const OwnerPlan& plan);
+  /// True once apply_owners ran.
+  bool owners_applied() const { return !shard_sizes_.empty(); }
+  /// Whole, applied: parameter i's owner (kAllRanks: spanning); Flat: kAllRanks.
+  int param_owner(std::size_t i) const {
+    return owners_.empty() ? kAllRanks : owners_[i];
+  }
 
   /// Places the parameters and cuts the buckets for `world_size` ranks and buckets of about
   /// `bucket_elems` elements (0: auto_bucket_elems of the registered elements, at most
@@ -179,8 +218,17 @@ class FlatLayout {
 
   std::size_t unpadded_size() const { return unpadded_; }  ///< sum of parameter sizes
   std::size_t padded_size() const { return padded_; }      ///< length of the flat buffer
-  /// Elements every rank owns: padded_size() / N, the length of its local arrays.
-  std::size_t shard_size() const { return padded_ / static_cast<std::size_t>(world_size_); }
+  /// Elements every rank owns: padded_size() / N, the length of its local arrays (Flat; for
+  /// a Whole layout with owners applied: the largest rank's, see shard_size(rank)).
+  std::size_t shard_size() const {
+    return shard_sizes_.empty() ? padded_ / static_cast<std::size_t>(world_size_)
+                                : *std::max_element(shard_sizes_.begin(), shard_sizes_.end());
+  }
+  /// Elements rank r owns: the length of its local arrays.
+  std::size_t shard_size(int rank) const {
+    return shard_sizes_.empty() ? padded_ / static_cast<std::size_t>(world_size_)
+                                : shard_sizes_[static_cast<std::size_t>(rank)];
+  }
   /// The bucket_elems the layout was built with, and the capacity of every bucket.
   std::size_t bucket_elems() const { return bucket_elems_; }
   std::size_t bucket_capacity() const { return capacity_; }
@@ -228,6 +276,10 @@ class FlatLayout {
   std::size_t align_ = kAlignElems;
   int world_size_ = 0;
   Ownership ownership_ = Ownership::Flat;
+  // Whole ownership, applied (apply_owners); empty otherwise.
+  std::vector<std::size_t> shard_sizes_;  ///< per rank
+  std::vector<int> owners_;               ///< per parameter
+  std::vector<std::size_t> by_flat_;      ///< parameter indices in flat order
 };
 
 /// 64-bit FNV-1a, used for layout fingerprints and checksums of small records.

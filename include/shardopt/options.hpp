@@ -178,10 +178,10 @@ struct OptimizerOptions {
   /// Default, or Reproducible (see Reduction; needs reduce_dtype F32 and Device::Cpu).
   Reduction reduction = Reduction::Default;
   /// Flat (equal slices of every bucket), or Whole (every parameter on one rank:
-  /// ownership.hpp). Rule::Muon needs Whole. Whole runs at Stage::DataParallel (every rank
-  /// holds and updates everything, so every matrix is whole); at stages 1-3 it is not built
-  /// yet: finalize() refuses it with Error(Unsupported), so nothing silently runs a Flat
-  /// layout in its place.
+  /// ownership.hpp). Rule::Muon needs Whole. Whole runs stages 0, 1 and 2 on the CPU with the
+  /// default reduction (and Reduction::Reproducible at stage 0); finalize() refuses it
+  /// (Error(Unsupported)) at stage 3, with Reduction::Reproducible at stages 1-2 or with
+  /// Device::Cuda, and save_checkpoint / load_checkpoint refuse a Whole optimizer.
   Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------

@@ -8,7 +8,9 @@
 // reduce-scatter and parameters leave by an uneven all-gather
 // (Communicator::start_reduce_scatter_sum_v / start_all_gather_v). assign_owners() computes
 // the cut. It is pure arithmetic: every rank computes the same plan from the same inputs, no
-// MPI. The optimizer's step does not use it yet: finalize() refuses Ownership::Whole.
+// MPI. finalize() cuts a Whole layout with it (FlatLayout::apply_owners; costs from
+// rules::owner_costs, the hook where a matrix rule marks its 2-D parameters) and the step runs
+// it at stages 0-2 on the CPU (docs/architecture.md, "Whole-tensor ownership").
 //
 // Kinds of buckets and parameters:
 //   spanning    a parameter FlatLayout cuts across buckets (larger than the room left and

@@ -76,8 +76,8 @@ struct PlanConfig {
   /// The rank whose memory is planned: with mixed rules the ranks' state sizes differ (each
   /// owns other pieces); with one rule every rank's are equal.
   int rank = 0;
-  /// Flat (equal slices: plan_memory), or Whole (one owner per parameter: plan_ownership;
-  /// plan_memory refuses it with Error(Unsupported) until the step runs it).
+  /// Flat (equal slices), or Whole (one owner per parameter: plan_memory gives rank `rank`'s
+  /// bytes of the cut finalize() makes; plan_ownership the owners and per-rank loads).
   Ownership ownership = Ownership::Flat;
   /// Per parameter: whether it runs the matrix rule (Muon: Newton-Schulz on its 2-D shape,
   /// one fp32 momentum, kMuonStateBytesPerElem). Empty or shorter than the layout: the rest
@@ -133,7 +133,8 @@ struct MemoryPlan {
 /// config.world_size) or built for exactly that world size. Stage 3 plans the layout's
 /// units as they are (one unit if it declares none: see unit_per_tensor()). Throws Error(InvalidArgument)
 /// for an invalid configuration or a layout built for another world size, and
-/// Error(Unsupported) for a gradient dtype other than F32 or ownership Whole (plan_ownership).
+/// Error(Unsupported) for a gradient dtype other than F32, and for ownership Whole with what
+/// finalize() refuses it with (stage 3, Reduction::Reproducible, Device::Cuda).
 MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config);
 
 /// The owner plan of whole-tensor ownership (ownership.hpp) and the figures shardopt-plan

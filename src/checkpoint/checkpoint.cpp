@@ -322,6 +322,9 @@ fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveO
   collective(comm, "save_checkpoint", [&] {
     require(opt.finalized(), Status::InvalidState, "save_checkpoint: finalize() first");
     refuse_muon(opt, "save_checkpoint");
+    require(opt.options().ownership == Ownership::Flat, Status::Unsupported,
+            "save_checkpoint: ownership Whole: checkpoints of a Whole layout are not "
+            "supported yet");
     require(options.keep >= 1, Status::InvalidArgument, "save_checkpoint: keep must be >= 1");
   });
 
@@ -520,6 +523,9 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
   collective(comm, "load_checkpoint", [&] {
           require(opt.finalized(), Status::InvalidState, "load_checkpoint: finalize() first");
           refuse_muon(opt, "load_checkpoint");
+          require(opt.options().ownership == Ownership::Flat, Status::Unsupported,
+                  "load_checkpoint: ownership Whole: checkpoints of a Whole layout are not "
+                  "supported yet");
           const fs::path dir = resolve_checkpoint_dir(path);
           m = read_metadata(dir);
           check_compatible(m, opt);

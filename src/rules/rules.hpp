@@ -77,6 +77,20 @@ std::size_t layout_align(const FlatLayout& layout, std::span<const GroupOptions>
 /// must be whole in one bucket; plan_ownership raises its automatic size the same way).
 std::size_t layout_bucket_elems(const FlatLayout& layout, std::span<const GroupOptions> groups,
                                 std::size_t requested, std::size_t max_auto_elems);
+/// Whole-tensor ownership (ownership.hpp): whether `rule` needs every element of a 2-D
+/// parameter on one rank (a matrix rule): Muon. The hook for matrix
+/// rules: Muon returns true here, and owner_costs() then prices its
+/// groups' 2-D parameters as matrices (Newton-Schulz flops, kMuonStateBytesPerElem) so that
+/// assign_owners gives each one a single owner and never lets it span buckets.
+constexpr bool needs_whole(Rule rule) { return rule == Rule::Muon; }
+/// Bytes of state (and fp32 master when the replica is bf16) a parameter of `numel` elements
+/// under `rule` keeps per element on its owner.
+double state_bytes_per_elem(Rule rule, DType param_dtype);
+/// The costs assign_owners prices the parameters of `layout` with (one per parameter): a
+/// parameter is a matrix when needs_whole(its rule) and it has a 2-D shape; its state bytes
+/// are its rule's. finalize() and plan_memory() both cut Whole layouts with these.
+std::vector<ParamCost> owner_costs(const FlatLayout& layout, std::span<const GroupOptions> groups,
+                                   DType param_dtype);
 
 /// The public state arrays: ExpAvg / ExpAvgSq are fp32 values under every rule (AdamW8bit's
 /// dequantized); which slot holds them under `rule` (AdamW8bit: its codes).

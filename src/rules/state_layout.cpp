@@ -26,6 +26,30 @@ std::vector<Rule> param_rules(const FlatLayout& layout, std::span<const GroupOpt
   return out;
 }
 
+double state_bytes_per_elem(Rule rule, DType param_dtype) {
+  double bytes = param_dtype == DType::F32 ? 0.0 : 4.0;  // the fp32 master
+  for (int s = 0; s < kNumSlots; ++s)
+    if (keeps(rule, static_cast<Slot>(s))) {
+      const SlotInfo info = slot_info(static_cast<Slot>(s));
+      bytes += info.per_block ? static_cast<double>(info.bytes) / FlatLayout::kQuantBlockElems
+                              : static_cast<double>(info.bytes);
+    }
+  return bytes;
+}
+
+std::vector<ParamCost> owner_costs(const FlatLayout& layout, std::span<const GroupOptions> groups,
+                                   DType param_dtype) {
+  const std::vector<Rule> rules = param_rules(layout, groups);
+  std::vector<ParamCost> out;
+  out.reserve(rules.size());
+  for (std::size_t i = 0; i < rules.size(); ++i) {
+    const ParamInfo& p = layout.param(i);
+    const bool matrix = needs_whole(rules[i]) && p.rows > 1 && p.cols > 1;
+    out.push_back(param_cost(p, matrix, state_bytes_per_elem(rules[i], param_dtype)));
+  }
+  return out;
+}
+
 std::size_t layout_align(const FlatLayout& layout, std::span<const GroupOptions> groups) {
   for (const Rule r : param_rules(layout, groups))
     if (r == Rule::AdamW8bit) return FlatLayout::kQuantBlockElems;
@@ -47,7 +71,7 @@ StateLayout::StateLayout(const FlatLayout& layout, std::span<const GroupOptions>
                          Stage stage, int rank) {
   const std::vector<Rule> rules = param_rules(layout, groups);
   const bool dp = stage == Stage::DataParallel;
-  local_size_ = dp ? layout.padded_size() : layout.shard_size();
+  local_size_ = dp ? layout.padded_size() : layout.shard_size(rank);
   std::vector<ShardPiece> pieces =
       dp ? layout.pieces_in(Range{0, layout.padded_size()}) : layout.owned_pieces(rank);
   if (dp)
