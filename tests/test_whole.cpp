@@ -200,7 +200,8 @@ bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::
   if (a.size() != b.size()) return false;
   for (std::size_t i = 0; i < a.size(); ++i)
     if (a[i].size() != b[i].size() ||
-        std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0)
+        (!a[i].empty() &&  // no memcmp of an empty vector's null data() (UBSan)
+         std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0))
       return false;
   return true;
 }
