@@ -20,9 +20,13 @@
 #include "rules/muon.hpp"
 #include "shardopt/bf16.hpp"
 #include "shardopt/error.hpp"
+#include "support/muon_model.hpp"
 
 namespace shardopt::rules::muon {
 namespace {
+
+using test::ns_double;
+using test::rel_frobenius;
 
 // ---- inputs ---------------------------------------------------------------------------------
 
@@ -45,70 +49,18 @@ bool same_bits(const std::vector<float>& x, const std::vector<float>& y) {
   return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
 }
 
-double rel_frobenius(const std::vector<float>& x, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    num += (x[i] - ref[i]) * (x[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / den);
-}
+// ---- the double model of torch.optim.Muon (tests/support/muon_model.hpp) -------------------
 
-// ---- the double model of torch.optim.Muon ---------------------------------------------------
-
-/// NS in double: X = U (U^T if rows > cols), X /= max(||X||, eps), steps of
-/// S = X X^T, T = b S + c S S, X = a X + T X; back.
-std::vector<double> ns_double(std::size_t rows, std::size_t cols, const std::vector<double>& u,
-                              double a, double b, double c, double eps, int steps) {
-  const bool tr = rows > cols;
-  const std::size_t m = tr ? cols : rows, n = tr ? rows : cols;
-  std::vector<double> x(m * n), s(m * m), ss(m * m), y(m * n);
-  for (std::size_t i = 0; i < m; ++i)
-    for (std::size_t j = 0; j < n; ++j) x[i * n + j] = tr ? u[j * m + i] : u[i * n + j];
-  double norm = 0;
-  for (double v : x) norm += v * v;
-  norm = std::max(std::sqrt(norm), eps);
-  for (double& v : x) v /= norm;
-  for (int it = 0; it < steps; ++it) {
-    for (std::size_t i = 0; i < m; ++i)
-      for (std::size_t j = 0; j < m; ++j) {
-        double acc = 0;
-        for (std::size_t k = 0; k < n; ++k) acc += x[i * n + k] * x[j * n + k];
-        s[i * m + j] = acc;
-      }
-    std::fill(ss.begin(), ss.end(), 0.0);
-    for (std::size_t i = 0; i < m; ++i)
-      for (std::size_t k = 0; k < m; ++k)
-        for (std::size_t j = 0; j < m; ++j) ss[i * m + j] += s[i * m + k] * s[k * m + j];
-    for (std::size_t e = 0; e < m * m; ++e) ss[e] = b * s[e] + c * ss[e];
-    for (std::size_t e = 0; e < m * n; ++e) y[e] = a * x[e];
-    for (std::size_t i = 0; i < m; ++i)
-      for (std::size_t k = 0; k < m; ++k)
-        for (std::size_t j = 0; j < n; ++j) y[i * n + j] += ss[i * m + k] * x[k * n + j];
-    std::swap(x, y);
-  }
-  std::vector<double> out(rows * cols);
-  for (std::size_t i = 0; i < m; ++i)
-    for (std::size_t j = 0; j < n; ++j) (tr ? out[j * m + i] : out[i * n + j]) = x[i * n + j];
-  return out;
-}
-
-/// One torch.optim.Muon step in double (buf.lerp_ and grad.lerp as exact interpolations).
+/// One torch.optim.Muon step in double under `cfg`.
 void model_step(const Config& cfg, std::size_t rows, std::size_t cols, std::vector<double>& p,
                 std::vector<double>& buf, const std::vector<float>& g) {
-  const double mu = cfg.momentum;
-  std::vector<double> u(p.size());
-  for (std::size_t e = 0; e < p.size(); ++e) {
-    buf[e] = buf[e] + (1 - mu) * (g[e] - buf[e]);
-    u[e] = cfg.nesterov ? g[e] + mu * (buf[e] - g[e]) : buf[e];
-  }
-  const std::vector<double> o = ns_double(rows, cols, u, cfg.a, cfg.b, cfg.c, cfg.eps, cfg.ns_steps);
   const double r = static_cast<double>(rows), c = static_cast<double>(cols);
   const double ratio = cfg.adjust == LrAdjust::Original        ? std::sqrt(std::max(1.0, r / c))
                        : cfg.adjust == LrAdjust::MatchRmsAdamW ? 0.2 * std::sqrt(std::max(r, c))
                                                                : 1.0;
-  for (std::size_t e = 0; e < p.size(); ++e)
-    p[e] = p[e] * (1 - cfg.lr * cfg.weight_decay) - cfg.lr * ratio * o[e];
+  test::muon_step_double({cfg.momentum, cfg.a, cfg.b, cfg.c, cfg.eps, cfg.ns_steps, cfg.nesterov,
+                          cfg.lr, cfg.weight_decay, ratio},
+                         rows, cols, p, buf, g);
 }
 
 // ---- an fp32 re-implementation in naive loops: the order muon.hpp documents -----------------

@@ -19,10 +19,12 @@
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
+#include "support/muon_model.hpp"
 #include "support/same_error.hpp"
 #include "support/world.hpp"
 
 using namespace shardopt;
+using shardopt::test::rel_frobenius;
 
 namespace {
 
@@ -152,66 +154,17 @@ void expect_same(const Snapshot& a, const Snapshot& b, const std::string& what) 
   }
 }
 
-// ---- the double model of torch.optim.Muon (tests/test_muon.cpp's) ---------------------------
-
-std::vector<double> ns_double(std::size_t rows, std::size_t cols, const std::vector<double>& u,
-                              double a, double b, double c, double eps, int steps) {
-  const bool tr = rows > cols;
-  const std::size_t m = tr ? cols : rows, n = tr ? rows : cols;
-  std::vector<double> x(m * n), s(m * m), ss(m * m), y(m * n);
-  for (std::size_t i = 0; i < m; ++i)
-    for (std::size_t j = 0; j < n; ++j) x[i * n + j] = tr ? u[j * m + i] : u[i * n + j];
-  double norm = 0;
-  for (double v : x) norm += v * v;
-  norm = std::max(std::sqrt(norm), eps);
-  for (double& v : x) v /= norm;
-  for (int it = 0; it < steps; ++it) {
-    for (std::size_t i = 0; i < m; ++i)
-      for (std::size_t j = 0; j < m; ++j) {
-        double acc = 0;
-        for (std::size_t k = 0; k < n; ++k) acc += x[i * n + k] * x[j * n + k];
-        s[i * m + j] = acc;
-      }
-    std::fill(ss.begin(), ss.end(), 0.0);
-    for (std::size_t i = 0; i < m; ++i)
-      for (std::size_t k = 0; k < m; ++k)
-        for (std::size_t j = 0; j < m; ++j) ss[i * m + j] += s[i * m + k] * s[k * m + j];
-    for (std::size_t e = 0; e < m * m; ++e) ss[e] = b * s[e] + c * ss[e];
-    for (std::size_t e = 0; e < m * n; ++e) y[e] = a * x[e];
-    for (std::size_t i = 0; i < m; ++i)
-      for (std::size_t k = 0; k < m; ++k)
-        for (std::size_t j = 0; j < n; ++j) y[i * n + j] += ss[i * m + k] * x[k * n + j];
-    std::swap(x, y);
-  }
-  std::vector<double> out(rows * cols);
-  for (std::size_t i = 0; i < m; ++i)
-    for (std::size_t j = 0; j < n; ++j) (tr ? out[j * m + i] : out[i * n + j]) = x[i * n + j];
-  return out;
-}
+// ---- the double model of torch.optim.Muon (tests/support/muon_model.hpp) -------------------
 
 void model_step(const MuonConfig& mc, double lr, double wd, std::size_t rows, std::size_t cols,
                 std::vector<double>& p, std::vector<double>& buf, const std::vector<double>& g) {
-  const double mu = mc.momentum;
-  std::vector<double> u(p.size());
-  for (std::size_t e = 0; e < p.size(); ++e) {
-    buf[e] = buf[e] + (1 - mu) * (g[e] - buf[e]);
-    u[e] = mc.nesterov ? g[e] + mu * (buf[e] - g[e]) : buf[e];
-  }
-  const std::vector<double> o = ns_double(rows, cols, u, mc.ns_a, mc.ns_b, mc.ns_c, mc.eps, mc.ns_steps);
   const double r = static_cast<double>(rows), c = static_cast<double>(cols);
   const double ratio = mc.lr_adjust == MuonLrAdjust::Original        ? std::sqrt(std::max(1.0, r / c))
                        : mc.lr_adjust == MuonLrAdjust::MatchRmsAdamW ? 0.2 * std::sqrt(std::max(r, c))
                                                                      : 1.0;
-  for (std::size_t e = 0; e < p.size(); ++e) p[e] = p[e] * (1 - lr * wd) - lr * ratio * o[e];
-}
-
-double rel_frobenius(const std::vector<float>& x, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    num += (x[i] - ref[i]) * (x[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / den);
+  test::muon_step_double({mc.momentum, mc.ns_a, mc.ns_b, mc.ns_c, mc.eps, mc.ns_steps, mc.nesterov,
+                          lr, wd, ratio},
+                         rows, cols, p, buf, g);
 }
 
 // Micro-batches per step in the bit-identity tests: divisible by 1, 2, 3 and 4 ranks.
