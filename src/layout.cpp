@@ -71,6 +71,7 @@ void FlatLayout::build(int world_size, std::size_t bucket_elems, std::size_t max
   const std::size_t cap = bucket_capacity(bucket_elems, world_size, align);
   align_ = align;
 
+  const bool whole = ownership_ == Ownership::Whole;
   // Forward pass: place parameters, close buckets (in flat order) as they fill.
   std::vector<Range> cuts;
   std::size_t open = 0;  // start of the bucket being filled
@@ -86,8 +87,13 @@ void FlatLayout::build(int world_size, std::size_t bucket_elems, std::size_t max
       start = open;
     }
     unit = p.unit;
-    if (start + p.numel - open > cap && p.numel <= cap && start > open) {
-      // It fits a bucket of its own but not the rest of this one: close at its boundary.
+    // Whole ownership: a parameter larger than a bucket (element-wise: matrices are refused)
+    // gets buckets of its own, so that each of its pieces is cut in equal slices and no
+    // ragged bucket holds a piece of it (its pieces would be pinned to one rank).
+    const bool alone = whole && p.numel > cap;
+    if (start + p.numel - open > cap && (p.numel <= cap || alone) && start > open) {
+      // It fits a bucket of its own but not the rest of this one (or must be alone): close
+      // at its boundary.
       const std::size_t close = round_up(end, quantum);
       cuts.push_back(Range{open, close});
       open = close;
@@ -100,6 +106,12 @@ void FlatLayout::build(int world_size, std::size_t bucket_elems, std::size_t max
       open += cap;
     }
     end = p.flat.end;
+    if (alone && end > open) {  // its last piece closes its own bucket
+      const std::size_t close = round_up(end, quantum);
+      cuts.push_back(Range{open, close});
+      open = close;
+      end = close;
+    }
   }
   if (end > open) cuts.push_back(Range{open, round_up(end, quantum)});
 

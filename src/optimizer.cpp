@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <limits>
 #include <sstream>
 #include <utility>
@@ -41,6 +42,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+// CPU seconds of every thread of this process.
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 
 // Seconds since the previous lap (or since construction), for StepTimings.
 class LapTimer {
@@ -768,19 +775,20 @@ void ShardedOptimizer::all_gather_replica() {
 }
 
 // Updates this rank's window of every bucket, in forward (flat) order, and gathers the
-// replica; returns the seconds spent updating. With gather_per_bucket each bucket's
-// all-gather starts right after its update, and the next forward waits only for the buckets
-// it reads (param()).
-double ShardedOptimizer::update_and_gather(const StepHyper& h, double grad_scale,
-                                           bool gather_per_bucket) {
+// replica; sets the seconds (wall and process CPU) spent updating. With gather_per_bucket
+// each bucket's all-gather starts right after its update, and the next forward waits only for
+// the buckets it reads (param()).
+void ShardedOptimizer::update_and_gather(const StepHyper& h, double grad_scale,
+                                         bool gather_per_bucket, StepTimings& timings) {
   Buffers& b = *buf_;
   const bool low_precision_copy = options_.param_dtype != DType::F32;
   const bool gathers = options_.stage != Stage::DataParallel &&
                        options_.stage != Stage::Zero3 && comm_->size() > 1;
-  double update_seconds = 0.0;
+  double update_seconds = 0.0, update_cpu = 0.0;
   const std::array<void*, rules::kNumSlots> slots = b.slot_data();
   const rules::StepInputs in{&groups_, h, grad_scale};
   for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
+    const double cpu_start = process_cpu_seconds();
     const Clock::time_point start = Clock::now();
     rules::update_window(*backend_, layout_, *state_, slots, in,
                          rules::Window{buckets_->window(k), buckets_->window_local(k),
@@ -788,10 +796,12 @@ double ShardedOptimizer::update_and_gather(const StepHyper& h, double grad_scale
                                        low_precision_copy ? replica_at(k) : nullptr,
                                        options_.param_dtype});
     update_seconds += seconds(Clock::now() - start);
+    update_cpu += process_cpu_seconds() - cpu_start;
     if (gathers && gather_per_bucket) buckets_->start_param_sync(k);
   }
   if (!gather_per_bucket) all_gather_replica();
-  return update_seconds;
+  timings.update = update_seconds;
+  timings.update_cpu = update_cpu;
 }
 
 StepResult ShardedOptimizer::step() {
@@ -888,7 +898,7 @@ StepResult ShardedOptimizer::step() {
   ++step_count_;
   const AdamConfig& a = options_.adam;
   const StepHyper h{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.mode, step_count_};
-  r.timings.update = update_and_gather(h, average * r.clip_coef * unscale, options_.overlap);
+  update_and_gather(h, average * r.clip_coef * unscale, options_.overlap, r.timings);
   r.timings.gather = timer.lap() - r.timings.update;
 
   // 6. Clear the gradients for the next step.

@@ -64,6 +64,9 @@ Spread spread_of(const std::vector<RankLoad>& ranks, double (*get)(const RankLoa
 OwnerPlan assign_owners(const FlatLayout& layout, const std::vector<ParamCost>& costs,
                         const OwnerOptions& options) {
   require(layout.built(), Status::InvalidState, "assign_owners: the layout is not built");
+  require(layout.ownership() == Ownership::Whole, Status::InvalidState,
+          "assign_owners: the layout is not a Whole layout (set_ownership before build: it "
+          "gives parameters larger than a bucket buckets of their own)");
   require(costs.size() == layout.num_params(), Status::InvalidArgument,
           "assign_owners: " + std::to_string(costs.size()) + " costs for " +
               std::to_string(layout.num_params()) + " parameters");
@@ -93,29 +96,23 @@ OwnerPlan assign_owners(const FlatLayout& layout, const std::vector<ParamCost>& 
                 "(raise bucket_elems to at least its size)");
   }
 
-  // 1. What is fixed before the rule: equal slices and the pinned pieces of spanning
-  // parameters (a tail piece opens rank 0's range, a head piece closes rank N-1's).
+  // 1. What is fixed before the rule: the equal slices of the spanning parameters' buckets.
   plan.buckets.resize(layout.num_buckets());
   for (std::size_t b = 0; b < layout.num_buckets(); ++b) {
     const Bucket& bk = layout.bucket(b);
     OwnedBucket& ob = plan.buckets[b];
     ob.flat = bk.flat;
-    bool has_whole = false;
-    for (std::size_t i = bk.first_param; i < bk.end_param; ++i) has_whole |= !spanning(i);
-    ob.equal = !has_whole;
-    if (ob.equal) {
-      ++plan.equal_buckets;
-      for (int r = 0; r < world; ++r)
-        for (const ShardPiece& pc : layout.pieces_in(bk.slice(r)))
-          load[static_cast<std::size_t>(r)].state_bytes += state_of(costs[pc.param], pc.flat.size());
-      continue;
-    }
-    for (std::size_t i = bk.first_param; i < bk.end_param; ++i) {
-      if (!spanning(i)) continue;
-      const std::size_t piece = params[i].flat.intersect(bk.flat).size();
-      const std::size_t r = params[i].flat.begin < bk.flat.begin ? 0 : n - 1;
-      load[r].state_bytes += state_of(costs[i], piece);
-    }
+    std::size_t spanning_here = 0;
+    for (std::size_t i = bk.first_param; i < bk.end_param; ++i) spanning_here += spanning(i);
+    ob.equal = spanning_here > 0;
+    require(!ob.equal || bk.num_params() == 1, Status::Internal,
+            "assign_owners: internal error: bucket " + std::to_string(b) + " holds a piece of '" +
+                params[bk.first_param].name + "' and other parameters");
+    if (!ob.equal) continue;
+    ++plan.equal_buckets;
+    for (int r = 0; r < world; ++r)
+      for (const ShardPiece& pc : layout.pieces_in(bk.slice(r)))
+        load[static_cast<std::size_t>(r)].state_bytes += state_of(costs[pc.param], pc.flat.size());
   }
 
   // 2. The rule: longest processing time first over the whole parameters.
@@ -143,37 +140,28 @@ OwnerPlan assign_owners(const FlatLayout& layout, const std::vector<ParamCost>& 
     load[best].matrices += costs[i].matrix ? 1 : 0;
   }
 
-  // 3. The cut: in each ragged bucket, [tail piece] whole parameters by owner [head piece].
+  // 3. The cut: in each ragged bucket, its parameters by owner.
   for (std::size_t b = 0; b < layout.num_buckets(); ++b) {
     const Bucket& bk = layout.bucket(b);
     OwnedBucket& ob = plan.buckets[b];
     ob.counts.assign(n, 0);
     ob.offsets.assign(n, 0);
     if (ob.equal) {
-      for (std::size_t i = bk.first_param; i < bk.end_param; ++i) ob.order.push_back(i);
+      ob.order.push_back(bk.first_param);
       for (std::size_t r = 0; r < n; ++r) {
         ob.counts[r] = bk.slice_elems;
         ob.offsets[r] = r * bk.slice_elems;
       }
     } else {
       std::vector<std::size_t> whole;
-      std::size_t tail = params.size(), head = params.size();
-      for (std::size_t i = bk.first_param; i < bk.end_param; ++i) {
-        if (!spanning(i)) whole.push_back(i);
-        else if (params[i].flat.begin < bk.flat.begin) tail = i;
-        else head = i;
-      }
+      for (std::size_t i = bk.first_param; i < bk.end_param; ++i) whole.push_back(i);
       std::stable_sort(whole.begin(), whole.end(),
                        [&](std::size_t x, std::size_t y) { return plan.owner[x] < plan.owner[y]; });
       std::vector<Range> ranges(n);
       std::size_t cursor = bk.flat.begin;
-      if (tail != params.size()) {
-        ob.order.push_back(tail);
-        cursor = FlatLayout::round_up(params[tail].flat.end, align);
-      }
       std::size_t k = 0;
       for (std::size_t r = 0; r < n; ++r) {
-        ranges[r].begin = r == 0 ? bk.flat.begin : cursor;
+        ranges[r].begin = cursor;
         for (; k < whole.size() && plan.owner[whole[k]] == static_cast<int>(r); ++k) {
           const std::size_t i = whole[k];
           ob.order.push_back(i);
@@ -182,21 +170,12 @@ OwnerPlan assign_owners(const FlatLayout& layout, const std::vector<ParamCost>& 
         }
         ranges[r].end = cursor;
       }
-      if (head != params.size()) {
-        // Each parameter occupies its size rounded up to the alignment in either order.
-        require(cursor == params[head].flat.begin, Status::InvalidState,
-                "assign_owners: internal error: the ragged cut does not meet '" +
-                    params[head].name + "'");
-        ob.order.push_back(head);
-        ranges[n - 1].end = bk.flat.end;
-      } else {
-        // The padding goes to the last rank with elements here (there is one: the bucket
-        // holds a whole parameter).
-        std::size_t last = n - 1;
-        while (last > 0 && ranges[last].empty()) --last;
-        ranges[last].end = bk.flat.end;
-        for (std::size_t r = last + 1; r < n; ++r) ranges[r] = Range{bk.flat.end, bk.flat.end};
-      }
+      // The padding goes to the last rank with elements here (there is one: the bucket
+      // holds a whole parameter).
+      std::size_t last = n - 1;
+      while (last > 0 && ranges[last].empty()) --last;
+      ranges[last].end = bk.flat.end;
+      for (std::size_t r = last + 1; r < n; ++r) ranges[r] = Range{bk.flat.end, bk.flat.end};
       for (std::size_t r = 0; r < n; ++r) {
         ob.counts[r] = ranges[r].size();
         ob.offsets[r] = ranges[r].begin - bk.flat.begin;

@@ -6,9 +6,11 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "shardopt/optimizer.hpp"
@@ -232,6 +234,11 @@ TEST(MemoryScaling, StepTimingsPartitionTheStep) {
     EXPECT_GT(t.total, 0.0) << stage_name(stage);
     // Consecutive laps of one clock: together no longer than the whole step.
     EXPECT_LE(t.reduce + t.norm + t.update + t.gather, t.total + 1e-9) << stage_name(stage);
+    // The update's CPU seconds are this process's work during it: some, and no more than
+    // every core of the machine for the update's wall time (plus the clocks' resolution).
+    EXPECT_GT(t.update_cpu, 0.0) << stage_name(stage);
+    const double cores = std::max(1u, std::thread::hardware_concurrency());
+    EXPECT_LE(t.update_cpu, t.update * cores + 1e-3) << stage_name(stage);
   }
 }
 

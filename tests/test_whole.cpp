@@ -120,6 +120,9 @@ struct RunSpec {
 struct Result {
   std::vector<std::vector<float>> master, replica, m, v;
   std::size_t wire_per_step = 0;
+  std::size_t padded = 0;      ///< the layout's flat length
+  std::size_t spanning = 0;    ///< parameters across buckets
+  std::size_t quantum = 0;     ///< the layout's bucket quantum
 };
 
 std::unique_ptr<ShardedOptimizer> make(const OptimizerOptions& o, std::shared_ptr<Communicator> c) {
@@ -160,6 +163,9 @@ Result run(const RunSpec& r, CountingComm* counter = nullptr) {
     opt->step();
     if (counter) res.wire_per_step = counter->bytes - before;
   }
+  res.padded = opt->layout().padded_size();
+  res.quantum = FlatLayout::bucket_quantum(opt->layout().world_size(), opt->layout().align_elems());
+  for (const ParamInfo& p : opt->layout().params()) res.spanning += p.buckets.size() > 1 ? 1 : 0;
   const bool f32 = r.o.param_dtype == DType::F32;
   for (std::size_t i = 0; i < kSizes.size(); ++i) {
     std::vector<float> x(kSizes[i]);
@@ -324,9 +330,16 @@ TEST(Whole, WireBytesEqualFlat) {
       auto cw = std::make_shared<CountingComm>(test::world());
       r.comm = cw;
       const Result whole = run(r, cw.get());
+      const std::string what = std::string(stage_name(stage)) + " bucket " + std::to_string(bucket);
       EXPECT_GT(flat.wire_per_step, 0u);
-      EXPECT_EQ(whole.wire_per_step, flat.wire_per_step)
-          << stage_name(stage) << " bucket " << bucket;
+      // The same bytes per element of the flat buffer; Whole's buffer is longer only by the
+      // padding of the bucket boundaries around each parameter larger than a bucket (at most
+      // two quanta each): 4.5 % of this toy model, under 0.01 % of Llama 3.2 1B's
+      // (Ownership.Llama1BBalance).
+      EXPECT_EQ(whole.wire_per_step * flat.padded, flat.wire_per_step * whole.padded) << what;
+      EXPECT_GE(whole.padded, flat.padded) << what;
+      EXPECT_LE(whole.padded - flat.padded, 2 * flat.quantum * flat.spanning) << what;
+      if (bucket == 700) EXPECT_GT(flat.spanning, 0u) << what;
     }
 }
 

@@ -182,9 +182,12 @@ class FlatLayout {
 
   /// Whole-tensor ownership (ownership.hpp): marks the layout as one whose buckets are cut by
   /// an OwnerPlan (assign_owners) rather than into equal slices. build() forms the same
-  /// buckets either way (Bucket::slice() and owner_of() describe the equal cut until
-  /// apply_owners); the mark adds the ownership and every parameter's shape to the
-  /// fingerprint. Before build() only (InvalidState after).
+  /// buckets either way, except that in a Whole layout a parameter larger than a bucket gets
+  /// buckets of its own (its first piece opens one, its last piece closes one), so that every
+  /// piece of it is cut in equal slices and no ragged bucket holds a piece pinned to one rank
+  /// (Bucket::slice() and owner_of() describe the equal cut until apply_owners); the mark adds
+  /// the ownership and every parameter's shape to the fingerprint. Before build() only
+  /// (InvalidState after).
   void set_ownership(Ownership ownership);
   Ownership ownership() const { return ownership_; }
   /// Whole ownership, after build(): cuts every bucket as `plan` (assign_owners of this

@@ -37,10 +37,14 @@ namespace shardopt {
 /// reduce) + one scalar all-reduce. update: the fused AdamW pass. gather: the all-gather of the
 /// updated shards (with overlap only the time to start it; waiting happens in param()).
 /// total: step() from entry to return plus the time blocked in reductions during backward.
+/// update_cpu: the CPU seconds of this process (every thread: the OpenMP workers too) during
+/// the update, the work itself where update's wall time also counts what other processes on
+/// the same cores took (more ranks than cores); bench_whole compares it across ranks.
 struct StepTimings {
   double reduce = 0.0;
   double norm = 0.0;
   double update = 0.0;
+  double update_cpu = 0.0;
   double gather = 0.0;
   double total = 0.0;
 };
@@ -259,7 +263,8 @@ class ShardedOptimizer {
   void wait_gathers_of(StateArray a);
   void all_gather_replica();
   void accumulate_grad_as(std::size_t i, const void* src, std::size_t n, DType dtype);
-  double update_and_gather(const StepHyper& h, double grad_scale, bool gather_per_bucket);
+  void update_and_gather(const StepHyper& h, double grad_scale, bool gather_per_bucket,
+                         StepTimings& timings);
   void* replica_ptr(std::size_t elem_offset) const;
   void* replica_at(std::size_t b) const;  // the replica over the bucket's window
   float* master_at(std::size_t b) const;  // master over the bucket's window

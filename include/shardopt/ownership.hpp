@@ -3,7 +3,8 @@
 //
 // Muon (Newton-Schulz orthogonalisation of 2-D matrices) and Adafactor need every element of
 // a matrix on one rank. A Whole layout keeps the buckets FlatLayout::build forms (same
-// membership, same flat ranges, same capacity) and cuts each into N contiguous ranges of
+// capacity, same order), except that a parameter larger than a bucket gets buckets of its own,
+// and cuts each bucket into N contiguous ranges of
 // different lengths instead of N equal slices; gradients reach the owner by an uneven
 // reduce-scatter and parameters leave by an uneven all-gather
 // (Communicator::start_reduce_scatter_sum_v / start_all_gather_v). assign_owners() computes
@@ -13,25 +14,23 @@
 // it at stages 0-2 on the CPU (docs/architecture.md, "Whole-tensor ownership").
 //
 // Kinds of buckets and parameters:
-//   spanning    a parameter FlatLayout cuts across buckets (larger than the room left and
-//               than a bucket). Owner kAllRanks. It must run an element-wise rule (a matrix
-//               that spans buckets is refused: raise the bucket size).
-//   equal       a bucket that holds nothing but pieces of spanning parameters (one, or the
-//               tail of one and the head of the next): equal slices, exactly as today
-//               (Bucket::slice()).
-//   ragged      every other bucket. Its whole parameters are placed ordered by owner (ties by
+//   spanning    a parameter larger than a bucket. In a Whole layout (FlatLayout::
+//               set_ownership) build() gives it buckets of its own: its first piece opens a
+//               bucket and its last piece closes one. Owner kAllRanks. It must run an
+//               element-wise rule (a matrix that spans buckets is refused: raise the bucket
+//               size).
+//   equal       a bucket of a spanning parameter: equal slices, exactly as today
+//               (Bucket::slice()), so its state spreads evenly over the ranks.
+//   ragged      every other bucket. Its parameters are placed ordered by owner (ties by
 //               registration order), each starting at a multiple of the layout's alignment,
 //               so rank r's range is contiguous and its count a multiple of the alignment.
-//               A ragged bucket may also hold the tail piece of a spanning parameter (at its
-//               start: it opens rank 0's range) and the head piece of another (at its end: it
-//               closes rank N-1's range): the spanning parameter must stay contiguous in the
-//               flat buffer, so those pieces are pinned to the first and last rank. (Keeping
-//               such a bucket equal would cut the matrices that share it, e.g. Llama's first
-//               wq next to the embedding's tail.) The padding at the end of a bucket belongs to
-//               the last rank with elements in it; ranks after it have empty ranges (count 0).
+//               The padding at the end of a bucket belongs to the last rank with elements in
+//               it; ranks after it have empty ranges (count 0). (Before spanning parameters
+//               had buckets of their own, a ragged bucket could hold the tail of one, pinned
+//               to rank 0: Llama 3.2 1B's tied embedding put 11M extra elements on rank 0.)
 //
 // The owner rule (deterministic longest processing time first, LPT): every rank starts with
-// the state bytes of its equal slices and pinned pieces. Whole parameters are sorted by
+// the state bytes of its equal slices. Whole parameters are sorted by
 // (Newton-Schulz flops desc, state bytes desc, registration index asc) and each is given to
 // the rank with the least (cumulative NS flops, cumulative state bytes, rank index).
 // Element-wise parameters (NS flops 0) come last; under that key they would all go to the
@@ -132,8 +131,9 @@ struct OwnerPlan {
   std::size_t spanning_params = 0; ///< parameters with owner kAllRanks
 };
 
-/// The owner plan of a built layout for its world size, with costs[i] for parameter i (one
-/// per parameter). Throws Error(InvalidState) for an unbuilt layout and Error(InvalidArgument)
+/// The owner plan of a built Whole layout (set_ownership before build) for its world size,
+/// with costs[i] for parameter i (one per parameter). Throws Error(InvalidState) for an
+/// unbuilt or a Flat layout and Error(InvalidArgument)
 /// for a wrong number of costs or a matrix parameter that spans buckets. Pure: the same
 /// inputs give the same plan on every rank.
 OwnerPlan assign_owners(const FlatLayout& layout, const std::vector<ParamCost>& costs,

@@ -339,6 +339,17 @@ void print_tables(const Args& a) {
     }
 }
 
+// One rank's optimizer state (fp32 master + moments) with AdamW on every parameter, flat
+// ownership, stage 1 at n ranks: what the whole-tensor plan is compared with.
+double adamw_state_bytes(const Args& a, int n) {
+  Args adamw = a;
+  adamw.rule = Rule::AdamW;
+  adamw.bucket_elems =  // automatic, as finalize() picks it for this model
+      FlatLayout::auto_bucket_elems(a.layout.unpadded_size(), auto_bucket_cap(a.device));
+  const MemoryPlan m = plan_memory(a.layout, adamw.config(Stage::Zero1, n));
+  return static_cast<double>(m[MemCategory::Master] + m[MemCategory::Moments]);
+}
+
 // Whole-tensor ownership: per rank count, the spread of the per-rank loads.
 void print_ownership(const Args& a) {
   FlatLayout probe = a.layout;
@@ -346,7 +357,7 @@ void print_ownership(const Args& a) {
   const double psi = static_cast<double>(probe.unpadded_size());
   if (a.csv) {
     std::printf("model,psi,ranks,bucket_elems,buckets,equal_buckets,matrices,elems_max,elems_mean,"
-                "state_bytes_max,state_bytes_mean,ns_flops_max,ns_flops_mean\n");
+                "state_bytes_max,state_bytes_mean,ns_flops_max,ns_flops_mean,adamw_state_bytes\n");
   } else {
     std::printf("model %s: Psi = %s parameters (%zu) in %zu tensors\n", a.model_name.c_str(),
                 human_count(psi).c_str(), probe.unpadded_size(), probe.num_params());
@@ -356,25 +367,28 @@ void print_ownership(const Args& a) {
                 dtype_name(a.param_dtype));
     std::printf("per rank: elements of its ranges (padding included), optimizer state bytes "
                 "(master included), Newton-Schulz flops per step; max and max/mean over ranks\n\n");
-    std::printf("%6s %9s %8s %6s %9s %10s %8s %11s %8s %11s %8s\n", "ranks", "buckets", "equal",
-                "mats", "bucket", "elems", "max/mean", "state", "max/mean", "NS flops", "max/mean");
+    std::printf("%6s %9s %8s %6s %9s %10s %8s %11s %8s %11s %8s %8s %8s\n", "ranks", "buckets",
+                "equal", "mats", "bucket", "elems", "max/mean", "state", "max/mean", "NS flops",
+                "max/mean", "vs AdamW", "mean vs");
   }
   for (int n : a.ranks) {
     const OwnershipReport r = plan_ownership(a.layout, a.ownership_config(n));
     const OwnerPlan& p = r.plan;
+    const double adamw = adamw_state_bytes(a, n);
     if (a.csv) {
-      std::printf("%s,%zu,%d,%zu,%zu,%zu,%zu,%.0f,%.1f,%.0f,%.1f,%.0f,%.1f\n",
+      std::printf("%s,%zu,%d,%zu,%zu,%zu,%zu,%.0f,%.1f,%.0f,%.1f,%.0f,%.1f,%.0f\n",
                   a.model_name.c_str(), probe.unpadded_size(), n, r.bucket_elems, r.num_buckets,
                   p.equal_buckets, r.matrices, p.elems.max, p.elems.mean, p.state_bytes.max,
-                  p.state_bytes.mean, p.ns_flops.max, p.ns_flops.mean);
+                  p.state_bytes.mean, p.ns_flops.max, p.ns_flops.mean, adamw);
       continue;
     }
-    std::printf("%6d %9zu %8zu %6zu %9s %10s %8.4f %11s %8.4f %11s %8.4f\n", n, r.num_buckets,
-                p.equal_buckets, r.matrices,
+    std::printf("%6d %9zu %8zu %6zu %9s %10s %8.4f %11s %8.4f %11s %8.4f %7.3fx %7.3fx\n", n,
+                r.num_buckets, p.equal_buckets, r.matrices,
                 human_count(static_cast<double>(r.bucket_elems)).c_str(),
                 human_count(p.elems.max).c_str(), p.elems.max_over_mean(),
                 human_bytes(p.state_bytes.max).c_str(), p.state_bytes.max_over_mean(),
-                human_count(p.ns_flops.max).c_str(), p.ns_flops.max_over_mean());
+                human_count(p.ns_flops.max).c_str(), p.ns_flops.max_over_mean(),
+                p.state_bytes.max / adamw, p.state_bytes.mean / adamw);
     if (!a.per_rank) continue;
     for (std::size_t k = 0; k < p.ranks.size(); ++k) {
       const RankLoad& l = p.ranks[k];
@@ -388,7 +402,10 @@ void print_ownership(const Args& a) {
     std::printf("\nbuckets: automatic buckets are raised to the largest matrix (every matrix "
                 "inside one bucket); equal: buckets that hold only pieces of tensors larger than a "
                 "bucket (element-wise), cut in equal slices; the others are cut into ragged "
-                "per-rank ranges (docs/architecture.md)\n");
+                "per-rank ranges (docs/architecture.md)\n"
+                "vs AdamW: the largest rank's state (fp32 master + moments) against one rank's "
+                "under AdamW alone with flat ownership (stage 1, equal slices, same ranks and "
+                "replica); mean vs: the mean rank's\n");
 }
 
 void print_csv(const Args& a) {
