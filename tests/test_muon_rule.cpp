@@ -35,9 +35,11 @@ struct P {
   const char* name;
   std::size_t rows, cols;  // cols 0: a 1-D parameter of `rows` elements (AdamW group)
 };
-// Matrices in group 1 (Muon), vectors in group 0 (AdamW), interleaved.
-const std::vector<P> kModel = {{"m0", 96, 64},  {"b0", 100, 0}, {"m1", 64, 96}, {"b1", 37, 0},
-                               {"m2", 128, 128}, {"m3", 33, 17}, {"b2", 64, 0}};
+// Matrices in group 1 (Muon), vectors in group 0 (AdamW), interleaved; "e0" (40000 elements)
+// spans the buckets of 16384 and 24000 elements (equal slices, pieces pinned next to matrices).
+const std::vector<P> kModel = {{"m0", 96, 64},  {"b0", 100, 0},   {"m1", 64, 96},
+                               {"e0", 40000, 0}, {"b1", 37, 0},    {"m2", 128, 128},
+                               {"m3", 33, 17},  {"b2", 64, 0}};
 std::size_t numel(const P& p) { return p.cols ? p.rows * p.cols : p.rows; }
 
 GroupOptions muon_group(bool nesterov = true, MuonLrAdjust adjust = MuonLrAdjust::Original) {
@@ -84,7 +86,7 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm,
   const int muon = opt->add_group(g);
   for (std::size_t i = 0; i < kModel.size(); ++i) {
     const P& p = kModel[i];
-    // Stage 3 gathers four units: {m0 b0} {m1 b1} {m2 m3} {b2}.
+    // Stage 3 gathers four units: {m0 b0} {m1 e0} {b1 m2} {m3 b2}.
     if (o.stage == Stage::Zero3 && i > 0 && i % 2 == 0) opt->begin_unit();
     if (p.cols) opt->add_param(p.name, Shape2D{p.rows, p.cols}, muon);
     else opt->add_param(p.name, p.rows, 0);
