@@ -34,6 +34,10 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
       cfg_(config), replica_(static_cast<char*>(replica)), grads_(std::move(storage.grads)),
       staging_(std::move(storage.staging)), exact_wire_(std::move(storage.exact_wire)),
       spill_param_(kNone) {
+  if (storage.exact.data() != nullptr) {  // ragged buckets: every step needs it
+    exact_ = exact::ExactGrads(std::move(storage.exact), layout_.padded_size(), max_bucket());
+    exact_allocated_ = true;
+  }
   state_.resize(layout_.num_buckets());
   if (cfg_.eager_norm) norm_sums_.assign(layout_.num_buckets(), 0.0);
   param_ready_.assign(layout_.num_params(), 0);
@@ -315,12 +319,16 @@ void BucketSet::finish_grad_sync() {
   while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
 }
 
+std::size_t BucketSet::max_bucket() const {
+  std::size_t n = 0;
+  for (const Bucket& b : layout_.buckets()) n = std::max(n, b.flat.size());
+  return n;
+}
+
 void BucketSet::ensure_exact() {
   if (exact_allocated_) return;
-  std::size_t max_bucket = 0;
-  for (const Bucket& b : layout_.buckets()) max_bucket = std::max(max_bucket, b.flat.size());
   exact_ = exact::ExactGrads(backend_.allocate(&tracker_, plan_.exact.category, plan_.exact.bytes),
-                             layout_.padded_size(), max_bucket);
+                             layout_.padded_size(), max_bucket());
   exact_allocated_ = true;
 }
 
@@ -350,18 +358,23 @@ void BucketSet::reduce_exactly() {
               std::to_string(comm_.size()) + " ranks make " + std::to_string(values) +
               " gradients per element; the exact int64 sum holds at most " +
               std::to_string(exact::kMaxContributions));
-  // Both exchanges of bins need them on every rank (this rank may have none yet).
+  // Whole-tensor ownership's ragged buckets (not whole, not equal slices) take the two-phase
+  // method whatever this step's method is: the exchanges deliver equal blocks.
+  const bool whole = cfg_.stage == Stage::DataParallel;
+  // Both exchanges of bins need them on every rank (this rank may have none yet); with
+  // ragged buckets they were allocated at finalize.
   if (exact_method_ != ExactMethod::Direct)
     collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_exact(); });
   const ScopedSeconds timed(blocked_seconds_);
-  const bool whole = cfg_.stage == Stage::DataParallel;
   exact_squares_ = exact::SquareSum();
   float* grads = grads_.as<float>();
   for (std::size_t b = 0; b < state_.size(); ++b) {
     const Bucket& bk = layout_.bucket(b);
     // A communicator that cannot exchange raw values says so on every rank alike; the
     // remaining buckets then take the two-phase method.
-    if (exact_method_ == ExactMethod::Direct) {
+    if (!exact::exchanges(bk, whole)) {
+      // the two-phase method below, for this bucket only
+    } else if (exact_method_ == ExactMethod::Direct) {
       if (exact_.reduce_direct(comm_, bk, whole, grads, exact_squares_)) continue;
       collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_exact(); });
       exact_method_ = ExactMethod::TwoPhase;
@@ -433,10 +446,14 @@ void BucketSet::start_param_sync(std::size_t b) {
   const Bucket& bk = layout_.bucket(b);
   const std::size_t elem = cfg_.param_type == CommType::F32 ? 4 : 2;
   char* data = replica_ + bk.flat.begin * elem;
-  begin_op(b, Op::ParamSync,
-           bk.equal_cut ? comm_.start_all_gather(data, bk.slice_elems, cfg_.param_type)
-                        // Whole ownership: the bucket's ragged per-rank ranges
-                        : comm_.start_all_gather_v(data, bk.counts, cfg_.param_type));
+  begin_op(b, Op::ParamSync, start_bucket_gather(comm_, bk, data, cfg_.param_type));
+}
+
+std::unique_ptr<CommRequest> start_bucket_gather(Communicator& comm, const Bucket& bk, void* data,
+                                                 CommType type) {
+  return bk.equal_cut ? comm.start_all_gather(data, bk.slice_elems, type)
+                      // Whole ownership: the bucket's ragged per-rank ranges
+                      : comm.start_all_gather_v(data, bk.counts, type);
 }
 
 void BucketSet::wait_param(std::size_t i) {

@@ -31,6 +31,12 @@
 
 namespace shardopt {
 
+/// Starts the in-place all-gather of bucket `bk` in `data` (the bucket's elements, `type` F32
+/// or U16): equal slices, or (Whole ownership) its ragged per-rank ranges. Stages 1-2 gather
+/// into the replica (BucketSet::start_param_sync), stage 3 into a unit buffer (UnitSet).
+std::unique_ptr<CommRequest> start_bucket_gather(Communicator& comm, const Bucket& bk, void* data,
+                                                 CommType type);
+
 class BucketSet {
  public:
   struct Config {
@@ -53,6 +59,9 @@ class BucketSet {
     Allocation grads;
     Allocation staging;
     Allocation exact_wire;  ///< reproducible: plan.exact_wire (collective)
+    /// reproducible with ragged buckets (plan.exact not on demand): the exact accumulator
+    /// (local); otherwise empty, allocated when first needed.
+    Allocation exact;
   };
   BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracker,
             const FlatLayout& layout, const BufferPlan& plan, Config config, Storage storage,
@@ -135,6 +144,7 @@ class BucketSet {
   bool staged() const { return plan_.grads_scheme == GradScheme::Staged; }
   void reduce_exactly();  // reproducible: deposits the last micro-batch, reduces every bucket
   void ensure_exact();    // reproducible: allocates the exact accumulator (plan_.exact) once
+  std::size_t max_bucket() const;  // the largest bucket's elements
   void retire_completed_grad_syncs();  // finishes (not releases) those test() completes, in order
 
   Communicator& comm_;

@@ -59,7 +59,10 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
   if (reproducible) {
     std::size_t max_bucket = 0;
     for (const Bucket& b : layout.buckets()) max_bucket = std::max(max_bucket, b.flat.size());
-    p.exact = {MemCategory::Grads, exact::grads_bytes(padded, max_bucket), true};
+    // On demand, unless ragged buckets (whole-tensor ownership, stages 1-3) take the
+    // two-phase method at every step: then finalize allocates it.
+    p.exact = {MemCategory::Grads, exact::grads_bytes(padded, max_bucket),
+               !exact::ragged_buckets(layout, stage == Stage::DataParallel)};
     p.exact_wire = {MemCategory::Scratch, max_bucket * sizeof(std::uint64_t), false};
   }
   p.reduce_bytes = padded * (reduce_dtype == DType::BF16 && !reproducible ? 2 : 4);

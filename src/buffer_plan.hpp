@@ -58,7 +58,9 @@ struct BufferPlan {
   /// Reduction::Reproducible, on demand: the exact accumulator (exact::grads_bytes: 17 bytes
   /// per flat element and one byte per element of the largest bucket), accounted as Grads,
   /// allocated (local memory) by the first micro-batch or step that needs it: a second
-  /// micro-batch on this rank, or a step that takes the two-phase method. The mode keeps the
+  /// micro-batch on this rank, or a step that takes the two-phase method; with ragged buckets
+  /// (whole-tensor ownership at stages 1-3, exact::ragged_buckets) every step takes it for
+  /// them, and finalize() allocates it (not on demand). The mode keeps the
   /// full fp32 gradient buffer (GradScheme::Full) at every stage.
   BufferSpec exact;
   /// Reduction::Reproducible: the packed exchange's wire buffer (8 bytes per element of the

@@ -117,20 +117,19 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
                    : static_cast<std::int64_t>(round_to_integer(static_cast<double>(last[j]) * kPow.down[l - 1]));
     }
   }
-  // 2. Integer sums (associative on every transport), then one rounding to fp32.
-  std::size_t first = 0;
-  std::size_t len = n;
-  if (whole) {
-    comm.all_reduce_int(top, n, IntOp::SumI64);
-  } else {
-    comm.reduce_scatter_int(top, bk.slice_elems, IntOp::SumI64);
-    first = static_cast<std::size_t>(comm.rank()) * bk.slice_elems;
-    len = bk.slice_elems;
-  }
+  // 2. Integer sums (associative on every transport), then one rounding to fp32 of the
+  // elements this rank keeps: the bucket (whole), or its slice, equal or (whole-tensor
+  // ownership) its ragged range. A ragged bucket's sums come from an all-reduce of the
+  // bucket, of which each rank keeps its range (the integer reduce-scatter has equal blocks
+  // only; twice the integer bytes of the equal form).
+  const Range mine = whole ? bk.flat : bk.slice(comm.rank());
+  if (!whole && bk.equal_cut) comm.reduce_scatter_int(top, bk.slice_elems, IntOp::SumI64);
+  else comm.all_reduce_int(top, n, IntOp::SumI64);
+  const std::size_t first = mine.begin - b;
   float* dst = grads + b + first;
   const std::int64_t* sum = top + first;
   const std::uint8_t* lv = level + first;
-  const std::ptrdiff_t m = static_cast<std::ptrdiff_t>(len);
+  const std::ptrdiff_t m = static_cast<std::ptrdiff_t>(mine.size());
 #pragma omp parallel for schedule(static)
   for (std::ptrdiff_t j = 0; j < m; ++j) {
     const std::uint8_t l = lv[j];

@@ -58,6 +58,18 @@ inline int level_of(float v) {
   return static_cast<int>((e + 24) / 24);
 }
 
+/// Whether the exchanges of raw values (ExactGrads::reduce_direct, reduce_packed: equal
+/// blocks) can reduce bucket `bk`: whole (data-parallel) or cut in equal slices. A ragged
+/// bucket of whole-tensor ownership takes the two-phase method (ExactGrads::reduce).
+inline bool exchanges(const Bucket& bk, bool whole) { return whole || bk.equal_cut; }
+/// Whether some bucket of `layout` takes the two-phase method at every step (see exchanges):
+/// its accumulator is then allocated at finalize, not on demand (buffer_plan.hpp).
+inline bool ragged_buckets(const FlatLayout& layout, bool whole) {
+  for (const Bucket& bk : layout.buckets())
+    if (!exchanges(bk, whole)) return true;
+  return false;
+}
+
 /// Host bytes of the gradient accumulator of a layout: levels, two bins and a scratch copy
 /// of the largest bucket's levels.
 std::size_t grads_bytes(std::size_t padded_elems, std::size_t max_bucket_elems);
@@ -92,11 +104,15 @@ class ExactGrads {
   /// Collective: reduces bucket `bk` exactly over the group. `grads` is the full gradient
   /// buffer (flat coordinates): on entry it holds the last micro-batch, not deposited yet; on
   /// return it holds the fp32 sums over every rank and micro-batch, on every element of the
-  /// bucket when whole (data-parallel), else on this rank's slice. NaN where any rank
+  /// bucket when whole (data-parallel), else on this rank's slice (Bucket::slice: equal, or
+  /// the ragged range of whole-tensor ownership). NaN where any rank
   /// received a NaN/Inf. The bucket's bins are consumed. When nothing was deposited before
   /// (one micro-batch per rank) the values are packed straight from `grads`: rounding v to
   /// the low bin of the final level is what splitting it into the two bins and packing gives.
   void reduce(Communicator& comm, const Bucket& bk, bool whole, float* grads);
+  /// The two exchanges below deliver equal blocks: they take a bucket that is whole or cut in
+  /// equal slices (Bucket::equal_cut); a ragged bucket of whole-tensor ownership goes to
+  /// reduce() (BucketSet::reduce_exactly), whose result they equal bit for bit.
   /// Collective, for one micro-batch per rank on every rank (nothing deposited anywhere):
   /// the same result as reduce(), by the direct exchange (Communicator::
   /// reduce_scatter_combine: 4 bytes per element, one pass, cpu::exact_combine), and the

@@ -294,7 +294,7 @@ void check_muon_params(const FlatLayout& layout, const std::vector<GroupOptions>
 }
 
 // After build(): every Muon matrix must lie inside one bucket, so that the rank updating
-// that bucket (data-parallel: every rank; Whole stages 1-2: its owner) holds all of it.
+// that bucket (data-parallel: every rank; Whole stages 1-3: its owner) holds all of it.
 void check_muon_buckets(const FlatLayout& layout, const std::vector<GroupOptions>& groups) {
   for (const ParamInfo& p : layout.params())
     require(!is_muon(p, groups) || p.buckets.size() == 1, Status::InvalidArgument,
@@ -322,18 +322,9 @@ void ShardedOptimizer::finalize() {
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
     check_muon_params(layout, groups_, options_);
-    // Whole-tensor ownership (ownership.hpp) runs stages 0 to 2 on the CPU with the default
-    // reduction; the rest assumes equal slices.
+    // Whole-tensor ownership (ownership.hpp) runs every stage and reduction on the CPU: the
+    // collectives, unit gathers and exact sums take each bucket's ragged per-rank ranges.
     if (options_.ownership == Ownership::Whole) {
-      require(options_.stage != Stage::Zero3, Status::Unsupported,
-              "ownership Whole: stage 3 (zero3) is not supported yet (its unit gathers assume "
-              "equal slices); use stage 0, 1 or 2");
-      // Data-parallel all-reduces whole buckets, whatever the ownership.
-      require(options_.reduction != Reduction::Reproducible ||
-                  options_.stage == Stage::DataParallel,
-              Status::Unsupported,
-              "ownership Whole: Reduction::Reproducible is not supported yet at stages 1-2 (its "
-              "exact exchange assumes equal slices); use the default reduction or stage 0");
       require(options_.device == Device::Cpu, Status::Unsupported,
               "ownership Whole: Device::Cuda is not supported yet; use the CPU");
       layout.set_ownership(Ownership::Whole);
@@ -402,6 +393,7 @@ void ShardedOptimizer::finalize() {
   collective(*comm_, "finalize", [&] {
     if (zero3) b.replica = local_buffer(plan.replica);
     if (staged) grads.grads = local_buffer(plan.grads);
+    if (plan.exact.bytes > 0 && !plan.exact.on_demand) grads.exact = local_buffer(plan.exact);
     if (plan.master.bytes > 0) b.master = local_buffer(plan.master);
     for (std::size_t k = 0; k < b.slots.size(); ++k) b.slots[k] = local_buffer(plan.state[k]);
   });

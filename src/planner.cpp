@@ -99,12 +99,6 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   check(config);
   const bool whole = config.ownership == Ownership::Whole;
   if (whole) {  // as finalize() refuses them
-    require(config.stage != Stage::Zero3, Status::Unsupported,
-            "plan_memory: ownership Whole: stage 3 (zero3) is not supported yet");
-    require(config.reduction != Reduction::Reproducible || config.stage == Stage::DataParallel,
-            Status::Unsupported,
-            "plan_memory: ownership Whole: Reduction::Reproducible is not supported yet at "
-            "stages 1-2");
     require(config.device == Device::Cpu, Status::Unsupported,
             "plan_memory: ownership Whole: Device::Cuda is not supported yet");
   }
@@ -173,7 +167,8 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
     if (!s.on_demand) plan.bytes[static_cast<int>(s.category)] += s.bytes;
   if (config.accumulate_without_sync && plan.staged)
     plan.bytes[static_cast<int>(b.accumulate.category)] += b.accumulate.bytes;
-  if (config.accumulate_without_sync) plan.bytes[static_cast<int>(b.exact.category)] += b.exact.bytes;
+  if (config.accumulate_without_sync && b.exact.on_demand)
+    plan.bytes[static_cast<int>(b.exact.category)] += b.exact.bytes;
   if (config.grad_views_across_buckets && plan.staged)
     plan.bytes[static_cast<int>(b.spill.category)] += b.spill.bytes;
   return plan;

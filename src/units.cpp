@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "buckets.hpp"
+
 namespace shardopt {
 
 UnitSet::UnitSet(Communicator& comm, Backend& backend, const FlatLayout& layout,
@@ -60,9 +62,12 @@ void UnitSet::prefetch(std::size_t u) {
   for (std::size_t b = unit.buckets.begin; b < unit.buckets.end; ++b) {
     const Bucket& bk = layout_.bucket(b);
     char* bucket = buf + (bk.flat.begin - unit.flat.begin) * elem;
-    backend_.copy(bucket + (bk.slice(rank).begin - bk.flat.begin) * elem,
-                  replica_ + bk.local_begin * elem, bk.slice_elems * elem);
-    s.gathers.push_back(comm_.start_all_gather(bucket, bk.slice_elems, type));
+    // This rank's slice (Whole ownership: its ragged range, possibly empty) from the local
+    // replica into its place in the bucket, then the bucket's (uneven) all-gather.
+    if (const std::size_t mine = bk.slice_size(rank); mine > 0)
+      backend_.copy(bucket + (bk.slice(rank).begin - bk.flat.begin) * elem,
+                    replica_ + bk.local_begin_of(rank) * elem, mine * elem);
+    s.gathers.push_back(start_bucket_gather(comm_, bk, bucket, type));
   }
 }
 

@@ -4,7 +4,9 @@
 // when the trainer acquires or prefetches it, and the buffer returns to the pool on release.
 //
 // A gather copies this rank's slice of each of the unit's buckets into its block of the
-// buffer and starts one in-place equal-count all-gather per bucket, in bucket order. The
+// buffer and starts one in-place all-gather per bucket, in bucket order: equal counts, or
+// under whole-tensor ownership the bucket's ragged per-rank counts (start_bucket_gather;
+// each rank keeps only its owned ranges, some of them empty). The
 // gathers are collectives: every rank must make the same prefetch/acquire/release calls in
 // the same order. The checks are local (check_prefetch, check_acquire) and made before any
 // collective starts; ShardedOptimizer agrees on their outcome across ranks first, so a bad

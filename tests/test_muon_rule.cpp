@@ -1,14 +1,17 @@
 // test_muon_rule.cpp: Rule::Muon as an optimizer rule (issue 32) at whatever rank count the
 // binary runs with (1 without MPI; 1-4 under mpiexec): 2-D matrices in a Muon group next to
-// 1-D parameters in an AdamW group, Ownership::Whole at data-parallel. Against a double model
-// of torch.optim.Muon; the same bits at every rank count and bucket size as one process that
-// runs every rank's micro-batches; micro-batches summed before Newton-Schulz (once per step);
-// the refusals, the same on every rank; memory_report() == plan_memory().
+// 1-D parameters in an AdamW group, Ownership::Whole at stages 0-3 (stage 3: four units,
+// gathered before every step). Against a double model of torch.optim.Muon; the same bits at
+// every rank count, stage and bucket size as one process that runs every rank's
+// micro-batches (plain MPI and shared memory; in reproducible mode with gradients whose sums
+// round); micro-batches summed before Newton-Schulz (once per step); the refusals, the same
+// on every rank; memory_report() == plan_memory().
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -32,9 +35,11 @@ struct P {
   const char* name;
   std::size_t rows, cols;  // cols 0: a 1-D parameter of `rows` elements (AdamW group)
 };
-// Matrices in group 1 (Muon), vectors in group 0 (AdamW), interleaved.
-const std::vector<P> kModel = {{"m0", 96, 64},  {"b0", 100, 0}, {"m1", 64, 96}, {"b1", 37, 0},
-                               {"m2", 128, 128}, {"m3", 33, 17}, {"b2", 64, 0}};
+// Matrices in group 1 (Muon), vectors in group 0 (AdamW), interleaved; "e0" (40000 elements)
+// spans the buckets of 16384 and 24000 elements (equal slices, pieces pinned next to matrices).
+const std::vector<P> kModel = {{"m0", 96, 64},  {"b0", 100, 0},   {"m1", 64, 96},
+                               {"e0", 40000, 0}, {"b1", 37, 0},    {"m2", 128, 128},
+                               {"m3", 33, 17},  {"b2", 64, 0}};
 std::size_t numel(const P& p) { return p.cols ? p.rows * p.cols : p.rows; }
 
 GroupOptions muon_group(bool nesterov = true, MuonLrAdjust adjust = MuonLrAdjust::Original) {
@@ -79,7 +84,10 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm,
                                        const OptimizerOptions& o, const GroupOptions& g) {
   auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
   const int muon = opt->add_group(g);
-  for (const P& p : kModel) {
+  for (std::size_t i = 0; i < kModel.size(); ++i) {
+    const P& p = kModel[i];
+    // Stage 3 gathers four units: {m0 b0} {m1 e0} {b1 m2} {m3 b2}.
+    if (o.stage == Stage::Zero3 && i > 0 && i % 2 == 0) opt->begin_unit();
     if (p.cols) opt->add_param(p.name, Shape2D{p.rows, p.cols}, muon);
     else opt->add_param(p.name, p.rows, 0);
   }
@@ -92,9 +100,27 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm,
   return opt;
 }
 
+// Stage 3: a forward that gathers every unit (the next one prefetched), as a trainer's
+// forward does before its backward; f(i) reads parameter i while its unit is acquired.
+// Stages 0-2: f(i) for every parameter.
+template <class F>
+void forward(ShardedOptimizer& opt, F&& f) {
+  const FlatLayout& l = opt.layout();
+  const bool zero3 = opt.options().stage == Stage::Zero3;
+  for (std::size_t u = 0; u < l.num_units(); ++u) {
+    if (zero3) {
+      opt.acquire(u);
+      if (u + 1 < l.num_units()) opt.prefetch(u + 1);
+    }
+    for (std::size_t i = l.unit(u).params.begin; i < l.unit(u).params.end; ++i) f(i);
+    if (zero3) opt.release(u);
+  }
+}
+
 // Runs micro-batches [first, last) of step `step` (each the gradients grad_value(mb, ...),
 // times `factor`), then steps.
 void run_step(ShardedOptimizer& opt, int step, int first, int last, float factor = 1.0f) {
+  forward(opt, [](std::size_t) {});
   for (int mb = first; mb < last; ++mb) {
     opt.begin_backward(mb + 1 == last);
     for (std::size_t i = kModel.size(); i-- > 0;) {
@@ -121,22 +147,34 @@ Snapshot snapshot(ShardedOptimizer& opt) {
     std::vector<float> m(n), e(n);
     opt.get_master(i, m);
     opt.get_state(StateArray::ExpAvg, i, e);
-    opt.wait_param(i);  // stages 1-2 gather the replica after the step
     s.master.push_back(m);
     s.exp_avg.push_back(e);
+  }
+  s.replica.resize(kModel.size());
+  s.replica_f32.resize(kModel.size());
+  forward(opt, [&](std::size_t i) {  // stage 3 gathers its units
+    const std::size_t n = numel(kModel[i]);
+    opt.wait_param(i);  // stages 1-2 gather the replica after the step
     if (opt.options().param_dtype == DType::BF16) {
       const std::span<bf16> r = opt.param<bf16>(i);
       std::vector<std::uint16_t> bits(n);
       std::memcpy(bits.data(), r.data(), n * sizeof(std::uint16_t));
-      s.replica.push_back(bits);
-      s.replica_f32.emplace_back();
+      s.replica[i] = bits;
     } else {
       const std::span<float> r = opt.param<float>(i);
-      s.replica.emplace_back();
-      s.replica_f32.emplace_back(r.begin(), r.end());
+      s.replica_f32[i].assign(r.begin(), r.end());
     }
-  }
+  });
   return s;
+}
+
+// A communicator of the kind SHARDOPT_COMM names ("mpi": plain MPI, "shm": shared memory;
+// make_mpi_communicator reads it), or the single process of the binary without MPI.
+std::shared_ptr<Communicator> world_of(const char* kind) {
+  ::setenv("SHARDOPT_COMM", kind, 1);
+  std::shared_ptr<Communicator> c = test::world();
+  ::unsetenv("SHARDOPT_COMM");
+  return c;
 }
 template <class T>
 bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
@@ -246,17 +284,18 @@ TEST(MuonRule, TenStepsMatchTheDoubleModel) {
   }
 }
 
-// (b) The same bits at every rank count, stage (0-2: each matrix updated by its owner at
-// stages 1-2) and bucket size as one data-parallel process running every rank's micro-batches
-// (12 per step, spread evenly), bf16 and fp32 replicas.
+// (b) The same bits at every rank count, stage (0-3: each matrix updated by its owner at
+// stages 1-3) and bucket size as one data-parallel process running every rank's micro-batches
+// (12 per step, spread evenly), bf16 and fp32 replicas, plain MPI and shared memory.
 TEST(MuonRule, SameBitsAsOneProcessAtAnyRankCountStageAndBucketSize) {
   const int world = test::world_size(), rank = test::world_rank();
   const int per_rank = kMicroBatches / world;
   ASSERT_EQ(per_rank * world, kMicroBatches);
-  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
   for (DType dtype : {DType::BF16, DType::F32})
     for (std::size_t bucket : {std::size_t{16384}, std::size_t{24000}, std::size_t{70000}}) {
-      auto opt = make(test::world(), muon_options(bucket, dtype, stage), muon_group());
+      const char* kind = (bucket + static_cast<std::size_t>(dtype)) % 2 ? "mpi" : "shm";
+      auto opt = make(world_of(kind), muon_options(bucket, dtype, stage), muon_group());
       auto single = make(make_single_process_communicator(), muon_options(bucket, dtype),
                          muon_group());
       for (int t = 0; t < 4; ++t) {
@@ -265,20 +304,21 @@ TEST(MuonRule, SameBitsAsOneProcessAtAnyRankCountStageAndBucketSize) {
       }
       expect_same(snapshot(*opt), snapshot(*single),
                   std::string(stage_name(stage)) + ", " + dtype_name(dtype) + ", bucket " +
-                      std::to_string(bucket));
+                      std::to_string(bucket) + ", " + kind);
     }
 }
 
 // (c) Four micro-batches give the bits of one micro-batch of their average: Newton-Schulz
 // runs once per step on the reduced gradient, not per micro-batch.
 TEST(MuonRule, MicroBatchesAreSummedBeforeNewtonSchulz) {
-  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
   const OptimizerOptions o = muon_options(24000, DType::BF16, stage);
   auto four = make(test::world(), o, muon_group());
   auto one = make(test::world(), o, muon_group());
   for (int t = 0; t < 3; ++t) {
     run_step(*four, t, 0, 4);
     // The average of the four (exact: multiples of 2^-12, summed exactly).
+    forward(*one, [](std::size_t) {});
     one->begin_backward(true);
     for (std::size_t i = kModel.size(); i-- > 0;) {
       std::vector<float> g(numel(kModel[i]), 0.0f);
@@ -296,19 +336,53 @@ TEST(MuonRule, MicroBatchesAreSummedBeforeNewtonSchulz) {
   }
 }
 
-// Reproducible mode runs Muon too: the same bits as the default mode with exact gradients.
+// Reproducible mode runs Muon too: the same bits as the default mode with exact gradients,
+// at stages 0-3.
 TEST(MuonRule, ReproducibleModeMatchesTheDefault) {
   const int world = test::world_size(), rank = test::world_rank();
   const int per_rank = kMicroBatches / world;
-  OptimizerOptions o = muon_options(24000);
-  auto opt = make(test::world(), o, muon_group());
-  o.reduction = Reduction::Reproducible;
-  auto exact = make(test::world(), o, muon_group());
-  for (int t = 0; t < 3; ++t) {
-    run_step(*opt, t, rank * per_rank, (rank + 1) * per_rank);
-    run_step(*exact, t, rank * per_rank, (rank + 1) * per_rank);
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
+    OptimizerOptions o = muon_options(24000, DType::BF16, stage);
+    auto opt = make(test::world(), o, muon_group());
+    o.reduction = Reduction::Reproducible;
+    auto exact = make(test::world(), o, muon_group());
+    for (int t = 0; t < 3; ++t) {
+      run_step(*opt, t, rank * per_rank, (rank + 1) * per_rank);
+      run_step(*exact, t, rank * per_rank, (rank + 1) * per_rank);
+    }
+    expect_same(snapshot(*opt), snapshot(*exact),
+                std::string("reproducible against default, ") + stage_name(stage));
   }
-  expect_same(snapshot(*opt), snapshot(*exact), "reproducible against default");
+}
+
+// Reproducible mode with gradients whose sums round (thirds): every stage, bucket size and
+// rank count gives the bits of one process that runs all 12 micro-batches, with 1 micro-batch
+// per rank (12 / world: the direct exchange at one rank each) or all of a rank's share.
+TEST(MuonRule, ReproducibleSameBitsAsOneProcessWithRoundingSums) {
+  const int world = test::world_size(), rank = test::world_rank();
+  const int per_rank = kMicroBatches / world;
+  constexpr float kThird = 1.0f / 3.0f;
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
+    for (std::size_t bucket : {std::size_t{16384}, std::size_t{70000}}) {
+      OptimizerOptions o = muon_options(bucket, DType::F32, stage);
+      o.reduction = Reduction::Reproducible;
+      OptimizerOptions one = muon_options(bucket, DType::F32);
+      one.reduction = Reduction::Reproducible;
+      // World micro-batches per step, one per rank; then per_rank each.
+      auto opt = make(world_of(bucket == 16384 ? "mpi" : "shm"), o, muon_group());
+      auto single = make(make_single_process_communicator(), one, muon_group());
+      for (int t = 0; t < 2; ++t) {
+        run_step(*opt, t, rank, rank + 1, kThird);
+        run_step(*single, t, 0, world, kThird);
+      }
+      for (int t = 2; t < 4; ++t) {
+        run_step(*opt, t, rank * per_rank, (rank + 1) * per_rank, kThird);
+        run_step(*single, t, 0, kMicroBatches, kThird);
+      }
+      expect_same(snapshot(*opt), snapshot(*single),
+                  std::string("reproducible, ") + stage_name(stage) + ", bucket " +
+                      std::to_string(bucket));
+    }
 }
 
 // (d) The refusals, the same error on every rank.
@@ -338,10 +412,6 @@ TEST(MuonRule, RefusalsAreTheSameOnEveryRank) {
   flat.ownership = Ownership::Flat;
   test::expect_same_error(Status::InvalidArgument, finalize_with(flat, false),
                           {"Muon needs whole matrices", "Ownership::Whole"}, "Flat layout");
-  OptimizerOptions zero3 = ok;
-  zero3.stage = Stage::Zero3;
-  test::expect_same_error(Status::Unsupported, finalize_with(zero3, false),
-                          {"ownership Whole", "stage 3"}, "stage 3");
   OptimizerOptions small = ok;
   small.bucket_elems = 1000;  // the 64 x 32 matrix spans buckets
   test::expect_same_error(Status::InvalidArgument, finalize_with(small, false),
@@ -368,7 +438,7 @@ TEST(MuonRule, RefusalsAreTheSameOnEveryRank) {
 // (e) The memory each rank holds is the planner's: 4 bytes of state per Muon element.
 TEST(MuonRule, MemoryReportEqualsThePlan) {
   const int world = test::world_size();
-  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
   for (DType dtype : {DType::BF16, DType::F32})
   for (std::size_t bucket : {std::size_t{20000}, std::size_t{0}}) {
     auto opt = make(test::world(), muon_options(bucket, dtype, stage), muon_group());
@@ -387,7 +457,7 @@ TEST(MuonRule, MemoryReportEqualsThePlan) {
                             MemCategory::Moments})
       EXPECT_EQ(plan[cat], rep[cat]) << mem_category_name(cat) << " " << dtype_name(dtype);
     // Moments: 4 bytes per Muon element, 8 per AdamW element (and their padding); at stages
-    // 1-2 each rank holds its owned parameters' (plan == report above, rank by rank).
+    // 1-3 each rank holds its owned parameters' (plan == report above, rank by rank).
     std::size_t muon = 0, adamw = 0;
     for (const P& p : kModel) (p.cols ? muon : adamw) += numel(p);
     if (stage == Stage::DataParallel) {  // every rank holds every state

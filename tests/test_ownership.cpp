@@ -522,13 +522,23 @@ TEST(Ownership, PlannerChecksItsInputs) {
   c.world_size = 4;
   c.matrix = m.matrix;
   c.ownership = Ownership::Whole;
-  c.stage = Stage::Zero3;  // plan_memory plans Whole at stages 0-2 only, as finalize() runs it
+  // Stage 3 plans each rank's owned ranges: together, the flat buffer once.
+  c.stage = Stage::Zero3;
+  std::size_t owned = 0;
+  for (c.rank = 0; c.rank < c.world_size; ++c.rank) {
+    const MemoryPlan p = plan_memory(m.layout, c);
+    owned += p.owned_elems;
+    if (c.rank + 1 == c.world_size) EXPECT_EQ(owned, p.padded_elems);
+  }
+  c.rank = 0;
+  c.device = Device::Cuda;  // plan_memory plans Whole on the CPU only, as finalize() runs it
   try {
     plan_memory(m.layout, c);
-    FAIL() << "plan_memory planned a Whole layout at stage 3";
+    FAIL() << "plan_memory planned a Whole layout on Device::Cuda";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::Unsupported);
   }
+  c.device = Device::Cpu;
   c.stage = Stage::Zero1;
   c.matrix.push_back(false);  // more flags than parameters
   EXPECT_THROW(plan_ownership(m.layout, c), Error);
@@ -550,8 +560,8 @@ TEST(Ownership, PlannerChecksItsInputs) {
   EXPECT_EQ(plan_config(OptimizerOptions{}, 2).ownership, Ownership::Flat);
 }
 
-// Whole runs at stages 0-2 (test_whole checks the step against Flat); stage 3 is refused.
-TEST(Ownership, FinalizeRefusesWholeAtStage3) {
+// Whole runs at every stage (test_whole checks the step against Flat).
+TEST(Ownership, FinalizeRunsWholeAtEveryStage) {
   OptimizerOptions o;
   o.ownership = Ownership::Whole;
   {
@@ -563,14 +573,9 @@ TEST(Ownership, FinalizeRefusesWholeAtStage3) {
   o.stage = Stage::Zero3;
   ShardedOptimizer opt(make_single_process_communicator(), o);
   opt.add_param("w", 64);
-  try {
-    opt.finalize();
-    FAIL() << "finalize() accepted ownership Whole at stage 3";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::Unsupported);
-    EXPECT_NE(std::string(e.what()).find("ownership Whole: stage 3"), std::string::npos)
-        << e.what();
-  }
+  EXPECT_NO_THROW(opt.finalize());
+  EXPECT_TRUE(opt.layout().owners_applied());
+  EXPECT_EQ(opt.local_size(), opt.layout().shard_size(0));
   // Data-parallel runs Whole (every rank holds every matrix whole; Rule::Muon needs it).
   OptimizerOptions dp = o;
   dp.stage = Stage::DataParallel;

@@ -1,11 +1,14 @@
 // test_whole.cpp: whole-tensor ownership (issue 32) through the step. For element-wise rules
-// (AdamW, Lion, AdamW8bit) a Whole optimizer at stages 0, 1 and 2 must hold bit for bit the
+// (AdamW, Lion, AdamW8bit) a Whole optimizer at stages 0, 1, 2 and 3 must hold bit for bit the
 // master weights, replica and state a Flat one holds after the same steps: gradients are
 // multiples of 2^-10 (their sums are exact in any order), and every element's update depends
 // only on its own values. Several bucket sizes (a parameter across buckets; ranks with empty
 // ranges), fp32 and bf16 replicas, 1-2 micro-batches, overlap on and off, plain MPI and shared
-// memory. Also: memory_report() == plan_memory() per rank, the refusals (the same error on
-// every rank), and equal wire bytes per step (a byte-counting communicator).
+// memory; stage 3 in three units, gathered (unevenly) by a forward before every step. In
+// reproducible mode (Reduction::Reproducible) with gradients whose sums round, Whole equals
+// Flat and one process that runs every rank's micro-batches. Also: memory_report() ==
+// plan_memory() per rank, the refusals (the same error on every rank), and equal wire bytes
+// per step (a byte-counting communicator).
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <unistd.h>
@@ -105,9 +108,17 @@ Shape2D shape_of(std::size_t i) {
   }
 }
 
-float grad_value(int rank, int step, std::size_t i, std::size_t k) {
+// Multiples of 2^-10 (exact sums), or with `inexact` multiples of 1/3 rounded to fp32 (sums
+// that round, in an order that depends on the reduction).
+float grad_value(int rank, int step, std::size_t i, std::size_t k, bool inexact = false) {
   const std::uint64_t h = fnv1a64(&k, sizeof k, (static_cast<std::uint64_t>(rank) * 131 + step) * 7919 + i);
-  return static_cast<float>(static_cast<int>(h % 2001) - 1000) / 1024.0f;  // multiples of 2^-10
+  const float v = static_cast<float>(static_cast<int>(h % 2001) - 1000);
+  return inexact ? v / 3.0f : v / 1024.0f;
+}
+
+// Stage 3 registers three units: {p0..p3} {p4..p7} {p8..p10}.
+bool unit_starts_at(const OptimizerOptions& o, std::size_t i) {
+  return o.stage == Stage::Zero3 && i > 0 && i % 4 == 0;
 }
 
 struct RunSpec {
@@ -115,6 +126,9 @@ struct RunSpec {
   std::shared_ptr<Communicator> comm;
   int micro = 1;
   int steps = 3;
+  bool inexact = false;  ///< gradients whose sums round (grad_value)
+  /// > 0: this (single) process runs the micro-batches of that many ranks, rank by rank.
+  int play_ranks = 0;
 };
 
 struct Result {
@@ -131,11 +145,13 @@ std::unique_ptr<ShardedOptimizer> make(const OptimizerOptions& o, std::shared_pt
   opt->set_group(0, g[0]);
   opt->add_group(g[1]);
   opt->add_group(g[2]);
-  for (std::size_t i = 0; i < kSizes.size(); ++i)
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    if (unit_starts_at(o, i)) opt->begin_unit();
     if (const Shape2D s = shape_of(i); s.rows * s.cols == kSizes[i])
       opt->add_param("p" + std::to_string(i), s, kGroups[i]);
     else
       opt->add_param("p" + std::to_string(i), kSizes[i], kGroups[i]);
+  }
   return opt;
 }
 
@@ -149,37 +165,59 @@ Result run(const RunSpec& r, CountingComm* counter = nullptr) {
     opt->set_param(i, init);
   }
   const int rank = opt->comm().rank();
+  const bool zero3 = r.o.stage == Stage::Zero3;
+  const bool f32 = r.o.param_dtype == DType::F32;
+  std::vector<std::vector<float>> replica(kSizes.size());
+  // A forward: stage 3 acquires every unit (the next one prefetched) and reads its replica.
+  const auto forward = [&] {
+    const FlatLayout& l = opt->layout();
+    for (std::size_t u = 0; u < l.num_units(); ++u) {
+      if (zero3) {
+        opt->acquire(u);
+        if (u + 1 < l.num_units()) opt->prefetch(u + 1);
+      }
+      for (std::size_t i = l.unit(u).params.begin; i < l.unit(u).params.end; ++i) {
+        std::vector<float>& rep = replica[i];
+        rep.resize(kSizes[i]);
+        if (f32) {
+          const std::span<float> p = opt->param<float>(i);
+          std::copy(p.begin(), p.end(), rep.begin());
+        } else {
+          const std::span<bf16> p = opt->param<bf16>(i);
+          for (std::size_t k = 0; k < rep.size(); ++k) rep[k] = to_float(p[k]);
+        }
+      }
+      if (zero3) opt->release(u);
+    }
+  };
   Result res;
+  const int players = r.play_ranks > 0 ? r.play_ranks : 1;
   for (int s = 0; s < r.steps; ++s) {
     const std::size_t before = counter ? counter->bytes : 0;
-    for (int mb = 0; mb < r.micro; ++mb) {
-      opt->begin_backward(mb + 1 == r.micro);
-      for (std::size_t i = kSizes.size(); i-- > 0;) {
-        std::span<float> g = opt->grad(i);
-        for (std::size_t k = 0; k < g.size(); ++k) g[k] += grad_value(rank, s * 4 + mb, i, k);
-        opt->grad_ready(i);
+    forward();
+    for (int who = 0; who < players; ++who)
+      for (int mb = 0; mb < r.micro; ++mb) {
+        const int source = r.play_ranks > 0 ? who : rank;
+        opt->begin_backward(who + 1 == players && mb + 1 == r.micro);
+        for (std::size_t i = kSizes.size(); i-- > 0;) {
+          std::span<float> g = opt->grad(i);
+          for (std::size_t k = 0; k < g.size(); ++k)
+            g[k] += grad_value(source, s * 4 + mb, i, k, r.inexact);
+          opt->grad_ready(i);
+        }
       }
-    }
     opt->step();
     if (counter) res.wire_per_step = counter->bytes - before;
   }
   res.padded = opt->layout().padded_size();
   res.quantum = FlatLayout::bucket_quantum(opt->layout().world_size(), opt->layout().align_elems());
   for (const ParamInfo& p : opt->layout().params()) res.spanning += p.buckets.size() > 1 ? 1 : 0;
-  const bool f32 = r.o.param_dtype == DType::F32;
+  forward();
+  res.replica = replica;
   for (std::size_t i = 0; i < kSizes.size(); ++i) {
     std::vector<float> x(kSizes[i]);
     opt->get_master(i, x);
     res.master.push_back(x);
-    std::vector<float> rep(kSizes[i]);
-    if (f32) {
-      const std::span<float> p = opt->param<float>(i);
-      std::copy(p.begin(), p.end(), rep.begin());
-    } else {
-      const std::span<bf16> p = opt->param<bf16>(i);
-      for (std::size_t k = 0; k < rep.size(); ++k) rep[k] = to_float(p[k]);
-    }
-    res.replica.push_back(rep);
     opt->get_state(StateArray::ExpAvg, i, x);
     res.m.push_back(x);
     if (kGroups[i] != 1) {  // Lion keeps no exp_avg_sq
@@ -194,9 +232,13 @@ Result run(const RunSpec& r, CountingComm* counter = nullptr) {
   pc.rank = rank;
   pc.groups = groups();
   pc.grad_views_across_buckets = true;   // grad() of the parameter across buckets (stage 2)
-  pc.accumulate_without_sync = r.micro > 1;
+  pc.accumulate_without_sync = r.micro * players > 1;
   FlatLayout unbuilt;
-  for (std::size_t i = 0; i < kSizes.size(); ++i) unbuilt.add("p" + std::to_string(i), kSizes[i], kGroups[i], 0, shape_of(i));
+  int unit = 0;
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    unit += unit_starts_at(r.o, i) ? 1 : 0;
+    unbuilt.add("p" + std::to_string(i), kSizes[i], kGroups[i], unit, shape_of(i));
+  }
   EXPECT_EQ(opt->memory_report().bytes, plan_memory(unbuilt, pc).bytes) << "rank " << rank;
   EXPECT_EQ(opt->memory_report().bytes, plan_memory(opt->layout(), pc).bytes) << "rank " << rank;
   return res;
@@ -287,13 +329,15 @@ TEST(Whole, LayoutCutsPerRank) {
 TEST(Whole, BitIdenticalToFlat) {
   const std::vector<MpiCommKind> kinds = {MpiCommKind::Plain, MpiCommKind::SharedMemory};
   std::vector<Case> cases;
-  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
     for (std::size_t bucket : {std::size_t{700}, std::size_t{64}, std::size_t{1} << 16}) {
       cases.push_back({stage, DType::BF16, bucket, 1, true, kinds[bucket % 2]});
       cases.push_back({stage, DType::F32, bucket, 2, false, kinds[(bucket + 1) % 2]});
     }
   cases.push_back({Stage::Zero2, DType::BF16, 700, 2, true, MpiCommKind::SharedMemory});
   cases.push_back({Stage::Zero1, DType::F32, 64, 1, false, MpiCommKind::Plain});
+  cases.push_back({Stage::Zero3, DType::BF16, 700, 2, true, MpiCommKind::Plain});
+  cases.push_back({Stage::Zero3, DType::F32, 64, 1, true, MpiCommKind::SharedMemory});
   for (const Case& c : cases) {
     RunSpec r;
     r.o.stage = c.stage;
@@ -316,8 +360,9 @@ TEST(Whole, BitIdenticalToFlat) {
   }
 }
 
+// Stage 3 counts the forward's unit gathers with the step's reductions.
 TEST(Whole, WireBytesEqualFlat) {
-  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
     for (std::size_t bucket : {std::size_t{700}, std::size_t{64}}) {
       RunSpec r;
       r.o.stage = stage;
@@ -349,14 +394,6 @@ TEST(Whole, Refusals) {
     auto opt = make(o, test::world());
     opt->finalize();
   };
-  OptimizerOptions z3;
-  z3.stage = Stage::Zero3;
-  test::expect_same_error(Status::Unsupported, [&] { finalize_with(z3); },
-                          {"ownership Whole", "stage 3"}, "stage 3");
-  OptimizerOptions repro;
-  repro.reduction = Reduction::Reproducible;
-  test::expect_same_error(Status::Unsupported, [&] { finalize_with(repro); },
-                          {"ownership Whole", "Reproducible"}, "reproducible");
   {
     OptimizerOptions cuda;
     cuda.device = Device::Cuda;
@@ -373,23 +410,68 @@ TEST(Whole, Refusals) {
       test::expect_same_error(Status::Unsupported, [&] { finalize_with(cuda); },
                               {"ownership Whole", "Cuda"}, "cuda");
   }
-  // Checkpoints.
-  OptimizerOptions o;
-  o.ownership = Ownership::Whole;
-  auto opt = make(o, test::world());
-  opt->finalize();
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                    ("shardopt_whole_ckpt_" + std::to_string(::getppid()));
-  test::expect_same_error(Status::Unsupported, [&] { save_checkpoint(*opt, dir); },
-                          {"ownership Whole", "save_checkpoint"}, "save");
-  test::expect_same_error(Status::Unsupported, [&] { load_checkpoint(*opt, dir); },
-                          {"ownership Whole", "load_checkpoint"}, "load");
+  // Checkpoints (stage 3 too).
+  for (Stage stage : {Stage::Zero1, Stage::Zero3}) {
+    OptimizerOptions o;
+    o.ownership = Ownership::Whole;
+    o.stage = stage;
+    auto opt = make(o, test::world());
+    opt->finalize();
+    const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                      ("shardopt_whole_ckpt_" + std::to_string(::getppid()));
+    test::expect_same_error(Status::Unsupported, [&] { save_checkpoint(*opt, dir); },
+                            {"ownership Whole", "save_checkpoint"}, "save");
+    test::expect_same_error(Status::Unsupported, [&] { load_checkpoint(*opt, dir); },
+                            {"ownership Whole", "load_checkpoint"}, "load");
+  }
   // The planner refuses what finalize() refuses.
   FlatLayout l;
   l.add("a", 100, 0);
   PlanConfig pc;
   pc.world_size = test::world_size();
   pc.ownership = Ownership::Whole;
-  pc.stage = Stage::Zero3;
+  pc.device = Device::Cuda;
   EXPECT_THROW(plan_memory(l, pc), Error);
+}
+
+// Reproducible mode with gradients whose sums round: Whole equals Flat at every stage, and
+// both equal one process that runs every rank's micro-batches (the mode's promise: the same
+// bits at any rank count), with 1 and 3 micro-batches per rank (the direct exchange and the
+// packed one for equal buckets; ragged buckets take the two-phase method).
+TEST(Whole, ReproducibleEqualsFlatAndOneProcess) {
+  const int world = test::world_size();
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
+    for (std::size_t bucket : {std::size_t{700}, std::size_t{64}})
+      for (int micro : {1, 3}) {
+        RunSpec r;
+        r.o.stage = stage;
+        r.o.bucket_elems = bucket;
+        r.o.param_dtype = micro == 1 ? DType::BF16 : DType::F32;
+        r.o.reduction = Reduction::Reproducible;
+        r.o.adam.lr = 1e-2;
+        r.o.adam.weight_decay = 0.1;
+        r.o.adam.max_grad_norm = 50.0;  // clips: the exact norm enters every update
+        r.micro = micro;
+        r.steps = 2;
+        r.inexact = true;
+        r.comm = comm_of(bucket == 700 ? MpiCommKind::SharedMemory : MpiCommKind::Plain);
+        const Result flat = run(r);
+        r.o.ownership = Ownership::Whole;
+        r.comm = comm_of(bucket == 700 ? MpiCommKind::Plain : MpiCommKind::SharedMemory);
+        const Result whole = run(r);
+        RunSpec one = r;
+        one.o.stage = Stage::DataParallel;  // the units of stage 3 change no bits
+        one.o.ownership = Ownership::Flat;
+        one.play_ranks = world;
+        one.comm = make_single_process_communicator();
+        const Result single = run(one);
+        const std::string what = std::string(stage_name(stage)) + " bucket " +
+                                 std::to_string(bucket) + " micro " + std::to_string(micro);
+        for (const auto& [name, other] : {std::pair{"flat", &flat}, std::pair{"one process", &single}}) {
+          EXPECT_TRUE(same_bits(other->master, whole.master)) << what << ": master vs " << name;
+          EXPECT_TRUE(same_bits(other->replica, whole.replica)) << what << ": replica vs " << name;
+          EXPECT_TRUE(same_bits(other->m, whole.m)) << what << ": exp_avg vs " << name;
+          EXPECT_TRUE(same_bits(other->v, whole.v)) << what << ": exp_avg_sq vs " << name;
+        }
+      }
 }

@@ -11,7 +11,7 @@
 // the cut. It is pure arithmetic: every rank computes the same plan from the same inputs, no
 // MPI. finalize() cuts a Whole layout with it (FlatLayout::apply_owners; costs from
 // rules::owner_costs, the hook where a matrix rule marks its 2-D parameters) and the step runs
-// it at stages 0-2 on the CPU (docs/architecture.md, "Whole-tensor ownership").
+// it at stages 0-3 on the CPU (docs/architecture.md, "Whole-tensor ownership").
 //
 // Kinds of buckets and parameters:
 //   spanning    a parameter larger than a bucket. In a Whole layout (FlatLayout::

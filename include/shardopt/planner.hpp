@@ -58,7 +58,8 @@ struct PlanConfig {
   bool grad_views_across_buckets = false;
   /// Reduction::Reproducible keeps a full fp32 gradient at every stage (and, with
   /// accumulate_without_sync, an exact accumulator of 17 bytes per element, allocated at the
-  /// first step that needs it), and sends 4 bytes per element (8 with several micro-batches
+  /// first step that needs it; always, from finalize, under Whole ownership at stages 1-3
+  /// when some bucket is ragged), and sends 4 bytes per element (8 with several micro-batches
   /// per rank).
   Reduction reduction = Reduction::Default;
   DType reduce_dtype = DType::F32;  ///< the wire of the default reduction: F32 or BF16
