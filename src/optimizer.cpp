@@ -282,8 +282,6 @@ void check_muon_params(const FlatLayout& layout, const std::vector<GroupOptions>
   require(o.ownership == Ownership::Whole, Status::InvalidArgument,
           "finalize: Muon needs whole matrices: set OptimizerOptions::ownership = "
           "Ownership::Whole");
-  require(o.device == Device::Cpu, Status::Unsupported,
-          "finalize: the Muon rule runs on Device::Cpu only (no CUDA kernels yet)");
 }
 
 // After build(): every Muon matrix must lie inside one bucket, so that the rank updating
@@ -315,7 +313,7 @@ void ShardedOptimizer::finalize() {
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
     check_muon_params(layout, groups_, options_);
-    // Whole-tensor ownership (ownership.hpp) runs stages 0 to 2 on the CPU with the default
+    // Whole-tensor ownership (ownership.hpp) runs stages 0 to 2 (CPU and CUDA) with the default
     // reduction; the rest assumes equal slices.
     if (options_.ownership == Ownership::Whole) {
       require(options_.stage != Stage::Zero3, Status::Unsupported,
@@ -327,8 +325,6 @@ void ShardedOptimizer::finalize() {
               Status::Unsupported,
               "ownership Whole: Reduction::Reproducible is not supported yet at stages 1-2 (its "
               "exact exchange assumes equal slices); use the default reduction or stage 0");
-      require(options_.device == Device::Cpu, Status::Unsupported,
-              "ownership Whole: Device::Cuda is not supported yet; use the CPU");
       layout.set_ownership(Ownership::Whole);
     }
     const std::size_t cap = auto_bucket_cap(options_.device);

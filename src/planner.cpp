@@ -105,8 +105,6 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
             Status::Unsupported,
             "plan_memory: ownership Whole: Reduction::Reproducible is not supported yet at "
             "stages 1-2");
-    require(config.device == Device::Cpu, Status::Unsupported,
-            "plan_memory: ownership Whole: Device::Cuda is not supported yet");
   }
   FlatLayout built = layout;
   if (built.built()) {

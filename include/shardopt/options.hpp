@@ -82,7 +82,8 @@ enum class Rule : int {
   /// element). Every parameter of a Muon group must be registered with a 2-D shape (rows > 1,
   /// cols > 1: add_param(name, Shape2D, group)) and the optimizer must use
   /// Ownership::Whole (a matrix is updated whole by one rank); finalize() refuses anything
-  /// else. Device::Cpu only; data-parallel (stage 0) only until Whole runs stages 1-2.
+  /// else. On Device::Cuda the GEMMs are cuBLAS's (fp32): equal to the CPU's to rounding, not
+  /// bit for bit (docs/cuda.md).
   Muon = 3,
 };
 const char* rule_name(Rule r) noexcept;
@@ -178,10 +179,11 @@ struct OptimizerOptions {
   /// Default, or Reproducible (see Reduction; needs reduce_dtype F32 and Device::Cpu).
   Reduction reduction = Reduction::Default;
   /// Flat (equal slices of every bucket), or Whole (every parameter on one rank:
-  /// ownership.hpp). Rule::Muon needs Whole. Whole runs stages 0, 1 and 2 on the CPU with the
-  /// default reduction (and Reduction::Reproducible at stage 0); finalize() refuses it
-  /// (Error(Unsupported)) at stage 3, with Reduction::Reproducible at stages 1-2 or with
-  /// Device::Cuda, and save_checkpoint / load_checkpoint refuse a Whole optimizer.
+  /// ownership.hpp). Rule::Muon needs Whole. Whole runs stages 0, 1 and 2 on the CPU and on
+  /// Device::Cuda (docs/cuda.md) with the default reduction (and Reduction::Reproducible at
+  /// stage 0 on the CPU); finalize() refuses it (Error(Unsupported)) at stage 3 or with
+  /// Reduction::Reproducible at stages 1-2, and save_checkpoint / load_checkpoint refuse a
+  /// Whole optimizer.
   Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------
