@@ -305,26 +305,21 @@ class CudaBackend final : public Backend {
     // rows > cols:  X = U^T = V, S = V V^T, and V' = a V + T V.
     // Either way X' lies in memory as U does: no transposes. T = b S + c S S is symmetric.
     cublasHandle_t h = cublas();
+    const bool wide = rows <= cols;
     const int R = static_cast<int>(rows), C = static_cast<int>(cols), K = static_cast<int>(k);
     const float one = 1.0f, zero = 0.0f, a = op.s.a, b = op.s.b, c = op.s.c;
     for (int it = 0; it < cfg.ns_steps; ++it) {
-      if (rows <= cols) {
-        SHARDOPT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, R, R, C, &one, x, C, x, C,
-                                          &zero, s, R));
-      } else {
-        SHARDOPT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, C, C, R, &one, x, C, x, C,
-                                          &zero, s, C));
-      }
+      // S = X X^T (K x K): V^T V over C, or V V^T over R.
+      SHARDOPT_CUBLAS_CHECK(cublasSgemm(h, wide ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                        wide ? CUBLAS_OP_N : CUBLAS_OP_T, K, K, wide ? C : R,
+                                        &one, x, C, x, C, &zero, s, K));
+      // T = c S S + b S.
       SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(t, s, k * k * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
       SHARDOPT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, K, K, K, &c, s, K, s, K, &b, t, K));
+      // X' = a X + T X: V T (wide) or T V, C x R over K.
       SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(y, x, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-      if (rows <= cols) {
-        SHARDOPT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, C, R, R, &one, x, C, t, R,
-                                          &a, y, C));
-      } else {
-        SHARDOPT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, C, R, C, &one, t, C, x, C,
-                                          &a, y, C));
-      }
+      SHARDOPT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, C, R, K, &one, wide ? x : t,
+                                        wide ? C : K, wide ? t : x, wide ? K : C, &a, y, C));
       std::swap(x, y);
     }
 

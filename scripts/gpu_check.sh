@@ -411,7 +411,7 @@ bitwise_item bitwise.adamw8bit "master, replica (bf16, fp32, none), codes and sc
 bitwise_item bitwise.optimizer "master, m, v and replica after 3 steps, stages 0-3, bf16 and fp32 replicas, group 1 under AdamW, Lion and AdamW8bit, CUDA optimizer vs CPU optimizer (one process; and AdamW8bit over NCCL vs MPI at one rank)" \
   CudaStepSingle.MatchesCpuOptimizerBitwise CudaStepWorld.MatchesCpuOptimizerBitwise
 bitwise_item bitwise.zero3 "stage 3 on the device vs stage 2: gathered units, master, m, v (AdamW and AdamW8bit)" CudaZero3.MatchesZero2Bitwise
-bitwise_item bitwise.whole "Ownership::Whole (ragged buckets, the uneven collectives) on the device vs the CPU's Whole (master, m, v) and Flat (every replica) after 3 steps, stages 0-2, bf16 and fp32 replicas, AdamW, Lion and AdamW8bit (one process, and NCCL vs MPI at one rank)" \
+bitwise_item bitwise.whole "Ownership::Whole (ragged buckets, the uneven collectives) on the device vs the CPU's Whole (master, m, v) and Flat (every replica) after 3 steps, stages 0-2, AdamW (bf16 and fp32 replicas), Lion (bf16) and AdamW8bit (fp32) (one process, and NCCL vs MPI at one rank)" \
   CudaWhole.MatchesCpuWholeAndFlatBitwise
 bitwise_item bitwise.uneven_collectives "NCCL's uneven reduce-scatter and all-gather (grouped ncclReduce / ncclBroadcast per owner; empty and single owners; fp32 and bf16)" \
   NcclComm.UnevenReduceScatterAndAllGather

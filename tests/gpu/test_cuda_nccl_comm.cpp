@@ -218,6 +218,35 @@ TEST_F(NcclComm, UnevenReduceScatterAndAllGather) {
   }
 }
 
+// The debug mode (make_checked_communicator) over NCCL: a rank passing other counts with the
+// same total meets the same Error(InvalidState) naming the counts' hash on every rank, before
+// any NCCL call; matching counts then go through to NCCL.
+TEST_F(NcclComm, CheckedModeComparesTheUnevenCounts) {
+  if (test::gpu_world_size() < 2) GTEST_SKIP() << "needs at least 2 ranks";
+  auto comm = make_checked_communicator(test::gpu_world());
+  const std::size_t w = static_cast<std::size_t>(comm->size());
+  const bool last = comm->rank() == comm->size() - 1;
+  std::vector<std::size_t> counts(w, 16), moved(w, 16);
+  moved[0] = 0;  // the same total, another split
+  moved[w - 1] = 32;
+  DeviceBuffer buf = device_buffer(16 * w * sizeof(float));
+  upload(buf.get(), std::vector<float>(16 * w, 1.0f));
+  try {
+    comm->start_reduce_scatter_sum_v(static_cast<float*>(buf.get()), last ? moved : counts,
+                                     CommType::F32)->wait();
+    ADD_FAILURE() << "expected Error(InvalidState)";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::InvalidState) << e.what();
+    EXPECT_NE(std::string(e.what()).find("reduce_scatter_sum_v(" + std::to_string(16 * w) +
+                                         " in all, counts #"),
+              std::string::npos)
+        << e.what();
+  }
+  comm->start_reduce_scatter_sum_v(static_cast<float*>(buf.get()), counts, CommType::F32)->wait();
+  const std::vector<float> got = download<float>(buf.get(), 16 * w);
+  EXPECT_EQ(got[static_cast<std::size_t>(comm->rank()) * 16], static_cast<float>(w));
+}
+
 // An asynchronous error (what NCCL reports when a peer is lost): the next wait aborts the
 // communicator and throws Error(Communication) naming it; every later call throws it again.
 TEST_F(NcclComm, AsynchronousErrorAbortsTheCommunicator) {
