@@ -417,7 +417,7 @@ bitwise_item bitwise.uneven_collectives "NCCL's uneven reduce-scatter and all-ga
   NcclComm.UnevenReduceScatterAndAllGather
 # Muon: cuBLAS's fp32 GEMMs sum in an order of their own, so these compare to a tolerance
 # (the momentum and the AdamW parameters bit for bit); GPU-model and cuBLAS specific.
-bitwise_item muon.cublas "Muon on the device (cuBLAS Newton-Schulz) vs the CPU: one step's O within 2e-6 relative Frobenius of the CPU's and the float64 model's, ten steps' moves within 1e-4, momentum bit for bit; in the optimizer (Whole, stages 0-2) next to AdamW" \
+bitwise_item muon.cublas "Muon on the device (cuBLAS Newton-Schulz) vs the CPU: one step's O within 4e-6 relative Frobenius of the float64 model's and 8e-6 of the CPU's, ten steps' moves within 1e-4, momentum bit for bit; in the optimizer (Whole, stages 0-2) next to AdamW" \
   CudaBackend.MuonMatchesCpuToRounding CudaBackend.MuonRefusesBadArguments CudaMuon.MatchesCpuOptimizerToRounding
 
 # ---- fused AdamW bandwidth, and PyTorch's AdamW ---------------------------------------------------

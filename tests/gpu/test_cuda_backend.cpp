@@ -226,10 +226,12 @@ double rel_frobenius(const std::vector<double>& a, const std::vector<double>& b)
 // (rules::muon::step) and the double model, square, wide, tall and odd shapes:
 // - the momentum is bitwise the CPU's (same element formula, no GEMM in it);
 // - one step's orthogonalized update O (lr 1, no decay, no adjustment, zero momentum
-//   history: the master moves by exactly -O from 0) is within 2e-6 relative Frobenius of the
-//   CPU's and of the double model's at every shape here (<= 128 on a side): each fp32 Newton-Schulz
-//   agrees with float64 to about 1e-6 at 64 x 64 (issue 32, test_muon), and the two differ only in
-//   their GEMMs' summation order, so they are within the sum of those errors;
+//   history: the master moves by exactly -O from 0) is within 4e-6 relative Frobenius of the
+//   double model's and 8e-6 of the CPU's at every shape here (<= 128 on a side): an fp32
+//   Newton-Schulz agrees with float64 to about 1e-6 at 64 x 64 (issue 32, test_muon; 1.2e-6 to
+//   1.5e-6 here on the fake device, whose GEMM sums in k order), 4e-6 leaves a factor of about
+//   2.5 for another summation order (cuBLAS's), and the device and the CPU differ only in their
+//   GEMMs, so by at most the sum of their two errors;
 // - after ten steps (lr 0.02, decay, the default adjustment) the masters' moves from the
 //   start agree to 1e-4 relative: each step's fp32 rounding of p (2^-24 of |p| <= 1) is
 //   about 3e-6 of its move (lr x |O| element, about 0.02 / sqrt(rows)), ten steps and the
@@ -274,8 +276,8 @@ TEST(CudaBackend, MuonMatchesCpuToRounding) {
         const double vs_cpu = rel_frobenius(o_gpu, o_cpu), vs_64 = rel_frobenius(o_gpu, o64);
         std::printf("muon %zu x %zu%s: O relative Frobenius vs the CPU %.2e, vs float64 %.2e\n",
                     rows, cols, nesterov ? " nesterov" : "", vs_cpu, vs_64);
-        EXPECT_LT(vs_cpu, 2e-6);
-        EXPECT_LT(vs_64, 2e-6);
+        EXPECT_LT(vs_64, 4e-6);
+        EXPECT_LT(vs_cpu, 8e-6);
       }
       rules::muon::Config ten;
       ten.lr = 0.02;
