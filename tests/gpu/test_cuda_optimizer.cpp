@@ -316,7 +316,8 @@ std::shared_ptr<Communicator> host_world() {
 // the device communicator) equals the CPU's Whole bit for bit (this rank's master, m, v: the
 // same ragged shard) and the CPU's Flat replica of every parameter (the whole model: with an
 // fp32 replica, the master weights), stages 0-2, group 1 under AdamW (bf16 and fp32
-// replicas), Lion (bf16) and AdamW8bit (fp32), at every rank count of the GPU world.
+// replicas), Lion (bf16) and AdamW8bit (fp32), at every rank count of the GPU world; the
+// device memory is the planner's Whole plan for this rank.
 void expect_whole_bits(const std::function<std::shared_ptr<Communicator>()>& gpu_comm,
                        const std::function<std::shared_ptr<Communicator>()>& cpu_comm) {
   AdamConfig cfg;
@@ -330,6 +331,7 @@ void expect_whole_bits(const std::function<std::shared_ptr<Communicator>()>& gpu
       auto flat = make(cpu_comm(), Device::Cpu, stage, dtype, cfg, false, rule1);
       ASSERT_EQ(gpu->layout().fingerprint(), cpu->layout().fingerprint());
       ASSERT_EQ(gpu->local_size(), cpu->local_size());
+      expect_planned_memory(*gpu);  // plan_memory plans Whole on Device::Cuda too
       const int rank = gpu->comm().rank();
       for (int step = 1; step <= 3; ++step) {
         produce_grads(*gpu, rank, step, true);
