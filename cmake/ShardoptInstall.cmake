@@ -129,7 +129,7 @@ if(TARGET shardopt_fortran)
 endif()
 if(TARGET shardopt_cuda)
   # The CUDA toolkit and NCCL are not system libraries: their directories are named.
-  set(SHARDOPT_PC_CUDA_LIBS "-L${CUDAToolkit_LIBRARY_DIR} -lcudart")
+  set(SHARDOPT_PC_CUDA_LIBS "-L${CUDAToolkit_LIBRARY_DIR} -lcublas -lcudart")
   if(SHARDOPT_WITH_NCCL)
     get_filename_component(_nccl_dir "${SHARDOPT_NCCL_LIBRARY}" DIRECTORY)
     string(APPEND SHARDOPT_PC_CUDA_LIBS " -L${_nccl_dir} -lnccl")

@@ -7,7 +7,15 @@
 // communication. The host waits only where it reads device data (copies to host memory,
 // the norm) or must keep a host buffer alive (copies from host memory), and then through
 // dev::host_wait, which watches the NCCL communicators for errors while it polls.
+//
+// Muon (muon_update): the element passes are device algorithms over muon_op.hpp, the
+// Frobenius norm the fixed fp64 tree of sum_squares (one host read per matrix), and the
+// GEMMs of Newton-Schulz cuBLAS's fp32 cublasSgemm on the compute stream.
+#include <cublas_v2.h>
+
+#include <algorithm>
 #include <array>
+#include <climits>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -26,6 +34,14 @@ namespace shardopt {
 namespace {
 
 void free_device(void* p) noexcept { cudaFree(p); }
+
+/// Throws Error(Cuda, "<call> failed: <status>"); an allocation failure is OutOfMemory.
+void check_cublas(cublasStatus_t rc, const char* call) {
+  if (rc == CUBLAS_STATUS_SUCCESS) return;
+  throw Error(rc == CUBLAS_STATUS_ALLOC_FAILED ? Status::OutOfMemory : Status::Cuda,
+              std::string(call) + " failed: " + cublasGetStatusString(rc));
+}
+#define SHARDOPT_CUBLAS_CHECK(call) check_cublas((call), #call)
 void free_pinned(void* p) noexcept { cudaFreeHost(p); }
 
 /// The update's per-step data as it lies in device memory: the step scalars, then the
@@ -67,6 +83,7 @@ class CudaBackend final : public Backend {
       dev::host_wait(stream_);  // our buffers may still be read by queued work
     } catch (...) {           // nothing to report to from a destructor
     }
+    if (cublas_ != nullptr) cublasDestroy(cublas_);
     for (Slot& s : slots_) cudaEventDestroy(s.uploaded);
   }
 
@@ -250,6 +267,70 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // rules::muon::step's arithmetic with the element passes of muon_op.hpp (the CPU's
+  // formulas, bitwise) and cuBLAS for the GEMMs (fp32, cuBLAS's own summation order: results
+  // agree with the CPU's to rounding, not bit for bit; docs/cuda.md). Workspace as the CPU's:
+  // U, X, Y (rows x cols) and S, T (min(rows, cols)^2), grown on demand.
+  void muon_update(const rules::muon::Config& cfg, std::size_t rows, std::size_t cols,
+                   float grad_scale, float* master, const float* grad, float* m, void* replica,
+                   DType replica_dtype) override {
+    rules::muon::check_step(cfg, rows, cols);
+    require(rows <= static_cast<std::size_t>(INT_MAX) && cols <= static_cast<std::size_t>(INT_MAX),
+            Status::Unsupported, "muon: cuBLAS takes int dimensions: a matrix of " +
+                                     std::to_string(rows) + " x " + std::to_string(cols) +
+                                     " is too large");
+    const std::size_t n = rows * cols, k = std::min(rows, cols);
+    float* u = reserve(muon_ws_, rules::muon::workspace_floats(rows, cols) * sizeof(float),
+                       MemCategory::Scratch, false).as<float>();
+    float* x = u + n;
+    float* y = x + n;
+    float* s = y + n;
+    float* t = s + k * k;
+    dev::MuonPassOp op;
+    op.s = rules::muon::make_scalars(cfg, rows, cols);
+    op.nesterov = cfg.nesterov;
+    op.grad_scale = grad_scale;
+    op.grad = grad;
+    op.m = m;
+    op.u = u;
+    op.pass = dev::MuonPassOp::Momentum;
+    dev::muon_pass(stream_, op, n);
+    op.divisor = rules::muon::ns_divisor(sum_squares(u, n), cfg.eps);
+    op.x = x;
+    op.pass = dev::MuonPassOp::Divide;
+    dev::muon_pass(stream_, op, n);
+
+    // Row-major U (rows x cols) is, to column-major cuBLAS, V = U^T (cols x rows, ld cols).
+    // rows <= cols: X = U = V^T, S = V^T V, and X' = a X + T X is V' = a V + V T.
+    // rows > cols:  X = U^T = V, S = V V^T, and V' = a V + T V.
+    // Either way X' lies in memory as U does: no transposes. T = b S + c S S is symmetric.
+    cublasHandle_t h = cublas();
+    const bool wide = rows <= cols;
+    const int R = static_cast<int>(rows), C = static_cast<int>(cols), K = static_cast<int>(k);
+    const float one = 1.0f, zero = 0.0f, a = op.s.a, b = op.s.b, c = op.s.c;
+    for (int it = 0; it < cfg.ns_steps; ++it) {
+      // S = X X^T (K x K): V^T V over C, or V V^T over R.
+      SHARDOPT_CUBLAS_CHECK(cublasSgemm(h, wide ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                        wide ? CUBLAS_OP_N : CUBLAS_OP_T, K, K, wide ? C : R,
+                                        &one, x, C, x, C, &zero, s, K));
+      // T = c S S + b S.
+      SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(t, s, k * k * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      SHARDOPT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, K, K, K, &c, s, K, s, K, &b, t, K));
+      // X' = a X + T X: V T (wide) or T V, C x R over K.
+      SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(y, x, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      SHARDOPT_CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, C, R, K, &one, wide ? x : t,
+                                        wide ? C : K, wide ? t : x, wide ? K : C, &a, y, C));
+      std::swap(x, y);
+    }
+
+    op.x = x;
+    op.master = master;
+    op.out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
+    op.out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
+    op.pass = dev::MuonPassOp::Apply;
+    dev::muon_pass(stream_, op, n);
+  }
+
   void synchronize() override { dev::host_wait(stream_); }
 
  private:
@@ -274,6 +355,17 @@ class CudaBackend final : public Backend {
       dev::host_wait(stream_);  // once per backend; the kernels that read them are queued after
     }
     return qmaps_.as<rules::q8::Qmap>();
+  }
+
+  /// The cuBLAS handle of Muon's GEMMs, created at the first Muon update (a backend without
+  /// Muon never initialises cuBLAS), on the compute stream, fp32 arithmetic (no TF32).
+  cublasHandle_t cublas() {
+    if (cublas_ == nullptr) {
+      SHARDOPT_CUBLAS_CHECK(cublasCreate(&cublas_));
+      SHARDOPT_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+      SHARDOPT_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_PEDANTIC_MATH));
+    }
+    return cublas_;
   }
 
   /// Grows a scratch buffer to at least `bytes` (device, or pinned host when `pinned`).
@@ -301,6 +393,8 @@ class CudaBackend final : public Backend {
   Allocation norm_scratch_, norm_host_;
   Allocation norm_tables_;                  // sum_squares_in_order: the plan's tables, the sums
   Allocation qmaps_;                        // device_qmaps()
+  Allocation muon_ws_;                      // muon_update: U, X, Y, S, T of one matrix
+  cublasHandle_t cublas_ = nullptr;         // cublas(): Muon's GEMMs
   std::vector<dev::NormSlice> norm_slices_;
 };
 

@@ -10,6 +10,7 @@
 #include "adam_chunk.hpp"
 #include "adamw8bit_op.hpp"
 #include "lion_op.hpp"
+#include "muon_op.hpp"
 #include "shardopt/bf16.hpp"
 #include "sum_squares.hpp"
 
@@ -24,6 +25,8 @@ void adam_update(cudaStream_t stream, AdamKernel kernel, const AdamChunkOp& op);
 const void* adam_grid_stride_kernel_address();
 /// Lion on one segment of n elements (op's pointers at the segment's start).
 void lion_update(cudaStream_t stream, const LionOp& op, std::size_t n);
+/// One of Muon's element passes over the n elements of one matrix (muon_op.hpp).
+void muon_pass(cudaStream_t stream, const MuonPassOp& op, std::size_t n);
 /// AdamW8bit on one segment of `blocks` whole 256-element blocks (op's pointers at the
 /// segment's start, its maps in device memory): one 256-thread CUDA block per quantization
 /// block.

@@ -28,6 +28,19 @@ class CudaSingleProcessCommunicator final : public Communicator {
   std::unique_ptr<CommRequest> start_all_gather(void*, std::size_t, CommType) override {
     return completed_request();
   }
+  // The uneven forms at one rank: the whole buffer is this rank's block. (The base class's
+  // reduce-scatter would do the same through start_all_reduce_sum; its all-gather refuses
+  // device buffers.)
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(float* buf,
+                                                          std::span<const std::size_t> counts,
+                                                          CommType wire) override {
+    return reduce(buf, uneven_offsets(counts, 1, "reduce_scatter_sum_v").back(), wire);
+  }
+  std::unique_ptr<CommRequest> start_all_gather_v(void*, std::span<const std::size_t> counts,
+                                                  CommType) override {
+    uneven_offsets(counts, 1, "all_gather_v");
+    return completed_request();
+  }
   void all_reduce_sum(void*, std::size_t, CommType) override {}
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     host_->all_reduce_sum_host(buf, count);

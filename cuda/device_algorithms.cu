@@ -111,6 +111,11 @@ void lion_update(cudaStream_t stream, const LionOp& op, std::size_t n) {
   SHARDOPT_CUDA_CHECK(cudaGetLastError());
 }
 
+void muon_pass(cudaStream_t stream, const MuonPassOp& op, std::size_t n) {
+  guarded("thrust::for_each_n (Muon element pass)", [&] { muon_pass(on(stream), op, n); });
+  SHARDOPT_CUDA_CHECK(cudaGetLastError());
+}
+
 void adamw8bit_update(cudaStream_t stream, const AdamW8bitOp& op, std::size_t blocks) {
   if (blocks == 0) return;
   const unsigned grid = static_cast<unsigned>(blocks < kQ8MaxGrid ? blocks : kQ8MaxGrid);

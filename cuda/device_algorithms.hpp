@@ -21,6 +21,7 @@
 #include "adam_chunk.hpp"
 #include "adamw8bit_op.hpp"
 #include "lion_op.hpp"
+#include "muon_op.hpp"
 #include "shardopt/element_ops.hpp"
 #include "sum_squares.hpp"
 
@@ -38,6 +39,12 @@ void adam_update(Policy&& exec, const AdamChunkOp& op) {
 /// Lion on one segment of n elements.
 template <class Policy>
 void lion_update(Policy&& exec, const LionOp& op, std::size_t n) {
+  if (n) thrust::for_each_n(exec, Index(0), n, op);
+}
+
+/// One of Muon's element passes over the n elements of one matrix.
+template <class Policy>
+void muon_pass(Policy&& exec, const MuonPassOp& op, std::size_t n) {
   if (n) thrust::for_each_n(exec, Index(0), n, op);
 }
 

@@ -258,6 +258,53 @@ class NcclCommunicator final : public Communicator, public dev::Watchdog {
     }));
   }
 
+  // The uneven forms (whole-tensor ownership): one ncclReduce to each rank that owns
+  // elements, or one ncclBroadcast from each, all in one ncclGroupStart/End (NCCL runs a
+  // group as one launch); a rank with a zero count takes no part as an owner, and a bucket
+  // of one owner is one reduce and one broadcast of its bytes. In place: the owner's block
+  // of buf is the send and the receive buffer on every rank (NCCL reads a broadcast's send
+  // buffer on the root only and writes a reduce's receive buffer on the root only).
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(float* buf,
+                                                          std::span<const std::size_t> counts,
+                                                          CommType wire) override {
+    const std::vector<std::size_t> off = uneven_offsets(counts, size(), "reduce_scatter_sum_v");
+    require(wire == CommType::F32 || wire == CommType::BF16, Status::InvalidArgument,
+            "reduce_scatter_sum_v: wire F32 or BF16");
+    if (off.back() == 0) return completed_request();
+    const std::size_t me = static_cast<std::size_t>(rank());
+    return request(enqueue("ncclReduce (uneven reduce-scatter)", [&] {
+      if (wire == CommType::BF16) {
+        // Reduce bf16 copies in a scratch buffer, then widen this rank's block in place.
+        bf16* tmp = scratch_bf16(off.back());
+        dev::cast_f32_to_bf16(stream_, buf, tmp, off.back());
+        grouped(counts, "ncclReduce", [&](int r, std::size_t begin, std::size_t n) {
+          return ncclReduce(tmp + begin, tmp + begin, n, ncclBfloat16, ncclSum, r, comm_, stream_);
+        }, off);
+        dev::cast_bf16_to_f32(stream_, tmp + off[me], buf + off[me], counts[me]);
+      } else {
+        grouped(counts, "ncclReduce", [&](int r, std::size_t begin, std::size_t n) {
+          return ncclReduce(buf + begin, buf + begin, n, ncclFloat32, ncclSum, r, comm_, stream_);
+        }, off);
+      }
+    }));
+  }
+
+  std::unique_ptr<CommRequest> start_all_gather_v(void* buf, std::span<const std::size_t> counts,
+                                                  CommType type) override {
+    const std::vector<std::size_t> off = uneven_offsets(counts, size(), "all_gather_v");
+    require(type == CommType::F32 || type == CommType::U16, Status::InvalidArgument,
+            "all_gather_v: type F32 or U16");
+    if (off.back() == 0) return completed_request();
+    char* base = static_cast<char*>(buf);
+    const std::size_t elem = mpi::type_size(type);
+    return request(enqueue("ncclBroadcast (uneven all-gather)", [&] {
+      grouped(counts, "ncclBroadcast", [&](int r, std::size_t begin, std::size_t n) {
+        char* block = base + begin * elem;
+        return ncclBroadcast(block, block, n, nccl_type(type), r, comm_, stream_);
+      }, off);
+    }));
+  }
+
   // Host collectives refuse to run after an abort too: a rank that has seen the abort must
   // not wait in MPI for ranks that threw. While they wait, they watch for aborts (check()).
   void all_reduce_sum_host(double* buf, std::size_t count) override {
@@ -358,6 +405,24 @@ class NcclCommunicator final : public Communicator, public dev::Watchdog {
     const char* detail = ncclGetLastError(comm_);
     if (detail != nullptr && *detail != '\0') msg += std::string(" (") + detail + ")";
     throw Error(Status::Communication, msg);
+  }
+
+  /// One call(owner, offset, count) per rank with a non-zero count, inside one NCCL group.
+  /// The calls' results are checked after ncclGroupEnd (a failure inside a group must not
+  /// abort the communicator before the group is closed).
+  template <class F>
+  void grouped(std::span<const std::size_t> counts, const char* call, F&& each,
+               const std::vector<std::size_t>& off) {
+    nccl("ncclGroupStart", ncclGroupStart());
+    ncclResult_t first = ncclSuccess;
+    for (int r = 0; r < size(); ++r) {
+      const std::size_t n = counts[static_cast<std::size_t>(r)];
+      if (n == 0) continue;
+      const ncclResult_t rc = each(r, off[static_cast<std::size_t>(r)], n);
+      if (first == ncclSuccess && rc != ncclSuccess && rc != ncclInProgress) first = rc;
+    }
+    nccl("ncclGroupEnd", ncclGroupEnd());
+    nccl(call, first);
   }
 
   // ---- abort ---------------------------------------------------------------------------------

@@ -13,8 +13,9 @@
 #   build.*    the kit installed (GoogleTest, MPICH, CLI11), configure, build
 #   test.*     every GPU test (test_cuda_backend, test_cuda_optimizer_single/_nccl at one rank,
 #              test_cuda_nccl_comm: collectives, asynchronous error, collective timeout)
-#   bitwise.*  GPU == CPU bit for bit (master, m, v, replica; AdamW8bit's codes and scales),
-#              from the tests above
+#   bitwise.*  GPU == CPU bit for bit (master, m, v, replica; AdamW8bit's codes and scales;
+#              Ownership::Whole; the uneven collectives), from the tests above
+#   muon.*     Muon with cuBLAS's Newton-Schulz vs the CPU's, to rounding (the tests above)
 #   adamw.*    the fused update at 2^24, 2^26, 2^28 elements against a device-to-device copy,
 #              and AdamW8bit's block kernel on the same buffers
 #   torch.*    torch.optim.AdamW(fused=True) and (foreach=True) at the same sizes
@@ -410,6 +411,14 @@ bitwise_item bitwise.adamw8bit "master, replica (bf16, fp32, none), codes and sc
 bitwise_item bitwise.optimizer "master, m, v and replica after 3 steps, stages 0-3, bf16 and fp32 replicas, group 1 under AdamW, Lion and AdamW8bit, CUDA optimizer vs CPU optimizer (one process; and AdamW8bit over NCCL vs MPI at one rank)" \
   CudaStepSingle.MatchesCpuOptimizerBitwise CudaStepWorld.MatchesCpuOptimizerBitwise
 bitwise_item bitwise.zero3 "stage 3 on the device vs stage 2: gathered units, master, m, v (AdamW and AdamW8bit)" CudaZero3.MatchesZero2Bitwise
+bitwise_item bitwise.whole "Ownership::Whole (ragged buckets, the uneven collectives) on the device vs the CPU's Whole (master, m, v) and Flat (every replica) after 3 steps, stages 0-2, AdamW (bf16 and fp32 replicas), Lion (bf16) and AdamW8bit (fp32) (one process, and NCCL vs MPI at one rank)" \
+  CudaWhole.MatchesCpuWholeAndFlatBitwise
+bitwise_item bitwise.uneven_collectives "NCCL's uneven reduce-scatter and all-gather (grouped ncclReduce / ncclBroadcast per owner; empty and single owners; fp32 and bf16)" \
+  NcclComm.UnevenReduceScatterAndAllGather
+# Muon: cuBLAS's fp32 GEMMs sum in an order of their own, so these compare to a tolerance
+# (the momentum and the AdamW parameters bit for bit); GPU-model and cuBLAS specific.
+bitwise_item muon.cublas "Muon on the device (cuBLAS Newton-Schulz) vs the CPU: one step's O within 4e-6 relative Frobenius of the float64 model's and 8e-6 of the CPU's, ten steps' moves within 1e-4, momentum bit for bit; in the optimizer (Whole, stages 0-2) next to AdamW" \
+  CudaBackend.MuonMatchesCpuToRounding CudaBackend.MuonRefusesBadArguments CudaMuon.MatchesCpuOptimizerToRounding
 
 # ---- fused AdamW bandwidth, and PyTorch's AdamW ---------------------------------------------------
 

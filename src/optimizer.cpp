@@ -289,8 +289,6 @@ void check_muon_params(const FlatLayout& layout, const std::vector<GroupOptions>
   require(o.ownership == Ownership::Whole, Status::InvalidArgument,
           "finalize: Muon needs whole matrices: set OptimizerOptions::ownership = "
           "Ownership::Whole");
-  require(o.device == Device::Cpu, Status::Unsupported,
-          "finalize: the Muon rule runs on Device::Cpu only (no CUDA kernels yet)");
 }
 
 // After build(): every Muon matrix must lie inside one bucket, so that the rank updating
@@ -322,11 +320,15 @@ void ShardedOptimizer::finalize() {
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
     check_muon_params(layout, groups_, options_);
-    // Whole-tensor ownership (ownership.hpp) runs every stage and reduction on the CPU: the
-    // collectives, unit gathers and exact sums take each bucket's ragged per-rank ranges.
+    // Whole-tensor ownership (ownership.hpp) runs every stage and reduction on the CPU (the
+    // collectives, unit gathers and exact sums take each bucket's ragged per-rank ranges) and
+    // stages 0-2 with the default reduction on CUDA (NCCL's uneven collectives).
     if (options_.ownership == Ownership::Whole) {
-      require(options_.device == Device::Cpu, Status::Unsupported,
-              "ownership Whole: Device::Cuda is not supported yet; use the CPU");
+      require(options_.device == Device::Cpu ||
+                  (options_.stage != Stage::Zero3 && options_.reduction == Reduction::Default),
+              Status::Unsupported,
+              "ownership Whole on Device::Cuda: stage 3 and Reduction::Reproducible are not "
+              "supported yet; use stages 0-2 with the default reduction, or the CPU");
       layout.set_ownership(Ownership::Whole);
     }
     const std::size_t cap = auto_bucket_cap(options_.device);

@@ -99,8 +99,11 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   check(config);
   const bool whole = config.ownership == Ownership::Whole;
   if (whole) {  // as finalize() refuses them
-    require(config.device == Device::Cpu, Status::Unsupported,
-            "plan_memory: ownership Whole: Device::Cuda is not supported yet");
+    require(config.device == Device::Cpu ||
+                (config.stage != Stage::Zero3 && config.reduction == Reduction::Default),
+            Status::Unsupported,
+            "plan_memory: ownership Whole on Device::Cuda: stage 3 and Reduction::Reproducible "
+            "are not supported yet");
   }
   FlatLayout built = layout;
   if (built.built()) {

@@ -394,22 +394,7 @@ TEST(Whole, Refusals) {
     auto opt = make(o, test::world());
     opt->finalize();
   };
-  {
-    OptimizerOptions cuda;
-    cuda.device = Device::Cuda;
-    cuda.ownership = Ownership::Whole;
-    bool constructed = true;
-    try {
-      make(cuda, test::world());
-    } catch (const Error&) {
-      constructed = false;  // no CUDA backend here: the refusal is finalize()'s, untestable
-    }
-    if (!constructed && test::world_rank() == 0)
-      std::printf("note: no CUDA backend here; Whole's Device::Cuda refusal is not exercised\n");
-    if (constructed)
-      test::expect_same_error(Status::Unsupported, [&] { finalize_with(cuda); },
-                              {"ownership Whole", "Cuda"}, "cuda");
-  }
+  // (Device::Cuda runs Whole at stages 0-2: tests/gpu/test_cuda_optimizer.cpp, CudaWhole.)
   // Checkpoints (stage 3 too).
   for (Stage stage : {Stage::Zero1, Stage::Zero3}) {
     OptimizerOptions o;

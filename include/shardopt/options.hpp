@@ -82,7 +82,8 @@ enum class Rule : int {
   /// element). Every parameter of a Muon group must be registered with a 2-D shape (rows > 1,
   /// cols > 1: add_param(name, Shape2D, group)) and the optimizer must use
   /// Ownership::Whole (a matrix is updated whole by one rank); finalize() refuses anything
-  /// else. Device::Cpu only; stages 0-3 (Whole's stages).
+  /// else. Device::Cpu at stages 0-3; on Device::Cuda (stages 0-2) the GEMMs are cuBLAS's
+  /// (fp32): equal to the CPU's to rounding, not bit for bit (docs/cuda.md).
   Muon = 3,
 };
 const char* rule_name(Rule r) noexcept;
@@ -180,8 +181,9 @@ struct OptimizerOptions {
   /// Flat (equal slices of every bucket), or Whole (every parameter on one rank:
   /// ownership.hpp). Rule::Muon needs Whole. Whole runs stages 0-3 on the CPU with either
   /// reduction (stage 3: each rank keeps its owned ranges, units gathered by uneven
-  /// all-gathers); finalize() refuses it (Error(Unsupported)) with Device::Cuda, and
-  /// save_checkpoint / load_checkpoint refuse a Whole optimizer.
+  /// all-gathers), and stages 0-2 on Device::Cuda with the default reduction (docs/cuda.md);
+  /// finalize() refuses it (Error(Unsupported)) on Device::Cuda at stage 3 or with
+  /// Reduction::Reproducible, and save_checkpoint / load_checkpoint refuse a Whole optimizer.
   Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------

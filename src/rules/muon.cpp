@@ -302,7 +302,7 @@ void ns_impl(std::size_t rows, std::size_t cols, const float* in, float* out, fl
   // Squares of floats are exact in double; the sum is in X's index order (fixed, serial).
   double sum = 0.0;
   for (std::size_t e = 0; e < m * n; ++e) sum += static_cast<double>(x[e]) * x[e];
-  const float divisor = static_cast<float>(std::max(std::sqrt(sum), eps));
+  const float divisor = ns_divisor(sum, eps);
 #pragma omp parallel for schedule(static) if (mn > (1 << 16))
   for (std::ptrdiff_t e = 0; e < mn; ++e) x[e] = x[e] / divisor;
 
@@ -340,11 +340,12 @@ void newton_schulz(std::size_t rows, std::size_t cols, const float* in, float* o
   ns_impl(rows, cols, in, out, a, b, c, eps, steps, ws.data.data());
 }
 
-void step(const Config& cfg, std::size_t rows, std::size_t cols, float* master, const float* grad,
-          float* momentum, bf16* out_bf16, float* out_f32, Workspace& ws) {
+float ns_divisor(double sum_squares, double eps) {
+  return static_cast<float>(std::max(std::sqrt(sum_squares), eps));
+}
+
+void check_step(const Config& cfg, std::size_t rows, std::size_t cols) {
   require_matrix(rows, cols);
-  require(master != nullptr && grad != nullptr && momentum != nullptr, Status::InvalidArgument,
-          "muon: step needs the master weights, the gradient and the momentum buffer");
   require_finite(cfg.lr, true, "lr");
   require_finite(cfg.momentum, true, "momentum");
   require_finite(cfg.weight_decay, true, "weight_decay");
@@ -353,6 +354,13 @@ void step(const Config& cfg, std::size_t rows, std::size_t cols, float* master, 
   require_finite(cfg.c, false, "ns coefficient c");
   require_steps(cfg.ns_steps);
   require_finite(cfg.eps, true, "eps");
+}
+
+void step(const Config& cfg, std::size_t rows, std::size_t cols, float* master, const float* grad,
+          float* momentum, bf16* out_bf16, float* out_f32, Workspace& ws) {
+  check_step(cfg, rows, cols);
+  require(master != nullptr && grad != nullptr && momentum != nullptr, Status::InvalidArgument,
+          "muon: step needs the master weights, the gradient and the momentum buffer");
   const Scalars sc = make_scalars(cfg, rows, cols);
   const std::size_t count = rows * cols;
   const std::ptrdiff_t n = static_cast<std::ptrdiff_t>(count);
@@ -362,15 +370,12 @@ void step(const Config& cfg, std::size_t rows, std::size_t cols, float* master, 
 
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
   for (std::ptrdiff_t e = 0; e < n; ++e) {
-    const float m = lerp(momentum[e], grad[e], sc.buf_weight);  // buf.lerp_(grad, 1 - mu)
-    momentum[e] = m;
-    u[e] = cfg.nesterov ? lerp(grad[e], m, sc.nesterov_weight) : m;  // grad.lerp(buf, mu)
+    u[e] = momentum_element(sc, cfg.nesterov, grad[e], momentum[e]);
   }
   ns_impl(rows, cols, u, u, sc.a, sc.b, sc.c, cfg.eps, cfg.ns_steps, u + count);
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
   for (std::ptrdiff_t e = 0; e < n; ++e) {
-    float p = master[e] * sc.decay_factor;  // param.mul_(1 - lr wd)
-    p = p - sc.adjusted_lr * u[e];          // param.add_(O, alpha=-adjusted_lr)
+    const float p = apply_element(sc, master[e], u[e]);
     master[e] = p;
     if (out_bf16 != nullptr) out_bf16[e] = to_bf16(p);
     if (out_f32 != nullptr) out_f32[e] = p;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "shardopt/bf16.hpp"
+#include "shardopt/host_device.hpp"
 
 namespace shardopt::rules::muon {
 
@@ -75,10 +76,34 @@ Scalars make_scalars(const Config& cfg, std::size_t rows, std::size_t cols);
 /// rounded to fp32. (Its vectorized CPU kernel, cpu/LerpKernel.cpp lerp_vec, evaluates the
 /// same expression as one fused multiply-add and may differ from it in the last bit; this
 /// library uses no FMA, so it follows the scalar formula.)
-inline float lerp(float self, float end, float weight) {
+SHARDOPT_HD float lerp(float self, float end, float weight) {
   const float w_abs = weight < 0.0f ? -weight : weight;
   return w_abs < 0.5f ? self + weight * (end - self) : end - (end - self) * (1.0f - weight);
 }
+
+// The element passes of step(), shared with the CUDA backend (cuda/muon_op.hpp): one
+// implementation of each formula for both.
+
+/// The momentum of one element: m <- lerp(m, g, 1 - mu) (buf.lerp_(grad, 1 - mu)); returns
+/// U = nesterov ? lerp(g, m, mu) (grad.lerp(buf, mu)) : m.
+SHARDOPT_HD float momentum_element(const Scalars& s, bool nesterov, float g, float& m) {
+  m = lerp(m, g, s.buf_weight);
+  return nesterov ? lerp(g, m, s.nesterov_weight) : m;
+}
+
+/// The new weight of one element from the orthogonalized update o:
+/// param.mul_(1 - lr wd); param.add_(O, alpha=-adjusted_lr).
+SHARDOPT_HD float apply_element(const Scalars& s, float p, float o) {
+  p = p * s.decay_factor;
+  return p - s.adjusted_lr * o;
+}
+
+/// Newton-Schulz's divisor from the sum of squares of X (in double): max(||X||_F, eps) in
+/// double, rounded to fp32 once; each element is then divided by it (a true division).
+float ns_divisor(double sum_squares, double eps);
+
+/// step()'s argument checks (Error(InvalidArgument)): the matrix, the hyperparameters.
+void check_step(const Config& cfg, std::size_t rows, std::size_t cols);
 
 /// The two dimensions of a Muon parameter's shape; Error(InvalidArgument) unless the shape
 /// is 2-D with no zero extent (torch's Muon takes 2-D parameters only).

@@ -100,6 +100,34 @@ void lion_update(cudaStream_t stream, const LionOp& op, std::size_t n) {
   });
 }
 
+void muon_pass(cudaStream_t stream, const MuonPassOp& op, std::size_t n) {
+  if (n == 0) return;
+  std::vector<Access> acc;
+  switch (op.pass) {
+    case MuonPassOp::Momentum:
+      acc = {reads(op.grad, n * 4), writes(op.m, n * 4), writes(op.u, n * 4)};
+      break;
+    case MuonPassOp::Divide: acc = {reads(op.u, n * 4), writes(op.x, n * 4)}; break;
+    case MuonPassOp::Apply:
+      acc = {writes(op.master, n * 4), reads(op.x, n * 4)};
+      if (op.out_bf16) acc.push_back(writes(op.out_bf16, n * 2));
+      if (op.out_f32) acc.push_back(writes(op.out_f32, n * 4));
+      break;
+  }
+  auto lock = fakecuda::lock_device();
+  launch(stream, "muon_pass", std::move(acc), [op, n] {
+    MuonPassOp d = op;
+    d.grad = dev(op.grad);
+    d.m = dev(op.m);
+    d.u = dev(op.u);
+    d.x = dev(op.x);
+    d.master = dev(op.master);
+    d.out_bf16 = dev(op.out_bf16);
+    d.out_f32 = dev(op.out_f32);
+    fakecuda::omp::muon_pass(d, n);
+  });
+}
+
 // The real kernel runs a 256-thread block per quantization block; the fake runs the same
 // pieces of AdamW8bitOp over each block's elements in a loop (AdamW8bitOp::operator()).
 void adamw8bit_update(cudaStream_t stream, const AdamW8bitOp& op, std::size_t blocks) {

@@ -3,6 +3,9 @@
 // in NCCL's in-place form (otherwise the buffers must not overlap); no call on a
 // non-blocking communicator while it is ncclInProgress; ncclGroupStart/End nesting; no
 // destroy or abort inside a group. A broken rule is a problem() (the test aborts).
+// ncclReduce and ncclBroadcast (the uneven collectives' grouped form) have a root; inside a
+// group, as in NCCL, a call only records the collective and the non-blocking communicator
+// reports ncclInProgress from ncclGroupEnd instead.
 //
 // Sums are taken in rank order, so every rank gets the same bits. A non-blocking
 // communicator reports ncclInProgress after its set-up and after every other collective
@@ -44,6 +47,7 @@ std::set<ncclComm*>& live() {
 }
 int group_depth = 0;
 std::vector<std::function<void()>> deferred;
+std::set<ncclComm*> grouped;  // non-blocking communicators with a collective in the open group
 std::string global_error;
 unsigned id_counter = 0;
 
@@ -66,29 +70,41 @@ std::size_t dtype_size(ncclDataType_t t) {
   }
 }
 
-enum class Kind { AllReduce, ReduceScatter, AllGather };
+enum class Kind { AllReduce, ReduceScatter, AllGather, Reduce, Broadcast };
 
 class MpiTransfer final : public Transfer {
  public:
   MpiTransfer(ncclComm* c, Kind k, ncclDataType_t t, std::size_t count, const void* send,
-              void* recv)
+              void* recv, int root)
       : c_(c), mpi_(c->mpi), rank_(c->rank), size_(c->size), kind_(k), type_(t),
-        block_(count * dtype_size(t)), send_(send), recv_(recv),
+        block_(count * dtype_size(t)), send_(send), recv_(recv), root_(root),
         tag_(static_cast<int>(c->seq++ % 32000)) {}
 
   void post() override {
     const std::size_t in = kind_ == Kind::ReduceScatter ? block_ * static_cast<std::size_t>(size_) : block_;
-    mine_.assign(static_cast<const char*>(dev(send_)), static_cast<const char*>(dev(send_)) + in);
+    // A broadcast reads its send buffer on the root only, a reduce writes only the root's.
+    if (kind_ != Kind::Broadcast || rank_ == root_)
+      mine_.assign(static_cast<const char*>(dev(send_)), static_cast<const char*>(dev(send_)) + in);
     bufs_.assign(static_cast<std::size_t>(size_), {});
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
+      const bool rooted = kind_ == Kind::Reduce || kind_ == Kind::Broadcast;
+      // Reduce: everyone sends to the root, which receives from all; broadcast: the reverse.
+      const bool recv = !rooted || (kind_ == Kind::Reduce ? rank_ == root_ : p == root_);
+      const bool send = !rooted || (kind_ == Kind::Reduce ? p == root_ : rank_ == root_);
       auto& b = bufs_[static_cast<std::size_t>(p)];
-      b.resize(block_);
-      const char* out = mine_.data() + (kind_ == Kind::ReduceScatter ? block_ * static_cast<std::size_t>(p) : 0);
-      reqs_.emplace_back();
-      MPI_Irecv(b.data(), static_cast<int>(block_), MPI_BYTE, p, tag_, mpi_, &reqs_.back());
-      reqs_.emplace_back();
-      MPI_Isend(out, static_cast<int>(block_), MPI_BYTE, p, tag_, mpi_, &reqs_.back());
+      if (recv) {
+        b.resize(block_);
+        reqs_.emplace_back();
+        receive_.push_back(true);
+        MPI_Irecv(b.data(), static_cast<int>(block_), MPI_BYTE, p, tag_, mpi_, &reqs_.back());
+      }
+      if (send) {
+        const char* out = mine_.data() + (kind_ == Kind::ReduceScatter ? block_ * static_cast<std::size_t>(p) : 0);
+        reqs_.emplace_back();
+        receive_.push_back(false);
+        MPI_Isend(out, static_cast<int>(block_), MPI_BYTE, p, tag_, mpi_, &reqs_.back());
+      }
     }
   }
   bool test() override {
@@ -104,6 +120,12 @@ class MpiTransfer final : public Transfer {
         std::memcpy(out + block_ * static_cast<std::size_t>(r), part(r), block_);
       return;
     }
+    if (kind_ == Kind::Broadcast) {
+      if (block_ != 0) std::memcpy(out, part(root_), block_);
+      return;
+    }
+    if (kind_ == Kind::Reduce && rank_ != root_) return;
+    if (block_ == 0) return;
     const std::size_t n = block_ / dtype_size(type_);
     std::vector<char> acc(part(0), part(0) + block_);
     for (int r = 1; r < size_; ++r) add(acc.data(), part(r), n);
@@ -112,7 +134,7 @@ class MpiTransfer final : public Transfer {
   void cancel() override {
     for (std::size_t i = 0; i < reqs_.size(); ++i) {
       if (reqs_[i] == MPI_REQUEST_NULL) continue;
-      if (i % 2 == 0) {  // receives: cancel; sends (small, eager) finish on their own
+      if (receive_[i]) {  // receives: cancel; sends (small, eager) finish on their own
         MPI_Cancel(&reqs_[i]);
         MPI_Wait(&reqs_[i], MPI_STATUS_IGNORE);
       } else {
@@ -159,10 +181,12 @@ class MpiTransfer final : public Transfer {
   std::size_t block_;
   const void* send_;
   void* recv_;
+  int root_;
   int tag_;
   std::vector<char> mine_;
   std::vector<std::vector<char>> bufs_;
   std::vector<MPI_Request> reqs_;
+  std::vector<bool> receive_;  // per request: a receive (cancelled on abort) or a send
 };
 
 ncclResult_t usable(ncclComm* comm, const char* call) {
@@ -186,11 +210,14 @@ bool overlap(const void* a, std::size_t an, const void* b, std::size_t bn) {
 
 ncclResult_t collective(const char* name, Kind kind, const void* send, void* recv,
                         std::size_t count, ncclDataType_t type, ncclRedOp_t op, ncclComm* comm,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, int root = 0) {
   auto lock = lock_device();
   if (const ncclResult_t rc = usable(comm, name)) return rc;
-  if (kind != Kind::AllGather && (op != ncclSum || !(type == ncclFloat32 || type == ncclFloat64 ||
-                                                     type == ncclBfloat16)))
+  const bool rooted = kind == Kind::Reduce || kind == Kind::Broadcast;
+  if (rooted && (root < 0 || root >= comm->size))
+    return misuse(comm, ncclInvalidArgument, std::string(name) + ": root out of range");
+  if (kind != Kind::AllGather && kind != Kind::Broadcast &&
+      (op != ncclSum || !(type == ncclFloat32 || type == ncclFloat64 || type == ncclBfloat16)))
     return misuse(comm, ncclInvalidArgument, std::string(name) + ": the fake sums fp32, fp64, bf16");
   if (!valid_stream(stream))
     return misuse(comm, ncclInvalidArgument, std::string(name) + ": invalid stream");
@@ -198,32 +225,40 @@ ncclResult_t collective(const char* name, Kind kind, const void* send, void* rec
   const std::size_t block = count * es;
   const std::size_t sb = kind == Kind::ReduceScatter ? block * n : block;
   const std::size_t rb = kind == Kind::AllGather ? block * n : block;
-  if (!is_device(send, sb) || !is_device(recv, rb))
+  // NCCL reads a broadcast's send buffer on the root only and writes a reduce's receive
+  // buffer on the root only.
+  const bool reads_send = kind != Kind::Broadcast || comm->rank == root;
+  const bool writes_recv = kind != Kind::Reduce || comm->rank == root;
+  if ((reads_send && !is_device(send, sb)) || (writes_recv && !is_device(recv, rb)))
     return misuse(comm, ncclInvalidArgument,
                   std::string(name) + ": send and receive buffers must be device memory");
   const char* s = static_cast<const char*>(send);
   char* r = static_cast<char*>(recv);
   const std::size_t own = block * static_cast<std::size_t>(comm->rank);
   bool in_place = false;
-  if (kind == Kind::AllReduce) in_place = s == r;
+  if (kind == Kind::AllReduce || rooted) in_place = s == r;
   if (kind == Kind::ReduceScatter) in_place = r == s + own;
   if (kind == Kind::AllGather) in_place = s == r + own;
-  if (!in_place && overlap(s, sb, r, rb))
+  if (reads_send && writes_recv && !in_place && overlap(s, sb, r, rb))
     return misuse(comm, ncclInvalidArgument,
                   std::string(name) + ": the buffers overlap without being NCCL's in-place form");
   const auto sp = reinterpret_cast<std::uintptr_t>(s), rp = reinterpret_cast<std::uintptr_t>(r);
-  std::vector<Access> acc = {{sp, sp + sb, false}, {rp, rp + rb, true}};
+  std::vector<Access> acc;
+  if (reads_send) acc.push_back({sp, sp + sb, false});
+  if (writes_recv) acc.push_back({rp, rp + rb, true});
   auto issue = [=] {
     OpPtr o = enqueue(stream, name, acc, nullptr,
-                      std::make_unique<MpiTransfer>(comm, kind, type, count, send, recv));
+                      std::make_unique<MpiTransfer>(comm, kind, type, count, send, recv, root));
     std::erase_if(comm->ops, [](const OpPtr& x) { return op_done(x); });
     comm->ops.push_back(o);
   };
   if (group_depth > 0) {
+    // Recorded only; a non-blocking communicator is ncclInProgress after ncclGroupEnd.
     deferred.push_back(issue);
-  } else {
-    issue();
+    if (!comm->blocking) grouped.insert(comm);
+    return ncclSuccess;
   }
+  issue();
   if (!comm->blocking && ++comm->calls % 2 == 0) {
     comm->state = ncclInProgress;
     comm->in_progress_polls = 1;
@@ -401,6 +436,18 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
                     ncclSum, comm, stream);
 }
 
+ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+                        ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
+  return collective("ncclReduce", Kind::Reduce, sendbuff, recvbuff, count, datatype, op, comm,
+                    stream, root);
+}
+ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
+                           ncclDataType_t datatype, int root, ncclComm_t comm,
+                           cudaStream_t stream) {
+  return collective("ncclBroadcast", Kind::Broadcast, sendbuff, recvbuff, count, datatype,
+                    ncclSum, comm, stream, root);
+}
+
 ncclResult_t ncclGroupStart(void) {
   auto lock = lock_device();
   ++group_depth;
@@ -413,6 +460,15 @@ ncclResult_t ncclGroupEnd(void) {
     auto work = std::move(deferred);
     deferred.clear();
     for (auto& w : work) w();
+    // Non-blocking communicators that took part report ncclInProgress until polled.
+    const bool pending = !grouped.empty();
+    for (ncclComm* c : grouped) {
+      if (live().count(c) == 0) continue;
+      c->state = ncclInProgress;
+      c->in_progress_polls = 1;
+    }
+    grouped.clear();
+    if (pending) return ncclInProgress;
   }
   return ncclSuccess;
 }

@@ -9,6 +9,7 @@
 #include "adam_chunk.hpp"
 #include "adamw8bit_op.hpp"
 #include "lion_op.hpp"
+#include "muon_op.hpp"
 #include "shardopt/bf16.hpp"
 #include "sum_squares.hpp"
 
@@ -16,6 +17,7 @@ namespace fakecuda::omp {
 void adam_update(const shardopt::dev::AdamChunkOp& op);
 void lion_update(const shardopt::dev::LionOp& op, std::size_t n);
 void adamw8bit_update(const shardopt::dev::AdamW8bitOp& op, std::size_t blocks);
+void muon_pass(const shardopt::dev::MuonPassOp& op, std::size_t n);
 void cast_f32_to_bf16(const float* src, shardopt::bf16* dst, std::size_t n);
 void cast_bf16_to_f32(const shardopt::bf16* src, float* dst, std::size_t n);
 void round_through_bf16(float* buf, std::size_t n);

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -136,6 +137,114 @@ TEST_F(NcclComm, ReduceScatterAllGatherAllReduce) {
     for (std::size_t k = 0; k < x.size(); ++k)
       ASSERT_EQ(float_bits(got[k]), float_bits(to_float(to_bf16(x[k])))) << k;
   }
+}
+
+// The uneven forms (whole-tensor ownership): grouped ncclReduce / ncclBroadcast per owner.
+// Counts with every rank owning, with empty owners, with a single owner (first and last
+// rank), and all empty; the fp32 and bf16 wires, fp32 and bf16 words.
+TEST_F(NcclComm, UnevenReduceScatterAndAllGather) {
+  auto comm = test::gpu_world();
+  const int world = comm->size(), rank = comm->rank();
+  const std::size_t w = static_cast<std::size_t>(world), me = static_cast<std::size_t>(rank);
+  std::vector<std::vector<std::size_t>> cases;
+  {
+    std::vector<std::size_t> every(w), gaps(w), first(w, 0), last(w, 0), none(w, 0), big(w);
+    for (std::size_t r = 0; r < w; ++r) {
+      every[r] = 5 + 3 * r;
+      gaps[r] = r % 2 == 1 ? 0 : 7 + r;
+      big[r] = (std::size_t{1} << 16) + 977 * r;
+    }
+    first[0] = 1029;
+    last[w - 1] = 4099;
+    cases = {every, gaps, first, last, none, big};
+  }
+  for (const std::vector<std::size_t>& counts : cases) {
+    std::vector<std::size_t> off(w + 1, 0);
+    for (std::size_t r = 0; r < w; ++r) off[r + 1] = off[r] + counts[r];
+    const std::size_t n = off[w];
+    std::string text;
+    for (std::size_t c : counts) text += std::to_string(c) + " ";
+    SCOPED_TRACE("counts " + text);
+    DeviceBuffer buf = device_buffer(std::max<std::size_t>(n, 1) * sizeof(float));
+    std::vector<float> mine(n);
+    for (std::size_t k = 0; k < n; ++k) mine[k] = value(rank, k);
+    for (CommType wire : {CommType::F32, CommType::BF16}) {
+      if (n != 0) upload(buf.get(), mine);
+      comm->start_reduce_scatter_sum_v(static_cast<float*>(buf.get()), counts, wire)->wait();
+      if (counts[me] == 0) continue;
+      const std::vector<float> got = download<float>(buf.get(), n);
+      for (std::size_t k = off[me]; k < off[me + 1]; ++k) {
+        float want = 0.0f;
+        for (int r = 0; r < world; ++r) want += value(r, k);
+        ASSERT_EQ(float_bits(got[k]), float_bits(want)) << "wire " << static_cast<int>(wire) << " k " << k;
+      }
+    }
+    // All-gather of fp32 words: every block holds its owner's values; others' blocks start
+    // as garbage on each rank.
+    std::vector<float> gathered(n, -99.0f);
+    for (std::size_t k = off[me]; k < off[me + 1]; ++k) gathered[k] = value(rank, k);
+    if (n != 0) upload(buf.get(), gathered);
+    comm->start_all_gather_v(buf.get(), counts, CommType::F32)->wait();
+    const auto owner = [&](std::size_t k) {
+      int r = 0;
+      while (k >= off[static_cast<std::size_t>(r) + 1]) ++r;
+      return r;
+    };
+    if (n != 0) {
+      const std::vector<float> all = download<float>(buf.get(), n);
+      for (std::size_t k = 0; k < n; ++k)
+        ASSERT_EQ(float_bits(all[k]), float_bits(value(owner(k), k))) << k;
+    }
+    // All-gather of bf16 words (the replica).
+    std::vector<bf16> half(n, to_bf16(-99.0f));
+    for (std::size_t k = off[me]; k < off[me + 1]; ++k) half[k] = to_bf16(value(rank, k) + 0.01f);
+    DeviceBuffer hbuf = device_buffer(std::max<std::size_t>(n, 1) * sizeof(bf16));
+    if (n != 0) upload(hbuf.get(), half);
+    comm->start_all_gather_v(hbuf.get(), counts, CommType::U16)->wait();
+    if (n != 0) {
+      const std::vector<bf16> hall = download<bf16>(hbuf.get(), n);
+      for (std::size_t k = 0; k < n; ++k)
+        ASSERT_EQ(hall[k].bits, to_bf16(value(owner(k), k) + 0.01f).bits) << k;
+    }
+  }
+  // Bad counts: the same Error(InvalidArgument) on every rank, before any NCCL call.
+  DeviceBuffer one = device_buffer(sizeof(float));
+  const std::vector<std::size_t> wrong(w + 1, 0);
+  try {
+    comm->start_reduce_scatter_sum_v(static_cast<float*>(one.get()), wrong, CommType::F32);
+    ADD_FAILURE() << "expected Error(InvalidArgument)";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
+  }
+}
+
+// The debug mode (make_checked_communicator) over NCCL: a rank passing other counts with the
+// same total meets the same Error(InvalidState) naming the counts' hash on every rank, before
+// any NCCL call; matching counts then go through to NCCL.
+TEST_F(NcclComm, CheckedModeComparesTheUnevenCounts) {
+  if (test::gpu_world_size() < 2) GTEST_SKIP() << "needs at least 2 ranks";
+  auto comm = make_checked_communicator(test::gpu_world());
+  const std::size_t w = static_cast<std::size_t>(comm->size());
+  const bool last = comm->rank() == comm->size() - 1;
+  std::vector<std::size_t> counts(w, 16), moved(w, 16);
+  moved[0] = 0;  // the same total, another split
+  moved[w - 1] = 32;
+  DeviceBuffer buf = device_buffer(16 * w * sizeof(float));
+  upload(buf.get(), std::vector<float>(16 * w, 1.0f));
+  try {
+    comm->start_reduce_scatter_sum_v(static_cast<float*>(buf.get()), last ? moved : counts,
+                                     CommType::F32)->wait();
+    ADD_FAILURE() << "expected Error(InvalidState)";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::InvalidState) << e.what();
+    EXPECT_NE(std::string(e.what()).find("reduce_scatter_sum_v(" + std::to_string(16 * w) +
+                                         " in all, counts #"),
+              std::string::npos)
+        << e.what();
+  }
+  comm->start_reduce_scatter_sum_v(static_cast<float*>(buf.get()), counts, CommType::F32)->wait();
+  const std::vector<float> got = download<float>(buf.get(), 16 * w);
+  EXPECT_EQ(got[static_cast<std::size_t>(comm->rank()) * 16], static_cast<float>(w));
 }
 
 // An asynchronous error (what NCCL reports when a peer is lost): the next wait aborts the

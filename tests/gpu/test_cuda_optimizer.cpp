@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu_test.hpp"
@@ -56,8 +57,10 @@ void to_device(std::span<float> dst, const std::vector<float>& src) {
 // `rule1`: group 1's update rule (AdamW, Lion or AdamW8bit: group_of()).
 std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Device device,
                                        Stage stage, DType dtype, const AdamConfig& cfg,
-                                       bool in_units = false, Rule rule1 = Rule::AdamW) {
+                                       bool in_units = false, Rule rule1 = Rule::AdamW,
+                                       Ownership ownership = Ownership::Flat) {
   OptimizerOptions o;
+  o.ownership = ownership;
   o.device = device;
   o.stage = stage;
   o.param_dtype = dtype;
@@ -187,7 +190,7 @@ INSTANTIATE_TEST_SUITE_P(Stages, CudaStep,
 // Parameter i's replica bytes (device memory: the compute stream is the legacy default one,
 // which cudaMemcpy waits for; or host memory of a CPU optimizer).
 std::vector<unsigned char> replica_bytes(ShardedOptimizer& opt, std::size_t i) {
-  const std::size_t n = kSizes[i] * dtype_size(opt.options().param_dtype);
+  const std::size_t n = opt.layout().param(i).numel * dtype_size(opt.options().param_dtype);
   const void* p = opt.options().param_dtype == DType::BF16
                       ? static_cast<const void*>(opt.param<bf16>(i).data())
                       : static_cast<const void*>(opt.param<float>(i).data());
@@ -298,6 +301,88 @@ TEST(CudaStepWorld, MatchesCpuOptimizerBitwise) {
 }
 #endif
 
+// ---- whole-tensor ownership ----------------------------------------------------------------
+
+// The CPU's communicator on the ranks of the GPU world (test::gpu_world()).
+std::shared_ptr<Communicator> host_world() {
+#if SHARDOPT_GPU_TEST_MPI
+  return make_mpi_communicator(MPI_COMM_WORLD);
+#else
+  return make_single_process_communicator();
+#endif
+}
+
+// Ownership::Whole on the device (ragged buckets: the uneven reduce-scatter and all-gather of
+// the device communicator) equals the CPU's Whole bit for bit (this rank's master, m, v: the
+// same ragged shard) and the CPU's Flat replica of every parameter (the whole model: with an
+// fp32 replica, the master weights), stages 0-2, group 1 under AdamW (bf16 and fp32
+// replicas), Lion (bf16) and AdamW8bit (fp32), at every rank count of the GPU world; the
+// device memory is the planner's Whole plan for this rank.
+void expect_whole_bits(const std::function<std::shared_ptr<Communicator>()>& gpu_comm,
+                       const std::function<std::shared_ptr<Communicator>()>& cpu_comm) {
+  AdamConfig cfg;
+  cfg.lr = 1e-2;
+  for (const auto& [rule1, dtype] : {std::pair{Rule::AdamW, DType::BF16}, std::pair{Rule::AdamW, DType::F32},
+                                     std::pair{Rule::Lion, DType::BF16}, std::pair{Rule::AdamW8bit, DType::F32}})
+    for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+      SCOPED_TRACE(std::string(rule_name(rule1)) + " " + stage_name(stage) + " " + dtype_name(dtype));
+      auto gpu = make(gpu_comm(), Device::Cuda, stage, dtype, cfg, false, rule1, Ownership::Whole);
+      auto cpu = make(cpu_comm(), Device::Cpu, stage, dtype, cfg, false, rule1, Ownership::Whole);
+      auto flat = make(cpu_comm(), Device::Cpu, stage, dtype, cfg, false, rule1);
+      ASSERT_EQ(gpu->layout().fingerprint(), cpu->layout().fingerprint());
+      ASSERT_EQ(gpu->local_size(), cpu->local_size());
+      expect_planned_memory(*gpu);  // plan_memory plans Whole on Device::Cuda too
+      const int rank = gpu->comm().rank();
+      for (int step = 1; step <= 3; ++step) {
+        produce_grads(*gpu, rank, step, true);
+        produce_grads(*cpu, rank, step, false);
+        produce_grads(*flat, rank, step, false);
+        const StepResult a = gpu->step(), b = cpu->step(), c = flat->step();
+        EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-12 * b.grad_norm);
+        EXPECT_EQ(b.grad_norm, c.grad_norm);
+        expect_same_state(*gpu, *cpu, step);
+        for (std::size_t i = 0; i < kSizes.size(); ++i) {
+          const std::vector<unsigned char> mine = replica_bytes(*gpu, i);
+          ASSERT_EQ(mine, replica_bytes(*cpu, i)) << "step " << step << " p" << i << " (CPU Whole)";
+          ASSERT_EQ(mine, replica_bytes(*flat, i)) << "step " << step << " p" << i << " (CPU Flat)";
+        }
+      }
+    }
+}
+
+TEST(CudaWhole, MatchesCpuWholeAndFlatBitwise) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  expect_whole_bits([] { return test::gpu_world(); }, host_world);
+}
+
+// What Whole does not run on the device yet (stage 3, reproducible mode) is refused by
+// finalize() with Error(Unsupported) naming both, and so is its plan.
+TEST(CudaWhole, RefusesStage3AndReproducible) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  for (const bool zero3 : {true, false}) {
+    AdamConfig cfg;
+    OptimizerOptions o;
+    o.ownership = Ownership::Whole;
+    o.device = Device::Cuda;
+    o.stage = zero3 ? Stage::Zero3 : Stage::Zero1;
+    if (!zero3) o.reduction = Reduction::Reproducible;
+    ShardedOptimizer opt(test::gpu_world(), o);
+    opt.add_param("w", 1000, 0);
+    try {
+      opt.finalize();
+      FAIL() << "finalize accepted Whole on Device::Cuda " << (zero3 ? "at stage 3" : "reproducible");
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::Unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find("ownership Whole on Device::Cuda"), std::string::npos)
+          << e.what();
+    }
+    FlatLayout l;
+    l.add("w", 1000, 0);
+    PlanConfig c = plan_config(o, 1);
+    EXPECT_THROW(plan_memory(l, c), Error);
+  }
+}
+
 // ---- stage 3 -------------------------------------------------------------------------------
 
 // Stage 3 on the device (units gathered on acquire/prefetch over the device communicator,
@@ -379,27 +464,93 @@ TEST(CudaDevice, AutomaticBucketSizeIsTheDevicePlanners) {
   EXPECT_EQ(plan.bucket_elems, largest);
 }
 
-// Rule::Muon has no device kernels: finalize() refuses it with Error(Unsupported) on every
-// rank, before anything is allocated (issue 32).
-TEST(CudaDevice, RefusesTheMuonRule) {
-  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
-  OptimizerOptions o;
-  o.device = Device::Cuda;
-  o.stage = Stage::DataParallel;
-  o.ownership = Ownership::Whole;
-  ShardedOptimizer opt(test::gpu_world(), o);
-  GroupOptions muon;
-  muon.rule = Rule::Muon;
-  opt.add_param("w", Shape2D{64, 32}, opt.add_group(muon));
-  opt.add_param("b", 64, 0);
-  try {
-    opt.finalize();
-    FAIL() << "finalize() accepted Muon on Device::Cuda";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::Unsupported) << e.what();
-    EXPECT_NE(std::string(e.what()).find("Muon rule runs on Device::Cpu only"), std::string::npos)
-        << e.what();
+// Muon on the device in the optimizer (Ownership::Whole: each matrix updated whole by its
+// owner, the uneven collectives of the device communicator), next to AdamW, against the CPU
+// optimizer on the same ranks, stages 0-2, fp32 replica, 3 steps: the AdamW parameters and
+// every momentum (Muon's too: no GEMM in it) are the CPU's bit for bit; the Muon matrices'
+// moves from the start agree to 1e-4 relative Frobenius (the GEMMs are cuBLAS's, summed in
+// its own order; CudaBackend.MuonMatchesCpuToRounding explains the bound).
+void expect_muon_close(const std::function<std::shared_ptr<Communicator>()>& gpu_comm,
+                       const std::function<std::shared_ptr<Communicator>()>& cpu_comm) {
+  const std::vector<Shape2D> shapes = {{96, 64}, {64, 96}, {33, 17}, {64, 64}};
+  const std::vector<std::size_t> vectors = {64, 300};
+  const auto build = [&](std::shared_ptr<Communicator> comm, Device device, Stage stage) {
+    OptimizerOptions o;
+    o.device = device;
+    o.stage = stage;
+    o.param_dtype = DType::F32;
+    o.ownership = Ownership::Whole;
+    o.bucket_elems = 8192;
+    o.adam.lr = 0.02;
+    o.adam.weight_decay = 0.1;
+    auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
+    GroupOptions muon;
+    muon.rule = Rule::Muon;
+    const int g = opt->add_group(muon);
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      opt->add_param("w" + std::to_string(i), shapes[i], g);
+      opt->add_param("b" + std::to_string(i), vectors[i % vectors.size()], 0);
+    }
+    opt->finalize();
+    for (std::size_t i = 0; i < opt->layout().num_params(); ++i) {
+      std::vector<float> init(opt->layout().param(i).numel);
+      for (std::size_t k = 0; k < init.size(); ++k) init[k] = synth(99, 0, i, k);
+      opt->set_param(i, init);
+    }
+    return opt;
+  };
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+    SCOPED_TRACE(stage_name(stage));
+    auto gpu = build(gpu_comm(), Device::Cuda, stage);
+    auto cpu = build(cpu_comm(), Device::Cpu, stage);
+    ASSERT_EQ(gpu->layout().fingerprint(), cpu->layout().fingerprint());
+    const int rank = gpu->comm().rank();
+    const std::size_t params = gpu->layout().num_params();
+    for (int step = 1; step <= 3; ++step) {
+      for (ShardedOptimizer* opt : {gpu.get(), cpu.get()}) {
+        for (std::size_t j = params; j-- > 0;) {
+          std::vector<float> g(opt->layout().param(j).numel);
+          for (std::size_t k = 0; k < g.size(); ++k) g[k] = grad_value(rank, step, j, k);
+          const std::span<float> dst = opt->grad(j);
+          if (opt == gpu.get()) {
+            to_device(dst, g);
+          } else {
+            std::copy(g.begin(), g.end(), dst.begin());
+          }
+          opt->grad_ready(j);
+        }
+        opt->step();
+      }
+      std::vector<float> x(gpu->local_size()), y(cpu->local_size());
+      gpu->copy_state_to_host(StateArray::ExpAvg, 0, x);
+      cpu->copy_state_to_host(StateArray::ExpAvg, 0, y);
+      ASSERT_EQ(x.size(), y.size());
+      if (!x.empty())
+        ASSERT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0) << "momentum, step " << step;
+      for (std::size_t i = 0; i < params; ++i) {
+        const std::vector<unsigned char> a = replica_bytes(*gpu, i), b = replica_bytes(*cpu, i);
+        if (gpu->rule_of(i) != Rule::Muon) {
+          ASSERT_EQ(a, b) << "step " << step << " " << gpu->layout().param(i).name;
+          continue;
+        }
+        double d = 0, r = 0;
+        for (std::size_t k = 0; k < a.size() / 4; ++k) {
+          float pa, pb;
+          std::memcpy(&pa, a.data() + 4 * k, 4);
+          std::memcpy(&pb, b.data() + 4 * k, 4);
+          const double p0 = synth(99, 0, i, k);
+          d += (static_cast<double>(pa) - pb) * (static_cast<double>(pa) - pb);
+          r += (pb - p0) * (pb - p0);
+        }
+        EXPECT_LT(std::sqrt(d / r), 1e-4) << "step " << step << " " << gpu->layout().param(i).name;
+      }
+    }
   }
+}
+
+TEST(CudaMuon, MatchesCpuOptimizerToRounding) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  expect_muon_close([] { return test::gpu_world(); }, host_world);
 }
 
 // Device buffers cannot go through a host communicator, at any size (even one rank runs host

@@ -9,7 +9,7 @@
 #   - a Fortran program that uses mpi_f08 itself: built with MPI::MPI_Fortran (CMake) and with
 #     mpif90 plus shardopt-fortran.pc; with the plain compiler and the .pc alone it must not
 #     link (docs/packaging.md says it needs one of the two);
-#   - ldd: no CPU-only program needs libcudart or libnccl;
+#   - ldd: no CPU-only program needs libcudart, libnccl or libcublas;
 #   - the installed tools run from the prefix without LD_LIBRARY_PATH (install RPATH);
 #   - with LibTorch, a LibTorch program through find_package(shardopt COMPONENTS torch);
 #   - the CUDA backend: found by programs linked with shardopt::cuda, and (shared library)
@@ -40,10 +40,10 @@ function(output var)
   endif()
   set(${var} "${out}" PARENT_SCOPE)
 endfunction()
-# no_cuda_libs(exe): ldd must not list libcudart, libnccl or libcuda.
+# no_cuda_libs(exe): ldd must not list libcudart, libnccl, libcublas or libcuda.
 function(no_cuda_libs exe)
   output(deps ldd ${exe})
-  if(deps MATCHES "libcudart|libnccl|libcuda\\.")
+  if(deps MATCHES "libcudart|libnccl|libcublas|libcuda\\.")
     message(FATAL_ERROR "${exe} needs CUDA libraries although it uses only the CPU:\n${deps}")
   endif()
   message(STATUS "ldd ${exe}: no CUDA libraries")
