@@ -495,6 +495,22 @@ void train_c_and_cpp(shardopt_optimizer_t opt, shardopt::ShardedOptimizer& ref,
   }
 }
 
+// Every parameter's master weights and exp_avg (Lion's and Muon's momentum) through the C ABI
+// equal the C++ API's bit for bit.
+template <std::size_t N>
+void expect_master_and_exp_avg_equal(shardopt_optimizer_t opt, shardopt::ShardedOptimizer& ref,
+                                     const std::size_t (&sizes)[N]) {
+  for (std::size_t p = 0; p < N; ++p) {
+    std::vector<float> a(sizes[p]), b(sizes[p]);
+    ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+    ref.get_master(p, b);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+    ASSERT_EQ(shardopt_get_exp_avg(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+    ref.get_state(shardopt::StateArray::ExpAvg, p, b);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+  }
+}
+
 // shardopt_group_t: defaults, a Lion group trained through the C ABI equals the C++ API bit
 // for bit (weights and momentum), the AdamW-era calls keep a group's rule, and bad structs,
 // rules and rule changes are clear errors.
@@ -571,15 +587,7 @@ TEST(CApi, LionGroupThroughTheGroupStructEqualsCppApi) {
   EXPECT_NE(std::string(shardopt_last_error(opt)).find("rule is Lion"), std::string::npos);
 
   train_c_and_cpp(opt, ref, sizes, 1, 4);
-  for (std::size_t p = 0; p < 3; ++p) {
-    std::vector<float> a(sizes[p]), b(sizes[p]);
-    ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
-    ref.get_master(p, b);
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
-    ASSERT_EQ(shardopt_get_exp_avg(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
-    ref.get_state(shardopt::StateArray::ExpAvg, p, b);
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
-  }
+  expect_master_and_exp_avg_equal(opt, ref, sizes);
   std::vector<float> sq(sizes[0]);
   EXPECT_EQ(shardopt_get_exp_avg_sq(opt, 0, sq.data(), sq.size()), SHARDOPT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(shardopt_last_error(opt)).find("keeps no exp_avg_sq"), std::string::npos);
@@ -741,15 +749,7 @@ TEST(CApi, MuonGroupAndMatricesEqualCppApi) {
       ref.set_param(p, v);
     }
     train_c_and_cpp(opt, ref, sizes, 5, 4);
-    for (std::size_t p = 0; p < 3; ++p) {
-      std::vector<float> a(sizes[p]), b(sizes[p]);
-      ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
-      ref.get_master(p, b);
-      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
-      ASSERT_EQ(shardopt_get_exp_avg(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
-      ref.get_state(shardopt::StateArray::ExpAvg, p, b);
-      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
-    }
+    expect_master_and_exp_avg_equal(opt, ref, sizes);
     EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
   }
 }

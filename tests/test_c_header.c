@@ -66,13 +66,15 @@ int main(void) {
     EXPECT(shardopt_add_group_ex(opt, &mg, &g) == SHARDOPT_SUCCESS && g == 1);
     EXPECT(shardopt_add_param_2d(opt, "m", 2, 3, g, &index) == SHARDOPT_SUCCESS && index == 0);
     EXPECT(shardopt_finalize(opt) == SHARDOPT_SUCCESS);
-    EXPECT(shardopt_param_shape(opt, 0, &rows, &cols) == SHARDOPT_SUCCESS && rows == 2 && cols == 3);
+    EXPECT(shardopt_param_shape(opt, 0, &rows, &cols) == SHARDOPT_SUCCESS);
+    EXPECT(rows == 2 && cols == 3);
     EXPECT(shardopt_accumulate_grad_f32(opt, 0, grad, 6) == SHARDOPT_SUCCESS);
     EXPECT(shardopt_step(opt, NULL) == SHARDOPT_SUCCESS);
     EXPECT(shardopt_param_f32(opt, 0, &p, &n) == SHARDOPT_SUCCESS && n == 6);
     for (k = 0; k < 6; ++k) EXPECT(p[k] != 0.0f && (p[k] < 0) == (grad[k] > 0));
     EXPECT(shardopt_destroy(opt) == SHARDOPT_SUCCESS);
   }
-  printf("C header: version %s, one AdamW step and one Muon step as expected\n", shardopt_version_string());
+  printf("C header: version %s, one AdamW step and one Muon step as expected\n",
+         shardopt_version_string());
   return 0;
 }

@@ -412,7 +412,8 @@ contains
       call fail('the shape does not matter: the comparison above cannot fail', 0)
   end subroutine check_muon
 
-  !> check_muon's Fortran side: trains w(cols, rows) with Muon; `swap`: registered as rows=size(w, 1), cols=size(w, 2).
+  !> check_muon's Fortran side: trains w(cols, rows) with Muon; `swap`: registered as
+  !> rows=size(w, 1), cols=size(w, 2).
   subroutine train_muon(swap, rows, cols, steps, out)
     logical, intent(in) :: swap
     integer, intent(in) :: rows, cols, steps

@@ -237,8 +237,10 @@ static int check_loss(const char* path, const double* losses, int first, int las
 static int train(shardopt_optimizer_t opt, const cli_t* cli) {
   /* fch (hidden, --muon only) sits between fc1 and fc2; fc2 reads `mid` inputs: kMid with
    * --muon, else kHidden. */
-  static float w1[kHidden * kIn], b1[kHidden], wh[kMid * kHidden], bh[kMid], w2[kOut * kMid], b2[kOut];
-  static float gw1[kHidden * kIn], gb1[kHidden], gwh[kMid * kHidden], gbh[kMid], gw2[kOut * kMid], gb2[kOut];
+  static float w1[kHidden * kIn], b1[kHidden], wh[kMid * kHidden], bh[kMid];
+  static float w2[kOut * kMid], b2[kOut];
+  static float gw1[kHidden * kIn], gb1[kHidden], gwh[kMid * kHidden], gbh[kMid];
+  static float gw2[kOut * kMid], gb2[kOut];
   static float init[kMid * kHidden];
   /* Per sample of this rank's batch: inputs, targets, activations, output and hidden grads. */
   static float xs[kGlobalBatch][kIn], ys[kGlobalBatch][kOut], hs[kGlobalBatch][kHidden];
@@ -246,14 +248,18 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
   static float douts[kGlobalBatch][kOut], dhs[kGlobalBatch][kHidden];
   const int muon = cli->muon, mid = muon ? kMid : kHidden;
   /* Registration order, with each parameter's initial scale and seed (as the C++ trainer). */
-  const char* names[kMaxParams] = {"fc1.weight", "fc1.bias", "fch.weight", "fch.bias", "fc2.weight", "fc2.bias"};
-  const size_t sizes[kMaxParams] = {kHidden * kIn, kHidden, kMid * kHidden, kMid, (size_t)kOut * (size_t)mid, kOut};
-  const float scales[kMaxParams] = {1.0f / sqrtf((float)kIn), 0.0f, 1.0f / sqrtf((float)kHidden), 0.0f,
+  const char* names[kMaxParams] = {"fc1.weight", "fc1.bias", "fch.weight",
+                                   "fch.bias",   "fc2.weight", "fc2.bias"};
+  const size_t sizes[kMaxParams] = {kHidden * kIn, kHidden, kMid * kHidden,
+                                    kMid,          (size_t)kOut * (size_t)mid, kOut};
+  const float scales[kMaxParams] = {1.0f / sqrtf((float)kIn), 0.0f,
+                                    1.0f / sqrtf((float)kHidden), 0.0f,
                                     1.0f / sqrtf((float)mid), 0.0f};
   const uint64_t seeds[kMaxParams] = {11, 12, 15, 16, 13, 14};
   size_t W1 = 0, B1 = 0, WH = 0, BH = 0, W2 = 0, B2 = 0, index[kMaxParams];
   const size_t unit1 = 0, unith = 1, unit2 = muon ? 2 : 1;
-  int rank = 0, world = 1, no_decay = 0, muon_group = 0, local, first, step, s, i, j, m, o, p, start = 0, rc = 0;
+  int rank = 0, world = 1, no_decay = 0, muon_group = 0, start = 0, rc = 0;
+  int local, first, step, s, i, j, m, o, p;
   size_t k;
   shardopt_step_result_t r;
   double* losses = (double*)calloc((size_t)(cli->steps > 0 ? cli->steps : 1), sizeof(double));

@@ -287,6 +287,34 @@ contains
     call check(status, msg)
   end subroutine release_layer
 
+  !> Forward of one ReLU layer for one sample: y(o) = max(0, b(o) + sum_i w(i, o) x(i)), summed
+  !> in input order as the C and C++ trainers do (w(i, o) is their row-major w[o][i]).
+  subroutine dense_relu(w, b, x, y)
+    real(c_float), intent(in) :: w(:, :), b(:), x(:)
+    real(c_float), intent(out) :: y(:)
+    real(c_float) :: a
+    integer :: i, o
+    do o = 1, size(b)
+      a = b(o)
+      do i = 1, size(x)
+        a = a + w(i, o) * x(i)
+      end do
+      y(o) = 0
+      if (a > 0) y(o) = a
+    end do
+  end subroutine dense_relu
+
+  !> Backward: adds parameter `index`'s gradient (n elements of any rank, in storage order) to
+  !> the optimizer's and marks it ready, so its bucket's reduction may start.
+  subroutine hand_over(index, n, grad)
+    integer, intent(in) :: index, n
+    real(c_float), intent(in) :: grad(n)
+    call shardopt_accumulate_grad(opt, index, grad, status, msg)
+    call check(status, msg)
+    call shardopt_grad_ready(opt, index, status, msg)
+    call check(status, msg)
+  end subroutine hand_over
+
   !> Rank 0 writes every parameter's fp32 master weights, in order, as raw floats.
   subroutine write_params(path)
     character(len=*), intent(in) :: path
@@ -312,7 +340,8 @@ contains
     ! fc2 reads `mid` inputs: the hidden layer's n_mid with --muon, else fc1's n_hidden. The
     ! hidden weight wh(n_hidden, n_mid) is C's row-major n_mid x n_hidden matrix.
     real(c_float) :: w1(n_in, n_hidden), b1(n_hidden), wh(n_hidden, n_mid), bh(n_mid), b2(n_out)
-    real(c_float) :: gw1(n_in, n_hidden), gb1(n_hidden), gwh(n_hidden, n_mid), gbh(n_mid), gb2(n_out)
+    real(c_float) :: gw1(n_in, n_hidden), gb1(n_hidden), gwh(n_hidden, n_mid), gbh(n_mid)
+    real(c_float) :: gb2(n_out)
     real(c_float), allocatable :: w2(:, :), gw2(:, :)
     ! Per sample of this rank's batch: inputs, targets, activations, output and hidden grads;
     ! last(:, s) is what fc2 reads and dlast its gradient.
@@ -428,14 +457,7 @@ contains
       call read_vector(ib1, b1)
       do s = 1, local
         call make_sample(step, first + s - 1, xs(:, s), ys(:, s))
-        do j = 1, n_hidden
-          a = b1(j)
-          do i = 1, n_in
-            a = a + w1(i, j) * xs(i, s)
-          end do
-          hs(j, s) = 0
-          if (a > 0) hs(j, s) = a
-        end do
+        call dense_relu(w1, b1, xs(:, s), hs(:, s))
       end do
       call release_layer(unit1)
       if (muon) then  ! Forward, the hidden layer.
@@ -443,14 +465,7 @@ contains
         call read_matrix(iwh, wh)
         call read_vector(ibh, bh)
         do s = 1, local
-          do m = 1, n_mid
-            a = bh(m)
-            do j = 1, n_hidden
-              a = a + wh(j, m) * hs(j, s)
-            end do
-            last(m, s) = 0
-            if (a > 0) last(m, s) = a
-          end do
+          call dense_relu(wh, bh, hs(:, s), last(:, s))
         end do
         call release_layer(unith)
       else
@@ -487,14 +502,8 @@ contains
           end do
         end do
       end do
-      call shardopt_accumulate_grad(opt, ib2, gb2, status, msg)
-      call check(status, msg)
-      call shardopt_grad_ready(opt, ib2, status, msg)
-      call check(status, msg)
-      call shardopt_accumulate_grad(opt, iw2, gw2, status, msg)
-      call check(status, msg)
-      call shardopt_grad_ready(opt, iw2, status, msg)
-      call check(status, msg)
+      call hand_over(ib2, size(gb2), gb2)
+      call hand_over(iw2, size(gw2), gw2)
       call release_layer(unit2)
       if (muon) then  ! Backward, the hidden layer.
         call acquire_layer(unith, unit1)
@@ -510,14 +519,8 @@ contains
             end do
           end do
         end do
-        call shardopt_accumulate_grad(opt, ibh, gbh, status, msg)
-        call check(status, msg)
-        call shardopt_grad_ready(opt, ibh, status, msg)
-        call check(status, msg)
-        call shardopt_accumulate_grad(opt, iwh, gwh, status, msg)
-        call check(status, msg)
-        call shardopt_grad_ready(opt, iwh, status, msg)
-        call check(status, msg)
+        call hand_over(ibh, size(gbh), gbh)
+        call hand_over(iwh, size(gwh), gwh)
         call release_layer(unith)
       else
         dhs(:, 1:local) = dlast(:, 1:local)
@@ -534,14 +537,8 @@ contains
           end do
         end do
       end do
-      call shardopt_accumulate_grad(opt, ib1, gb1, status, msg)
-      call check(status, msg)
-      call shardopt_grad_ready(opt, ib1, status, msg)
-      call check(status, msg)
-      call shardopt_accumulate_grad(opt, iw1, gw1, status, msg)
-      call check(status, msg)
-      call shardopt_grad_ready(opt, iw1, status, msg)
-      call check(status, msg)
+      call hand_over(ib1, size(gb1), gb1)
+      call hand_over(iw1, size(gw1), gw1)
       call release_layer(unit1)
       call shardopt_step(opt, status, result=r, errmsg=msg)
       call check(status, msg)

@@ -244,7 +244,8 @@ GroupOptions read_group(const shardopt_group_t* in) {
               "SHARDOPT_RULE_ADAMW8BIT 2, SHARDOPT_RULE_MUON 3)");
   require(c.muon_nesterov == 0 || c.muon_nesterov == 1, Status::InvalidArgument,
           "group->muon_nesterov must be 0 or 1, got " + std::to_string(c.muon_nesterov));
-  require(c.muon_lr_adjust >= SHARDOPT_MUON_LR_ORIGINAL && c.muon_lr_adjust <= SHARDOPT_MUON_LR_NONE,
+  require(c.muon_lr_adjust >= SHARDOPT_MUON_LR_ORIGINAL &&
+              c.muon_lr_adjust <= SHARDOPT_MUON_LR_NONE,
           Status::InvalidArgument,
           "group->muon_lr_adjust " + std::to_string(c.muon_lr_adjust) +
               " is not a shardopt_muon_lr_adjust_t (SHARDOPT_MUON_LR_ORIGINAL 0, "

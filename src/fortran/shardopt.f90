@@ -1373,7 +1373,8 @@ contains
 
   !> Changes group `group` (1-based) options. rule and the rules' options (Lion's betas,
   !> adamw8bit_min_numel, Muon's muon_*) are optional, by keyword, as in shardopt_add_group
-  !> (left out: the group keeps its own; the rule and the threshold are fixed at finalize). Group 1 is the default group: this is how
+  !> (left out: the group keeps its own; the rule and the threshold are fixed at finalize).
+  !> Group 1 is the default group: this is how
   !> it gets another rule.
   subroutine shardopt_set_group(opt, group, lr_scale, weight_decay, status, errmsg, rule, &
                                 lion_beta1, lion_beta2, adamw8bit_min_numel, muon_momentum, &
