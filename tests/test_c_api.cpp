@@ -750,6 +750,9 @@ TEST(CApi, MuonGroupAndMatricesEqualCppApi) {
     }
     train_c_and_cpp(opt, ref, sizes, 5, 4);
     expect_master_and_exp_avg_equal(opt, ref, sizes);
+    // No checkpoint format for whole ownership yet: refused, as shardopt.h says.
+    EXPECT_FAILS(shardopt_save_checkpoint(opt, "/tmp/shardopt-capi-whole-refused", 1, nullptr),
+                 SHARDOPT_ERROR_UNSUPPORTED, "shardopt_save_checkpoint", "");
     EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
   }
 }
@@ -843,6 +846,13 @@ TEST(CApi, MuonAndShapeMistakesAreClearErrors) {
   ASSERT_EQ(shardopt_add_param_2d(opt, "m", 6, 8, g, nullptr), SHARDOPT_SUCCESS);
   EXPECT_FAILS(shardopt_finalize(opt), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_finalize",
                "Ownership::Whole");
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  // Whole ownership runs stages 0-2: stage 3 is refused at finalize.
+  c.stage = SHARDOPT_STAGE_ZERO3;
+  c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param_2d(opt, "m", 6, 8, 0, nullptr), SHARDOPT_SUCCESS);
+  EXPECT_FAILS(shardopt_finalize(opt), SHARDOPT_ERROR_UNSUPPORTED, "shardopt_finalize", "");
   EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
 }
 

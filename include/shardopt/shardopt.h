@@ -39,7 +39,8 @@
  * that parameter or shardopt_wait_all (fetching the pointer again also waits for it).
  *
  * ---- Growable structs ----------------------------------------------------------------------
- * shardopt_config_t and shardopt_step_result_t start with struct_size (NCCL-config style).
+ * shardopt_config_t, shardopt_group_t and shardopt_step_result_t start with struct_size
+ * (NCCL-config style).
  * The library accepts any struct_size up to its own sizeof that ends on a field boundary: a
  * program built against an older, smaller struct keeps working with a newer library. Input
  * fields beyond the caller's struct_size take their defaults; output fields beyond it are not
