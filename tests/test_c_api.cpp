@@ -495,6 +495,22 @@ void train_c_and_cpp(shardopt_optimizer_t opt, shardopt::ShardedOptimizer& ref,
   }
 }
 
+// Every parameter's master weights and exp_avg (Lion's and Muon's momentum) through the C ABI
+// equal the C++ API's bit for bit.
+template <std::size_t N>
+void expect_master_and_exp_avg_equal(shardopt_optimizer_t opt, shardopt::ShardedOptimizer& ref,
+                                     const std::size_t (&sizes)[N]) {
+  for (std::size_t p = 0; p < N; ++p) {
+    std::vector<float> a(sizes[p]), b(sizes[p]);
+    ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+    ref.get_master(p, b);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+    ASSERT_EQ(shardopt_get_exp_avg(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+    ref.get_state(shardopt::StateArray::ExpAvg, p, b);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+  }
+}
+
 // shardopt_group_t: defaults, a Lion group trained through the C ABI equals the C++ API bit
 // for bit (weights and momentum), the AdamW-era calls keep a group's rule, and bad structs,
 // rules and rule changes are clear errors.
@@ -571,15 +587,7 @@ TEST(CApi, LionGroupThroughTheGroupStructEqualsCppApi) {
   EXPECT_NE(std::string(shardopt_last_error(opt)).find("rule is Lion"), std::string::npos);
 
   train_c_and_cpp(opt, ref, sizes, 1, 4);
-  for (std::size_t p = 0; p < 3; ++p) {
-    std::vector<float> a(sizes[p]), b(sizes[p]);
-    ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
-    ref.get_master(p, b);
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
-    ASSERT_EQ(shardopt_get_exp_avg(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
-    ref.get_state(shardopt::StateArray::ExpAvg, p, b);
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
-  }
+  expect_master_and_exp_avg_equal(opt, ref, sizes);
   std::vector<float> sq(sizes[0]);
   EXPECT_EQ(shardopt_get_exp_avg_sq(opt, 0, sq.data(), sq.size()), SHARDOPT_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(shardopt_last_error(opt)).find("keeps no exp_avg_sq"), std::string::npos);
@@ -649,6 +657,202 @@ TEST(CApi, AdamW8bitGroupEqualsCppApiAndItsCheckpointLoads) {
   }
   EXPECT_EQ(shardopt_destroy(back), SHARDOPT_SUCCESS);
   std::filesystem::remove_all(dir);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+}
+
+// Muon through the C ABI (issue 32): SHARDOPT_OWNERSHIP_WHOLE in the config, a Muon group
+// with every option off its default (shardopt_group_t's muon_* fields), two matrices
+// registered with shardopt_add_param_2d (rows > cols: transposed Newton-Schulz; rows < cols)
+// and an AdamW bias: the weights and the momentum equal the C++ API's bit for bit.
+TEST(CApi, MuonGroupAndMatricesEqualCppApi) {
+  for (int stage : {SHARDOPT_STAGE_DATA_PARALLEL, SHARDOPT_STAGE_ZERO1, SHARDOPT_STAGE_ZERO2}) {
+    SCOPED_TRACE(stage);
+    shardopt_config_t c = config(stage, SHARDOPT_DTYPE_BF16);
+    EXPECT_EQ(c.ownership, SHARDOPT_OWNERSHIP_FLAT);
+    c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+    c.bucket_elems = 0;  // automatic: raised to the largest Muon matrix
+    shardopt_optimizer_t opt = nullptr;
+    ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS) << last(nullptr);
+    shardopt_group_t mg;
+    shardopt_group_init(&mg);
+    EXPECT_EQ(mg.muon_momentum, 0.95);
+    EXPECT_EQ(mg.muon_nesterov, 1);
+    EXPECT_EQ(mg.muon_ns_steps, 5);
+    EXPECT_EQ(mg.muon_ns_a, 3.4445);
+    EXPECT_EQ(mg.muon_ns_b, -4.7750);
+    EXPECT_EQ(mg.muon_ns_c, 2.0315);
+    EXPECT_EQ(mg.muon_eps, 1e-7);
+    EXPECT_EQ(mg.muon_lr_adjust, SHARDOPT_MUON_LR_ORIGINAL);
+    mg.rule = SHARDOPT_RULE_MUON;
+    mg.lr_scale = 2.0;
+    mg.muon_momentum = 0.9;
+    mg.muon_nesterov = 0;
+    mg.muon_ns_steps = 4;
+    mg.muon_eps = 1e-6;
+    mg.muon_lr_adjust = SHARDOPT_MUON_LR_MATCH_RMS_ADAMW;
+    int g = -1;
+    ASSERT_EQ(shardopt_add_group_ex(opt, &mg, &g), SHARDOPT_SUCCESS) << last(opt);
+    shardopt_group_t back;
+    back.struct_size = sizeof back;
+    ASSERT_EQ(shardopt_get_group_ex(opt, g, &back), SHARDOPT_SUCCESS);
+    EXPECT_EQ(std::memcmp(&back, &mg, sizeof mg), 0);
+
+    shardopt::OptimizerOptions o;
+    o.stage = static_cast<shardopt::Stage>(stage);
+    o.adam.lr = c.lr;
+    o.adam.max_grad_norm = c.max_grad_norm;
+    o.bucket_elems = 0;
+    o.ownership = shardopt::Ownership::Whole;
+    shardopt::ShardedOptimizer ref(shardopt::make_single_process_communicator(), o);
+    shardopt::GroupOptions rg;
+    rg.rule = shardopt::Rule::Muon;
+    rg.lr_scale = 2.0;
+    rg.muon.momentum = 0.9;
+    rg.muon.nesterov = false;
+    rg.muon.ns_steps = 4;
+    rg.muon.eps = 1e-6;
+    rg.muon.lr_adjust = shardopt::MuonLrAdjust::MatchRmsAdamW;
+    ASSERT_EQ(ref.add_group(rg), g);
+    const std::size_t sizes[3] = {24 * 16, 24, 8 * 40};
+    std::size_t index = 99;
+    ASSERT_EQ(shardopt_add_param_2d(opt, "w1", 24, 16, g, &index), SHARDOPT_SUCCESS) << last(opt);
+    EXPECT_EQ(index, 0u);
+    ASSERT_EQ(shardopt_add_param(opt, "b1", 24, 0, &index), SHARDOPT_SUCCESS);
+    ASSERT_EQ(shardopt_add_param_2d(opt, "w2", 8, 40, g, &index), SHARDOPT_SUCCESS);
+    EXPECT_EQ(index, 2u);
+    ref.add_param("w1", shardopt::Shape2D{24, 16}, g);
+    ref.add_param("b1", 24, 0);
+    ref.add_param("w2", shardopt::Shape2D{8, 40}, g);
+    ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS) << last(opt);
+    ref.finalize();
+    EXPECT_EQ(ref.rule_of(0), shardopt::Rule::Muon);
+    EXPECT_EQ(ref.rule_of(1), shardopt::Rule::AdamW);
+    std::size_t rows = 0, cols = 0, numel = 0;
+    ASSERT_EQ(shardopt_param_shape(opt, 0, &rows, &cols), SHARDOPT_SUCCESS);
+    EXPECT_EQ(rows, 24u);
+    EXPECT_EQ(cols, 16u);
+    ASSERT_EQ(shardopt_param_numel(opt, 2, &numel), SHARDOPT_SUCCESS);
+    EXPECT_EQ(numel, 320u);
+    ASSERT_EQ(shardopt_param_shape(opt, 1, &rows, &cols), SHARDOPT_SUCCESS);
+    EXPECT_EQ(rows, 1u);  // 1 x numel without a shape
+    EXPECT_EQ(cols, 24u);
+    EXPECT_EQ(shardopt_param_shape(opt, 3, &rows, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT);
+    shardopt_config_t got;
+    ASSERT_EQ(shardopt_config_init(&got), SHARDOPT_SUCCESS);
+    ASSERT_EQ(shardopt_get_config(opt, &got), SHARDOPT_SUCCESS);
+    EXPECT_EQ(got.ownership, SHARDOPT_OWNERSHIP_WHOLE);
+    EXPECT_GE(got.bucket_elems, 24u * 16u);
+    for (std::size_t p = 0; p < 3; ++p) {
+      std::vector<float> v(sizes[p]);
+      for (std::size_t k = 0; k < v.size(); ++k) v[k] = 0.2f * synth(2, 0, p, k);
+      ASSERT_EQ(shardopt_set_param(opt, p, v.data(), v.size()), SHARDOPT_SUCCESS);
+      ref.set_param(p, v);
+    }
+    train_c_and_cpp(opt, ref, sizes, 5, 4);
+    expect_master_and_exp_avg_equal(opt, ref, sizes);
+    // No checkpoint format for whole ownership yet: refused, as shardopt.h says.
+    EXPECT_FAILS(shardopt_save_checkpoint(opt, "/tmp/shardopt-capi-whole-refused", 1, nullptr),
+                 SHARDOPT_ERROR_UNSUPPORTED, "shardopt_save_checkpoint", "");
+    EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  }
+}
+
+// The options and shapes reach the optimizer: changing a Muon option through the C ABI changes
+// the result (so the test above would see one lost on the way).
+TEST(CApi, MuonOptionsChangeTheResult) {
+  auto train = [](int lr_adjust, int nesterov) {
+    shardopt_config_t c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_F32);
+    c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+    c.bucket_elems = 0;
+    shardopt_optimizer_t opt = nullptr;
+    EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+    shardopt_group_t mg;
+    shardopt_group_init(&mg);
+    mg.rule = SHARDOPT_RULE_MUON;
+    mg.muon_lr_adjust = lr_adjust;
+    mg.muon_nesterov = nesterov;
+    int g = -1;
+    EXPECT_EQ(shardopt_add_group_ex(opt, &mg, &g), SHARDOPT_SUCCESS);
+    EXPECT_EQ(shardopt_add_param_2d(opt, "w", 12, 8, g, nullptr), SHARDOPT_SUCCESS);
+    EXPECT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS) << last(opt);
+    std::vector<float> v(96);
+    for (int step = 0; step < 2; ++step) {
+      for (std::size_t k = 0; k < v.size(); ++k) v[k] = synth(7, step, 0, k);
+      EXPECT_EQ(shardopt_accumulate_grad_f32(opt, 0, v.data(), v.size()), SHARDOPT_SUCCESS);
+      EXPECT_EQ(shardopt_step(opt, nullptr), SHARDOPT_SUCCESS);
+    }
+    EXPECT_EQ(shardopt_get_master(opt, 0, v.data(), v.size()), SHARDOPT_SUCCESS);
+    EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+    return v;
+  };
+  const std::vector<float> base = train(SHARDOPT_MUON_LR_ORIGINAL, 1);
+  EXPECT_NE(base, train(SHARDOPT_MUON_LR_NONE, 1));
+  EXPECT_NE(base, train(SHARDOPT_MUON_LR_ORIGINAL, 0));
+  EXPECT_EQ(base, train(SHARDOPT_MUON_LR_ORIGINAL, 1));
+}
+
+// Shape and Muon mistakes are SHARDOPT_ERROR_INVALID_ARGUMENT with a message naming the
+// parameter; a group struct from 0.4 (no muon_* fields) gets Muon's defaults.
+TEST(CApi, MuonAndShapeMistakesAreClearErrors) {
+  shardopt_config_t c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_F32);
+  c.bucket_elems = 0;
+  shardopt_optimizer_t opt = nullptr;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  EXPECT_FAILS(shardopt_add_param_2d(opt, "w", 0, 5, 0, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT,
+               "shardopt_add_param_2d", "'w' has shape 0 x 5");
+  EXPECT_FAILS(shardopt_add_param_2d(opt, "w", SIZE_MAX / 2, 3, 0, nullptr),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_add_param_2d", "'w' has shape");
+  EXPECT_FAILS(shardopt_add_param_2d(opt, nullptr, 2, 3, 0, nullptr),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_add_param_2d", "name is NULL");
+  EXPECT_FAILS(shardopt_add_param_2d(opt, "w", 2, 3, 4, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT,
+               "shardopt_add_param_2d", "names group 4");
+  shardopt_group_t mg;
+  shardopt_group_init(&mg);
+  mg.rule = SHARDOPT_RULE_MUON;
+  shardopt_group_t bad = mg;
+  bad.muon_lr_adjust = 3;
+  EXPECT_FAILS(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT,
+               "shardopt_add_group_ex", "muon_lr_adjust 3");
+  bad = mg;
+  bad.muon_nesterov = 2;
+  EXPECT_FAILS(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT,
+               "shardopt_add_group_ex", "muon_nesterov must be 0 or 1");
+  bad = mg;
+  bad.reserved0 = 1;
+  EXPECT_FAILS(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT,
+               "shardopt_add_group_ex", "reserved0");
+  bad = mg;
+  bad.muon_momentum = 1.0;
+  EXPECT_EQ(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last(nullptr).find("momentum"), std::string::npos) << last(nullptr);
+  // A caller built against 0.4's shardopt_group_t (it ends with adamw8bit_min_numel).
+  shardopt_group_t old = mg;
+  old.struct_size = offsetof(shardopt_group_t, muon_momentum);
+  old.muon_momentum = 7.0;  // beyond the caller's struct: never read
+  int g = -1;
+  ASSERT_EQ(shardopt_add_group_ex(opt, &old, &g), SHARDOPT_SUCCESS) << last(opt);
+  shardopt_group_t back;
+  back.struct_size = sizeof back;
+  ASSERT_EQ(shardopt_get_group_ex(opt, g, &back), SHARDOPT_SUCCESS);
+  EXPECT_EQ(back.rule, SHARDOPT_RULE_MUON);
+  EXPECT_EQ(back.muon_momentum, 0.95);
+  // A 1-D parameter in a Muon group, and Muon without whole ownership: refused at finalize.
+  ASSERT_EQ(shardopt_add_param(opt, "flat", 48, g, nullptr), SHARDOPT_SUCCESS);
+  EXPECT_FAILS(shardopt_finalize(opt), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_finalize",
+               "parameter 'flat' is in a Muon group");
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_group_ex(opt, &mg, &g), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param_2d(opt, "m", 6, 8, g, nullptr), SHARDOPT_SUCCESS);
+  EXPECT_FAILS(shardopt_finalize(opt), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_finalize",
+               "Ownership::Whole");
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  // Whole ownership runs stages 0-2: stage 3 is refused at finalize.
+  c.stage = SHARDOPT_STAGE_ZERO3;
+  c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param_2d(opt, "m", 6, 8, 0, nullptr), SHARDOPT_SUCCESS);
+  EXPECT_FAILS(shardopt_finalize(opt), SHARDOPT_ERROR_UNSUPPORTED, "shardopt_finalize", "");
   EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
 }
 

@@ -256,6 +256,7 @@ TEST(CApiConfig, EveryFieldRoundTrips) {
   c.debug_collectives = 1;
   c.comm_mpi_in_flight = 4;
   c.reduction = SHARDOPT_REDUCTION_DEFAULT;  // reproducible needs an F32 wire: tested below
+  c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
   shardopt_optimizer_t opt = nullptr;
   ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS) << last(nullptr);
   shardopt_config_t got;
@@ -293,6 +294,8 @@ TEST(CApiConfig, BadValuesOfTheNewFieldsAreRefused) {
       {&shardopt_config_t::comm_mpi_in_flight, -1, "config->comm_mpi_in_flight"},
       {&shardopt_config_t::reduction, 2, "config->reduction"},
       {&shardopt_config_t::reserved0, 1, "config->reserved0"},
+      {&shardopt_config_t::ownership, 2, "config->ownership 2 is not SHARDOPT_OWNERSHIP_FLAT"},
+      {&shardopt_config_t::reserved1, 1, "config->reserved1"},
   };
   for (const Case& k : cases) {
     shardopt_config_t c = base_config();

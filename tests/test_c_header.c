@@ -1,6 +1,7 @@
 /* test_c_header.c: shardopt.h is pure C. Built as C99 with -pedantic -Werror (twice: once
  * linked and run, once without the library's compile definitions, i.e. without <mpi.h>),
- * it trains a 3-element parameter for one step through the ABI and checks the result. */
+ * it trains a 3-element parameter for one step through the ABI and checks the result, then a
+ * 2 x 3 Muon matrix (whole ownership, shardopt_add_param_2d). */
 #include "shardopt/shardopt.h"
 
 #include <math.h>
@@ -47,6 +48,33 @@ int main(void) {
   EXPECT(fabs(p[0] - 0.9) < 1e-6 && fabs(p[1] - 2.1) < 1e-6 && p[2] == 3.0f);
   EXPECT(shardopt_destroy(opt) == SHARDOPT_SUCCESS);
   EXPECT(shardopt_finalize(opt) == SHARDOPT_ERROR_INVALID_ARGUMENT);
-  printf("C header: version %s, one AdamW step as expected\n", shardopt_version_string());
+  {
+    /* Muon (C99): whole ownership, a Muon group, a 2-D parameter; one step moves every
+     * element (the orthogonalised update of a rank-1 gradient is dense). */
+    shardopt_group_t mg;
+    int g = -1;
+    size_t rows = 0, cols = 0, k;
+    float grad[6] = {1.0f, 2.0f, 3.0f, -1.0f, -2.0f, -3.0f};
+    EXPECT(shardopt_config_init(&cfg) == SHARDOPT_SUCCESS);
+    cfg.param_dtype = SHARDOPT_DTYPE_F32;
+    cfg.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+    cfg.weight_decay = 0.0;
+    EXPECT(shardopt_create(&opt, &cfg) == SHARDOPT_SUCCESS);
+    shardopt_group_init(&mg);
+    mg.rule = SHARDOPT_RULE_MUON;
+    mg.muon_lr_adjust = SHARDOPT_MUON_LR_NONE;
+    EXPECT(shardopt_add_group_ex(opt, &mg, &g) == SHARDOPT_SUCCESS && g == 1);
+    EXPECT(shardopt_add_param_2d(opt, "m", 2, 3, g, &index) == SHARDOPT_SUCCESS && index == 0);
+    EXPECT(shardopt_finalize(opt) == SHARDOPT_SUCCESS);
+    EXPECT(shardopt_param_shape(opt, 0, &rows, &cols) == SHARDOPT_SUCCESS);
+    EXPECT(rows == 2 && cols == 3);
+    EXPECT(shardopt_accumulate_grad_f32(opt, 0, grad, 6) == SHARDOPT_SUCCESS);
+    EXPECT(shardopt_step(opt, NULL) == SHARDOPT_SUCCESS);
+    EXPECT(shardopt_param_f32(opt, 0, &p, &n) == SHARDOPT_SUCCESS && n == 6);
+    for (k = 0; k < 6; ++k) EXPECT(p[k] != 0.0f && (p[k] < 0) == (grad[k] > 0));
+    EXPECT(shardopt_destroy(opt) == SHARDOPT_SUCCESS);
+  }
+  printf("C header: version %s, one AdamW step and one Muon step as expected\n",
+         shardopt_version_string());
   return 0;
 }

@@ -3,7 +3,8 @@
 ! every routine that takes a parameter, group or unit index says that Fortran indices start at
 ! 1 (issue 27); the argument-order rule: status and errmsg (and the optional arguments)
 ! passed by keyword, in any order; loss-scaling options validated while loss scaling is off;
-! a Lion group (rule and betas by keyword) against Lion written out in single precision here.
+! a Lion group (rule and betas by keyword) against Lion written out in single precision here;
+! a Muon matrix declared w(cols, rows) equals C's row-major rows x cols bit for bit.
 program test_fortran_api
   use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int, c_int16_t, c_int64_t
   use shardopt
@@ -109,6 +110,8 @@ program test_fortran_api
   call check_loss_scaling_options()
   call check_lion()
   call check_adamw8bit()
+  call check_muon()
+  call check_muon_errors()
 
   if (failures > 0) error stop 1
   print '(a)', 'test_fortran_api: all checks passed'
@@ -378,6 +381,127 @@ contains
     call shardopt_destroy(k, st, msg)
     call expect(st, SHARDOPT_SUCCESS, msg, '')
   end subroutine check_adamw8bit
+
+  !> Muon with a transposed declaration (issue 32): a 5 x 3 matrix (rows > cols, so Newton-Schulz
+  !> runs on its transpose) declared w(3, 5) here, column-major, is C's row-major 5 x 3 matrix
+  !> when registered with rows=size(w, 2), cols=size(w, 1): trained here with the values and
+  !> gradients fortran_muon_reference.c gives C's element (r, c), the master weights equal the
+  !> C program's bit for bit. Registered the other way round (3 x 5: the same memory read as
+  !> another matrix) they differ, so the comparison can fail. Mistaken shapes are errors.
+  subroutine check_muon()
+    integer, parameter :: rows = 5, cols = 3, steps = 4
+    real(c_float) :: mine(cols, rows), swapped(cols, rows), theirs(cols * rows)
+    integer :: st, code
+    interface
+      function shardopt_test_muon_c(rows, cols, steps, out) bind(c, name='shardopt_test_muon_c')
+        import :: c_int, c_float
+        integer(c_int), value :: rows, cols, steps
+        real(c_float), intent(out) :: out(*)
+        integer(c_int) :: shardopt_test_muon_c
+      end function shardopt_test_muon_c
+    end interface
+    code = shardopt_test_muon_c(rows, cols, steps, theirs)
+    call expect(code, SHARDOPT_SUCCESS, 'the C reference failed', '')
+    call train_muon(.false., rows, cols, steps, mine)
+    if (any(transfer(mine, 1_c_int, size(mine)) /= transfer(theirs, 1_c_int, size(theirs)))) &
+      call fail('Muon through w(cols, rows) differs from C''s rows x cols bits', 0)
+    if (all(mine == reshape([(0.0_c_float, st = 1, rows * cols)], [cols, rows]))) &
+      call fail('Muon left the matrix zero', 0)
+    call train_muon(.true., rows, cols, steps, swapped)
+    if (all(transfer(swapped, 1_c_int, size(swapped)) == transfer(theirs, 1_c_int, size(theirs)))) &
+      call fail('the shape does not matter: the comparison above cannot fail', 0)
+  end subroutine check_muon
+
+  !> check_muon's Fortran side: trains w(cols, rows) with Muon; `swap`: registered as
+  !> rows=size(w, 1), cols=size(w, 2).
+  subroutine train_muon(swap, rows, cols, steps, out)
+    logical, intent(in) :: swap
+    integer, intent(in) :: rows, cols, steps
+    real(c_float), intent(out) :: out(cols, rows)
+    type(shardopt_optimizer) :: k
+    type(shardopt_config) :: c
+    real(c_float) :: w(cols, rows), gr(cols, rows)
+    integer :: grp, iw, step, i, j, st
+    integer(c_int64_t) :: r64, c64
+    call shardopt_config_init(c, st)
+    c%param_dtype = SHARDOPT_DTYPE_F32
+    c%ownership = SHARDOPT_OWNERSHIP_WHOLE
+    c%lr = 0.05_c_double
+    call shardopt_create(k, st, config=c, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_group(k, 1.0_c_double, .true., grp, st, errmsg=msg, rule=SHARDOPT_RULE_MUON)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (swap) then
+      call shardopt_add_param(k, 'w', size(w), iw, st, group=grp, errmsg=msg, &
+                              rows=size(w, 1), cols=size(w, 2))
+    else
+      call shardopt_add_param(k, 'w', size(w), iw, st, group=grp, errmsg=msg, &
+                              rows=size(w, 2), cols=size(w, 1))
+    end if
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_finalize(k, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_param_shape(k, iw, r64, c64, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (.not. swap .and. (r64 /= rows .or. c64 /= cols)) call fail('param_shape rows', int(r64))
+    do i = 0, rows - 1  ! C's element (i, j) is w(j + 1, i + 1)
+      do j = 0, cols - 1
+        w(j + 1, i + 1) = real(mod(i * 7 + j * 3, 11) - 5, c_float) / 8.0_c_float
+      end do
+    end do
+    call shardopt_set_param(k, iw, w, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    do step = 0, steps - 1
+      do i = 0, rows - 1
+        do j = 0, cols - 1
+          gr(j + 1, i + 1) = real(mod(i * 5 + j * 11 + step * 3, 13) - 6, c_float) / 16.0_c_float
+        end do
+      end do
+      call shardopt_accumulate_grad(k, iw, gr, st, msg)
+      call expect(st, SHARDOPT_SUCCESS, msg, '')
+      call shardopt_step(k, st, errmsg=msg)
+      call expect(st, SHARDOPT_SUCCESS, msg, '')
+    end do
+    call shardopt_get_master(k, iw, out, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_destroy(k, st, msg)
+  end subroutine train_muon
+
+  !> Shape mistakes: rows x cols that is not numel, one of rows= and cols= alone, a Muon group
+  !> parameter without a shape (refused at finalize, naming it), Muon options by keyword.
+  subroutine check_muon_errors()
+    type(shardopt_optimizer) :: k
+    type(shardopt_config) :: c
+    integer :: st, grp, iw
+    call shardopt_config_init(c, st)
+    c%ownership = SHARDOPT_OWNERSHIP_WHOLE
+    call shardopt_create(k, st, config=c, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_group(k, 1.0_c_double, .true., grp, st, errmsg=msg, rule=SHARDOPT_RULE_MUON, &
+                            muon_momentum=0.9_c_double, muon_nesterov=.false., muon_ns_steps=3, &
+                            muon_lr_adjust=SHARDOPT_MUON_LR_MATCH_RMS_ADAMW)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_group(k, 1.0_c_double, .true., iw, st, errmsg=msg, rule=SHARDOPT_RULE_MUON, &
+                            muon_momentum=1.5_c_double)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'Muon momentum')
+    call shardopt_add_group(k, 1.0_c_double, .true., iw, st, errmsg=msg, rule=SHARDOPT_RULE_MUON, &
+                            muon_lr_adjust=7_c_int)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'muon_lr_adjust 7')
+    call shardopt_add_param(k, 'w', 16, iw, st, group=grp, errmsg=msg, rows=5, cols=3)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, '''w'' has 16 elements, but rows x cols is 5 x 3')
+    call shardopt_add_param(k, 'w', 15, iw, st, group=grp, errmsg=msg, rows=5)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'give both rows= and cols=')
+    call shardopt_add_param(k, 'w', 0, iw, st, group=grp, errmsg=msg, rows=0, cols=3)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'rows x cols is 0 x 3')
+    call shardopt_add_param(k, 'w', 15_c_int64_t, iw, st, group=grp, errmsg=msg, rows=5, cols=3)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_param(k, 'v', 12, iw, st, group=grp, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_finalize(k, st, msg)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'parameter ''v'' is in a Muon group')
+    call shardopt_destroy(k, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+  end subroutine check_muon_errors
 
   subroutine fail(what, value)
     character(len=*), intent(in) :: what

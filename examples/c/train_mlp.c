@@ -7,10 +7,15 @@
  *   mpiexec -n 2 ./train_mlp_c [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
  *                              [--params-out FILE] [--save-dir DIR --save-at K]
  *                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
- *                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N]
+ *                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N] [--muon]
  *
  * --rule and --min-8bit-numel as in the C++ trainer: both groups' update rule (through
  * shardopt_group_t) and AdamW8bit's threshold.
+ *
+ * --muon as in the C++ trainer: a hidden layer fch (64 -> 96, ReLU) between fc1 and fc2, its
+ * 96 x 64 weight registered with shardopt_add_param_2d (row-major, as stored here) in a
+ * SHARDOPT_RULE_MUON group, whole-tensor ownership (SHARDOPT_OWNERSHIP_WHOLE) and the automatic
+ * bucket size; fc1, fc2 and the biases keep --rule. Stages 0-2, no checkpoints.
  *
  * Each layer is a unit (shardopt_begin_unit before its parameters, at every stage, so that all
  * stages share one layout). The step runs layer by layer over this rank's samples: forward
@@ -33,7 +38,7 @@
 
 #include "shardopt/shardopt.h" /* includes <mpi.h> when shardopt was built with MPI */
 
-enum { kIn = 16, kHidden = 64, kOut = 4, kGlobalBatch = 96, kParams = 4 };
+enum { kIn = 16, kHidden = 64, kMid = 96, kOut = 4, kGlobalBatch = 96, kMaxParams = 6 };
 static const double kPi = 3.14159265358979323846;
 
 /* Ends the job after a communication error (a collective timeout: the other ranks are
@@ -79,7 +84,7 @@ static void make_sample(int step, int s, float* x, float* y) {
 }
 
 typedef struct {
-  int steps, stage, dtype, save_at, rule;
+  int steps, stage, dtype, save_at, rule, muon;
   size_t min_8bit_numel;
   const char* params_out;
   const char* save_dir;
@@ -101,8 +106,13 @@ static int parse(int argc, char** argv, cli_t* c) {
   c->check_loss = NULL;
   c->rule = SHARDOPT_RULE_ADAMW;
   c->min_8bit_numel = 4096;
+  c->muon = 0;
   for (i = 1; i < argc; ++i) {
     const char* a = argv[i];
+    if (strcmp(a, "--muon") == 0) {
+      c->muon = 1;
+      continue;
+    }
     if (i + 1 >= argc) {
       fprintf(stderr, "train_mlp_c: %s needs a value\n", a);
       return 1;
@@ -175,7 +185,7 @@ static shardopt_status_t release_layer(shardopt_optimizer_t opt, int stage, size
 
 /* Rank 0 writes every parameter's fp32 master weights, in order, as raw floats. */
 static int write_params(shardopt_optimizer_t opt, const char* path, int rank) {
-  static float buf[kHidden * kIn];
+  static float buf[kMid * kHidden];
   FILE* f = NULL;
   size_t nparams = 0, p, n = 0;
   int failed = 0;
@@ -225,17 +235,31 @@ static int check_loss(const char* path, const double* losses, int first, int las
 }
 
 static int train(shardopt_optimizer_t opt, const cli_t* cli) {
-  static float w1[kHidden * kIn], b1[kHidden], w2[kOut * kHidden], b2[kOut];
-  static float gw1[kHidden * kIn], gb1[kHidden], gw2[kOut * kHidden], gb2[kOut];
-  static float init[kHidden * kIn];
+  /* fch (hidden, --muon only) sits between fc1 and fc2; fc2 reads `mid` inputs: kMid with
+   * --muon, else kHidden. */
+  static float w1[kHidden * kIn], b1[kHidden], wh[kMid * kHidden], bh[kMid];
+  static float w2[kOut * kMid], b2[kOut];
+  static float gw1[kHidden * kIn], gb1[kHidden], gwh[kMid * kHidden], gbh[kMid];
+  static float gw2[kOut * kMid], gb2[kOut];
+  static float init[kMid * kHidden];
   /* Per sample of this rank's batch: inputs, targets, activations, output and hidden grads. */
   static float xs[kGlobalBatch][kIn], ys[kGlobalBatch][kOut], hs[kGlobalBatch][kHidden];
+  static float h2s[kGlobalBatch][kMid], dh2s[kGlobalBatch][kMid];
   static float douts[kGlobalBatch][kOut], dhs[kGlobalBatch][kHidden];
-  const float scales[kParams] = {1.0f / sqrtf((float)kIn), 0.0f, 1.0f / sqrtf((float)kHidden), 0.0f};
-  const size_t sizes[kParams] = {kHidden * kIn, kHidden, kOut * kHidden, kOut};
-  const char* names[kParams] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
-  size_t W1, B1, W2, B2, index[kParams];
-  int rank = 0, world = 1, no_decay = 0, local, first, step, s, i, j, o, p, start = 0, rc = 0;
+  const int muon = cli->muon, mid = muon ? kMid : kHidden;
+  /* Registration order, with each parameter's initial scale and seed (as the C++ trainer). */
+  const char* names[kMaxParams] = {"fc1.weight", "fc1.bias", "fch.weight",
+                                   "fch.bias",   "fc2.weight", "fc2.bias"};
+  const size_t sizes[kMaxParams] = {kHidden * kIn, kHidden, kMid * kHidden,
+                                    kMid,          (size_t)kOut * (size_t)mid, kOut};
+  const float scales[kMaxParams] = {1.0f / sqrtf((float)kIn), 0.0f,
+                                    1.0f / sqrtf((float)kHidden), 0.0f,
+                                    1.0f / sqrtf((float)mid), 0.0f};
+  const uint64_t seeds[kMaxParams] = {11, 12, 15, 16, 13, 14};
+  size_t W1 = 0, B1 = 0, WH = 0, BH = 0, W2 = 0, B2 = 0, index[kMaxParams];
+  const size_t unit1 = 0, unith = 1, unit2 = muon ? 2 : 1;
+  int rank = 0, world = 1, no_decay = 0, muon_group = 0, start = 0, rc = 0;
+  int local, first, step, s, i, j, m, o, p;
   size_t k;
   shardopt_step_result_t r;
   double* losses = (double*)calloc((size_t)(cli->steps > 0 ? cli->steps : 1), sizeof(double));
@@ -249,7 +273,7 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
   }
   {
     /* Both groups under --rule: group 0 (the default group, with decay) changed, group 1
-     * added without decay. */
+     * added without decay; with --muon, group 2: Muon (its defaults: torch.optim.Muon's). */
     shardopt_group_t g;
     shardopt_group_init(&g);
     g.rule = cli->rule;
@@ -257,17 +281,28 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     CHECK(shardopt_set_group_ex(opt, 0, &g));
     g.weight_decay = 0;
     CHECK(shardopt_add_group_ex(opt, &g, &no_decay));
+    if (muon) {
+      shardopt_group_init(&g);
+      g.rule = SHARDOPT_RULE_MUON;
+      CHECK(shardopt_add_group_ex(opt, &g, &muon_group));
+    }
   }
-  for (p = 0; p < kParams; ++p) {
-    if (p % 2 == 0) CHECK(shardopt_begin_unit(opt, NULL)); /* layer p / 2: units 0 and 1 */
-    CHECK(shardopt_add_param(opt, names[p], sizes[p], p % 2 == 1 ? no_decay : 0, &index[p]));
+  for (p = 0; p < kMaxParams; ++p) {
+    if (!muon && (p == 2 || p == 3)) continue; /* no hidden layer */
+    if (p % 2 == 0) CHECK(shardopt_begin_unit(opt, NULL)); /* one unit per layer */
+    if (p == 2) /* the hidden matrix: kMid rows (outputs) x kHidden columns, row-major */
+      CHECK(shardopt_add_param_2d(opt, names[p], kMid, kHidden, muon_group, &index[p]));
+    else
+      CHECK(shardopt_add_param(opt, names[p], sizes[p], p % 2 == 1 ? no_decay : 0, &index[p]));
   }
-  W1 = index[0], B1 = index[1], W2 = index[2], B2 = index[3];
+  W1 = index[0], B1 = index[1], W2 = index[4], B2 = index[5];
+  if (muon) WH = index[2], BH = index[3];
   CHECK(shardopt_finalize(opt));
 
   /* Same initial values on every rank (scaled uniform, like Kaiming-uniform). */
-  for (p = 0; p < kParams; ++p) {
-    for (k = 0; k < sizes[p]; ++k) init[k] = scales[p] * uniform((uint64_t)(11 + p), k);
+  for (p = 0; p < kMaxParams; ++p) {
+    if (!muon && (p == 2 || p == 3)) continue;
+    for (k = 0; k < sizes[p]; ++k) init[k] = scales[p] * uniform(seeds[p], k);
     CHECK(shardopt_set_param(opt, index[p], init, sizes[p]));
   }
   if (cli->resume != NULL) {
@@ -288,13 +323,17 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     const double lr = step < warm ? peak * (step + 1) / warm
                                   : peak * 0.5 * (1 + cos(kPi * (step - warm) / (cli->steps - warm)));
     double local_sse = 0, loss;
+    /* The activations fc2 reads: the hidden layer's with --muon, else fc1's. */
+    float (*last)[kMid] = h2s;
     CHECK(shardopt_set_lr(opt, lr));
     memset(gw1, 0, sizeof gw1);
     memset(gb1, 0, sizeof gb1);
+    memset(gwh, 0, sizeof gwh);
+    memset(gbh, 0, sizeof gbh);
     memset(gw2, 0, sizeof gw2);
     memset(gb2, 0, sizeof gb2);
-    /* Forward, layer 1 (layer 2's gather in flight meanwhile at stage 3). */
-    CHECK(acquire_layer(opt, cli->stage, 0, 1));
+    /* Forward, layer 1 (the next layer's gather in flight meanwhile at stage 3). */
+    CHECK(acquire_layer(opt, cli->stage, unit1, (int)unith));
     CHECK(read_param(opt, cli->dtype, W1, w1));
     CHECK(read_param(opt, cli->dtype, B1, b1));
     for (s = 0; s < local; ++s) {
@@ -305,43 +344,80 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
         hs[s][j] = a > 0 ? a : 0;
       }
     }
-    CHECK(release_layer(opt, cli->stage, 0));
+    CHECK(release_layer(opt, cli->stage, unit1));
+    if (muon) { /* Forward, the hidden layer. */
+      CHECK(acquire_layer(opt, cli->stage, unith, (int)unit2));
+      CHECK(read_param(opt, cli->dtype, WH, wh));
+      CHECK(read_param(opt, cli->dtype, BH, bh));
+      for (s = 0; s < local; ++s) {
+        for (m = 0; m < kMid; ++m) {
+          float a = bh[m];
+          for (j = 0; j < kHidden; ++j) a += wh[m * kHidden + j] * hs[s][j];
+          h2s[s][m] = a > 0 ? a : 0;
+        }
+      }
+      CHECK(release_layer(opt, cli->stage, unith));
+    } else {
+      for (s = 0; s < local; ++s) memcpy(h2s[s], hs[s], sizeof hs[s]);
+    }
     /* Forward, layer 2, and the loss. */
-    CHECK(acquire_layer(opt, cli->stage, 1, -1));
+    CHECK(acquire_layer(opt, cli->stage, unit2, -1));
     CHECK(read_param(opt, cli->dtype, W2, w2));
     CHECK(read_param(opt, cli->dtype, B2, b2));
     for (s = 0; s < local; ++s) {
       for (o = 0; o < kOut; ++o) {
         float a = b2[o], e;
-        for (j = 0; j < kHidden; ++j) a += w2[o * kHidden + j] * hs[s][j];
+        for (j = 0; j < mid; ++j) a += w2[o * mid + j] * last[s][j];
         e = a - ys[s][o];
         local_sse += (double)e * e;
         douts[s][o] = 2.0f * e / (float)local; /* d(mean over local batch)/d out */
       }
     }
-    CHECK(release_layer(opt, cli->stage, 1));
-    /* Backward, layer 2 (layer 1 prefetched), then layer 1; each layer's gradients are handed
-     * over as soon as they are complete (stages 2 and 3 reduce bucket by bucket). */
-    CHECK(acquire_layer(opt, cli->stage, 1, 0));
-    CHECK(read_param(opt, cli->dtype, W2, w2)); /* dh needs W2 */
+    CHECK(release_layer(opt, cli->stage, unit2));
+    /* Backward, layer 2 (the layer below prefetched), then down to layer 1; each layer's
+     * gradients are handed over as soon as they are complete (stages 2 and 3 reduce bucket
+     * by bucket). */
+    CHECK(acquire_layer(opt, cli->stage, unit2, (int)(muon ? unith : unit1)));
+    CHECK(read_param(opt, cli->dtype, W2, w2)); /* the input gradient needs W2 */
     for (s = 0; s < local; ++s) {
-      for (j = 0; j < kHidden; ++j) dhs[s][j] = 0;
+      float* d = muon ? dh2s[s] : dhs[s];
+      for (j = 0; j < mid; ++j) d[j] = 0;
       for (o = 0; o < kOut; ++o) {
         gb2[o] += douts[s][o];
-        for (j = 0; j < kHidden; ++j) {
-          gw2[o * kHidden + j] += douts[s][o] * hs[s][j];
-          dhs[s][j] += douts[s][o] * w2[o * kHidden + j];
+        for (j = 0; j < mid; ++j) {
+          gw2[o * mid + j] += douts[s][o] * last[s][j];
+          d[j] += douts[s][o] * w2[o * mid + j];
         }
       }
     }
     CHECK(shardopt_accumulate_grad_f32(opt, B2, gb2, kOut));
     CHECK(shardopt_grad_ready(opt, B2));
-    CHECK(shardopt_accumulate_grad_f32(opt, W2, gw2, kOut * kHidden));
+    CHECK(shardopt_accumulate_grad_f32(opt, W2, gw2, sizes[4]));
     CHECK(shardopt_grad_ready(opt, W2));
-    CHECK(release_layer(opt, cli->stage, 1));
+    CHECK(release_layer(opt, cli->stage, unit2));
+    if (muon) { /* Backward, the hidden layer. */
+      CHECK(acquire_layer(opt, cli->stage, unith, (int)unit1));
+      CHECK(read_param(opt, cli->dtype, WH, wh));
+      for (s = 0; s < local; ++s) {
+        for (j = 0; j < kHidden; ++j) dhs[s][j] = 0;
+        for (m = 0; m < kMid; ++m) {
+          if (h2s[s][m] <= 0) continue;
+          gbh[m] += dh2s[s][m];
+          for (j = 0; j < kHidden; ++j) {
+            gwh[m * kHidden + j] += dh2s[s][m] * hs[s][j];
+            dhs[s][j] += dh2s[s][m] * wh[m * kHidden + j];
+          }
+        }
+      }
+      CHECK(shardopt_accumulate_grad_f32(opt, BH, gbh, kMid));
+      CHECK(shardopt_grad_ready(opt, BH));
+      CHECK(shardopt_accumulate_grad_f32(opt, WH, gwh, kMid * kHidden));
+      CHECK(shardopt_grad_ready(opt, WH));
+      CHECK(release_layer(opt, cli->stage, unith));
+    }
     /* Layer 1 computes no input gradient, so it reads no parameter here; a deeper model's
      * layers would (the acquire keeps the pattern). */
-    CHECK(acquire_layer(opt, cli->stage, 0, -1));
+    CHECK(acquire_layer(opt, cli->stage, unit1, -1));
     for (s = 0; s < local; ++s) {
       for (j = 0; j < kHidden; ++j) {
         if (hs[s][j] <= 0) continue;
@@ -353,7 +429,7 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     CHECK(shardopt_grad_ready(opt, B1));
     CHECK(shardopt_accumulate_grad_f32(opt, W1, gw1, kHidden * kIn));
     CHECK(shardopt_grad_ready(opt, W1));
-    CHECK(release_layer(opt, cli->stage, 0));
+    CHECK(release_layer(opt, cli->stage, unit1));
     CHECK(shardopt_step(opt, &r));
 
     loss = sum_over_ranks(local_sse) / kGlobalBatch;
@@ -408,6 +484,10 @@ int main(int argc, char** argv) {
     cfg.weight_decay = 0.01;
     cfg.max_grad_norm = 1.0;
     cfg.bucket_elems = 1024; /* several stage-2 buckets even for this small model */
+    if (cli.muon) {
+      cfg.ownership = SHARDOPT_OWNERSHIP_WHOLE; /* each Muon matrix updated whole by one rank */
+      cfg.bucket_elems = 0; /* automatic: raised to the Muon matrix, which must fit one bucket */
+    }
 #ifdef SHARDOPT_WITH_MPI
     st = shardopt_create_mpi(&opt, MPI_COMM_WORLD, &cfg);
 #else

@@ -8,7 +8,7 @@
 //
 //   mpiexec -n 2 ./train_mlp [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
 //                            [--micro-batches K] [--no-overlap]
-//                            [--rule adamw|lion|adamw8bit] [--min-8bit-numel N]
+//                            [--rule adamw|lion|adamw8bit] [--min-8bit-numel N] [--muon]
 //                            [--loss-out FILE] [--check-against FILE] [--params-out FILE]
 //   ./train_mlp --help
 //
@@ -24,6 +24,11 @@
 // --rule picks both groups' update rule (AdamW by default); --min-8bit-numel sets AdamW8bit's
 // threshold (parameters with fewer elements keep fp32 state; 4096 by default, which keeps
 // this model's matrices fp32 too: 256 makes both matrices 8-bit).
+//
+// --muon adds a hidden layer fch (64 -> 96, ReLU) between fc1 and fc2 whose 96 x 64 weight is
+// a Rule::Muon matrix (add_param with a Shape2D), with Ownership::Whole and the automatic
+// bucket size; fc1 (the input layer), fc2 (the head) and the biases keep --rule, as usual
+// for Muon. Stages 0-2 (Whole runs no stage 3 yet).
 //
 // --params-out writes the final fp32 master weights of every parameter, in order, as raw
 // floats; the C and Fortran trainers (examples/c, examples/fortran) write the same file.
@@ -48,7 +53,7 @@ using namespace shardopt;
 
 namespace {
 
-constexpr int kIn = 16, kHidden = 64, kOut = 4;
+constexpr int kIn = 16, kHidden = 64, kMid = 96, kOut = 4;
 constexpr int kGlobalBatch = 96;  // divisible by 1, 2, 3, 4, 6, 8 ranks
 
 // Deterministic uniform value in [-1, 1) from integers (splitmix64).
@@ -85,6 +90,7 @@ struct Options {
   bool round_robin = false;
   Rule rule = Rule::AdamW;
   std::size_t min_8bit_numel = AdamW8bitConfig{}.min_8bit_numel;
+  bool muon = false;
   std::string loss_out, check_against, params_out;
 };
 
@@ -127,6 +133,8 @@ int parse(int argc, char** argv, bool print, Options& o) {
   app.add_option("--min-8bit-numel", o.min_8bit_numel,
                  "with --rule adamw8bit: parameters with fewer elements keep fp32 state")
       ->capture_default_str();
+  app.add_flag("--muon", o.muon,
+               "add a hidden 64 -> 96 layer whose weight Muon trains (Ownership::Whole)");
   app.add_option("--loss-out", o.loss_out, "write the loss curve (one value per step)");
   app.add_option("--check-against", o.check_against,
                  "compare the loss curve with this file; fail beyond the tolerance")
@@ -168,6 +176,10 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   o.bucket_elems = 1024;  // several buckets even for this small model
   o.overlap = cli.overlap;
   if (cli.reproducible) o.reduction = Reduction::Reproducible;
+  if (cli.muon) {
+    o.ownership = Ownership::Whole;  // each Muon matrix updated whole by one rank
+    o.bucket_elems = 0;  // automatic: raised to the Muon matrix, which must fit one bucket
+  }
   ShardedOptimizer opt(comm, o);
   GroupOptions decay{1.0, true}, no_decay_group{1.0, false};
   for (GroupOptions* g : {&decay, &no_decay_group}) {
@@ -176,14 +188,24 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   }
   opt.set_group(0, decay);
   const int no_decay = opt.add_group(no_decay_group);
+  GroupOptions muon_group;  // Muon's defaults (torch.optim.Muon's), with decay
+  muon_group.rule = Rule::Muon;
+  const int muon = cli.muon ? opt.add_group(muon_group) : 0;
+  const int mid = cli.muon ? kMid : kHidden;  // fc2's inputs
   // Stage 3 gathers parameters a unit (here: a layer) at a time. Units are declared at every
   // stage, as the C and Fortran trainers do, so that all stages share one layout.
   const bool zero3 = cli.stage == Stage::Zero3;
   const std::size_t layer1 = static_cast<std::size_t>(opt.begin_unit());
   const std::size_t W1 = opt.add_param("fc1.weight", kHidden * kIn);
   const std::size_t B1 = opt.add_param("fc1.bias", kHidden, no_decay);
+  std::size_t WH = 0, BH = 0;  // the hidden layer (--muon)
+  if (cli.muon) {
+    opt.begin_unit();
+    WH = opt.add_param("fch.weight", Shape2D{kMid, kHidden}, muon);  // row-major (out, in)
+    BH = opt.add_param("fch.bias", kMid, no_decay);
+  }
   const std::size_t layer2 = static_cast<std::size_t>(opt.begin_unit());
-  const std::size_t W2 = opt.add_param("fc2.weight", kOut * kHidden);
+  const std::size_t W2 = opt.add_param("fc2.weight", static_cast<std::size_t>(kOut * mid));
   const std::size_t B2 = opt.add_param("fc2.bias", kOut, no_decay);
   opt.finalize();
 
@@ -195,8 +217,12 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   };
   init(W1, 1.0f / std::sqrt(static_cast<float>(kIn)), 11);
   init(B1, 0.0f, 12);
-  init(W2, 1.0f / std::sqrt(static_cast<float>(kHidden)), 13);
+  init(W2, 1.0f / std::sqrt(static_cast<float>(mid)), 13);
   init(B2, 0.0f, 14);
+  if (cli.muon) {
+    init(WH, 1.0f / std::sqrt(static_cast<float>(kHidden)), 15);
+    init(BH, 0.0f, 16);
+  }
 
   const int local = kGlobalBatch / world, first = rank * local;
   if (cli.micro_batches < 1 || local % cli.micro_batches != 0) {
@@ -226,6 +252,7 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   }
   std::vector<double> losses;
   std::vector<float> x(kIn), y(kOut), h(kHidden), out(kOut), dout(kOut), dh(kHidden);
+  std::vector<float> h2(kMid), dh2(kMid);  // the hidden layer's (--muon)
   for (int step = 0; step < cli.steps; ++step) {
     // Linear warm-up then cosine decay; set on every rank alike.
     const double warm = 20, peak = 1e-2;
@@ -245,11 +272,14 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
     }
     const std::vector<float> w2 = read_param(opt, W2), b2 = read_param(opt, B2);
     if (zero3) opt.release(layer2);
+    std::vector<float> wh, bh;
+    if (cli.muon) wh = read_param(opt, WH), bh = read_param(opt, BH);
     double local_sse = 0;
     std::vector<double> mb_sse(static_cast<std::size_t>(num_mb), 0.0);  // reproducible mode
     for (std::size_t mb = 0; mb < mb_first.size(); ++mb) {
       opt.begin_backward(/*sync=*/mb + 1 == mb_first.size());
       std::vector<float> gw1(w1.size(), 0), gb1(b1.size(), 0), gw2(w2.size(), 0), gb2(b2.size(), 0);
+      std::vector<float> gwh(wh.size(), 0), gbh(bh.size(), 0);
       double sse_mb = 0;  // this micro-batch's, alone
       for (int s = mb_first[mb]; s < mb_first[mb] + micro; ++s) {
         make_sample(step, s, x.data(), y.data());
@@ -258,21 +288,41 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
           for (int i = 0; i < kIn; ++i) a += w1[j * kIn + i] * x[i];
           h[j] = a > 0 ? a : 0;
         }
+        if (cli.muon) {
+          for (int m = 0; m < kMid; ++m) {
+            float a = bh[m];
+            for (int j = 0; j < kHidden; ++j) a += wh[m * kHidden + j] * h[j];
+            h2[m] = a > 0 ? a : 0;
+          }
+        }
+        const std::vector<float>& last = cli.muon ? h2 : h;  // what fc2 reads
+        std::vector<float>& dlast = cli.muon ? dh2 : dh;
         for (int o2 = 0; o2 < kOut; ++o2) {
           float a = b2[o2];
-          for (int j = 0; j < kHidden; ++j) a += w2[o2 * kHidden + j] * h[j];
+          for (int j = 0; j < mid; ++j) a += w2[o2 * mid + j] * last[j];
           out[o2] = a;
           const float e = a - y[o2];
           sse_mb += static_cast<double>(e) * e;
           dout[o2] = 2.0f * e / static_cast<float>(micro);  // d(mean over micro-batch)/d out
         }
-        // Backward, layer 2 then layer 1.
-        for (int j = 0; j < kHidden; ++j) dh[j] = 0;
+        // Backward, layer 2 (the hidden layer with --muon) then layer 1.
+        for (int j = 0; j < mid; ++j) dlast[j] = 0;
         for (int o2 = 0; o2 < kOut; ++o2) {
           gb2[o2] += dout[o2];
-          for (int j = 0; j < kHidden; ++j) {
-            gw2[o2 * kHidden + j] += dout[o2] * h[j];
-            dh[j] += dout[o2] * w2[o2 * kHidden + j];
+          for (int j = 0; j < mid; ++j) {
+            gw2[o2 * mid + j] += dout[o2] * last[j];
+            dlast[j] += dout[o2] * w2[o2 * mid + j];
+          }
+        }
+        if (cli.muon) {
+          for (int j = 0; j < kHidden; ++j) dh[j] = 0;
+          for (int m = 0; m < kMid; ++m) {
+            if (h2[m] <= 0) continue;
+            gbh[m] += dh2[m];
+            for (int j = 0; j < kHidden; ++j) {
+              gwh[m * kHidden + j] += dh2[m] * h[j];
+              dh[j] += dh2[m] * wh[m * kHidden + j];
+            }
           }
         }
         for (int j = 0; j < kHidden; ++j) {
@@ -286,6 +336,12 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
       opt.grad_ready(B2);
       opt.accumulate_grad(W2, std::span<const float>(gw2));
       opt.grad_ready(W2);
+      if (cli.muon) {
+        opt.accumulate_grad(BH, std::span<const float>(gbh));
+        opt.grad_ready(BH);
+        opt.accumulate_grad(WH, std::span<const float>(gwh));
+        opt.grad_ready(WH);
+      }
       opt.accumulate_grad(B1, std::span<const float>(gb1));
       opt.grad_ready(B1);
       opt.accumulate_grad(W1, std::span<const float>(gw1));

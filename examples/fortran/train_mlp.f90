@@ -9,10 +9,16 @@
 !   mpiexec -n 2 ./train_mlp_f [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
 !                              [--params-out FILE] [--save-dir DIR --save-at K]
 !                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
-!                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N]
+!                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N] [--muon]
 !
 ! --rule and --min-8bit-numel as in the C++ trainer: both groups' update rule (group 1 through
 ! shardopt_set_group's rule=, group 2 through shardopt_add_group's) and AdamW8bit's threshold.
+!
+! --muon as in the C++ trainer: a hidden layer fch (64 -> 96, ReLU) between fc1 and fc2, in a
+! SHARDOPT_RULE_MUON group with SHARDOPT_OWNERSHIP_WHOLE and the automatic bucket size. Its
+! weight is declared wh(n_hidden, n_mid), column-major: the same memory as C's row-major
+! 96 x 64 matrix, so it is registered with rows=size(wh, 2), cols=size(wh, 1), and Muon sees
+! the C trainer's matrix bit for bit (ctest compares the weights).
 !
 ! Each layer is a unit (shardopt_begin_unit before its parameters, at every stage, so that all
 ! stages share one layout), and the step runs layer by layer as in examples/c/train_mlp.c:
@@ -31,7 +37,7 @@ program train_mlp_f
   use shardopt
   implicit none
 
-  integer, parameter :: n_in = 16, n_hidden = 64, n_out = 4, global_batch = 96
+  integer, parameter :: n_in = 16, n_hidden = 64, n_mid = 96, n_out = 4, global_batch = 96
   real(c_double), parameter :: pi = 3.14159265358979323846_c_double
 
   type(shardopt_optimizer) :: opt
@@ -40,6 +46,7 @@ program train_mlp_f
   integer :: steps, stage, status, rank, world, rc, save_at
   integer(c_int) :: dtype, rule
   integer(c_int64_t) :: min_8bit_numel
+  logical :: muon
   character(len=:), allocatable :: params_out, save_dir, resume, loss_out, check_loss
   character(len=512) :: msg
 
@@ -53,6 +60,10 @@ program train_mlp_f
   cfg%weight_decay = 0.01_c_double
   cfg%max_grad_norm = 1.0_c_double
   cfg%bucket_elems = 1024  ! several stage-2 buckets even for this small model
+  if (muon) then
+    cfg%ownership = SHARDOPT_OWNERSHIP_WHOLE  ! each Muon matrix updated whole by one rank
+    cfg%bucket_elems = 0  ! automatic: raised to the Muon matrix, which must fit one bucket
+  end if
   call shardopt_create(opt, status, config=cfg, comm=MPI_COMM_WORLD%MPI_VAL, errmsg=msg)
   call check(status, msg)
 
@@ -89,9 +100,19 @@ contains
     check_loss = ''
     rule = SHARDOPT_RULE_ADAMW
     min_8bit_numel = 4096
+    muon = .false.
     i = 1
-    do while (i + 1 <= command_argument_count())
+    do while (i <= command_argument_count())
       call get_command_argument(i, flag)
+      if (trim(flag) == '--muon') then
+        muon = .true.
+        i = i + 1
+        cycle
+      end if
+      if (i + 1 > command_argument_count()) then
+        write (error_unit, '(a,a,a)') 'train_mlp_f: ', trim(flag), ' needs a value'
+        error stop 2
+      end if
       call get_command_argument(i + 1, value)
       select case (trim(flag))
       case ('--steps')
@@ -132,10 +153,6 @@ contains
       end select
       i = i + 2
     end do
-    if (i <= command_argument_count()) then
-      write (error_unit, '(a)') 'train_mlp_f: every option needs a value'
-      error stop 2
-    end if
   end subroutine parse_arguments
 
   !> Rank 0 compares losses(first:last) with the "step loss" lines of `path` (tolerance as the
@@ -270,6 +287,34 @@ contains
     call check(status, msg)
   end subroutine release_layer
 
+  !> Forward of one ReLU layer for one sample: y(o) = max(0, b(o) + sum_i w(i, o) x(i)), summed
+  !> in input order as the C and C++ trainers do (w(i, o) is their row-major w[o][i]).
+  subroutine dense_relu(w, b, x, y)
+    real(c_float), intent(in) :: w(:, :), b(:), x(:)
+    real(c_float), intent(out) :: y(:)
+    real(c_float) :: a
+    integer :: i, o
+    do o = 1, size(b)
+      a = b(o)
+      do i = 1, size(x)
+        a = a + w(i, o) * x(i)
+      end do
+      y(o) = 0
+      if (a > 0) y(o) = a
+    end do
+  end subroutine dense_relu
+
+  !> Backward: adds parameter `index`'s gradient (n elements of any rank, in storage order) to
+  !> the optimizer's and marks it ready, so its bucket's reduction may start.
+  subroutine hand_over(index, n, grad)
+    integer, intent(in) :: index, n
+    real(c_float), intent(in) :: grad(n)
+    call shardopt_accumulate_grad(opt, index, grad, status, msg)
+    call check(status, msg)
+    call shardopt_grad_ready(opt, index, status, msg)
+    call check(status, msg)
+  end subroutine hand_over
+
   !> Rank 0 writes every parameter's fp32 master weights, in order, as raw floats.
   subroutine write_params(path)
     character(len=*), intent(in) :: path
@@ -292,15 +337,22 @@ contains
   end subroutine write_params
 
   integer function train()
-    real(c_float) :: w1(n_in, n_hidden), b1(n_hidden), w2(n_hidden, n_out), b2(n_out)
-    real(c_float) :: gw1(n_in, n_hidden), gb1(n_hidden), gw2(n_hidden, n_out), gb2(n_out)
-    ! Per sample of this rank's batch: inputs, targets, activations, output and hidden grads.
+    ! fc2 reads `mid` inputs: the hidden layer's n_mid with --muon, else fc1's n_hidden. The
+    ! hidden weight wh(n_hidden, n_mid) is C's row-major n_mid x n_hidden matrix.
+    real(c_float) :: w1(n_in, n_hidden), b1(n_hidden), wh(n_hidden, n_mid), bh(n_mid), b2(n_out)
+    real(c_float) :: gw1(n_in, n_hidden), gb1(n_hidden), gwh(n_hidden, n_mid), gbh(n_mid)
+    real(c_float) :: gb2(n_out)
+    real(c_float), allocatable :: w2(:, :), gw2(:, :)
+    ! Per sample of this rank's batch: inputs, targets, activations, output and hidden grads;
+    ! last(:, s) is what fc2 reads and dlast its gradient.
     real(c_float) :: xs(n_in, global_batch), ys(n_out, global_batch), hs(n_hidden, global_batch)
     real(c_float) :: douts(n_out, global_batch), dhs(n_hidden, global_batch), a, e
+    real(c_float), allocatable :: last(:, :), dlast(:, :)
     real(c_double) :: lr, local_sse, loss
     real(c_double), parameter :: warm = 20, peak = 1e-2_c_double
     real(c_double), allocatable :: losses(:)
-    integer :: iw1, ib1, iw2, ib2, no_decay, local, first, step, s, i, j, o, start, unit
+    integer :: iw1, ib1, iwh, ibh, iw2, ib2, no_decay, muon_group, local, first, step, s, i, j, m, o
+    integer :: start, unit, mid, unit1, unith, unit2
     integer(c_int64_t) :: bytes, peak_bytes, done
     character(len=512) :: where
 
@@ -320,15 +372,38 @@ contains
     call shardopt_add_group(opt, 1.0_c_double, .false., no_decay, status, msg, rule=rule, &
                             adamw8bit_min_numel=min_8bit_numel)
     call check(status, msg)
+    mid = n_hidden
+    unit1 = 1
+    unith = 2
+    unit2 = 2
+    iwh = 0
+    ibh = 0
+    if (muon) then  ! group 3: Muon with its defaults (torch.optim.Muon's), with decay
+      call shardopt_add_group(opt, 1.0_c_double, .true., muon_group, status, msg, &
+                              rule=SHARDOPT_RULE_MUON)
+      call check(status, msg)
+      mid = n_mid
+      unit2 = 3
+    end if
+    allocate (w2(mid, n_out), gw2(mid, n_out), last(mid, global_batch), dlast(mid, global_batch))
     call shardopt_begin_unit(opt, status, errmsg=msg)  ! layer 1: unit 1
     call check(status, msg)
     call shardopt_add_param(opt, 'fc1.weight', n_hidden * n_in, iw1, status, errmsg=msg)
     call check(status, msg)
     call shardopt_add_param(opt, 'fc1.bias', n_hidden, ib1, status, group=no_decay, errmsg=msg)
     call check(status, msg)
-    call shardopt_begin_unit(opt, status, errmsg=msg)  ! layer 2: unit 2
+    if (muon) then  ! the hidden layer: unit 2
+      call shardopt_begin_unit(opt, status, errmsg=msg)
+      call check(status, msg)
+      call shardopt_add_param(opt, 'fch.weight', size(wh), iwh, status, group=muon_group, &
+                              errmsg=msg, rows=size(wh, 2), cols=size(wh, 1))
+      call check(status, msg)
+      call shardopt_add_param(opt, 'fch.bias', n_mid, ibh, status, group=no_decay, errmsg=msg)
+      call check(status, msg)
+    end if
+    call shardopt_begin_unit(opt, status, errmsg=msg)  ! the last layer
     call check(status, msg)
-    call shardopt_add_param(opt, 'fc2.weight', n_out * n_hidden, iw2, status, errmsg=msg)
+    call shardopt_add_param(opt, 'fc2.weight', n_out * mid, iw2, status, errmsg=msg)
     call check(status, msg)
     call shardopt_add_param(opt, 'fc2.bias', n_out, ib2, status, group=no_decay, errmsg=msg)
     call check(status, msg)
@@ -337,8 +412,12 @@ contains
 
     call init_param(iw1, n_hidden * n_in, 1.0_c_float / sqrt(real(n_in, c_float)), 11)
     call init_param(ib1, n_hidden, 0.0_c_float, 12)
-    call init_param(iw2, n_out * n_hidden, 1.0_c_float / sqrt(real(n_hidden, c_float)), 13)
+    call init_param(iw2, n_out * mid, 1.0_c_float / sqrt(real(mid, c_float)), 13)
     call init_param(ib2, n_out, 0.0_c_float, 14)
+    if (muon) then
+      call init_param(iwh, n_mid * n_hidden, 1.0_c_float / sqrt(real(n_hidden, c_float)), 15)
+      call init_param(ibh, n_mid, 0.0_c_float, 16)
+    end if
     start = 0
     if (len(resume) > 0) then
       ! Collective: the checkpoint's state, resharded to this run's ranks and stage.
@@ -367,67 +446,88 @@ contains
       call check(status, msg)
       gw1 = 0
       gb1 = 0
+      gwh = 0
+      gbh = 0
       gw2 = 0
       gb2 = 0
       local_sse = 0
-      ! Forward, layer 1 (layer 2's gather in flight meanwhile at stage 3).
-      call acquire_layer(1, 2)
+      ! Forward, layer 1 (the next layer's gather in flight meanwhile at stage 3).
+      call acquire_layer(unit1, unith)
       call read_matrix(iw1, w1)
       call read_vector(ib1, b1)
       do s = 1, local
         call make_sample(step, first + s - 1, xs(:, s), ys(:, s))
-        do j = 1, n_hidden
-          a = b1(j)
-          do i = 1, n_in
-            a = a + w1(i, j) * xs(i, s)
-          end do
-          hs(j, s) = 0
-          if (a > 0) hs(j, s) = a
-        end do
+        call dense_relu(w1, b1, xs(:, s), hs(:, s))
       end do
-      call release_layer(1)
-      ! Forward, layer 2, and the loss.
-      call acquire_layer(2, 0)
+      call release_layer(unit1)
+      if (muon) then  ! Forward, the hidden layer.
+        call acquire_layer(unith, unit2)
+        call read_matrix(iwh, wh)
+        call read_vector(ibh, bh)
+        do s = 1, local
+          call dense_relu(wh, bh, hs(:, s), last(:, s))
+        end do
+        call release_layer(unith)
+      else
+        last(:, 1:local) = hs(:, 1:local)
+      end if
+      ! Forward, the last layer, and the loss.
+      call acquire_layer(unit2, 0)
       call read_matrix(iw2, w2)
       call read_vector(ib2, b2)
       do s = 1, local
         do o = 1, n_out
           a = b2(o)
-          do j = 1, n_hidden
-            a = a + w2(j, o) * hs(j, s)
+          do j = 1, mid
+            a = a + w2(j, o) * last(j, s)
           end do
           e = a - ys(o, s)
           local_sse = local_sse + real(e, c_double) * real(e, c_double)
           douts(o, s) = (2.0_c_float * e) / real(local, c_float)  ! d(mean over local batch)/d out
         end do
       end do
-      call release_layer(2)
-      ! Backward, layer 2 (layer 1 prefetched), then layer 1; each layer's gradients are handed
-      ! over as soon as they are complete (stages 2 and 3 reduce bucket by bucket).
-      call acquire_layer(2, 1)
-      call read_matrix(iw2, w2)  ! dh needs W2
+      call release_layer(unit2)
+      ! Backward, the last layer (the one below prefetched), then down to layer 1; each layer's
+      ! gradients are handed over as soon as they are complete (stages 2 and 3 reduce bucket
+      ! by bucket).
+      call acquire_layer(unit2, merge(unith, unit1, muon))
+      call read_matrix(iw2, w2)  ! the input gradient needs W2
       do s = 1, local
-        dhs(:, s) = 0
+        dlast(:, s) = 0
         do o = 1, n_out
           gb2(o) = gb2(o) + douts(o, s)
-          do j = 1, n_hidden
-            gw2(j, o) = gw2(j, o) + douts(o, s) * hs(j, s)
-            dhs(j, s) = dhs(j, s) + douts(o, s) * w2(j, o)
+          do j = 1, mid
+            gw2(j, o) = gw2(j, o) + douts(o, s) * last(j, s)
+            dlast(j, s) = dlast(j, s) + douts(o, s) * w2(j, o)
           end do
         end do
       end do
-      call shardopt_accumulate_grad(opt, ib2, gb2, status, msg)
-      call check(status, msg)
-      call shardopt_grad_ready(opt, ib2, status, msg)
-      call check(status, msg)
-      call shardopt_accumulate_grad(opt, iw2, gw2, status, msg)
-      call check(status, msg)
-      call shardopt_grad_ready(opt, iw2, status, msg)
-      call check(status, msg)
-      call release_layer(2)
+      call hand_over(ib2, size(gb2), gb2)
+      call hand_over(iw2, size(gw2), gw2)
+      call release_layer(unit2)
+      if (muon) then  ! Backward, the hidden layer.
+        call acquire_layer(unith, unit1)
+        call read_matrix(iwh, wh)
+        do s = 1, local
+          dhs(:, s) = 0
+          do m = 1, n_mid
+            if (last(m, s) <= 0) cycle
+            gbh(m) = gbh(m) + dlast(m, s)
+            do j = 1, n_hidden
+              gwh(j, m) = gwh(j, m) + dlast(m, s) * hs(j, s)
+              dhs(j, s) = dhs(j, s) + dlast(m, s) * wh(j, m)
+            end do
+          end do
+        end do
+        call hand_over(ibh, size(gbh), gbh)
+        call hand_over(iwh, size(gwh), gwh)
+        call release_layer(unith)
+      else
+        dhs(:, 1:local) = dlast(:, 1:local)
+      end if
       ! Layer 1 computes no input gradient, so it reads no parameter here; a deeper model's
       ! layers would (the acquire keeps the pattern).
-      call acquire_layer(1, 0)
+      call acquire_layer(unit1, 0)
       do s = 1, local
         do j = 1, n_hidden
           if (hs(j, s) <= 0) cycle
@@ -437,15 +537,9 @@ contains
           end do
         end do
       end do
-      call shardopt_accumulate_grad(opt, ib1, gb1, status, msg)
-      call check(status, msg)
-      call shardopt_grad_ready(opt, ib1, status, msg)
-      call check(status, msg)
-      call shardopt_accumulate_grad(opt, iw1, gw1, status, msg)
-      call check(status, msg)
-      call shardopt_grad_ready(opt, iw1, status, msg)
-      call check(status, msg)
-      call release_layer(1)
+      call hand_over(ib1, size(gb1), gb1)
+      call hand_over(iw1, size(gw1), gw1)
+      call release_layer(unit1)
       call shardopt_step(opt, status, result=r, errmsg=msg)
       call check(status, msg)
 

@@ -39,7 +39,8 @@
  * that parameter or shardopt_wait_all (fetching the pointer again also waits for it).
  *
  * ---- Growable structs ----------------------------------------------------------------------
- * shardopt_config_t and shardopt_step_result_t start with struct_size (NCCL-config style).
+ * shardopt_config_t, shardopt_group_t and shardopt_step_result_t start with struct_size
+ * (NCCL-config style).
  * The library accepts any struct_size up to its own sizeof that ends on a field boundary: a
  * program built against an older, smaller struct keeps working with a newer library. Input
  * fields beyond the caller's struct_size take their defaults; output fields beyond it are not
@@ -159,6 +160,17 @@ typedef enum shardopt_reduction {
   SHARDOPT_REDUCTION_MAX_ENUM = 0x7FFFFFFF
 } shardopt_reduction_t;
 
+/* Which rank updates which elements (docs/architecture.md, "Whole-tensor ownership"). */
+typedef enum shardopt_ownership {
+  SHARDOPT_OWNERSHIP_FLAT = 0,  /* equal slices of every bucket (every rank owns a piece of
+                                   most parameters) */
+  SHARDOPT_OWNERSHIP_WHOLE = 1, /* ragged per-rank ranges: every parameter inside a bucket has
+                                   one owner, which updates it whole (SHARDOPT_RULE_MUON needs
+                                   it); stages 0-2 on the CPU, no checkpoints yet */
+  SHARDOPT_OWNERSHIP_MIN_ENUM = -0x7FFFFFFF - 1,
+  SHARDOPT_OWNERSHIP_MAX_ENUM = 0x7FFFFFFF
+} shardopt_ownership_t;
+
 /* shardopt_config_t.collective_timeout_s for no timeout (any negative value). */
 #define SHARDOPT_NO_COLLECTIVE_TIMEOUT (-1.0)
 /* The default collective timeout in seconds (60 with debug_collectives). */
@@ -274,6 +286,13 @@ typedef struct shardopt_config {
                            shardopt_begin_backward once per micro-batch: each micro-batch is
                            summed exactly (docs/architecture.md, "Reproducible mode") */
   int reserved0;        /* must be 0 (keeps the struct free of trailing padding) */
+  /* Since 0.5.0 (whole-tensor ownership, issue 32): */
+  int ownership;        /* shardopt_ownership_t; default SHARDOPT_OWNERSHIP_FLAT. WHOLE is
+                           needed by SHARDOPT_RULE_MUON groups; it runs stages 0-2 on the CPU
+                           (finalize returns SHARDOPT_ERROR_UNSUPPORTED at stage 3, with
+                           SHARDOPT_DEVICE_CUDA, or with SHARDOPT_REDUCTION_REPRODUCIBLE at
+                           stages 1-2) and checkpoints refuse it */
+  int reserved1;        /* must be 0 (keeps the struct free of trailing padding) */
 } shardopt_config_t;
 
 /* What one step did. An output struct: set struct_size (shardopt_step_result_init does)
@@ -363,11 +382,29 @@ typedef enum {
   SHARDOPT_RULE_ADAMW = 0, /* the config's Adam (adam_mode): AdamW or Adam-L2 */
   SHARDOPT_RULE_LION = 1,  /* Lion: p *= 1 - lr wd; p -= lr sign(b1 m + (1 - b1) g);
                               m = b2 m + (1 - b2) g (no exp_avg_sq) */
-  SHARDOPT_RULE_ADAMW8BIT = 2 /* AdamW with 8-bit block-quantized m and v (bitsandbytes /
-                                 torchao semantics); parameters below adamw8bit_min_numel
-                                 elements keep fp32 state; CPU and CUDA; not in checkpoints
-                                 yet */
+  SHARDOPT_RULE_ADAMW8BIT = 2, /* AdamW with 8-bit block-quantized m and v (bitsandbytes /
+                                  torchao semantics); parameters below adamw8bit_min_numel
+                                  elements keep fp32 state; CPU and CUDA */
+  SHARDOPT_RULE_MUON = 3 /* Muon (torch.optim.Muon's semantics) on 2-D matrices: M = lerp(M, g,
+                            1 - mu); U = nesterov ? lerp(g, M, mu) : M; O = Newton-Schulz(U)
+                            once per step on the reduced gradient; p *= 1 - lr wd;
+                            p -= adjusted lr * O (state: the momentum M as exp_avg). Every
+                            parameter of the group must be registered with
+                            shardopt_add_param_2d (rows > 1, cols > 1) and the config's
+                            ownership must be SHARDOPT_OWNERSHIP_WHOLE; finalize refuses
+                            anything else (SHARDOPT_ERROR_INVALID_ARGUMENT, naming the
+                            parameter). CPU only */
 } shardopt_rule_t;
+
+/* Muon's learning-rate adjustment (torch.optim.Muon's adjust_lr_fn), rows x cols the
+ * parameter's shape. */
+typedef enum shardopt_muon_lr_adjust {
+  SHARDOPT_MUON_LR_ORIGINAL = 0,         /* lr * sqrt(max(1, rows / cols)) (torch's default) */
+  SHARDOPT_MUON_LR_MATCH_RMS_ADAMW = 1,  /* lr * 0.2 * sqrt(max(rows, cols)) (Moonshot) */
+  SHARDOPT_MUON_LR_NONE = 2,             /* lr unchanged */
+  SHARDOPT_MUON_LR_MIN_ENUM = -0x7FFFFFFF - 1,
+  SHARDOPT_MUON_LR_MAX_ENUM = 0x7FFFFFFF
+} shardopt_muon_lr_adjust_t;
 
 typedef struct {
   size_t struct_size;  /* sizeof(shardopt_group_t), set by shardopt_group_init */
@@ -378,6 +415,17 @@ typedef struct {
   double lion_beta1;   /* Lion's interpolation beta, 0 <= b < 1; default 0.9 */
   double lion_beta2;   /* Lion's momentum decay, 0 <= b < 1; default 0.99 */
   size_t adamw8bit_min_numel; /* AdamW8bit: smaller parameters keep fp32 state; default 4096 */
+  /* ---- since 0.5.0 (Muon; lr is the config's lr x lr_scale, the decay the config's
+     weight_decay where weight_decay is 1) ---- */
+  double muon_momentum; /* mu, 0 <= mu < 1; default 0.95 */
+  int muon_nesterov;    /* 0 or 1; default 1 */
+  int muon_ns_steps;    /* Newton-Schulz iterations, 0..99; default 5 */
+  double muon_ns_a;     /* the quintic's coefficients; default 3.4445, -4.7750, 2.0315 */
+  double muon_ns_b;
+  double muon_ns_c;
+  double muon_eps;      /* Newton-Schulz's Frobenius-norm clamp, > 0; default 1e-7 */
+  int muon_lr_adjust;   /* shardopt_muon_lr_adjust_t; default SHARDOPT_MUON_LR_ORIGINAL */
+  int reserved0;        /* must be 0 (keeps the struct free of trailing padding) */
 } shardopt_group_t;
 
 /* Fills the defaults (an AdamW group like group 0) and struct_size. */
@@ -407,6 +455,18 @@ SHARDOPT_API shardopt_status_t shardopt_add_group(shardopt_optimizer_t opt, doub
  * registers the same parameters in the same order. index may be NULL. */
 SHARDOPT_API shardopt_status_t shardopt_add_param(shardopt_optimizer_t opt, const char* name,
                                                   size_t numel, int group, size_t* index);
+
+/* As shardopt_add_param, for a 2-D parameter of rows x cols elements (rows > 0, cols > 0; its
+ * numel is rows * cols) stored row-major: element (r, c) at r * cols + c, as torch stores
+ * an (out_features, in_features) weight. A Fortran array declared w(cols, rows) is the same
+ * memory (the Fortran module takes rows = size(w, 2), cols = size(w, 1)). The layout keeps
+ * the shape: SHARDOPT_RULE_MUON works on it, and whole-tensor ownership weighs the
+ * Newton-Schulz cost with it. A zero extent, or rows * cols beyond size_t, is
+ * SHARDOPT_ERROR_INVALID_ARGUMENT naming the parameter and its shape. Local; before
+ * finalize; the same on every rank (the shape is part of the layout every rank agrees on). */
+SHARDOPT_API shardopt_status_t shardopt_add_param_2d(shardopt_optimizer_t opt, const char* name,
+                                                     size_t rows, size_t cols, int group,
+                                                     size_t* index);
 
 /* Collective. Builds the padded layout, checks that every rank registered the same
  * parameters, groups and options (SHARDOPT_ERROR_LAYOUT_MISMATCH otherwise) and allocates
@@ -439,6 +499,10 @@ SHARDOPT_API shardopt_status_t shardopt_num_params(shardopt_optimizer_t opt, siz
 /* The element count of parameter `index`. */
 SHARDOPT_API shardopt_status_t shardopt_param_numel(shardopt_optimizer_t opt, size_t index,
                                                     size_t* numel);
+/* The shape parameter `index` was registered with: rows x cols from shardopt_add_param_2d,
+ * 1 x numel from shardopt_add_param. Either output may be NULL. */
+SHARDOPT_API shardopt_status_t shardopt_param_shape(shardopt_optimizer_t opt, size_t index,
+                                                    size_t* rows, size_t* cols);
 /* The index of the parameter called `name`; SHARDOPT_ERROR_INVALID_ARGUMENT if none. */
 SHARDOPT_API shardopt_status_t shardopt_param_index(shardopt_optimizer_t opt, const char* name,
                                                     size_t* index);

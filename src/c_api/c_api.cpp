@@ -36,6 +36,9 @@ static_assert(SHARDOPT_DTYPE_BF16 == static_cast<int>(DType::BF16));
 static_assert(SHARDOPT_DEVICE_CUDA == static_cast<int>(Device::Cuda));
 static_assert(SHARDOPT_ADAM_L2 == static_cast<int>(AdamMode::AdamL2));
 static_assert(SHARDOPT_MEM_SCRATCH == static_cast<int>(MemCategory::Scratch));
+static_assert(SHARDOPT_OWNERSHIP_WHOLE == static_cast<int>(Ownership::Whole));
+static_assert(SHARDOPT_RULE_MUON == static_cast<int>(Rule::Muon));
+static_assert(SHARDOPT_MUON_LR_NONE == static_cast<int>(MuonLrAdjust::None));
 static_assert(SHARDOPT_MEM_TOTAL == kNumMemCategories);
 static_assert(sizeof(bf16) == sizeof(std::uint16_t));
 
@@ -192,7 +195,11 @@ constexpr std::size_t kGroupEnds[] = {
     SHARDOPT_GROUP_END(struct_size), SHARDOPT_GROUP_END(lr_scale),
     SHARDOPT_GROUP_END(weight_decay), SHARDOPT_GROUP_END(rule),
     SHARDOPT_GROUP_END(lion_beta1), SHARDOPT_GROUP_END(lion_beta2),
-    SHARDOPT_GROUP_END(adamw8bit_min_numel)};
+    SHARDOPT_GROUP_END(adamw8bit_min_numel), SHARDOPT_GROUP_END(muon_momentum),
+    SHARDOPT_GROUP_END(muon_nesterov), SHARDOPT_GROUP_END(muon_ns_steps),
+    SHARDOPT_GROUP_END(muon_ns_a), SHARDOPT_GROUP_END(muon_ns_b), SHARDOPT_GROUP_END(muon_ns_c),
+    SHARDOPT_GROUP_END(muon_eps), SHARDOPT_GROUP_END(muon_lr_adjust),
+    SHARDOPT_GROUP_END(reserved0)};
 static_assert(kGroupEnds[std::size(kGroupEnds) - 1] == sizeof(shardopt_group_t));
 // The first version ended with lion_beta2.
 constexpr std::size_t kGroupMinSize = SHARDOPT_GROUP_END(lion_beta2);
@@ -207,6 +214,15 @@ shardopt_group_t c_group(const GroupOptions& g) {
   c.lion_beta1 = g.lion.beta1;
   c.lion_beta2 = g.lion.beta2;
   c.adamw8bit_min_numel = g.adamw8bit.min_8bit_numel;
+  c.muon_momentum = g.muon.momentum;
+  c.muon_nesterov = g.muon.nesterov ? 1 : 0;
+  c.muon_ns_steps = g.muon.ns_steps;
+  c.muon_ns_a = g.muon.ns_a;
+  c.muon_ns_b = g.muon.ns_b;
+  c.muon_ns_c = g.muon.ns_c;
+  c.muon_eps = g.muon.eps;
+  c.muon_lr_adjust = static_cast<int>(g.muon.lr_adjust);
+  c.reserved0 = 0;
   return c;
 }
 
@@ -221,11 +237,21 @@ GroupOptions read_group(const shardopt_group_t* in) {
   require(c.weight_decay == 0 || c.weight_decay == 1, Status::InvalidArgument,
           "group->weight_decay must be 0 or 1, got " + std::to_string(c.weight_decay));
   require(c.rule == SHARDOPT_RULE_ADAMW || c.rule == SHARDOPT_RULE_LION ||
-              c.rule == SHARDOPT_RULE_ADAMW8BIT,
+              c.rule == SHARDOPT_RULE_ADAMW8BIT || c.rule == SHARDOPT_RULE_MUON,
           Status::InvalidArgument,
           "group->rule " + std::to_string(c.rule) +
               " is not a shardopt_rule_t (SHARDOPT_RULE_ADAMW 0, SHARDOPT_RULE_LION 1, "
-              "SHARDOPT_RULE_ADAMW8BIT 2)");
+              "SHARDOPT_RULE_ADAMW8BIT 2, SHARDOPT_RULE_MUON 3)");
+  require(c.muon_nesterov == 0 || c.muon_nesterov == 1, Status::InvalidArgument,
+          "group->muon_nesterov must be 0 or 1, got " + std::to_string(c.muon_nesterov));
+  require(c.muon_lr_adjust >= SHARDOPT_MUON_LR_ORIGINAL &&
+              c.muon_lr_adjust <= SHARDOPT_MUON_LR_NONE,
+          Status::InvalidArgument,
+          "group->muon_lr_adjust " + std::to_string(c.muon_lr_adjust) +
+              " is not a shardopt_muon_lr_adjust_t (SHARDOPT_MUON_LR_ORIGINAL 0, "
+              "_MATCH_RMS_ADAMW 1, _NONE 2)");
+  require(c.reserved0 == 0, Status::InvalidArgument,
+          "group->reserved0 must be 0, got " + std::to_string(c.reserved0));
   GroupOptions g;
   g.lr_scale = c.lr_scale;
   g.weight_decay = c.weight_decay == 1;
@@ -233,6 +259,14 @@ GroupOptions read_group(const shardopt_group_t* in) {
   g.lion.beta1 = c.lion_beta1;
   g.lion.beta2 = c.lion_beta2;
   g.adamw8bit.min_8bit_numel = c.adamw8bit_min_numel;
+  g.muon.momentum = c.muon_momentum;  // the values are validated by the optimizer
+  g.muon.nesterov = c.muon_nesterov == 1;
+  g.muon.ns_steps = c.muon_ns_steps;
+  g.muon.ns_a = c.muon_ns_a;
+  g.muon.ns_b = c.muon_ns_b;
+  g.muon.ns_c = c.muon_ns_c;
+  g.muon.eps = c.muon_eps;
+  g.muon.lr_adjust = static_cast<MuonLrAdjust>(c.muon_lr_adjust);
   return g;
 }
 
@@ -280,6 +314,14 @@ shardopt_status_t shardopt_add_param(shardopt_optimizer_t opt, const char* name,
                                      int group, size_t* index) {
   return on_handle("shardopt_add_param", opt, [&](ShardedOptimizer& o) {
     const std::size_t i = o.add_param(require_name(name), numel, group);
+    if (index != nullptr) *index = i;
+  });
+}
+
+shardopt_status_t shardopt_add_param_2d(shardopt_optimizer_t opt, const char* name, size_t rows,
+                                        size_t cols, int group, size_t* index) {
+  return on_handle("shardopt_add_param_2d", opt, [&](ShardedOptimizer& o) {
+    const std::size_t i = o.add_param(require_name(name), Shape2D{rows, cols}, group);
     if (index != nullptr) *index = i;
   });
 }
@@ -347,6 +389,15 @@ shardopt_status_t shardopt_param_numel(shardopt_optimizer_t opt, size_t index, s
   return on_handle("shardopt_param_numel", opt, [&](ShardedOptimizer& o) {
     non_null(numel, "numel");
     *numel = o.layout().param(index).numel;
+  });
+}
+
+shardopt_status_t shardopt_param_shape(shardopt_optimizer_t opt, size_t index, size_t* rows,
+                                       size_t* cols) {
+  return on_handle("shardopt_param_shape", opt, [&](ShardedOptimizer& o) {
+    const ParamInfo& p = o.layout().param(index);
+    if (rows != nullptr) *rows = p.rows;
+    if (cols != nullptr) *cols = p.cols;
   });
 }
 

@@ -42,7 +42,8 @@ constexpr std::size_t kConfigEnds[] = {
     SHARDOPT_CONFIG_END(loss_scale_max), SHARDOPT_CONFIG_END(units_in_flight),
     SHARDOPT_CONFIG_END(collective_timeout_s), SHARDOPT_CONFIG_END(debug_collectives),
     SHARDOPT_CONFIG_END(comm_mpi_in_flight), SHARDOPT_CONFIG_END(reduction),
-    SHARDOPT_CONFIG_END(reserved0)};
+    SHARDOPT_CONFIG_END(reserved0), SHARDOPT_CONFIG_END(ownership),
+    SHARDOPT_CONFIG_END(reserved1)};
 #undef SHARDOPT_CONFIG_END
 // No trailing padding: an older struct's sizeof never covers part of a newer field.
 static_assert(kConfigEnds[std::size(kConfigEnds) - 1] == sizeof(shardopt_config_t));
@@ -85,6 +86,8 @@ shardopt_config_t default_config() {
   c.comm_mpi_in_flight = 0;
   c.reduction = static_cast<int>(d.reduction);
   c.reserved0 = 0;
+  c.ownership = static_cast<int>(d.ownership);
+  c.reserved1 = 0;
   return c;
 }
 
@@ -111,6 +114,8 @@ std::string enum_problem(const shardopt_config_t& c) {
       {"comm_mpi_in_flight", c.comm_mpi_in_flight, 0, 1 << 20, "0 (the environment) or a count >= 1"},
       {"reduction", c.reduction, 0, 1, "SHARDOPT_REDUCTION_DEFAULT or _REPRODUCIBLE"},
       {"reserved0", c.reserved0, 0, 0, "0"},
+      {"ownership", c.ownership, 0, 1, "SHARDOPT_OWNERSHIP_FLAT or _WHOLE"},
+      {"reserved1", c.reserved1, 0, 0, "0"},
   };
   for (const Field& f : fields)
     if (f.value < f.lo || f.value > f.hi)
@@ -176,6 +181,7 @@ CreateRequest read_config(const shardopt_config_t* in, const shardopt_optimizer_
   o.collective_timeout_s = c.collective_timeout_s;
   o.debug_collectives = c.debug_collectives == 1;
   o.reduction = static_cast<Reduction>(c.reduction);
+  o.ownership = static_cast<Ownership>(c.ownership);
   r.comm_kind = c.comm_kind;
   r.simulate_nodes = c.comm_simulate_nodes;
   r.mpi_in_flight = c.comm_mpi_in_flight;
@@ -218,6 +224,7 @@ void write_config(const Handle& h, shardopt_config_t* config) {
   c.debug_collectives = o.debug_collectives ? 1 : 0;
   c.comm_mpi_in_flight = h.mpi_in_flight;
   c.reduction = static_cast<int>(o.reduction);
+  c.ownership = static_cast<int>(o.ownership);
   write_prefix(config, c);
 }
 

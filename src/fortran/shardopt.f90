@@ -18,6 +18,13 @@
 ! buffers; their contracts (lifetime, when they read new values) are those of shardopt.h.
 ! Communicators are integers: MPI_COMM_WORLD from `use mpi`, or comm%MPI_VAL of a
 ! type(MPI_Comm) from `use mpi_f08` (docs/c_api.md).
+! 2-D shapes are row-major, as in C (shardopt_add_param_2d): a matrix of `rows` x `cols` has
+! element (r, c) at r * cols + c. A Fortran array declared w(cols, rows) is that same memory
+! (column-major: w(c+1, r+1) is element r * cols + c), so register it with
+! rows = size(w, 2), cols = size(w, 1):
+!   call shardopt_add_param(opt, 'w', size(w), iw, st, group=g, rows=size(w, 2), cols=size(w, 1))
+! A torch (out_features, in_features) weight is w(in_features, out_features) here; rank-2
+! pointers (shardopt_param, shardopt_grad with shape=shape(w)) then index it as w(in, out).
 module shardopt
   use, intrinsic :: iso_c_binding, only: c_ptr, c_null_ptr, c_associated, c_f_pointer, &
                                          c_int, c_int16_t, c_int64_t, c_size_t, c_float, &
@@ -61,6 +68,16 @@ module shardopt
   integer(c_int), parameter, public :: SHARDOPT_RULE_ADAMW = 0
   integer(c_int), parameter, public :: SHARDOPT_RULE_LION = 1
   integer(c_int), parameter, public :: SHARDOPT_RULE_ADAMW8BIT = 2
+  !> Muon on 2-D matrices (shardopt.h): every parameter of the group registered with rows= and
+  !> cols=, and shardopt_config%ownership = SHARDOPT_OWNERSHIP_WHOLE.
+  integer(c_int), parameter, public :: SHARDOPT_RULE_MUON = 3
+  !> Muon's learning-rate adjustment (shardopt_add_group's muon_lr_adjust).
+  integer(c_int), parameter, public :: SHARDOPT_MUON_LR_ORIGINAL = 0
+  integer(c_int), parameter, public :: SHARDOPT_MUON_LR_MATCH_RMS_ADAMW = 1
+  integer(c_int), parameter, public :: SHARDOPT_MUON_LR_NONE = 2
+  !> shardopt_config%ownership: equal slices (default) or whole parameters per rank.
+  integer(c_int), parameter, public :: SHARDOPT_OWNERSHIP_FLAT = 0
+  integer(c_int), parameter, public :: SHARDOPT_OWNERSHIP_WHOLE = 1
   !> shardopt_config%collective_timeout_s for no timeout; 0 (the default) means 600 s, or
   !> SHARDOPT_COLLECTIVE_TIMEOUT from the environment. A timeout returns
   !> SHARDOPT_ERROR_COMMUNICATION on every waiting rank: end the job with MPI_Abort (not
@@ -123,6 +140,8 @@ module shardopt
     integer(c_int) :: comm_mpi_in_flight
     integer(c_int) :: reduction
     integer(c_int) :: reserved0
+    integer(c_int) :: ownership
+    integer(c_int) :: reserved1
   end type shardopt_config
 
   !> shardopt_group_t, field for field (internal: shardopt_add_group's optional arguments).
@@ -134,6 +153,15 @@ module shardopt
     real(c_double) :: lion_beta1
     real(c_double) :: lion_beta2
     integer(c_size_t) :: adamw8bit_min_numel
+    real(c_double) :: muon_momentum
+    integer(c_int) :: muon_nesterov
+    integer(c_int) :: muon_ns_steps
+    real(c_double) :: muon_ns_a
+    real(c_double) :: muon_ns_b
+    real(c_double) :: muon_ns_c
+    real(c_double) :: muon_eps
+    integer(c_int) :: muon_lr_adjust
+    integer(c_int) :: reserved0
   end type c_group_options
 
   !> What one step did (shardopt_step_result_t); clipped and skipped are 0 or 1, times are
@@ -160,6 +188,7 @@ module shardopt
   public :: shardopt_config_init, shardopt_create, shardopt_destroy, shardopt_is_null
   public :: shardopt_add_group, shardopt_add_param, shardopt_finalize
   public :: shardopt_comm_rank, shardopt_comm_size, shardopt_num_params, shardopt_param_numel
+  public :: shardopt_param_shape
   public :: shardopt_step_count
   public :: shardopt_set_param, shardopt_get_master, shardopt_param, shardopt_param_bf16
   public :: shardopt_grad, shardopt_accumulate_grad, shardopt_grad_ready
@@ -311,6 +340,22 @@ module shardopt
       integer(c_int), value :: group
       integer(c_size_t), intent(out) :: idx
       integer(c_int) :: c_add_param
+    end function
+    function c_add_param_2d(opt, name, rows, cols, group, idx) bind(c, name="shardopt_add_param_2d")
+      import :: c_int, c_ptr, c_char, c_size_t
+      type(c_ptr), value :: opt
+      character(kind=c_char), intent(in) :: name(*)
+      integer(c_size_t), value :: rows, cols
+      integer(c_int), value :: group
+      integer(c_size_t), intent(out) :: idx
+      integer(c_int) :: c_add_param_2d
+    end function
+    function c_param_shape(opt, idx, rows, cols) bind(c, name="shardopt_param_shape")
+      import :: c_int, c_ptr, c_size_t
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      integer(c_size_t), intent(out) :: rows, cols
+      integer(c_int) :: c_param_shape
     end function
     function c_finalize(opt) bind(c, name="shardopt_finalize")
       import :: c_int, c_ptr
@@ -814,11 +859,16 @@ contains
   end function shardopt_is_null
 
   !> Adds a parameter group (local, before finalize); group receives its 1-based index.
-  !> rule (SHARDOPT_RULE_ADAMW, the default, SHARDOPT_RULE_LION or SHARDOPT_RULE_ADAMW8BIT),
-  !> Lion's betas (default 0.9 and 0.99) and AdamW8bit's adamw8bit_min_numel (default 4096)
-  !> are optional, by keyword.
+  !> rule (SHARDOPT_RULE_ADAMW, the default, SHARDOPT_RULE_LION, SHARDOPT_RULE_ADAMW8BIT or
+  !> SHARDOPT_RULE_MUON) and the rules' options are optional, by keyword: Lion's betas (default
+  !> 0.9 and 0.99), AdamW8bit's adamw8bit_min_numel (default 4096), Muon's muon_momentum
+  !> (0.95), muon_nesterov (.true.), muon_ns_steps (5), muon_ns_a/_b/_c (3.4445, -4.7750,
+  !> 2.0315), muon_eps (1e-7) and muon_lr_adjust (SHARDOPT_MUON_LR_ORIGINAL); shardopt.h's
+  !> shardopt_group_t says what each means.
   subroutine shardopt_add_group(opt, lr_scale, weight_decay, group, status, errmsg, rule, &
-                                lion_beta1, lion_beta2, adamw8bit_min_numel)
+                                lion_beta1, lion_beta2, adamw8bit_min_numel, muon_momentum, &
+                                muon_nesterov, muon_ns_steps, muon_ns_a, muon_ns_b, muon_ns_c, &
+                                muon_eps, muon_lr_adjust)
     type(shardopt_optimizer), intent(in) :: opt
     real(c_double), intent(in) :: lr_scale
     logical, intent(in) :: weight_decay
@@ -828,26 +878,24 @@ contains
     integer(c_int), intent(in), optional :: rule
     real(c_double), intent(in), optional :: lion_beta1, lion_beta2
     integer(c_int64_t), intent(in), optional :: adamw8bit_min_numel
+    real(c_double), intent(in), optional :: muon_momentum, muon_ns_a, muon_ns_b, muon_ns_c, muon_eps
+    logical, intent(in), optional :: muon_nesterov
+    integer, intent(in), optional :: muon_ns_steps
+    integer(c_int), intent(in), optional :: muon_lr_adjust
     type(c_group_options) :: options
     integer(c_int) :: g, code
     g = -1
+    group = 0
     if (present(rule) .or. present(lion_beta1) .or. present(lion_beta2) .or. &
-        present(adamw8bit_min_numel)) then
+        present(adamw8bit_min_numel) .or. present(muon_momentum) .or. present(muon_nesterov) .or. &
+        present(muon_ns_steps) .or. present(muon_ns_a) .or. present(muon_ns_b) .or. &
+        present(muon_ns_c) .or. present(muon_eps) .or. present(muon_lr_adjust)) then
       call c_group_init(options)
-      options%lr_scale = lr_scale
-      options%weight_decay = merge(1_c_int, 0_c_int, weight_decay)
-      if (present(rule)) options%rule = rule
-      if (present(lion_beta1)) options%lion_beta1 = lion_beta1
-      if (present(lion_beta2)) options%lion_beta2 = lion_beta2
-      if (present(adamw8bit_min_numel)) then
-        if (adamw8bit_min_numel < 0) then
-          status = SHARDOPT_ERROR_INVALID_ARGUMENT
-          if (present(errmsg)) errmsg = 'shardopt_add_group: adamw8bit_min_numel is negative'
-          group = 0
-          return
-        end if
-        options%adamw8bit_min_numel = int(adamw8bit_min_numel, c_size_t)
-      end if
+      call set_group_options(options, 'shardopt_add_group', lr_scale, weight_decay, status, &
+                             errmsg, rule, lion_beta1, lion_beta2, adamw8bit_min_numel, &
+                             muon_momentum, muon_nesterov, muon_ns_steps, muon_ns_a, muon_ns_b, &
+                             muon_ns_c, muon_eps, muon_lr_adjust)
+      if (status /= SHARDOPT_SUCCESS) return
       code = c_add_group_ex(opt%ptr, options, g)
     else
       code = c_add_group(opt%ptr, lr_scale, merge(1_c_int, 0_c_int, weight_decay), g)
@@ -856,7 +904,57 @@ contains
     call finish(opt%ptr, code, status, errmsg)
   end subroutine shardopt_add_group
 
-  subroutine add_param_i64(opt, name, numel, index, status, group, errmsg)
+  !> Writes shardopt_add_group's / shardopt_set_group's arguments into `options` (the present
+  !> ones; the others keep what options holds). A value that cannot cross to C unchanged (a
+  !> negative adamw8bit_min_numel) is SHARDOPT_ERROR_INVALID_ARGUMENT naming `routine`; the
+  !> library checks every other value.
+  subroutine set_group_options(options, routine, lr_scale, weight_decay, status, errmsg, rule, &
+                               lion_beta1, lion_beta2, adamw8bit_min_numel, muon_momentum, &
+                               muon_nesterov, muon_ns_steps, muon_ns_a, muon_ns_b, muon_ns_c, &
+                               muon_eps, muon_lr_adjust)
+    type(c_group_options), intent(inout) :: options
+    character(len=*), intent(in) :: routine
+    real(c_double), intent(in) :: lr_scale
+    logical, intent(in) :: weight_decay
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_int), intent(in), optional :: rule
+    real(c_double), intent(in), optional :: lion_beta1, lion_beta2
+    integer(c_int64_t), intent(in), optional :: adamw8bit_min_numel
+    real(c_double), intent(in), optional :: muon_momentum, muon_ns_a, muon_ns_b, muon_ns_c, muon_eps
+    logical, intent(in), optional :: muon_nesterov
+    integer, intent(in), optional :: muon_ns_steps
+    integer(c_int), intent(in), optional :: muon_lr_adjust
+    status = SHARDOPT_SUCCESS
+    if (present(adamw8bit_min_numel)) then
+      if (adamw8bit_min_numel < 0) then
+        status = SHARDOPT_ERROR_INVALID_ARGUMENT
+        if (present(errmsg)) errmsg = routine//': adamw8bit_min_numel is negative'
+        return
+      end if
+      options%adamw8bit_min_numel = int(adamw8bit_min_numel, c_size_t)
+    end if
+    options%lr_scale = lr_scale
+    options%weight_decay = merge(1_c_int, 0_c_int, weight_decay)
+    if (present(rule)) options%rule = rule
+    if (present(lion_beta1)) options%lion_beta1 = lion_beta1
+    if (present(lion_beta2)) options%lion_beta2 = lion_beta2
+    if (present(muon_momentum)) options%muon_momentum = muon_momentum
+    if (present(muon_nesterov)) options%muon_nesterov = merge(1_c_int, 0_c_int, muon_nesterov)
+    if (present(muon_ns_steps)) options%muon_ns_steps = int(muon_ns_steps, c_int)
+    if (present(muon_ns_a)) options%muon_ns_a = muon_ns_a
+    if (present(muon_ns_b)) options%muon_ns_b = muon_ns_b
+    if (present(muon_ns_c)) options%muon_ns_c = muon_ns_c
+    if (present(muon_eps)) options%muon_eps = muon_eps
+    if (present(muon_lr_adjust)) options%muon_lr_adjust = muon_lr_adjust
+  end subroutine set_group_options
+
+  !> Registers a parameter of numel elements (local, before finalize); index receives its
+  !> 1-based index. group (default SHARDOPT_DEFAULT_GROUP) by keyword. rows= and cols=, both or
+  !> neither, give a 2-D shape (shardopt_add_param_2d; SHARDOPT_RULE_MUON needs one): row-major,
+  !> so an array declared w(cols, rows) passes rows=size(w, 2), cols=size(w, 1) (the module's
+  !> introduction). numel must equal rows * cols, otherwise SHARDOPT_ERROR_INVALID_ARGUMENT.
+  subroutine add_param_i64(opt, name, numel, index, status, group, errmsg, rows, cols)
     type(shardopt_optimizer), intent(in) :: opt
     character(len=*), intent(in) :: name
     integer(c_int64_t), intent(in) :: numel
@@ -864,12 +962,33 @@ contains
     integer, intent(out) :: status
     integer, intent(in), optional :: group
     character(len=*), intent(out), optional :: errmsg
+    integer, intent(in), optional :: rows, cols
     integer(c_size_t) :: idx
     integer(c_int) :: g, code
+    character(len=160) :: detail
     g = 0
     if (present(group)) g = int(group - 1, c_int)
     idx = 0
-    if (numel < 0) then
+    index = 0
+    if (present(rows) .neqv. present(cols)) then
+      status = SHARDOPT_ERROR_INVALID_ARGUMENT
+      if (present(errmsg)) errmsg = 'shardopt_add_param: parameter '''//trim(name)// &
+                                    ''': give both rows= and cols= (a 2-D shape), or neither'
+      return
+    end if
+    if (present(rows)) then
+      if (rows < 1 .or. cols < 1 .or. int(rows, c_int64_t) * int(cols, c_int64_t) /= numel) then
+        status = SHARDOPT_ERROR_INVALID_ARGUMENT
+        if (present(errmsg)) then
+          write (detail, '(a,i0,a,i0,a,i0,a)') ''' has ', numel, ' elements, but rows x cols is ', &
+            rows, ' x ', cols, ' (an array w(cols, rows) has rows = size(w, 2), cols = size(w, 1))'
+          errmsg = 'shardopt_add_param: parameter '''//trim(name)//trim(detail)
+        end if
+        return
+      end if
+      code = c_add_param_2d(opt%ptr, trim(name)//c_null_char, int(rows, c_size_t), &
+                            int(cols, c_size_t), g, idx)
+    else if (numel < 0) then
       code = c_add_param(opt%ptr, trim(name)//c_null_char, 0_c_size_t, g, idx)  ! size error
     else
       code = c_add_param(opt%ptr, trim(name)//c_null_char, int(numel, c_size_t), g, idx)
@@ -878,7 +997,7 @@ contains
     call finish_index(opt%ptr, code, 'shardopt_add_param', 'group', int(g) + 1, status, errmsg)
   end subroutine add_param_i64
 
-  subroutine add_param_i32(opt, name, numel, index, status, group, errmsg)
+  subroutine add_param_i32(opt, name, numel, index, status, group, errmsg, rows, cols)
     type(shardopt_optimizer), intent(in) :: opt
     character(len=*), intent(in) :: name
     integer(c_int), intent(in) :: numel
@@ -886,7 +1005,8 @@ contains
     integer, intent(out) :: status
     integer, intent(in), optional :: group
     character(len=*), intent(out), optional :: errmsg
-    call add_param_i64(opt, name, int(numel, c_int64_t), index, status, group, errmsg)
+    integer, intent(in), optional :: rows, cols
+    call add_param_i64(opt, name, int(numel, c_int64_t), index, status, group, errmsg, rows, cols)
   end subroutine add_param_i32
 
   !> Collective: lays out and allocates the buffers.
@@ -944,6 +1064,23 @@ contains
                       'shardopt_param_numel', 'parameter', index, status, errmsg)
     numel = int(n, c_int64_t)
   end subroutine shardopt_param_numel
+
+  !> The shape parameter `index` was registered with: rows x cols (row-major, so the Fortran
+  !> array is w(cols, rows)); 1 x numel without rows= and cols=.
+  subroutine shardopt_param_shape(opt, index, rows, cols, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    integer(c_int64_t), intent(out) :: rows, cols
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    integer(c_size_t) :: r, c
+    r = 0
+    c = 0
+    call finish_index(opt%ptr, c_param_shape(opt%ptr, c_index(index), r, c), &
+                      'shardopt_param_shape', 'parameter', index, status, errmsg)
+    rows = int(r, c_int64_t)
+    cols = int(c, c_int64_t)
+  end subroutine shardopt_param_shape
 
   subroutine shardopt_step_count(opt, step, status, errmsg)
     type(shardopt_optimizer), intent(in) :: opt
@@ -1234,12 +1371,15 @@ contains
     call finish(opt%ptr, c_get_hyper(opt%ptr, key, value), status, errmsg)
   end subroutine shardopt_get_hyper
 
-  !> Changes group `group` (1-based) options. rule, Lion's betas and adamw8bit_min_numel are
-  !> optional, by keyword, as in shardopt_add_group (left out: the group keeps its own; the
-  !> rule and the threshold are fixed at finalize). Group 1 is the default group: this is how
+  !> Changes group `group` (1-based) options. rule and the rules' options (Lion's betas,
+  !> adamw8bit_min_numel, Muon's muon_*) are optional, by keyword, as in shardopt_add_group
+  !> (left out: the group keeps its own; the rule and the threshold are fixed at finalize).
+  !> Group 1 is the default group: this is how
   !> it gets another rule.
   subroutine shardopt_set_group(opt, group, lr_scale, weight_decay, status, errmsg, rule, &
-                                lion_beta1, lion_beta2, adamw8bit_min_numel)
+                                lion_beta1, lion_beta2, adamw8bit_min_numel, muon_momentum, &
+                                muon_nesterov, muon_ns_steps, muon_ns_a, muon_ns_b, muon_ns_c, &
+                                muon_eps, muon_lr_adjust)
     type(shardopt_optimizer), intent(in) :: opt
     integer, intent(in) :: group
     real(c_double), intent(in) :: lr_scale
@@ -1249,31 +1389,30 @@ contains
     integer(c_int), intent(in), optional :: rule
     real(c_double), intent(in), optional :: lion_beta1, lion_beta2
     integer(c_int64_t), intent(in), optional :: adamw8bit_min_numel
+    real(c_double), intent(in), optional :: muon_momentum, muon_ns_a, muon_ns_b, muon_ns_c, muon_eps
+    logical, intent(in), optional :: muon_nesterov
+    integer, intent(in), optional :: muon_ns_steps
+    integer(c_int), intent(in), optional :: muon_lr_adjust
     type(c_group_options) :: options
     integer(c_int) :: code
     if (.not. (present(rule) .or. present(lion_beta1) .or. present(lion_beta2) .or. &
-               present(adamw8bit_min_numel))) then
+               present(adamw8bit_min_numel) .or. present(muon_momentum) .or. &
+               present(muon_nesterov) .or. present(muon_ns_steps) .or. present(muon_ns_a) .or. &
+               present(muon_ns_b) .or. present(muon_ns_c) .or. present(muon_eps) .or. &
+               present(muon_lr_adjust))) then
       call finish_index(opt%ptr, c_set_group(opt%ptr, int(group - 1, c_int), lr_scale, &
                                              merge(1_c_int, 0_c_int, weight_decay)), &
                         'shardopt_set_group', 'group', group, status, errmsg)
       return
     end if
-    if (present(adamw8bit_min_numel)) then
-      if (adamw8bit_min_numel < 0) then
-        status = SHARDOPT_ERROR_INVALID_ARGUMENT
-        if (present(errmsg)) errmsg = 'shardopt_set_group: adamw8bit_min_numel is negative'
-        return
-      end if
-    end if
     call c_group_init(options)
     code = c_get_group_ex(opt%ptr, int(group - 1, c_int), options)
     if (code == SHARDOPT_SUCCESS) then
-      options%lr_scale = lr_scale
-      options%weight_decay = merge(1_c_int, 0_c_int, weight_decay)
-      if (present(rule)) options%rule = rule
-      if (present(lion_beta1)) options%lion_beta1 = lion_beta1
-      if (present(lion_beta2)) options%lion_beta2 = lion_beta2
-      if (present(adamw8bit_min_numel)) options%adamw8bit_min_numel = int(adamw8bit_min_numel, c_size_t)
+      call set_group_options(options, 'shardopt_set_group', lr_scale, weight_decay, status, &
+                             errmsg, rule, lion_beta1, lion_beta2, adamw8bit_min_numel, &
+                             muon_momentum, muon_nesterov, muon_ns_steps, muon_ns_a, muon_ns_b, &
+                             muon_ns_c, muon_eps, muon_lr_adjust)
+      if (status /= SHARDOPT_SUCCESS) return
       code = c_set_group_ex(opt%ptr, int(group - 1, c_int), options)
     end if
     call finish_index(opt%ptr, code, 'shardopt_set_group', 'group', group, status, errmsg)

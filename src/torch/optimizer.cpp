@@ -210,25 +210,42 @@ void ShardedAdamW::build(const std::vector<std::string>& names, const Units* uni
   });
 
   options.param_dtype = dtype_ == torch::kFloat ? DType::F32 : DType::BF16;
-  core_ = std::make_unique<ShardedOptimizer>(comm, options);
   // Each group's rule (RuleOptions; plain AdamWOptions: AdamW), fixed from here on.
+  std::vector<GroupOptions> rules(param_groups_.size());
   for (std::size_t g = 0; g < param_groups_.size(); ++g) {
-    GroupOptions go;
     if (const auto* r = dynamic_cast<const RuleOptions*>(&param_groups_[g].options())) {
-      go.rule = r->rule();
-      go.lion = r->lion();
-      go.adamw8bit.min_8bit_numel = r->min_8bit_numel();
+      rules[g].rule = r->rule();
+      rules[g].lion = r->lion();
+      rules[g].adamw8bit.min_8bit_numel = r->min_8bit_numel();
+      rules[g].muon = r->muon();
     }
-    if (g == 0)
-      core_->set_group(0, go);
-    else
-      core_->add_group(go);
+    // Muon updates whole matrices: each must live on one rank.
+    if (rules[g].rule == Rule::Muon) options.ownership = Ownership::Whole;
   }
+  core_ = std::make_unique<ShardedOptimizer>(comm, options);
+  for (std::size_t g = 0; g < param_groups_.size(); ++g) {
+    if (g == 0)
+      core_->set_group(0, rules[g]);
+    else
+      core_->add_group(rules[g]);
+  }
+  companion_.assign(param_groups_.size(), -1);
+  for (std::size_t g = 0; g < param_groups_.size(); ++g)
+    if (rules[g].rule == Rule::Muon) companion_[g] = core_->add_group(GroupOptions{});
   apply_group_settings();
   for (std::size_t u = 0; u + 1 < unit_first_.size(); ++u) {
     if (u > 0) core_->begin_unit();
     for (std::size_t i = unit_first_[u]; i < unit_first_[u + 1]; ++i) {
-      core_->add_param(names_[i], static_cast<std::size_t>(params_[i].numel()), group_of_[i]);
+      const torch::Tensor& p = params_[i];
+      const int g = group_of_[i];
+      if (companion_[static_cast<std::size_t>(g)] < 0)
+        core_->add_param(names_[i], static_cast<std::size_t>(p.numel()), g);
+      else if (p.dim() == 2 && p.size(0) > 1 && p.size(1) > 1)  // a Muon matrix
+        core_->add_param(names_[i], Shape2D{static_cast<std::size_t>(p.size(0)),
+                                            static_cast<std::size_t>(p.size(1))}, g);
+      else  // a bias, norm or vector of a Muon group: AdamW
+        core_->add_param(names_[i], static_cast<std::size_t>(p.numel()),
+                         companion_[static_cast<std::size_t>(g)]);
       unit_of_.push_back(u);
     }
   }
@@ -363,7 +380,10 @@ void ShardedAdamW::apply_group_settings() {
   check_groups();
   std::size_t n = 0;
   for (const auto& g : param_groups_) n += g.params().size();
-  require(param_groups_.size() == core_->groups().size() && n == params_.size(),
+  const auto companions = static_cast<std::size_t>(
+      std::count_if(companion_.begin(), companion_.end(), [](int c) { return c >= 0; }));
+  require(param_groups_.size() == companion_.size() &&
+              param_groups_.size() + companions == core_->groups().size() && n == params_.size(),
           Status::InvalidState,
           "ShardedAdamW: parameters or groups were added after construction");
   // The base lr is the first group's (or the largest, if that one is 0); the others scale it.
@@ -382,10 +402,14 @@ void ShardedAdamW::apply_group_settings() {
   core_->set_adam_config(c);
   for (std::size_t g = 0; g < param_groups_.size(); ++g) {
     const AdamWOptions& o = adamw_options(param_groups_[g]);
-    GroupOptions go = core_->groups()[g];  // the rule and its options stay
-    go.lr_scale = base == 0.0 ? 1.0 : o.lr() / base;
-    go.weight_decay = o.weight_decay() != 0.0;
-    core_->set_group(static_cast<int>(g), go);
+    // The group and, for a Muon group, its AdamW companion: the rules and their options stay.
+    for (const int cg : {static_cast<int>(g), companion_[g]}) {
+      if (cg < 0) continue;
+      GroupOptions go = core_->groups()[static_cast<std::size_t>(cg)];
+      go.lr_scale = base == 0.0 ? 1.0 : o.lr() / base;
+      go.weight_decay = o.weight_decay() != 0.0;
+      core_->set_group(cg, go);
+    }
   }
 }
 

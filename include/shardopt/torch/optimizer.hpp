@@ -25,8 +25,15 @@
 //
 // Contract (checked where it can be, otherwise documented):
 // - Update rules: a group's options (or the defaults) may be a RuleOptions, an AdamWOptions
-//   that also names the group's shardopt::Rule (AdamW, Lion, AdamW8bit) and the rule's
+//   that also names the group's shardopt::Rule (AdamW, Lion, AdamW8bit, Muon) and the rule's
 //   options; plain AdamWOptions mean AdamW. The rule is fixed at construction.
+// - Muon (issue 32): in a group flagged RuleOptions().rule(Rule::Muon), every 2-D parameter
+//   with both extents > 1 gets Muon, its shape (size(0), size(1)) taken from the tensor
+//   (row-major, as torch stores an (out_features, in_features) weight); the group's other
+//   parameters (biases, norms) get AdamW with the group's lr and decay. Put embeddings and the
+//   head in an unflagged group (AdamW), as is usual for Muon. With any group flagged the
+//   optimizer uses Ownership::Whole (each matrix updated whole by one rank), which runs
+//   stages 0-2 and no checkpoints yet (finalize and save refuse, on every rank).
 // - Parameters: CPU, dense, leaf tensors that require grad, all fp32 or all bf16, each in one
 //   group. Group options are torch::optim::AdamWOptions; betas and eps must be the same in
 //   every group, weight_decay either 0 or one common value (shardopt's groups have an lr
@@ -101,6 +108,13 @@ class RuleOptions : public torch::optim::AdamWOptions {
     return *this;
   }
   std::size_t min_8bit_numel() const { return adamw8bit_.min_8bit_numel; }
+  /// Muon's own options (momentum, nesterov, Newton-Schulz steps and coefficients, eps, lr
+  /// adjustment), used by rule(Rule::Muon); lr and weight decay are the group's, as for AdamW.
+  RuleOptions& muon(const MuonConfig& m) {
+    muon_ = m;
+    return *this;
+  }
+  const MuonConfig& muon() const { return muon_; }
   std::unique_ptr<torch::optim::OptimizerOptions> clone() const override {
     return std::make_unique<RuleOptions>(*this);
   }
@@ -109,6 +123,7 @@ class RuleOptions : public torch::optim::AdamWOptions {
   Rule rule_ = Rule::AdamW;
   LionConfig lion_;
   AdamW8bitConfig adamw8bit_;
+  MuonConfig muon_;
 };
 
 class ShardedAdamW : public torch::optim::Optimizer {
@@ -227,6 +242,10 @@ class ShardedAdamW : public torch::optim::Optimizer {
   std::vector<torch::Tensor> params_;  // registration order
   std::vector<std::string> names_;
   std::vector<int> group_of_;
+  // Per torch group: the core group of its non-matrix parameters when the group is flagged
+  // Muon (an AdamW group with the same lr and decay), else -1. Core groups 0..G-1 are the
+  // torch groups; these companions come after them.
+  std::vector<int> companion_;
   torch::ScalarType dtype_ = torch::kFloat;
   bool grad_views_ = false;  // fp32 model at stage 0/1: .grad() views the flat buffer
   bool ordered_ = false;     // stages 2/3: gradients must reach shardopt in backward order
