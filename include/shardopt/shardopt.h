@@ -288,10 +288,10 @@ typedef struct shardopt_config {
   int reserved0;        /* must be 0 (keeps the struct free of trailing padding) */
   /* Since 0.5.0 (whole-tensor ownership, issue 32): */
   int ownership;        /* shardopt_ownership_t; default SHARDOPT_OWNERSHIP_FLAT. WHOLE is
-                           needed by SHARDOPT_RULE_MUON groups; it runs stages 0-2 on the CPU
-                           (finalize returns SHARDOPT_ERROR_UNSUPPORTED at stage 3, with
-                           SHARDOPT_DEVICE_CUDA, or with SHARDOPT_REDUCTION_REPRODUCIBLE at
-                           stages 1-2) and checkpoints refuse it */
+                           needed by SHARDOPT_RULE_MUON groups; it runs stages 0-3 on the CPU
+                           with either reduction and stages 0-2 on SHARDOPT_DEVICE_CUDA with
+                           the default one (finalize returns SHARDOPT_ERROR_UNSUPPORTED for
+                           the rest) and checkpoints refuse it */
   int reserved1;        /* must be 0 (keeps the struct free of trailing padding) */
 } shardopt_config_t;
 
