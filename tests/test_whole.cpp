@@ -8,17 +8,14 @@
 // every rank), and equal wire bytes per step (a byte-counting communicator).
 #include <gtest/gtest.h>
 #include <mpi.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "shardopt/checkpoint.hpp"
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
@@ -360,17 +357,6 @@ TEST(Whole, Refusals) {
       test::expect_same_error(Status::Unsupported, [&] { finalize_with(cuda); },
                               {"ownership Whole", "Cuda"}, "cuda");
   }
-  // Checkpoints.
-  OptimizerOptions o;
-  o.ownership = Ownership::Whole;
-  auto opt = make(o, test::world());
-  opt->finalize();
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                    ("shardopt_whole_ckpt_" + std::to_string(::getppid()));
-  test::expect_same_error(Status::Unsupported, [&] { save_checkpoint(*opt, dir); },
-                          {"ownership Whole", "save_checkpoint"}, "save");
-  test::expect_same_error(Status::Unsupported, [&] { load_checkpoint(*opt, dir); },
-                          {"ownership Whole", "load_checkpoint"}, "load");
   // The planner refuses what finalize() refuses.
   FlatLayout l;
   l.add("a", 100, 0);

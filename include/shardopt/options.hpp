@@ -181,7 +181,8 @@ struct OptimizerOptions {
   /// ownership.hpp). Rule::Muon needs Whole. Whole runs stages 0, 1 and 2 on the CPU with the
   /// default reduction (and Reduction::Reproducible at stage 0); finalize() refuses it
   /// (Error(Unsupported)) at stage 3, with Reduction::Reproducible at stages 1-2 or with
-  /// Device::Cuda, and save_checkpoint / load_checkpoint refuse a Whole optimizer.
+  /// Device::Cuda. Checkpoints do not depend on it: saved in either ownership, they load in
+  /// either (checkpoint.hpp).
   Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------
