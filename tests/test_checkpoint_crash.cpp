@@ -35,7 +35,9 @@ namespace fs = std::filesystem;
 namespace {
 
 // The child's model: Flat, or Whole with Muon matrices.
-test::CkptSetup setup_of(bool whole) { return whole ? test::whole_muon_setup() : test::CkptSetup{}; }
+test::CkptSetup setup_of(bool whole) {
+  return whole ? test::whole_muon_setup() : test::CkptSetup{};
+}
 
 // What the child's state was at its first (3 steps) and second (5 steps) save.
 test::FullState expected_after(int steps, bool whole = false) {

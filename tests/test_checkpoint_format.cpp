@@ -71,6 +71,14 @@ void reseal(std::vector<unsigned char>& bytes) {
   std::memcpy(bytes.data() + 28, &header_crc, 4);
 }
 
+// A metadata file's bytes with the version field set to `v` (and the header checksum fixed).
+std::vector<unsigned char> with_version(std::vector<unsigned char> bytes, std::uint32_t v) {
+  std::memcpy(bytes.data() + 8, &v, 4);
+  const std::uint32_t header_crc = crc32c(bytes.data(), 28);
+  std::memcpy(bytes.data() + 28, &header_crc, 4);
+  return bytes;
+}
+
 std::vector<unsigned char> fixture_file(const char* name) {
   std::ifstream f(std::string(SHARDOPT_TEST_DATA) + "/ckpt_v1/save/ckpt-00000001/" + name,
                   std::ios::binary);
@@ -248,11 +256,8 @@ TEST(Format, EveryTruncationAndEveryByteFlipIsRefused) {
 }
 
 TEST(Format, NewerVersionIsUnsupportedWithAClearMessage) {
-  std::vector<unsigned char> bytes = encode_metadata(sample());
-  const std::uint32_t v = kFormatVersion + 1;
-  std::memcpy(bytes.data() + 8, &v, 4);
-  const std::uint32_t crc = crc32c(bytes.data(), 28);
-  std::memcpy(bytes.data() + 28, &crc, 4);
+  const std::vector<unsigned char> bytes =
+      with_version(encode_metadata(sample()), kFormatVersion + 1);
   try {
     decode_metadata(bytes);
     FAIL() << "accepted";
@@ -524,12 +529,8 @@ TEST(Format, EightBitBlocksFollowTheQuantizationBlocks) {
                 shard_of(bad, {{868, 235, 3u, 0}}), shard_of(bad, {})};
   expect_refused(bad, "a block cutting a quantization block");
   // Format 4 could not hold AdamW8bit: such a group in a format-4 file is corrupt.
-  std::vector<unsigned char> v4 = encode_metadata(sample());
-  const std::uint32_t four = 4;
-  std::memcpy(v4.data() + 8, &four, 4);
-  const std::uint32_t header_crc = crc32c(v4.data(), 28);
-  std::memcpy(v4.data() + 28, &header_crc, 4);
-  EXPECT_THROW(decode_metadata(v4), Error);  // (40-byte groups read as 32: corrupt either way)
+  // (40-byte groups read as 32: corrupt either way)
+  EXPECT_THROW(decode_metadata(with_version(encode_metadata(sample()), 4)), Error);
 }
 
 // Format 6: a Muon group's options follow its record; every parameter's 2-D shape follows its
@@ -602,13 +603,8 @@ TEST(Format, ShapesMustMatchTheSizesAndMuonNeedsFormatSix) {
   expect_refused(m, "a shape of another size");
   // The same bytes read as format 5 (no options, no shapes) are refused: format 5 cannot hold
   // Muon state.
-  std::vector<unsigned char> v5 = encode_metadata(muon_sample());
-  const std::uint32_t five = 5;
-  std::memcpy(v5.data() + 8, &five, 4);
-  const std::uint32_t header_crc = crc32c(v5.data(), 28);
-  std::memcpy(v5.data() + 28, &header_crc, 4);
   try {
-    decode_metadata(v5);
+    decode_metadata(with_version(encode_metadata(muon_sample()), 5));
     ADD_FAILURE() << "format 5 with a Muon group accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::CorruptData);

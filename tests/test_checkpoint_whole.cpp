@@ -12,7 +12,6 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -68,18 +67,6 @@ void broadcast(Communicator& comm, Snapshot& s) {
   comm.broadcast_bytes(&n, sizeof n, 0);
   s.replica.resize(n);
   if (n > 0) comm.broadcast_bytes(s.replica.data(), n * 4, 0);
-}
-
-// A directory every rank of `world` sees at the same path.
-fs::path shared_temp_dir(Communicator& world) {
-  char name[256] = {};
-  if (world.rank() == 0) {
-    std::string tmpl = (fs::temp_directory_path() / "shardopt-ckpt-whole-XXXXXX").string();
-    if (!mkdtemp(tmpl.data())) std::abort();
-    std::snprintf(name, sizeof name, "%s", tmpl.c_str());
-  }
-  world.broadcast_bytes(name, sizeof name, 0);
-  return name;
 }
 
 // Muon options other than the defaults: a load must bring them back.
@@ -149,7 +136,8 @@ TEST_P(WholeCheckpoint, SavedAtNRanksLoadsAtMInEitherOwnershipAndContinuesBitFor
     for (int m = 1; m <= W; ++m) {
       if (n != W && m != W) continue;
       SCOPED_TRACE("saved at " + std::to_string(n) + " ranks, loaded at " + std::to_string(m));
-      const fs::path dir = shared_temp_dir(*world);
+      const test::SharedDir shared(*world);
+      const fs::path& dir = shared.path();
       auto at_n = test::first_world_ranks(n);
       auto at_m = test::first_world_ranks(m);
 
@@ -198,8 +186,6 @@ TEST_P(WholeCheckpoint, SavedAtNRanksLoadsAtMInEitherOwnershipAndContinuesBitFor
                   << "loaded as " << ownership_name(own) << " " << stage_name(stage);
             }
       }
-      world->barrier();
-      if (world->rank() == 0) fs::remove_all(dir);
     }
 }
 
@@ -226,7 +212,8 @@ INSTANTIATE_TEST_SUITE_P(
 // is refused on every rank, naming it and both shapes, and the optimizer keeps its state.
 TEST(WholeCheckpointRefusals, AMuonMatrixOfAnotherShapeIsRefused) {
   auto world = test::world();
-  const fs::path dir = shared_temp_dir(*world);
+  const test::SharedDir shared(*world);
+  const fs::path& dir = shared.path();
   test::CkptSetup s;
   s.ownership = Ownership::Whole;
   s.muon = true;
@@ -243,8 +230,6 @@ TEST(WholeCheckpointRefusals, AMuonMatrixOfAnotherShapeIsRefused) {
                            "the optimizer registers it as 40 x 24"},
                           "transposed Muon matrix");
   EXPECT_TRUE(test::gather_state(*b) == before);
-  world->barrier();
-  if (world->rank() == 0) fs::remove_all(dir);
 }
 
 // shardopt-export reads files only: a Whole checkpoint gives the very file a Flat checkpoint of
@@ -252,7 +237,8 @@ TEST(WholeCheckpointRefusals, AMuonMatrixOfAnotherShapeIsRefused) {
 // exported with their shapes and master values.
 TEST(WholeCheckpointExport, WritesTheSameFileAsFromAFlatCheckpoint) {
   auto world = test::world();
-  const fs::path dir = shared_temp_dir(*world);
+  const test::SharedDir shared(*world);
+  const fs::path& dir = shared.path();
   const auto save = [&](const test::CkptSetup& s, const char* name) {
     auto opt = test::make_ckpt_optimizer(world, s);
     for (int k = 1; k <= 3; ++k) test::ckpt_train_step(*opt, k);
@@ -280,8 +266,10 @@ TEST(WholeCheckpointExport, WritesTheSameFileAsFromAFlatCheckpoint) {
     const std::vector<unsigned char> from_flat = export_to("flat");
     EXPECT_EQ(export_to("whole"), from_flat);
     const std::string text(from_flat.begin(), from_flat.end());
-    EXPECT_NE(text.find("\"layer1.weight\":{\"dtype\":\"F32\",\"shape\":[20,15]"), std::string::npos);
-    EXPECT_NE(text.find("\"layer2.weight\":{\"dtype\":\"F32\",\"shape\":[4097]"), std::string::npos);
+    EXPECT_NE(text.find("\"layer1.weight\":{\"dtype\":\"F32\",\"shape\":[20,15]"),
+              std::string::npos);
+    EXPECT_NE(text.find("\"layer2.weight\":{\"dtype\":\"F32\",\"shape\":[4097]"),
+              std::string::npos);
     const std::vector<unsigned char> m = export_to("muon");
     std::uint64_t header = 0;
     std::memcpy(&header, m.data(), 8);
@@ -293,6 +281,4 @@ TEST(WholeCheckpointExport, WritesTheSameFileAsFromAFlatCheckpoint) {
     ASSERT_EQ(m.size(), 8 + header + master.size() * 4);
     EXPECT_EQ(std::memcmp(m.data() + 8 + header, master.data(), master.size() * 4), 0);
   }
-  world->barrier();
-  if (world->rank() == 0) fs::remove_all(dir);
 }

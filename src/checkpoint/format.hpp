@@ -35,8 +35,8 @@ inline constexpr std::uint32_t kNumArrays = 3;
 /// The arrays of a format-5/6 block, in file order. Each holds the entries of the block's
 /// elements whose rule keeps it (rules/rules.hpp; piece_entries() says how many), in
 /// canonical order: master every element (fp32), exp_avg those under AdamW, Lion and Muon
-/// (fp32: AdamW's first moment, Lion's and Muon's momentum), exp_avg_sq those under AdamW (fp32),
-/// the AdamW8bit elements' exp_avg and exp_avg_sq scales (fp32, one per 256-element
+/// (fp32: AdamW's first moment, Lion's and Muon's momentum), exp_avg_sq those under AdamW
+/// (fp32), the AdamW8bit elements' exp_avg and exp_avg_sq scales (fp32, one per 256-element
 /// quantization block counted from the parameter's first element) and their codes (u8 per
 /// element). Formats 1-4 hold the first three, every element each.
 enum class FileArray : std::uint32_t { Master, ExpAvg, ExpAvgSq, ScaleM, ScaleV, CodeM, CodeV };
