@@ -3,8 +3,9 @@
 // save protocol on one rank: that rank writes its pid to a marker file and waits there for
 // SIGKILL. Run alone (single process) or under mpiexec ("mpi"). "resume" (under mpiexec, any
 // rank count) is the job after the crash: it loads DIR's latest checkpoint, trains steps 4 and
-// 5 and saves them into DIR (POINT, RANK and MARKER unused).
-//   checkpoint_crash_child DIR POINT RANK MARKER single|mpi|resume
+// 5 and saves them into DIR (POINT, RANK and MARKER unused). "whole" trains the Whole-ownership
+// model with Muon matrices (ckpt_model.hpp: whole_muon_setup) instead of the Flat one.
+//   checkpoint_crash_child DIR POINT RANK MARKER single|mpi|resume [whole]
 #include <unistd.h>
 
 #include <cstdio>
@@ -41,10 +42,11 @@ void stop_here(const char* point) {
 
 int main(int argc, char** argv) {
   using namespace shardopt;
-  if (argc != 6) {
-    std::fprintf(stderr, "usage: %s DIR POINT RANK MARKER single|mpi|resume\n", argv[0]);
+  if (argc != 6 && !(argc == 7 && std::strcmp(argv[6], "whole") == 0)) {
+    std::fprintf(stderr, "usage: %s DIR POINT RANK MARKER single|mpi|resume [whole]\n", argv[0]);
     return 2;
   }
+  const test::CkptSetup setup = argc == 7 ? test::whole_muon_setup() : test::CkptSetup{};
   const std::filesystem::path dir = argv[1];
   g_point = argv[2];
   g_stop_rank = std::atoi(argv[3]);
@@ -64,7 +66,7 @@ int main(int argc, char** argv) {
   }
   g_rank = comm->rank();
   try {
-    auto opt = test::make_ckpt_optimizer(comm, {});
+    auto opt = test::make_ckpt_optimizer(comm, setup);
     if (resume) {
       load_checkpoint(*opt, dir);
     } else {

@@ -2,8 +2,9 @@
 // previous checkpoint complete and loadable; the next save cleans the temporaries. The
 // victim is checkpoint_crash_child, run alone, under mpiexec (one rank killed) and on pretend
 // nodes (scripts/mpiexec_nodes.sh: the stopped rank's whole node killed; a job on the nodes
-// left then resumes from the checkpoint and trains on). Also two jobs saving into one
-// directory: the second is refused while the first lives.
+// left then resumes from the checkpoint and trains on), with the Flat model and with the Whole
+// one (Muon matrices: ragged per-rank ranges). Also two jobs saving into one directory: the
+// second is refused while the first lives.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -33,9 +34,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// The child's model: Flat, or Whole with Muon matrices.
+test::CkptSetup setup_of(bool whole) {
+  return whole ? test::whole_muon_setup() : test::CkptSetup{};
+}
+
 // What the child's state was at its first (3 steps) and second (5 steps) save.
-test::FullState expected_after(int steps) {
-  auto opt = test::make_ckpt_optimizer(make_single_process_communicator(), {});
+test::FullState expected_after(int steps, bool whole = false) {
+  auto opt = test::make_ckpt_optimizer(make_single_process_communicator(), setup_of(whole));
   for (int s = 1; s <= steps; ++s) test::ckpt_train_step(*opt, s);
   return test::gather_state(*opt);
 }
@@ -82,6 +88,7 @@ struct Crash {
   // ranks; 0: the nodes left (nodes - 1), as many ranks each as before.
   int resume_nodes = 0;
   int resume_per_node = 0;
+  bool whole = false;  // the Whole model (Muon matrices) instead of the Flat one
 };
 
 std::string crash_name(const testing::TestParamInfo<Crash>& i) {
@@ -90,13 +97,16 @@ std::string crash_name(const testing::TestParamInfo<Crash>& i) {
                   (i.param.nodes ? "_nodes" + std::to_string(i.param.nodes) : "") +
                   (i.param.resume_nodes ? "_resume" + std::to_string(i.param.resume_nodes) + "x" +
                                               std::to_string(i.param.resume_per_node)
-                                        : "");
+                                        : "") +
+                  (i.param.whole ? "_whole" : "");
   for (char& c : s)
     if (c == '-') c = '_';
   return s;
 }
 
-void PrintTo(const Crash& c, std::ostream* os) { *os << c.point << " np" << c.ranks; }
+void PrintTo(const Crash& c, std::ostream* os) {
+  *os << c.point << " np" << c.ranks << (c.whole ? " whole" : "");
+}
 
 class KillDuringSave : public testing::TestWithParam<Crash> {};
 
@@ -129,6 +139,7 @@ StoppedJob start_stopped_job(const Crash& c, const fs::path& dir, const fs::path
                                std::to_string(c.stop_rank), marker.string(),
                                std::string(c.ranks > 1 ? "mpi" : "single")})
     args.push_back(a);
+  if (c.whole) args.push_back("whole");
   // Open MPI refuses to run as root (containers) unless told; MPICH ignores these.
   setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 0);
   setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 0);
@@ -216,9 +227,9 @@ TEST_P(KillDuringSave, PreviousCheckpointLoadsAndTemporariesAreCleaned) {
   kill_job(job, c.nodes > 0 ? c.ranks / c.nodes : 0);
 
   // The newest published checkpoint loads and is complete.
-  auto opt = test::make_ckpt_optimizer(make_single_process_communicator(), {});
+  auto opt = test::make_ckpt_optimizer(make_single_process_communicator(), setup_of(c.whole));
   load_checkpoint(*opt, dir);
-  EXPECT_TRUE(test::gather_state(*opt) == expected_after(c.expect_steps));
+  EXPECT_TRUE(test::gather_state(*opt) == expected_after(c.expect_steps, c.whole));
 #ifdef SHARDOPT_NODES_LAUNCHER
   if (c.nodes > 1) {
     // The nodes left (one fewer, as many ranks each), or the dead node restarted with another
@@ -230,10 +241,11 @@ TEST_P(KillDuringSave, PreviousCheckpointLoadsAndTemporariesAreCleaned) {
     setenv("ASAN_OPTIONS", ((asan && *asan ? std::string(asan) + ":" : std::string()) + "detect_leaks=0").c_str(), 1);
     const int nodes = c.resume_nodes ? c.resume_nodes : c.nodes - 1;
     const int per_node = c.resume_per_node ? c.resume_per_node : c.ranks / c.nodes;
-    const pid_t resume = spawn({"/bin/bash", SHARDOPT_NODES_LAUNCHER, std::to_string(nodes),
-                                std::to_string(per_node), "--", SHARDOPT_CRASH_CHILD, dir.string(),
-                                "-", "0", "-", "resume"},
-                               work / "resume.log");
+    std::vector<std::string> args = {"/bin/bash", SHARDOPT_NODES_LAUNCHER, std::to_string(nodes),
+                                     std::to_string(per_node), "--", SHARDOPT_CRASH_CHILD,
+                                     dir.string(), "-", "0", "-", "resume"};
+    if (c.whole) args.push_back("whole");
+    const pid_t resume = spawn(args, work / "resume.log");
     ASSERT_GT(resume, 0);
     int status = -1;
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
@@ -247,9 +259,9 @@ TEST_P(KillDuringSave, PreviousCheckpointLoadsAndTemporariesAreCleaned) {
     }
     ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
         << std::string(std::istreambuf_iterator<char>(std::ifstream(work / "resume.log").rdbuf()), {});
-    auto resumed = test::make_ckpt_optimizer(make_single_process_communicator(), {});
+    auto resumed = test::make_ckpt_optimizer(make_single_process_communicator(), setup_of(c.whole));
     load_checkpoint(*resumed, dir);
-    EXPECT_TRUE(test::gather_state(*resumed) == expected_after(5));
+    EXPECT_TRUE(test::gather_state(*resumed) == expected_after(5, c.whole));
     for (const fs::directory_entry& e : fs::directory_iterator(dir)) {
       const std::string name = e.path().filename().string();
       EXPECT_TRUE(name == "LATEST" || name == ckpt::kLockFile || name.rfind("ckpt-", 0) == 0)
@@ -268,9 +280,9 @@ TEST_P(KillDuringSave, PreviousCheckpointLoadsAndTemporariesAreCleaned) {
     EXPECT_TRUE(name == "LATEST" || name == ckpt::kLockFile || name.rfind("ckpt-", 0) == 0)
         << "left over: " << name;
   }
-  auto again = test::make_ckpt_optimizer(make_single_process_communicator(), {});
+  auto again = test::make_ckpt_optimizer(make_single_process_communicator(), setup_of(c.whole));
   load_checkpoint(*again, dir);
-  EXPECT_TRUE(test::gather_state(*again) == expected_after(c.expect_steps));
+  EXPECT_TRUE(test::gather_state(*again) == expected_after(c.expect_steps, c.whole));
   fs::remove_all(work);
 }
 
@@ -334,5 +346,11 @@ INSTANTIATE_TEST_SUITE_P(
                     // The killed node restarted with another rank count: 2 nodes of 1 rank,
                     // and 2 nodes of 3 ranks (6 ranks, where the crashed job had 4).
                     Crash{"metadata-written", 4, 0, 3, 2, 2, 1},
-                    Crash{"shard-partly-written", 4, 0, 3, 2, 2, 3}),
+                    Crash{"shard-partly-written", 4, 0, 3, 2, 2, 3},
+                    // The Whole model (Muon matrices, ragged ranges), alone and one rank of 2 or 3.
+                    Crash{"shard-partly-written", 1, 0, 3, 0, 0, 0, true},
+                    Crash{"published", 1, 0, 5, 0, 0, 0, true},
+                    Crash{"shard-partly-written", 2, 1, 3, 0, 0, 0, true},
+                    Crash{"renamed", 3, 0, 3, 0, 0, 0, true},
+                    Crash{"metadata-written", 4, 0, 3, 2, 0, 0, true}),
     crash_name);

@@ -1,5 +1,5 @@
 // test_checkpoint_fixture.cpp: checkpoints users already have still load. The committed
-// format-1, -2 and -3 checkpoints (tests/data/ckpt_v1, v2, v3, all saved at 2 ranks
+// format-1 to -5 checkpoints (tests/data/ckpt_v1 to v5, all saved at 2 ranks
 // from the same state) load at this run's world size (1 without MPI, 1-4 under mpiexec) in
 // every stage, bit for bit equal to the state they were saved from, with their
 // hyperparameters and loss-scaling state; saved again (current format) they load again
@@ -30,7 +30,8 @@ const fs::path kFixture = fs::path(SHARDOPT_TEST_DATA) / "ckpt_v1";
 // Every committed fixture: a checkpoint of each older format version.
 const std::vector<fs::path> kFixtures = {kFixture, fs::path(SHARDOPT_TEST_DATA) / "ckpt_v2",
                                          fs::path(SHARDOPT_TEST_DATA) / "ckpt_v3",
-                                         fs::path(SHARDOPT_TEST_DATA) / "ckpt_v4"};
+                                         fs::path(SHARDOPT_TEST_DATA) / "ckpt_v4",
+                                         fs::path(SHARDOPT_TEST_DATA) / "ckpt_v5"};
 
 // expected.bin: master, exp_avg, exp_avg_sq per parameter, unpadded (see tests/data/README.md).
 test::FullState expected_state(const fs::path& fixture = kFixture) {
@@ -110,6 +111,20 @@ TEST(FixtureFiles, FormatFourHasRulesButNoQuantizationFields) {
   }
   EXPECT_FALSE(m.has_qmap_checksums);  // format 5 added them
   // Format 4 stored three fp32 arrays for every element (12 bytes each).
+  for (const ckpt::MetaShard& s : m.shards) {
+    std::uint64_t n = 0;
+    for (const ckpt::Block& b : s.blocks) n += b.count;
+    EXPECT_EQ(s.file_bytes, ckpt::kShardHeaderBytes + 12 * n);
+  }
+}
+
+TEST(FixtureFiles, FormatFiveHasQuantizationFieldsButNoShapes) {
+  const ckpt::Metadata m = ckpt::read_metadata(kFixtures[4] / "save" / "ckpt-00000001");
+  EXPECT_EQ(m.version, 5u);
+  EXPECT_EQ(m.world_size, 2u);
+  EXPECT_TRUE(m.has_qmap_checksums);
+  for (const ckpt::MetaParam& p : m.params) EXPECT_EQ(p.rows, 0u);  // format 6 added shapes
+  // AdamW groups only: 12 bytes per element, as in format 4.
   for (const ckpt::MetaShard& s : m.shards) {
     std::uint64_t n = 0;
     for (const ckpt::Block& b : s.blocks) n += b.count;

@@ -71,6 +71,14 @@ void reseal(std::vector<unsigned char>& bytes) {
   std::memcpy(bytes.data() + 28, &header_crc, 4);
 }
 
+// A metadata file's bytes with the version field set to `v` (and the header checksum fixed).
+std::vector<unsigned char> with_version(std::vector<unsigned char> bytes, std::uint32_t v) {
+  std::memcpy(bytes.data() + 8, &v, 4);
+  const std::uint32_t header_crc = crc32c(bytes.data(), 28);
+  std::memcpy(bytes.data() + 28, &header_crc, 4);
+  return bytes;
+}
+
 std::vector<unsigned char> fixture_file(const char* name) {
   std::ifstream f(std::string(SHARDOPT_TEST_DATA) + "/ckpt_v1/save/ckpt-00000001/" + name,
                   std::ios::binary);
@@ -224,8 +232,9 @@ TEST(Format, ShardsMustCoverEveryElementExactlyOnce) {
   expect_refused(m, "a block longer than kBlockElems");
 }
 
-TEST(Format, EveryTruncationAndEveryByteFlipIsRefused) {
-  const std::vector<unsigned char> bytes = encode_metadata(sample());
+namespace {
+// Every truncation of `bytes` and every flip of one bit (0x04) in it is refused.
+void expect_every_corruption_refused(const std::vector<unsigned char>& bytes) {
   for (std::size_t n = 0; n < bytes.size(); ++n) {
     EXPECT_THROW(decode_metadata(std::span(bytes.data(), n)), Error) << "length " << n;
   }
@@ -240,13 +249,15 @@ TEST(Format, EveryTruncationAndEveryByteFlipIsRefused) {
     }
   }
 }
+}  // namespace
+
+TEST(Format, EveryTruncationAndEveryByteFlipIsRefused) {
+  expect_every_corruption_refused(encode_metadata(sample()));
+}
 
 TEST(Format, NewerVersionIsUnsupportedWithAClearMessage) {
-  std::vector<unsigned char> bytes = encode_metadata(sample());
-  const std::uint32_t v = kFormatVersion + 1;
-  std::memcpy(bytes.data() + 8, &v, 4);
-  const std::uint32_t crc = crc32c(bytes.data(), 28);
-  std::memcpy(bytes.data() + 28, &crc, 4);
+  const std::vector<unsigned char> bytes =
+      with_version(encode_metadata(sample()), kFormatVersion + 1);
   try {
     decode_metadata(bytes);
     FAIL() << "accepted";
@@ -518,10 +529,90 @@ TEST(Format, EightBitBlocksFollowTheQuantizationBlocks) {
                 shard_of(bad, {{868, 235, 3u, 0}}), shard_of(bad, {})};
   expect_refused(bad, "a block cutting a quantization block");
   // Format 4 could not hold AdamW8bit: such a group in a format-4 file is corrupt.
-  std::vector<unsigned char> v4 = encode_metadata(sample());
-  const std::uint32_t four = 4;
-  std::memcpy(v4.data() + 8, &four, 4);
-  const std::uint32_t header_crc = crc32c(v4.data(), 28);
-  std::memcpy(v4.data() + 28, &header_crc, 4);
-  EXPECT_THROW(decode_metadata(v4), Error);  // (40-byte groups read as 32: corrupt either way)
+  // (40-byte groups read as 32: corrupt either way)
+  EXPECT_THROW(decode_metadata(with_version(encode_metadata(sample()), 4)), Error);
+}
+
+// Format 6: a Muon group's options follow its record; every parameter's 2-D shape follows its
+// group; Muon's momentum is an exp_avg (8 bytes per element with its master).
+namespace {
+Metadata muon_sample() {
+  Metadata m = sample();
+  GroupOptions muon;
+  muon.rule = Rule::Muon;
+  muon.lr_scale = 2.0;
+  muon.muon.momentum = 0.8;
+  muon.muon.nesterov = false;
+  muon.muon.ns_steps = 7;
+  muon.muon.ns_a = 3.0;
+  muon.muon.ns_b = -4.0;
+  muon.muon.ns_c = 2.5;
+  muon.muon.eps = 1e-6;
+  muon.muon.lr_adjust = MuonLrAdjust::None;
+  m.groups.push_back(muon);
+  m.params = {{"embed", 100, 0, 0, 0, 0}, {"w", 1000, 2, 0, 25, 40}, {"b", 3, 1, 0, 1, 3}};
+  m.shards = {shard_of(m, {{0, 400, 0x1234u, 0}}),
+              shard_of(m, {{400, 300, 0x1235u, 0}, {700, 100, 0x99u, 0}}), shard_of(m, {}),
+              shard_of(m, {{800, 303, 0x1236u, 0}})};
+  return m;
+}
+}  // namespace
+
+TEST(Format, MuonOptionsAndShapesRoundTrip) {
+  const Metadata m = muon_sample();
+  const std::vector<unsigned char> bytes = encode_metadata(m);
+  // The same metadata without the Muon group: its options take 52 bytes.
+  Metadata adamw = m;
+  adamw.groups[2] = GroupOptions{};
+  EXPECT_EQ(bytes.size(), encode_metadata(adamw).size() + 52);
+  const Metadata d = decode_metadata(bytes);
+  EXPECT_EQ(d.version, 6u);
+  ASSERT_EQ(d.groups.size(), 3u);
+  const MuonConfig& c = d.groups[2].muon;
+  EXPECT_EQ(d.groups[2].rule, Rule::Muon);
+  EXPECT_EQ(d.groups[2].lr_scale, 2.0);
+  EXPECT_EQ(c.momentum, 0.8);
+  EXPECT_FALSE(c.nesterov);
+  EXPECT_EQ(c.ns_steps, 7);
+  EXPECT_EQ(c.ns_a, 3.0);
+  EXPECT_EQ(c.ns_b, -4.0);
+  EXPECT_EQ(c.ns_c, 2.5);
+  EXPECT_EQ(c.eps, 1e-6);
+  EXPECT_EQ(c.lr_adjust, MuonLrAdjust::None);
+  // Another group keeps the default Muon options (its record holds none).
+  EXPECT_EQ(d.groups[1].muon.momentum, MuonConfig{}.momentum);
+  // Shapes: as given, and 1 x numel where none was recorded.
+  EXPECT_EQ(d.params[0].rows, 1u);
+  EXPECT_EQ(d.params[0].cols, 100u);
+  EXPECT_EQ(d.params[1].rows, 25u);
+  EXPECT_EQ(d.params[1].cols, 40u);
+  EXPECT_EQ(param_rule(d, 1), Rule::Muon);
+  // Shard 0: 100 AdamW elements (12 bytes) and 300 Muon (8: master and momentum); shard 3:
+  // the Muon tail (300 elements, 8 bytes each) and 3 Lion (8).
+  EXPECT_EQ(d.shards[0].file_bytes, kShardHeaderBytes + 12 * 100 + 8 * 300);
+  EXPECT_EQ(d.shards[3].file_bytes, kShardHeaderBytes + 8 * 300 + 8 * 3);
+  expect_every_corruption_refused(bytes);
+}
+
+TEST(Format, ShapesMustMatchTheSizesAndMuonNeedsFormatSix) {
+  Metadata m = muon_sample();
+  m.params[1].rows = 30;  // 30 x 40 != 1000
+  expect_refused(m, "a shape of another size");
+  m.params[1].rows = 25;
+  m.params[1].cols = 41;
+  expect_refused(m, "a shape of another size");
+  // The same bytes read as format 5 (no options, no shapes) are refused: format 5 cannot hold
+  // Muon state.
+  try {
+    decode_metadata(with_version(encode_metadata(muon_sample()), 5));
+    ADD_FAILURE() << "format 5 with a Muon group accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::CorruptData);
+    EXPECT_NE(std::string(e.what()).find("format 5 cannot hold Muon state"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(first_format_with(Rule::AdamW), 1u);
+  EXPECT_EQ(first_format_with(Rule::Lion), 4u);
+  EXPECT_EQ(first_format_with(Rule::AdamW8bit), 5u);
+  EXPECT_EQ(first_format_with(Rule::Muon), 6u);
 }

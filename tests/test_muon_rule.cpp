@@ -13,13 +13,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "shardopt/bf16.hpp"
-#include "shardopt/checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
 #include "support/muon_model.hpp"
@@ -427,12 +425,6 @@ TEST(MuonRule, RefusalsAreTheSameOnEveryRank) {
   test::expect_same_error(
       Status::InvalidArgument, [&] { ShardedOptimizer(test::world(), ok).add_group(bad); },
       {"momentum"}, "momentum 1");
-  // Checkpoints of Muon state: refused clearly.
-  auto opt = make(test::world(), ok.bucket_elems < 16384 ? muon_options(20000) : ok, muon_group());
-  test::expect_same_error(
-      Status::Unsupported,
-      [&] { save_checkpoint(*opt, std::filesystem::temp_directory_path() / "shardopt_muon_ckpt"); },
-      {"Muon"}, "save_checkpoint");
 }
 
 // (e) The memory each rank holds is the planner's: 4 bytes of state per Muon element.

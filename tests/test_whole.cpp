@@ -11,17 +11,14 @@
 // per step (a byte-counting communicator).
 #include <gtest/gtest.h>
 #include <mpi.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "shardopt/checkpoint.hpp"
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
@@ -394,21 +391,8 @@ TEST(Whole, Refusals) {
     auto opt = make(o, test::world());
     opt->finalize();
   };
-  // (Device::Cuda runs Whole at stages 0-2: tests/gpu/test_cuda_optimizer.cpp, CudaWhole.)
-  // Checkpoints (stage 3 too).
-  for (Stage stage : {Stage::Zero1, Stage::Zero3}) {
-    OptimizerOptions o;
-    o.ownership = Ownership::Whole;
-    o.stage = stage;
-    auto opt = make(o, test::world());
-    opt->finalize();
-    const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                      ("shardopt_whole_ckpt_" + std::to_string(::getppid()));
-    test::expect_same_error(Status::Unsupported, [&] { save_checkpoint(*opt, dir); },
-                            {"ownership Whole", "save_checkpoint"}, "save");
-    test::expect_same_error(Status::Unsupported, [&] { load_checkpoint(*opt, dir); },
-                            {"ownership Whole", "load_checkpoint"}, "load");
-  }
+  // (Device::Cuda runs Whole at stages 0-2: tests/gpu/test_cuda_optimizer.cpp, CudaWhole;
+  // checkpoints of Whole layouts: test_checkpoint_whole.)
   // The planner refuses what finalize() refuses.
   FlatLayout l;
   l.add("a", 100, 0);

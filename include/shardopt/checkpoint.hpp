@@ -6,10 +6,11 @@
 // (independent of the saving world size and stage); every file and block is CRC-32C
 // checksummed. A save writes into a temporary directory and publishes it by rename, so a
 // process killed at any moment leaves the previous checkpoint complete. A checkpoint saved at
-// N ranks loads at any M ranks, in any stage, bit for bit; checkpoints of the previous
-// formats (1 to 4) still load. Each parameter's state is its rule's (AdamW's moments,
-// Lion's momentum, AdamW8bit's codes and block scales). Format and protocol: docs/checkpoint-format.md. All ranks must see
-// the same file system path.
+// N ranks loads at any M ranks, in any stage and either ownership (Flat or Whole), bit for
+// bit; checkpoints of the previous formats (1 to 5) still load. Each parameter's state is its
+// rule's (AdamW's moments, Lion's and Muon's momentum, AdamW8bit's codes and block scales).
+// Format and protocol: docs/checkpoint-format.md. All ranks must see the same file system
+// path.
 #pragma once
 
 #include <filesystem>
@@ -36,8 +37,8 @@ std::filesystem::path save_checkpoint(ShardedOptimizer& opt, const std::filesyst
 
 /// Collective. Loads the checkpoint that `path` names: a save directory (its LATEST
 /// checkpoint) or one checkpoint directory. The optimizer must be finalized with the same
-/// parameters (names, sizes, order, groups) and parameter dtype; the world size and stage
-/// may differ. Restores master weights, moments, step count, hyperparameters, group options
+/// parameters (names, sizes, order, groups; a Muon parameter also its shape) and parameter
+/// dtype; the world size, stage, bucket size and ownership may differ. Restores master weights, moments, step count, hyperparameters, group options
 /// and the loss-scaling state, then rebuilds the replica. Everything is validated first: on a
 /// missing, truncated, corrupted, mismatched or newer-version checkpoint every rank throws
 /// (Io, CorruptData, LayoutMismatch, Unsupported) and the optimizer is left unchanged; so does

@@ -183,7 +183,8 @@ struct OptimizerOptions {
   /// reduction (stage 3: each rank keeps its owned ranges, units gathered by uneven
   /// all-gathers), and stages 0-2 on Device::Cuda with the default reduction (docs/cuda.md);
   /// finalize() refuses it (Error(Unsupported)) on Device::Cuda at stage 3 or with
-  /// Reduction::Reproducible, and save_checkpoint / load_checkpoint refuse a Whole optimizer.
+  /// Reduction::Reproducible. Checkpoints do not depend on it: saved in either ownership,
+  /// they load in either (checkpoint.hpp).
   Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------

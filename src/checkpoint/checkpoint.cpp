@@ -119,7 +119,8 @@ Metadata describe(ShardedOptimizer& opt) {
   m.loss_state = opt.loss_scale_state();
   m.groups = opt.groups();
   for (const ParamInfo& p : l.params())
-    m.params.push_back(MetaParam{p.name, p.numel, static_cast<std::uint32_t>(p.group), 0});
+    m.params.push_back(MetaParam{p.name, p.numel, static_cast<std::uint32_t>(p.group), 0, p.rows,
+                                 p.cols});
   m.shards.resize(m.world_size);
   return m;
 }
@@ -130,6 +131,8 @@ struct Source {
   std::size_t local;
   std::size_t count;
   Rule rule;
+  std::size_t param;
+  BlockPiece piece() const { return BlockPiece{param, canonical, count, rule}; }
 };
 
 struct PlannedBlock {
@@ -145,7 +148,7 @@ std::vector<PlannedBlock> plan_blocks(const ShardedOptimizer& opt, const std::ve
   for (const ShardPiece& p : owned_pieces(opt, PieceSet::Written))
     if (!p.in_param.empty())
       sources.push_back(Source{canonical[p.param] + p.in_param.begin, p.local.begin,
-                               p.in_param.size(), opt.rule_of(p.param)});
+                               p.in_param.size(), opt.rule_of(p.param), p.param});
   std::sort(sources.begin(), sources.end(),
             [](const Source& a, const Source& b) { return a.canonical < b.canonical; });
   // How much of s fits in `room` elements.
@@ -165,7 +168,7 @@ std::vector<PlannedBlock> plan_blocks(const ShardedOptimizer& opt, const std::ve
         take = fit(s, static_cast<std::size_t>(kBlockElems));
       }
       Block& b = blocks.back().block;
-      blocks.back().sources.push_back(Source{s.canonical, s.local, take, s.rule});
+      blocks.back().sources.push_back(Source{s.canonical, s.local, take, s.rule, s.param});
       b.count += take;
       s.canonical += take;
       s.local += take;
@@ -197,14 +200,12 @@ std::vector<Block> write_shard(ShardedOptimizer& opt, Metadata& m, const fs::pat
       crc = crc32c_update(crc, data, bytes);
       f.write(data, bytes);
     };
-    // The fp32 arrays: each source that keeps the array.
+    // The fp32 arrays (FileArray Master, ExpAvg, ExpAvgSq: StateArray's numbering): each
+    // source whose rule stores the array (piece_entries; AdamW8bit: its master only).
     for (StateArray a : {StateArray::Master, StateArray::ExpAvg, StateArray::ExpAvgSq}) {
       std::size_t at = 0;
       for (const Source& s : plan[k].sources)
-        if (rules::has(s.rule, a) && s.rule != Rule::AdamW8bit) {
-          opt.copy_state_to_host(a, s.local, std::span<float>(host.data() + at, s.count));
-          at += s.count;
-        } else if (a == StateArray::Master) {  // AdamW8bit: its master only
+        if (piece_entries(m, s.piece())[static_cast<std::size_t>(a)] > 0) {
           opt.copy_state_to_host(a, s.local, std::span<float>(host.data() + at, s.count));
           at += s.count;
         }
@@ -305,13 +306,14 @@ void after_publish(const fs::path& dir, const std::string& name, int keep) {
   }
 }
 
-// Muon's momentum would fit the exp_avg array as Lion's does, but the format stores neither
-// MuonConfig nor the parameter shapes and Whole layouts, so it is refused for now.
-void refuse_muon(const ShardedOptimizer& opt, const char* what) {
-  for (const GroupOptions& g : opt.groups())
-    require(g.rule != Rule::Muon, Status::Unsupported,
-            std::string(what) + ": checkpoints of the Muon rule's state are not supported yet "
-            "(the format stores neither MuonConfig nor matrix shapes)");
+// A rule whose state no format stores yet (format.hpp: first_format_with, the place a new
+// rule's state and options are added) cannot be saved or loaded: refused, naming it.
+void refuse_unstored_rules(const ShardedOptimizer& opt, const char* what) {
+  for (std::size_t g = 0; g < opt.groups().size(); ++g)
+    require(first_format_with(opt.groups()[g].rule) != 0, Status::Unsupported,
+            std::string(what) + ": group " + std::to_string(g) + " runs rule " +
+                rule_name(opt.groups()[g].rule) +
+                ", whose state checkpoints do not store yet");
 }
 
 }  // namespace
@@ -321,10 +323,7 @@ fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveO
   const int rank = comm.rank();
   collective(comm, "save_checkpoint", [&] {
     require(opt.finalized(), Status::InvalidState, "save_checkpoint: finalize() first");
-    refuse_muon(opt, "save_checkpoint");
-    require(opt.options().ownership == Ownership::Flat, Status::Unsupported,
-            "save_checkpoint: ownership Whole: checkpoints of a Whole layout are not "
-            "supported yet");
+    refuse_unstored_rules(opt, "save_checkpoint");
     require(options.keep >= 1, Status::InvalidArgument, "save_checkpoint: keep must be >= 1");
   });
 
@@ -398,6 +397,15 @@ void check_compatible(const Metadata& m, const ShardedOptimizer& opt) {
                ") was saved under rule " + rule_name(saved) + ", the optimizer updates it with " +
                rule_name(now) + "; its optimizer state does not carry over (load with the saved "
                "rule and min_8bit_numel, or start that group's state fresh without this checkpoint)");
+    // A matrix rule's state is laid out by the shape (Muon's momentum, row by row): a
+    // transposed or reshaped registration would misread it.
+    const ParamInfo& p = l.param(i);
+    if (rules::needs_whole(now) && (m.params[i].rows != p.rows || m.params[i].cols != p.cols))
+      mismatch("parameter '" + p.name + "' (rule " + rule_name(now) + ") was saved as a " +
+               std::to_string(m.params[i].rows) + " x " + std::to_string(m.params[i].cols) +
+               " matrix, the optimizer registers it as " + std::to_string(p.rows) + " x " +
+               std::to_string(p.cols) + "; its " + rule_name(now) +
+               " state does not carry over to another shape");
   }
   // 8-bit codes mean nothing under other maps.
   const std::uint64_t ours[2] = {rules::q8::map_checksum(rules::q8::signed_map()),
@@ -522,10 +530,7 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
   std::uint64_t identity = 0;  // must agree: every rank loads the same checkpoint
   collective(comm, "load_checkpoint", [&] {
           require(opt.finalized(), Status::InvalidState, "load_checkpoint: finalize() first");
-          refuse_muon(opt, "load_checkpoint");
-          require(opt.options().ownership == Ownership::Flat, Status::Unsupported,
-                  "load_checkpoint: ownership Whole: checkpoints of a Whole layout are not "
-                  "supported yet");
+          refuse_unstored_rules(opt, "load_checkpoint");
           const fs::path dir = resolve_checkpoint_dir(path);
           m = read_metadata(dir);
           check_compatible(m, opt);
@@ -559,11 +564,14 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
   opt.set_step_count(m.step_count);
   opt.set_adam_config(m.adam);
   // The hyperparameters come from the checkpoint; the rule and its layout options stay (they
-  // were checked to give every parameter its saved rule).
+  // were checked to give every parameter its saved rule). Muon's options come from a group
+  // saved as Muon; a group saved under another rule (no parameters: the rules agreed) keeps
+  // the optimizer's.
   for (std::size_t g = 0; g < m.groups.size(); ++g) {
     GroupOptions go = m.groups[g];
     go.rule = opt.groups()[g].rule;
     go.adamw8bit = opt.groups()[g].adamw8bit;
+    if (m.groups[g].rule != Rule::Muon) go.muon = opt.groups()[g].muon;
     opt.set_group(static_cast<int>(g), go);
   }
   opt.set_loss_scale_state(loss);

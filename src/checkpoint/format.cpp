@@ -1,5 +1,5 @@
 // format.cpp: byte-level encoding of checkpoint metadata, shard headers and LATEST, with
-// decoders (formats 1 to 5) that bounds-check every field before it is used (they are
+// decoders (formats 1 to 6) that bounds-check every field before it is used (they are
 // fuzzed: tests/fuzz/); checkpoint directory names; bytes from files made fit for messages.
 #include "format.hpp"
 
@@ -191,6 +191,16 @@ std::vector<std::uint64_t> canonical_offsets(const Metadata& m) {
   return c;
 }
 
+std::uint32_t first_format_with(Rule rule) {
+  switch (rule) {
+    case Rule::AdamW: return 1;
+    case Rule::Lion: return 4;
+    case Rule::AdamW8bit: return 5;
+    case Rule::Muon: return 6;
+  }
+  return 0;
+}
+
 Rule param_rule(const Metadata& m, std::size_t i) {
   const MetaParam& p = m.params.at(i);
   return rules::param_rule(m.groups.at(p.group), static_cast<std::size_t>(p.numel));
@@ -210,25 +220,36 @@ std::vector<BlockPiece> block_pieces(const Metadata& m, const std::vector<std::u
   return out;
 }
 
+std::array<std::uint64_t, kNumFileArrays> piece_entries(const Metadata& m, const BlockPiece& p) {
+  std::array<std::uint64_t, kNumFileArrays> n{};
+  n[0] = p.count;
+  if (m.version < 5) {  // three fp32 arrays, every element
+    n[1] = p.count;
+    n[2] = p.count;
+    return n;
+  }
+  // Per element: the fp32 arrays the rule keeps (Muon's momentum is an exp_avg, as Lion's).
+  using rules::Slot;
+  if (rules::keeps(p.rule, Slot::ExpAvg)) n[1] = p.count;
+  if (rules::keeps(p.rule, Slot::ExpAvgSq)) n[2] = p.count;
+  // Per quantization block, then per element: AdamW8bit's scales and codes.
+  n[3] = p.quant_blocks();
+  n[4] = p.quant_blocks();
+  if (p.rule == Rule::AdamW8bit) {
+    n[5] = p.count;
+    n[6] = p.count;
+  }
+  // (Per parameter, in the run holding its first element: the hook for factored state, see
+  // format.hpp. No rule keeps any yet.)
+  return n;
+}
+
 std::array<std::uint64_t, kNumFileArrays> block_entries(const Metadata& m,
                                                         std::span<const BlockPiece> pieces) {
   std::array<std::uint64_t, kNumFileArrays> n{};
   for (const BlockPiece& p : pieces) {
-    n[0] += p.count;
-    if (m.version < 5) {  // three fp32 arrays, every element
-      n[1] += p.count;
-      n[2] += p.count;
-      continue;
-    }
-    using rules::Slot;
-    if (rules::keeps(p.rule, Slot::ExpAvg)) n[1] += p.count;
-    if (rules::keeps(p.rule, Slot::ExpAvgSq)) n[2] += p.count;
-    n[3] += p.quant_blocks();
-    n[4] += p.quant_blocks();
-    if (p.rule == Rule::AdamW8bit) {
-      n[5] += p.count;
-      n[6] += p.count;
-    }
+    const auto e = piece_entries(m, p);
+    for (std::size_t a = 0; a < n.size(); ++a) n[a] += e[a];
   }
   return n;
 }
@@ -279,6 +300,39 @@ std::uint64_t layout_hash(const Metadata& m) {
 
 namespace {
 
+// A group's rule options after its fixed record (format 6): what the rule's update reads
+// beyond the record's fields, empty for the rules before format 6. A rule with options of
+// its own (Muon's MuonConfig; Adafactor's would follow) adds them here and in
+// decode_rule_options, with a new format version.
+void encode_rule_options(Writer& w, const GroupOptions& g) {
+  if (g.rule != Rule::Muon) return;
+  const MuonConfig& c = g.muon;
+  w.put<double>(c.momentum);
+  w.put<std::uint32_t>(c.nesterov ? 1 : 0);
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(c.ns_steps));
+  for (double x : {c.ns_a, c.ns_b, c.ns_c, c.eps}) w.put<double>(x);
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(c.lr_adjust));
+}
+
+void decode_rule_options(Reader& r, GroupOptions& g) {
+  if (g.rule != Rule::Muon) return;
+  MuonConfig& c = g.muon;
+  c.momentum = r.get<double>("group Muon momentum");
+  const auto nesterov = r.get<std::uint32_t>("group Muon nesterov flag");
+  if (nesterov > 1) corrupt("bad group Muon nesterov flag");
+  c.nesterov = nesterov == 1;
+  const auto steps = r.get<std::uint32_t>("group Muon ns_steps");
+  if (steps > 99) corrupt("impossible group Muon ns_steps " + std::to_string(steps));
+  c.ns_steps = static_cast<int>(steps);
+  c.ns_a = r.get<double>("group Muon ns_a");
+  c.ns_b = r.get<double>("group Muon ns_b");
+  c.ns_c = r.get<double>("group Muon ns_c");
+  c.eps = r.get<double>("group Muon eps");
+  const auto adjust = r.get<std::uint32_t>("group Muon lr_adjust");
+  if (adjust > 2) corrupt("unknown group Muon lr_adjust " + std::to_string(adjust));
+  c.lr_adjust = static_cast<MuonLrAdjust>(adjust);
+}
+
 // The fields formats 1 and 2 share, from the step count to the groups.
 void encode_common(Writer& w, const Metadata& m) {
   w.put<std::int64_t>(m.step_count);
@@ -306,6 +360,7 @@ void encode_common(Writer& w, const Metadata& m) {
     w.put<double>(g.lion.beta1);
     w.put<double>(g.lion.beta2);
     w.put<std::uint64_t>(g.adamw8bit.min_8bit_numel);  // format 5
+    encode_rule_options(w, g);                         // format 6
   }
   // Format 5: the maps AdamW8bit codes index (this build's, unless m names others).
   w.put<std::uint64_t>(m.has_qmap_checksums ? m.qmap_checksum[0]
@@ -372,8 +427,9 @@ void decode_common(Reader& r, Metadata& m) {
       if (rule >= static_cast<std::uint32_t>(kNumRules))
         corrupt("unknown group rule " + std::to_string(rule));
       go.rule = static_cast<Rule>(rule);
-      if (go.rule == Rule::AdamW8bit && m.version < 5)  // saves refused it before format 5
-        corrupt("format " + std::to_string(m.version) + " cannot hold AdamW8bit state");
+      if (first_format_with(go.rule) == 0 || m.version < first_format_with(go.rule))
+        corrupt("format " + std::to_string(m.version) + " cannot hold " + rule_name(go.rule) +
+                " state");  // (saves refused it then)
       go.lion.beta1 = r.get<double>("group Lion beta1");
       go.lion.beta2 = r.get<double>("group Lion beta2");
     }
@@ -381,6 +437,7 @@ void decode_common(Reader& r, Metadata& m) {
       go.adamw8bit.min_8bit_numel = r.get<std::uint64_t>("group min_8bit_numel");
       if (go.adamw8bit.min_8bit_numel > kMaxElements) corrupt("impossible group min_8bit_numel");
     }
+    if (m.version >= 6) decode_rule_options(r, go);
     if (const std::string p = validate(go); !p.empty()) corrupt("group: " + p);
     m.groups.push_back(go);
   }
@@ -404,6 +461,13 @@ MetaParam decode_param(Reader& r, const Metadata& m, std::set<std::string_view>&
   if (p.numel == 0 || p.numel > (std::uint64_t{1} << 50))
     corrupt("parameter '" + p.name + "' has an impossible size");
   if (p.group >= m.groups.size()) corrupt("parameter '" + p.name + "' names an unknown group");
+  if (m.version >= 6) {  // its 2-D shape
+    p.rows = r.get<std::uint64_t>("rows");
+    p.cols = r.get<std::uint64_t>("cols");
+    if (p.rows == 0 || p.numel % p.rows != 0 || p.numel / p.rows != p.cols)
+      corrupt("parameter '" + p.name + "' has " + std::to_string(p.numel) +
+              " elements but shape " + std::to_string(p.rows) + " x " + std::to_string(p.cols));
+  }
   return p;
 }
 
@@ -451,9 +515,9 @@ void decode_v1_tail(Reader& r, Metadata& m) {
 // Format 2: parameters (canonical order), and shards of blocks that together cover every
 // canonical element exactly once.
 void decode_v2_tail(Reader& r, Metadata& m) {
-  constexpr std::size_t kMinParamRecord = 4 + 1 + 8 + 4;
+  const std::size_t min_param_record = 4 + 1 + 8 + 4 + (m.version >= 6 ? 16 : 0);  // (shape)
   const std::uint64_t nparams = r.count(r.get<std::uint64_t>("parameter count"),
-                                        kMinParamRecord, "parameter");
+                                        min_param_record, "parameter");
   if (nparams == 0) corrupt("no parameters");
   m.params.reserve(nparams);
   std::set<std::string_view> names;
@@ -530,6 +594,8 @@ std::vector<unsigned char> encode_metadata(const Metadata& m) {
     w.bytes(p.name.data(), p.name.size());
     w.put<std::uint64_t>(p.numel);
     w.put<std::uint32_t>(p.group);
+    w.put<std::uint64_t>(p.rows == 0 ? 1 : p.rows);  // format 6 (unrecorded: 1 x numel)
+    w.put<std::uint64_t>(p.rows == 0 ? p.numel : p.cols);
   }
   w.put<std::uint32_t>(static_cast<std::uint32_t>(m.shards.size()));
   for (const MetaShard& s : m.shards) {

@@ -1,12 +1,13 @@
-// format.hpp: the on-disk checkpoint format, as bytes: encoding (version 5) and validating
-// decoding (versions 1 to 5) of the metadata file and of shard headers, the names of
+// format.hpp: the on-disk checkpoint format, as bytes: encoding (version 6) and validating
+// decoding (versions 1 to 6) of the metadata file and of shard headers, the names of
 // checkpoint directories, and bytes from checkpoint files made fit for messages. No files,
 // no MPI: the fuzzer and the export tool use it alone. docs/checkpoint-format.md describes
 // every field.
 //
 // Canonical coordinates: parameter i's element k is at canonical position
 // sum_{j<i} numel_j + k (registration order, no padding). Format 2 stores state by canonical
-// position, so nothing on disk depends on the saving world size, stage or flat layout.
+// position, so nothing on disk depends on the saving world size, stage, flat layout or
+// ownership (Flat's equal slices or Whole's ragged per-rank ranges).
 // Format 1 stored flat ranges of the saving layout; its decoder derives the canonical
 // ranges each shard holds, so readers work in canonical coordinates for both.
 #pragma once
@@ -24,17 +25,18 @@
 
 namespace shardopt::ckpt {
 
-inline constexpr std::uint32_t kFormatVersion = 5;  ///< written; versions 1..5 are read
+inline constexpr std::uint32_t kFormatVersion = 6;  ///< written; versions 1..6 are read
 inline constexpr std::size_t kMetaHeaderBytes = 32;
 inline constexpr std::size_t kShardHeaderBytes = 64;
 /// Formats 1-4: master, exp_avg, exp_avg_sq (fp32 each) for every element; an array the
 /// element's rule does not keep (Lion's exp_avg_sq) is stored as zeros and ignored on load.
 inline constexpr std::uint32_t kNumArrays = 3;
 
-/// The arrays of a format-5 block, in file order. Each holds the entries of the block's
-/// elements whose rule keeps it (rules/rules.hpp), in canonical order: master every element
-/// (fp32), exp_avg those under AdamW and Lion (fp32), exp_avg_sq those under AdamW (fp32),
-/// the AdamW8bit elements' exp_avg and exp_avg_sq scales (fp32, one per 256-element
+/// The arrays of a format-5/6 block, in file order. Each holds the entries of the block's
+/// elements whose rule keeps it (rules/rules.hpp; piece_entries() says how many), in
+/// canonical order: master every element (fp32), exp_avg those under AdamW, Lion and Muon
+/// (fp32: AdamW's first moment, Lion's and Muon's momentum), exp_avg_sq those under AdamW
+/// (fp32), the AdamW8bit elements' exp_avg and exp_avg_sq scales (fp32, one per 256-element
 /// quantization block counted from the parameter's first element) and their codes (u8 per
 /// element). Formats 1-4 hold the first three, every element each.
 enum class FileArray : std::uint32_t { Master, ExpAvg, ExpAvgSq, ScaleM, ScaleV, CodeM, CodeV };
@@ -54,7 +56,16 @@ struct MetaParam {
   std::uint64_t numel = 0;
   std::uint32_t group = 0;
   std::uint64_t offset = 0;  ///< format 1 only: flat offset in the saving layout
+  /// Format 6: the 2-D shape it was registered with (ParamInfo::rows x cols; 1 x numel
+  /// without one). 0 x 0: not recorded (formats 1-5; encoded as 1 x numel).
+  std::uint64_t rows = 0;
+  std::uint64_t cols = 0;
 };
+
+/// The first format version that stores the state of `rule` (its rule options included);
+/// 0 for a rule no format stores yet (save_checkpoint refuses it). A decoder refuses a group
+/// whose rule its file's version cannot hold.
+std::uint32_t first_format_with(Rule rule);
 
 /// Format 2: canonical elements [begin, begin + count) of one shard file, stored as the
 /// master, exp_avg and exp_avg_sq values of that range back to back (12 * count bytes);
@@ -90,7 +101,9 @@ struct Metadata {
   AdamConfig adam;
   LossScaling loss_scaling;
   LossScaleState loss_state;
-  std::vector<GroupOptions> groups;  ///< format 5 also records adamw8bit.min_8bit_numel
+  /// Format 5 also records adamw8bit.min_8bit_numel; format 6 the options of a Muon group
+  /// (MuonConfig; other rules' options records are empty).
+  std::vector<GroupOptions> groups;
   /// Format 5: the FNV-1a checksums of the signed and unsigned quantization maps the
   /// AdamW8bit codes index (rules/qmap.hpp), written whatever the rules.
   bool has_qmap_checksums = false;
@@ -121,7 +134,21 @@ struct BlockPiece {
 /// canonical_offsets(m)).
 std::vector<BlockPiece> block_pieces(const Metadata& m, const std::vector<std::uint64_t>& canonical,
                                      std::uint64_t begin, std::uint64_t count);
-/// Entries of each FileArray in a block made of `pieces` (formats 1-4: count, count, count).
+/// Entries of each FileArray that the stored run `p` has: the one place that says what a
+/// rule's state looks like on disk (the writer, the decoder's block sizes and the reader all
+/// ask it). Per element (master; exp_avg for AdamW, Lion, Muon; exp_avg_sq for AdamW;
+/// AdamW8bit's codes), per 256-element quantization block (AdamW8bit's scales); formats 1-4:
+/// master, exp_avg, exp_avg_sq for every element.
+///
+/// The hook for a rule whose per-parameter state is not one value per element (Adafactor's
+/// factored row and column statistics): give it FileArrays of its own (kNumFileArrays and
+/// the shard header's array count grow with a new format version) whose entries are counted
+/// here per parameter, in the run that holds the parameter's first element (rows + cols
+/// values, from MetaParam::rows/cols). Such a rule needs Whole ownership, where one rank
+/// saves every run of a parameter, and a loading rank holds all of it; the writer
+/// (write_shard) fills them from the rule's state and the loader's sink places them.
+std::array<std::uint64_t, kNumFileArrays> piece_entries(const Metadata& m, const BlockPiece& p);
+/// Entries of each FileArray in a block made of `pieces`: the sum of their piece_entries().
 std::array<std::uint64_t, kNumFileArrays> block_entries(const Metadata& m,
                                                         std::span<const BlockPiece> pieces);
 /// Bytes of a block with those entries.
@@ -137,7 +164,7 @@ std::uint64_t layout_hash(const Metadata& m);
 
 /// Encodes `m` in the current format (m.version is ignored).
 std::vector<unsigned char> encode_metadata(const Metadata& m);
-/// Parses and validates a whole metadata file, format 1 or 2. Throws Error(CorruptData) for
+/// Parses and validates a whole metadata file, formats 1 to 6. Throws Error(CorruptData) for
 /// anything inconsistent (truncation, checksum, bounds, shards that do not cover every
 /// element exactly once) and Error(Unsupported) for a newer format version. Never allocates
 /// more than the input's size implies.
@@ -162,7 +189,7 @@ struct ShardHeader {
 ShardHeader shard_header(const Metadata& m, std::size_t index);
 std::array<unsigned char, kShardHeaderBytes> encode_shard_header(const ShardHeader& h);
 /// Validates the header's own fields and checksum (Error(CorruptData) / Error(Unsupported)),
-/// format 1 or 2.
+/// formats 1 to 6.
 ShardHeader decode_shard_header(std::span<const unsigned char> bytes);
 /// Checks that header `h` is shard `index` of `m` (Error(CorruptData) otherwise).
 void check_shard_matches(const ShardHeader& h, const Metadata& m, std::size_t index);

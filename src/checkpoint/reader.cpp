@@ -8,7 +8,6 @@
 
 #include "crc32c.hpp"
 #include "files.hpp"
-#include "rules/rules.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt::ckpt {
@@ -65,7 +64,7 @@ void check_shard_file(InFile& f, const fs::path& dir, const Metadata& m, std::si
   }
 }
 
-// Formats 2-5: the blocks of shard `index` that overlap `wanted`, each verified, then passed
+// Formats 2-6: the blocks of shard `index` that overlap `wanted`, each verified, then passed
 // on.
 void read_blocks(const fs::path& dir, const Metadata& m, std::size_t index,
                  const std::vector<std::uint64_t>& canonical, std::span<const Range> wanted,
@@ -105,31 +104,12 @@ void read_blocks(const fs::path& dir, const Metadata& m, std::size_t index,
       }
       if (n > 0) sink(c);
     };
-    if (m.version < 5) {  // three fp32 arrays of the whole block
-      for (FileArray a : {FileArray::Master, FileArray::ExpAvg, FileArray::ExpAvgSq})
-        pass(a, b.begin, static_cast<std::size_t>(b.count));
-      continue;
-    }
-    for (FileArray a : {FileArray::Master, FileArray::ExpAvg, FileArray::ExpAvgSq, FileArray::ScaleM,
-                        FileArray::ScaleV, FileArray::CodeM, FileArray::CodeV})
-      for (const BlockPiece& p : pieces) {
-        const auto n = static_cast<std::size_t>(p.count);
-        switch (a) {
-          case FileArray::Master: pass(a, p.begin, n); break;
-          case FileArray::ExpAvg:
-            if (rules::keeps(p.rule, rules::Slot::ExpAvg)) pass(a, p.begin, n);
-            break;
-          case FileArray::ExpAvgSq:
-            if (rules::keeps(p.rule, rules::Slot::ExpAvgSq)) pass(a, p.begin, n);
-            break;
-          case FileArray::ScaleM:
-          case FileArray::ScaleV: pass(a, p.begin, static_cast<std::size_t>(p.quant_blocks())); break;
-          case FileArray::CodeM:
-          case FileArray::CodeV:
-            if (p.rule == Rule::AdamW8bit) pass(a, p.begin, n);
-            break;
-        }
-      }
+    // Each array holds its entries of every piece in turn (piece_entries: per element, per
+    // quantization block; formats 2-4: the three fp32 arrays of every element), the fp32 and
+    // scale arrays starting at the piece's first element.
+    for (std::uint32_t k = 0; k < kNumFileArrays; ++k)
+      for (const BlockPiece& p : pieces)
+        pass(static_cast<FileArray>(k), p.begin, static_cast<std::size_t>(piece_entries(m, p)[k]));
   }
 }
 

@@ -64,7 +64,11 @@ std::string safetensors_header(const Metadata& m, const std::vector<std::uint64_
     const std::uint64_t b = canonical[i] * 4, e = b + m.params[i].numel * 4;
     h += ',';
     h += json_string(m.params[i].name);
-    h += ":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(m.params[i].numel);
+    // Format 6 records 2-D shapes: a parameter registered as a matrix is exported as one.
+    const MetaParam& p = m.params[i];
+    h += ":{\"dtype\":\"F32\",\"shape\":[" +
+         (p.rows > 1 ? std::to_string(p.rows) + "," + std::to_string(p.cols)
+                     : std::to_string(p.numel));
     h += "],\"data_offsets\":[" + std::to_string(b) + "," + std::to_string(e) + "]}";
   }
   h += "}";
@@ -142,7 +146,8 @@ void export_master(const fs::path& dir, const Metadata& m, const std::string& ou
 
 int main(int argc, char** argv) {
   CLI::App app{"Writes the fp32 master weights of a shardopt checkpoint as one safetensors file, "
-               "one tensor per parameter (shape [numel]), reading files only (no MPI). "
+               "one tensor per parameter (shape [rows, cols] for a parameter registered with a 2-D "
+               "shape, else [numel]), reading files only (no MPI). "
                "CHECKPOINT is a save directory (its LATEST checkpoint is used) or one "
                "checkpoint directory. See docs/checkpoint-format.md."};
   shardopt::cli::init(app, "shardopt-export");

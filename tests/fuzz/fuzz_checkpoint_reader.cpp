@@ -1,5 +1,5 @@
 // fuzz_checkpoint_reader.cpp: libFuzzer target over the checkpoint parsers (metadata file,
-// formats 1 to 3; shard header; LATEST). Each input is parsed as given, and with its
+// formats 1 to 6; shard header; LATEST). Each input is parsed as given, and with its
 // checksums fixed up, so that mutations get past the CRCs into the field checks. A parse may
 // only succeed or throw shardopt::Error. What it accepts must make sense: the shards cover
 // every element exactly once, a current-format metadata survives an encode/decode round

@@ -1,6 +1,7 @@
 // make_corpus.cpp: seeds for fuzz_checkpoint_reader from real checkpoints: the metadata
-// files, shard headers and LATEST files of saves in a few configurations (current format),
-// and the committed format-1 and format-2 fixtures' (tests/data/ckpt_v1, ckpt_v2).
+// files, shard headers and LATEST files of saves in a few configurations (current format; one
+// of them Whole ownership with a Muon group and 2-D shapes), and the committed format-1, -2 and
+// -5 fixtures' (tests/data/ckpt_v1, ckpt_v2, ckpt_v5).
 //   fuzz_make_corpus OUTPUT_DIR
 #include <cstdio>
 #include <filesystem>
@@ -41,7 +42,8 @@ int main(int argc, char** argv) {
   ls.enabled = true;
   const test::CkptSetup setups[] = {{Stage::Zero1, DType::BF16, {}},
                                     {Stage::DataParallel, DType::F32, ls},
-                                    {Stage::Zero2, DType::BF16, ls}};
+                                    {Stage::Zero2, DType::BF16, ls},
+                                    test::whole_muon_setup()};
   int n = 0;
   for (const test::CkptSetup& s : setups) {
     const fs::path dir = out / ("save-" + std::to_string(n));
@@ -51,10 +53,10 @@ int main(int argc, char** argv) {
     fs::remove_all(dir);
     ++n;
   }
-  for (const char* v : {"v1", "v2"}) {
+  for (const char* v : {"v1", "v2", "v5"}) {
     const fs::path old = fs::path(SHARDOPT_TEST_DATA) / (std::string("ckpt_") + v) / "save";
     seeds_from(old, old / "ckpt-00000001", out, v);
   }
-  std::printf("wrote %d sets of metadata, shard-header and LATEST seeds to %s\n", n + 2, out.c_str());
+  std::printf("wrote %d sets of metadata, shard-header and LATEST seeds to %s\n", n + 3, out.c_str());
   return 0;
 }

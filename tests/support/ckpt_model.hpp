@@ -1,6 +1,7 @@
 // ckpt_model.hpp: a small deterministic training setup for checkpoint tests: an optimizer
-// over odd-sized parameters, gradients that do not depend on the rank (so the averaged
-// gradient is exact at world sizes 1, 2 and 4), the full state gathered for bitwise
+// over odd-sized parameters (optionally Whole ownership, 2-D shapes and a Muon group),
+// gradients that do not depend on the rank (so the averaged gradient is exact at world sizes
+// 1, 2 and 4, and at 3: see ckpt_train_step), the full state gathered for bitwise
 // comparisons, and the model of the committed format-1 fixture.
 #pragma once
 
@@ -34,7 +35,32 @@ struct CkptSetup {
   Rule rule1 = Rule::AdamW;  ///< group 1's rule (parameters 1, 3, 5)
   /// Group 1's adamw8bit.min_8bit_numel (64: parameters 1 and 3 keep 8-bit state, 5 fp32).
   std::size_t min_8bit_numel = 64;
+  /// Flat, or Whole (every parameter inside a bucket on one rank: ownership.hpp).
+  Ownership ownership = Ownership::Flat;
+  /// Parameter 1 registered as a 20 x 15 matrix and parameter 3 as 8 x 8 (else 1-D).
+  bool shapes = false;
+  /// Adds group 2, Rule::Muon with `muon`, and its matrices ckpt_muon_shapes() as parameters
+  /// 7 and 8 (needs Ownership::Whole).
+  bool muon = false;
+  MuonConfig muon_config{};
+  bool muon_transposed = false;  ///< registers the Muon matrices as cols x rows instead
 };
+
+/// Whole ownership with the Muon group and 2-D shapes (stage 1, bf16 replica): the crash test's
+/// Whole layout.
+inline CkptSetup whole_muon_setup() {
+  CkptSetup s;
+  s.ownership = Ownership::Whole;
+  s.shapes = true;
+  s.muon = true;
+  return s;
+}
+
+/// The Muon matrices of CkptSetup::muon (rows x cols): each fits a bucket of 1000 elements.
+inline const std::vector<Shape2D>& ckpt_muon_shapes() {
+  static const std::vector<Shape2D> s = {{24, 40}, {33, 17}};
+  return s;
+}
 
 inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Communicator> comm,
                                                              const CkptSetup& s) {
@@ -45,6 +71,7 @@ inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Com
   o.adam.weight_decay = 0.05;
   o.bucket_elems = 1000;
   o.loss_scaling = s.loss_scaling;
+  o.ownership = s.ownership;
   auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
   GroupOptions g1;
   g1.lr_scale = 0.5;
@@ -53,11 +80,27 @@ inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Com
   g1.adamw8bit.min_8bit_numel = s.min_8bit_numel;
   opt->add_group(g1);
   const auto& sizes = ckpt_sizes();
-  for (std::size_t i = 0; i < sizes.size(); ++i)
-    opt->add_param("layer" + std::to_string(i) + ".weight", sizes[i], static_cast<int>(i % 2));
-  opt->finalize();
   for (std::size_t i = 0; i < sizes.size(); ++i) {
-    std::vector<float> init(sizes[i]);
+    const std::string name = "layer" + std::to_string(i) + ".weight";
+    const int group = static_cast<int>(i % 2);
+    if (s.shapes && i == 1) opt->add_param(name, Shape2D{20, 15}, group);
+    else if (s.shapes && i == 3) opt->add_param(name, Shape2D{8, 8}, group);
+    else opt->add_param(name, sizes[i], group);
+  }
+  if (s.muon) {
+    GroupOptions g2;
+    g2.rule = Rule::Muon;
+    g2.muon = s.muon_config;
+    const int muon = opt->add_group(g2);
+    for (std::size_t j = 0; j < ckpt_muon_shapes().size(); ++j) {
+      const Shape2D m = ckpt_muon_shapes()[j];
+      opt->add_param("mat" + std::to_string(j) + ".weight",
+                     s.muon_transposed ? Shape2D{m.cols, m.rows} : m, muon);
+    }
+  }
+  opt->finalize();
+  for (std::size_t i = 0; i < opt->layout().num_params(); ++i) {
+    std::vector<float> init(opt->layout().param(i).numel);
     for (std::size_t k = 0; k < init.size(); ++k) init[k] = synth(7, 0, i, k);
     opt->set_param(i, init);
   }
@@ -65,7 +108,9 @@ inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Com
 }
 
 /// One training step with rank-independent gradients (multiples of 2^-10), given in
-/// backward order so that stage 2 works too.
+/// backward order so that stage 2 works too. N ranks sum N equal values exactly (a few bits
+/// each) and the step scales the sum by fp32(1/N): at N = 3 that is 3g(1 + 2^-25), which
+/// rounds back to g, so the averaged gradient is g at every world size.
 inline StepResult ckpt_train_step(ShardedOptimizer& opt, int step) {
   for (std::size_t i = opt.layout().num_params(); i-- > 0;) {
     std::span<float> g = opt.grad(i);
