@@ -307,11 +307,17 @@ void after_publish(const fs::path& dir, const std::string& name, int keep) {
 
 // Muon's momentum would fit the exp_avg array as Lion's does, but the format stores neither
 // MuonConfig nor the parameter shapes and Whole layouts, so it is refused for now.
+// Adafactor's factored statistics are no per-element array: the format has no place for them.
 void refuse_muon(const ShardedOptimizer& opt, const char* what) {
-  for (const GroupOptions& g : opt.groups())
+  for (const GroupOptions& g : opt.groups()) {
     require(g.rule != Rule::Muon, Status::Unsupported,
             std::string(what) + ": checkpoints of the Muon rule's state are not supported yet "
             "(the format stores neither MuonConfig nor matrix shapes)");
+    require(g.rule != Rule::Adafactor, Status::Unsupported,
+            std::string(what) + ": checkpoints of the Adafactor rule's state are not supported "
+            "yet (the format stores neither AdafactorConfig nor the factored row_var and "
+            "col_var)");
+  }
 }
 
 }  // namespace
