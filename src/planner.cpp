@@ -229,9 +229,9 @@ double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dty
   // The rule's state per element: Lion and Muon one fp32 array, AdamW two, AdamW8bit two
   // bytes and two fp32 scales per 256 elements (every parameter taken as 8-bit), Adafactor at
   // most one (every parameter taken as unfactored; a factored matrix keeps rows + cols).
-  const double state = rule == Rule::Lion || rule == Rule::Muon || rule == Rule::Adafactor ? 4.0
-                       : rule == Rule::AdamW8bit                                           ? 2.0 + 8.0 / 256
-                                                                                           : 8.0;
+  double state = 8.0;
+  if (rule == Rule::Lion || rule == Rule::Muon || rule == Rule::Adafactor) state = 4.0;
+  if (rule == Rule::AdamW8bit) state = 2.0 + 8.0 / 256;
   const double k = state + (param_dtype == DType::F32 ? 0.0 : 4.0);
   switch (stage) {
     case Stage::DataParallel: return (p + g + k) * psi;

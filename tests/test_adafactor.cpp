@@ -67,13 +67,7 @@ std::vector<float> gradient(Rng& rng, std::size_t batch, std::size_t rows, std::
   return g;
 }
 
-/// max |a - b| / max(|b|, floor) over the elements.
-double max_rel(const std::vector<float>& a, const std::vector<double>& b, double floor) {
-  double e = 0.0;
-  for (std::size_t k = 0; k < a.size(); ++k)
-    e = std::max(e, std::fabs(double(a[k]) - b[k]) / std::max(std::fabs(b[k]), floor));
-  return e;
-}
+using test::max_rel;
 
 // ---- ten steps against the model -------------------------------------------------------------
 

@@ -25,6 +25,7 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
 #include "support/adafactor_model.hpp"
+#include "support/rule_data.hpp"
 #include "support/same_error.hpp"
 #include "support/world.hpp"
 #if SHARDOPT_TEST_MPI_KINDS
@@ -75,24 +76,17 @@ OptimizerOptions options(std::size_t bucket, DType dtype = DType::BF16,
   return o;
 }
 
-// splitmix64 in [0, 2^64).
-std::uint64_t mix(std::uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-// A multiple of 2^-10 in [-0.5, 0.5]: any sum of a few of them is exact in fp32. Each row
-// gets its own scale (a power of two: still exact), so the factored statistics have
-// structure: rows differ by up to 2^6 in magnitude.
+using test::init_value;
+using test::max_rel;
+using test::same_bits;
+// exact_grad (a multiple of 2^-10 in [-0.5, 0.5]) times a power of two per row, so the
+// factored statistics have structure (rows differ by up to 2^6 in magnitude) and every sum of
+// a few of them is still exact in fp32.
 float grad_value(std::uint64_t mb, std::uint64_t step, std::uint64_t param, std::uint64_t k,
                  std::size_t cols) {
-  const std::uint64_t h = mix(mix(mix(mix(mb) ^ step) ^ param) ^ k);
-  const int row_shift = static_cast<int>(mix(param * 131 + k / std::max<std::size_t>(cols, 1)) % 7);
-  return std::ldexp(static_cast<float>(static_cast<int>(h % 1025) - 512) / 1024.0f, -row_shift);
-}
-float init_value(std::uint64_t param, std::uint64_t k) {
-  return static_cast<float>(static_cast<int>(mix(param * 7919 + k) % 2001) - 1000) * 1e-4f;
+  const std::uint64_t row = k / std::max<std::size_t>(cols, 1);
+  const int row_shift = static_cast<int>(test::mix(param * 131 + row) % 7);
+  return std::ldexp(test::exact_grad(mb, step, param, k), -row_shift);
 }
 std::size_t cols_of(const P& p) { return p.cols ? p.cols : p.rows; }
 
@@ -183,12 +177,6 @@ Snapshot snapshot(ShardedOptimizer& opt) {
   }
   return s;
 }
-template <class T>
-bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
-  // No memcmp of an empty vector's null data() (UBSan).
-  return x.size() == y.size() &&
-         (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0);
-}
 void expect_same(const Snapshot& a, const Snapshot& b, const std::string& what) {
   for (std::size_t i = 0; i < kModel.size(); ++i) {
     const char* n = kModel[i].name;
@@ -220,14 +208,6 @@ std::vector<std::pair<std::string, std::function<std::shared_ptr<Communicator>()
 
 // Micro-batches per step in the bit-identity tests: divisible by 1, 2, 3 and 4 ranks.
 constexpr int kMicroBatches = 12;
-
-/// max |a - b| / max(|b|, floor).
-double max_rel(const std::vector<float>& a, const std::vector<double>& b, double floor) {
-  double e = 0.0;
-  for (std::size_t k = 0; k < a.size(); ++k)
-    e = std::max(e, std::fabs(double(a[k]) - b[k]) / std::max(std::fabs(b[k]), floor));
-  return e;
-}
 
 rules::adafactor::Config model_config(const AdafactorConfig& a, double lr, double wd) {
   rules::adafactor::Config c;
@@ -323,7 +303,8 @@ TEST(AdafactorRule, TenStepsMatchTheDoubleModel) {
       EXPECT_LE(werr, kWeightTol) << p.name;
       // The model moved the weights by far more than the tolerance.
       double moved = 0.0;
-      for (std::size_t k = 0; k < n; ++k) moved = std::max(moved, std::fabs(md.p[k] - init_value(i, k)));
+      for (std::size_t k = 0; k < n; ++k)
+        moved = std::max(moved, std::fabs(md.p[k] - init_value(i, k)));
       EXPECT_GT(moved, 1e3 * kWeightTol * test::AdafactorModel::rms(md.p)) << p.name;
       // The bf16 replica is the master rounded.
       const std::span<bf16> rep = opt->param<bf16>(i);
@@ -341,23 +322,24 @@ TEST(AdafactorRule, SameBitsAsOneProcessAtAnyRankCountStageAndBucketSize) {
   const int world = test::world_size(), rank = test::world_rank();
   const int per_rank = kMicroBatches / world;
   ASSERT_EQ(per_rank * world, kMicroBatches);
-  for (const auto& [comm_name, comm] : comms())
   for (DType dtype : {DType::BF16, DType::F32})
     for (std::size_t bucket : {std::size_t{16384}, std::size_t{24000}, std::size_t{70000}}) {
       auto single = make(make_single_process_communicator(), options(bucket, dtype),
                          adafactor_group());
       for (int t = 0; t < 4; ++t) run_step(*single, t, 0, kMicroBatches);
       const Snapshot want = snapshot(*single);
-      Snapshot stage0;
-      for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
-        auto opt = make(comm(), options(bucket, dtype, stage), adafactor_group());
-        for (int t = 0; t < 4; ++t) run_step(*opt, t, rank * per_rank, (rank + 1) * per_rank);
-        const std::string what = comm_name + ", " + stage_name(stage) + ", " +
-                                 dtype_name(dtype) + ", bucket " + std::to_string(bucket);
-        const Snapshot got = snapshot(*opt);
-        expect_same(got, want, what);
-        if (stage == Stage::DataParallel) stage0 = got;
-        if (stage == Stage::Zero1) expect_same(got, stage0, what + " against stage 0");
+      for (const auto& [comm_name, comm] : comms()) {
+        Snapshot stage0;
+        for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+          auto opt = make(comm(), options(bucket, dtype, stage), adafactor_group());
+          for (int t = 0; t < 4; ++t) run_step(*opt, t, rank * per_rank, (rank + 1) * per_rank);
+          const std::string what = comm_name + ", " + stage_name(stage) + ", " +
+                                   dtype_name(dtype) + ", bucket " + std::to_string(bucket);
+          const Snapshot got = snapshot(*opt);
+          expect_same(got, want, what);
+          if (stage == Stage::DataParallel) stage0 = got;
+          if (stage == Stage::Zero1) expect_same(got, stage0, what + " against stage 0");
+        }
       }
     }
 }

@@ -20,6 +20,7 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
 #include "support/muon_model.hpp"
+#include "support/rule_data.hpp"
 #include "support/same_error.hpp"
 #include "support/world.hpp"
 
@@ -59,20 +60,10 @@ OptimizerOptions muon_options(std::size_t bucket, DType dtype = DType::BF16,
   return o;
 }
 
-// splitmix64 in [0, 2^64).
-std::uint64_t mix(std::uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-// A multiple of 2^-10 in [-0.5, 0.5]: any sum of a few of them is exact in fp32.
+using test::init_value;
+using test::same_bits;
 float grad_value(std::uint64_t mb, std::uint64_t step, std::uint64_t param, std::uint64_t k) {
-  const std::uint64_t h = mix(mix(mix(mix(mb) ^ step) ^ param) ^ k);
-  return static_cast<float>(static_cast<int>(h % 1025) - 512) / 1024.0f;
-}
-float init_value(std::uint64_t param, std::uint64_t k) {
-  return static_cast<float>(static_cast<int>(mix(param * 7919 + k) % 2001) - 1000) * 1e-4f;
+  return test::exact_grad(mb, step, param, k);
 }
 
 std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm,
@@ -137,12 +128,6 @@ Snapshot snapshot(ShardedOptimizer& opt) {
     }
   }
   return s;
-}
-template <class T>
-bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
-  // No memcmp of an empty vector's null data() (UBSan).
-  return x.size() == y.size() &&
-         (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0);
 }
 void expect_same(const Snapshot& a, const Snapshot& b, const std::string& what) {
   for (std::size_t i = 0; i < kModel.size(); ++i) {

@@ -89,4 +89,12 @@ struct AdafactorModel {
   }
 };
 
+/// max |a - b| / max(|b|, floor) over the elements.
+inline double max_rel(const std::vector<float>& a, const std::vector<double>& b, double floor) {
+  double e = 0.0;
+  for (std::size_t k = 0; k < a.size(); ++k)
+    e = std::max(e, std::fabs(double(a[k]) - b[k]) / std::max(std::fabs(b[k]), floor));
+  return e;
+}
+
 }  // namespace shardopt::test
