@@ -121,16 +121,11 @@ std::vector<float> gradient(int mb, int step, std::size_t i) {
 // Runs micro-batches [first, last) of step `step`, then steps. `poison`: parameter 0's first
 // gradient element of the first micro-batch becomes NaN.
 StepResult run_step(ShardedOptimizer& opt, int step, int first, int last, bool poison = false) {
-  for (int mb = first; mb < last; ++mb) {
-    opt.begin_backward(mb + 1 == last);
-    for (std::size_t i = kModel.size(); i-- > 0;) {
-      std::vector<float> g = gradient(mb, step, i);
-      if (poison && mb == first && i == 0) g[0] = std::numeric_limits<float>::quiet_NaN();
-      opt.accumulate_grad(i, g);
-      opt.grad_ready(i);
-    }
-  }
-  return opt.step();
+  return test::run_micro_batches(opt, first, last, [&](int mb, std::size_t i) {
+    std::vector<float> g = gradient(mb, step, i);
+    if (poison && mb == first && i == 0) g[0] = std::numeric_limits<float>::quiet_NaN();
+    return g;
+  });
 }
 
 struct Snapshot {
@@ -354,18 +349,7 @@ TEST(AdafactorRule, MicroBatchesAreSummedBeforeTheUpdate) {
     for (int t = 0; t < 3; ++t) {
       run_step(*four, t, 0, 4);
       // The average of the four (exact: multiples of 2^-16, summed exactly).
-      one->begin_backward(true);
-      for (std::size_t i = kModel.size(); i-- > 0;) {
-        std::vector<float> g(numel(kModel[i]), 0.0f);
-        for (int mb = 0; mb < 4; ++mb) {
-          const std::vector<float> gm = gradient(mb, t, i);
-          for (std::size_t k = 0; k < g.size(); ++k) g[k] += gm[k];
-        }
-        for (float& v : g) v *= 0.25f;
-        one->accumulate_grad(i, g);
-        one->grad_ready(i);
-      }
-      one->step();
+      test::run_average(*one, 4, [&](int mb, std::size_t i) { return gradient(mb, t, i); });
     }
     expect_same(snapshot(*four), snapshot(*one),
                 std::string("4 micro-batches against 1, ") + stage_name(stage));

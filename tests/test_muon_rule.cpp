@@ -83,21 +83,17 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm,
   return opt;
 }
 
-// Runs micro-batches [first, last) of step `step` (each the gradients grad_value(mb, ...),
-// times `factor`), then steps.
-void run_step(ShardedOptimizer& opt, int step, int first, int last, float factor = 1.0f) {
-  for (int mb = first; mb < last; ++mb) {
-    opt.begin_backward(mb + 1 == last);
-    for (std::size_t i = kModel.size(); i-- > 0;) {
-      std::vector<float> g(numel(kModel[i]));
-      for (std::size_t k = 0; k < g.size(); ++k)
-        g[k] = grad_value(static_cast<std::uint64_t>(mb), static_cast<std::uint64_t>(step), i, k) *
-               factor;
-      opt.accumulate_grad(i, g);
-      opt.grad_ready(i);
-    }
-  }
-  opt.step();
+// Parameter i's gradient in micro-batch mb of step `step`.
+std::vector<float> gradient(int mb, int step, std::size_t i) {
+  std::vector<float> g(numel(kModel[i]));
+  for (std::size_t k = 0; k < g.size(); ++k)
+    g[k] = grad_value(static_cast<std::uint64_t>(mb), static_cast<std::uint64_t>(step), i, k);
+  return g;
+}
+// Runs micro-batches [first, last) of step `step`, then steps.
+void run_step(ShardedOptimizer& opt, int step, int first, int last) {
+  test::run_micro_batches(opt, first, last,
+                          [&](int mb, std::size_t i) { return gradient(mb, step, i); });
 }
 
 struct Snapshot {
@@ -264,17 +260,7 @@ TEST(MuonRule, MicroBatchesAreSummedBeforeNewtonSchulz) {
   for (int t = 0; t < 3; ++t) {
     run_step(*four, t, 0, 4);
     // The average of the four (exact: multiples of 2^-12, summed exactly).
-    one->begin_backward(true);
-    for (std::size_t i = kModel.size(); i-- > 0;) {
-      std::vector<float> g(numel(kModel[i]), 0.0f);
-      for (int mb = 0; mb < 4; ++mb)
-        for (std::size_t k = 0; k < g.size(); ++k)
-          g[k] += grad_value(static_cast<std::uint64_t>(mb), static_cast<std::uint64_t>(t), i, k);
-      for (float& v : g) v *= 0.25f;
-      one->accumulate_grad(i, g);
-      one->grad_ready(i);
-    }
-    one->step();
+    test::run_average(*one, 4, [&](int mb, std::size_t i) { return gradient(mb, t, i); });
   }
   expect_same(snapshot(*four), snapshot(*one),
               std::string("4 micro-batches against 1, ") + stage_name(stage));

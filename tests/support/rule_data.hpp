@@ -1,12 +1,15 @@
-// rule_data.hpp: the data of the rule tests that run a model through the optimizer
+// rule_data.hpp: the data and steps of the rule tests that run a model through the optimizer
 // (test_muon_rule, test_adafactor_rule): pure functions of their arguments, so every rank and
 // the one-process reference compute the same numbers; gradients whose sums are exact in fp32,
-// so every reduction order gives the same bits; and the bitwise comparison.
+// so every reduction order gives the same bits; a step of micro-batches, and of their
+// average; the bitwise comparison.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "shardopt/optimizer.hpp"
 
 namespace shardopt::test {
 
@@ -33,6 +36,39 @@ template <class T>
 bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
   return x.size() == y.size() &&
          (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0);
+}
+
+/// Runs micro-batches [first, last) of one step on `opt`, then steps: grad(mb, i) is
+/// parameter i's gradient (numel floats) in micro-batch mb, accumulated in backward order
+/// (the last parameter first), each parameter grad_ready at once.
+template <class Grad>
+StepResult run_micro_batches(ShardedOptimizer& opt, int first, int last, Grad&& grad) {
+  for (int mb = first; mb < last; ++mb) {
+    opt.begin_backward(mb + 1 == last);
+    for (std::size_t i = opt.layout().num_params(); i-- > 0;) {
+      const std::vector<float> g = grad(mb, i);
+      opt.accumulate_grad(i, g);
+      opt.grad_ready(i);
+    }
+  }
+  return opt.step();
+}
+/// One micro-batch holding the average of micro-batches [0, count) (summed in order, times
+/// 1 / count in fp32: exact for exactly summable gradients and a power-of-two count), then a
+/// step: what run_micro_batches(opt, 0, count, grad) must equal bit for bit when the update
+/// runs once per step on the reduced gradient.
+template <class Grad>
+StepResult run_average(ShardedOptimizer& opt, int count, Grad&& grad) {
+  return run_micro_batches(opt, 0, 1, [&](int, std::size_t i) {
+    std::vector<float> g = grad(0, i);
+    for (int mb = 1; mb < count; ++mb) {
+      const std::vector<float> h = grad(mb, i);
+      for (std::size_t k = 0; k < g.size(); ++k) g[k] += h[k];
+    }
+    const float inv = 1.0f / static_cast<float>(count);
+    for (float& v : g) v *= inv;
+    return g;
+  });
 }
 
 }  // namespace shardopt::test
