@@ -425,6 +425,35 @@ TEST(AdafactorRule, ClippingAndSkippedSteps) {
   }
 }
 
+// Adafactor's settings are part of what the ranks must agree on: at finalize (the layout
+// fingerprint) and at every step (after set_group), with the same error on every rank and
+// nothing updated.
+TEST(AdafactorRule, RanksThatDisagreeFailTogether) {
+  const int world = test::world_size(), rank = test::world_rank();
+  if (world == 1) GTEST_SKIP() << "needs at least 2 ranks";
+  const bool last = rank == world - 1;
+  AdafactorConfig other;
+  other.d = 1.5;
+  {
+    ShardedOptimizer opt(test::world(), options(20000));
+    const int ada = opt.add_group(adafactor_group(last ? other : AdafactorConfig{}));
+    opt.add_param("w", Shape2D{64, 32}, ada);
+    test::expect_same_error(Status::LayoutMismatch, [&] { opt.finalize(); }, {"differ"},
+                            "Adafactor settings differ at finalize");
+  }
+  auto opt = make(test::world(), options(20000), adafactor_group());
+  run_step(*opt, 0, rank, rank + 1);
+  const Snapshot before = snapshot(*opt);
+  other = AdafactorConfig{};
+  other.eps2 = 2e-3;
+  if (last) opt->set_group(kAdafactor, adafactor_group(other));
+  test::expect_same_error(
+      Status::InvalidArgument, [&] { run_step(*opt, 1, rank, rank + 1); },
+      {"group 1 adafactor.eps2 differs"}, "Adafactor settings differ at step");
+  EXPECT_EQ(opt->step_count(), 1);
+  expect_same(snapshot(*opt), before, "after the refused step");
+}
+
 // (e) The refusals, the same error on every rank.
 TEST(AdafactorRule, RefusalsAreTheSameOnEveryRank) {
   auto finalize_with = [](OptimizerOptions o, bool matrix) {
