@@ -379,26 +379,30 @@ TEST(CudaDevice, AutomaticBucketSizeIsTheDevicePlanners) {
   EXPECT_EQ(plan.bucket_elems, largest);
 }
 
-// Rule::Muon has no device kernels: finalize() refuses it with Error(Unsupported) on every
-// rank, before anything is allocated (issue 32).
-TEST(CudaDevice, RefusesTheMuonRule) {
+// Rule::Muon and Rule::Adafactor have no device kernels: finalize() refuses them with
+// Error(Unsupported) on every rank, before anything is allocated (issue 32).
+TEST(CudaDevice, RefusesTheMuonAndAdafactorRules) {
   SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
-  OptimizerOptions o;
-  o.device = Device::Cuda;
-  o.stage = Stage::DataParallel;
-  o.ownership = Ownership::Whole;
-  ShardedOptimizer opt(test::gpu_world(), o);
-  GroupOptions muon;
-  muon.rule = Rule::Muon;
-  opt.add_param("w", Shape2D{64, 32}, opt.add_group(muon));
-  opt.add_param("b", 64, 0);
-  try {
-    opt.finalize();
-    FAIL() << "finalize() accepted Muon on Device::Cuda";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.status(), Status::Unsupported) << e.what();
-    EXPECT_NE(std::string(e.what()).find("Muon rule runs on Device::Cpu only"), std::string::npos)
-        << e.what();
+  for (Rule rule : {Rule::Muon, Rule::Adafactor}) {
+    OptimizerOptions o;
+    o.device = Device::Cuda;
+    o.stage = Stage::DataParallel;
+    o.ownership = Ownership::Whole;
+    ShardedOptimizer opt(test::gpu_world(), o);
+    GroupOptions g;
+    g.rule = rule;
+    opt.add_param("w", Shape2D{64, 32}, opt.add_group(g));
+    opt.add_param("b", 64, 0);
+    try {
+      opt.finalize();
+      FAIL() << "finalize() accepted " << rule_name(rule) << " on Device::Cuda";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::Unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::string(rule_name(rule)) +
+                                           " rule runs on Device::Cpu only"),
+                std::string::npos)
+          << e.what();
+    }
   }
 }
 
