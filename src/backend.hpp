@@ -16,6 +16,7 @@
 #include "shardopt/memory.hpp"
 #include "shardopt/options.hpp"
 #include "shardopt/error.hpp"
+#include "rules/adafactor.hpp"
 #include "rules/muon.hpp"
 
 namespace shardopt {
@@ -93,6 +94,22 @@ class Backend {
         (void)replica, (void)replica_dtype;
     throw Error(Status::Unsupported,
                 std::string("the Muon rule is not implemented on the ") + name() + " backend");
+  }
+
+  /// Adafactor (src/rules/adafactor.hpp) on one whole parameter of rows x cols elements at
+  /// step t: the reduced gradient is scaled into scratch memory as in muon_update(), then
+  /// rules::adafactor::step runs once on it: `factored`, state is row_var (rows floats) then
+  /// col_var (cols floats); otherwise state is the per-element variance (rows * cols floats).
+  /// Master and the replica as in adam_update(). Only the CPU backend has it; the default
+  /// throws Error(Unsupported).
+  virtual void adafactor_update(const rules::adafactor::Config& cfg, std::int64_t t,
+                                std::size_t rows, std::size_t cols, bool factored,
+                                float grad_scale, float* master, const float* grad, float* state,
+                                void* replica, DType replica_dtype) {
+    (void)cfg, (void)t, (void)rows, (void)cols, (void)factored, (void)grad_scale, (void)master,
+        (void)grad, (void)state, (void)replica, (void)replica_dtype;
+    throw Error(Status::Unsupported,
+                std::string("the Adafactor rule is not implemented on the ") + name() + " backend");
   }
 
   /// Waits for queued work (device backends); a no-op on the CPU.

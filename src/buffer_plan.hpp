@@ -47,9 +47,10 @@ struct BufferPlan {
   BufferSpec master;                ///< absent (0 bytes) when the fp32 replica is the master
   /// The rules' state slots (rules/rules.hpp, in Slot order; rules/state_layout.hpp): exp_avg
   /// for the elements under AdamW or Lion, exp_avg_sq for those under AdamW (fp32 each),
-  /// AdamW8bit's codes (a byte per element each) and block scales. Moments, allocated only
-  /// when some local element keeps them.
-  std::array<BufferSpec, 6> state;
+  /// AdamW8bit's codes (a byte per element each) and block scales, Adafactor's row and column
+  /// variances (rows + cols fp32 per factored matrix). Moments, allocated only when some local
+  /// element keeps them.
+  std::array<BufferSpec, 7> state;
   /// Stage 2 staged, on demand: micro-batches that accumulate without synchronising (full
   /// size). Stage 3 never needs it: every micro-batch is reduce-scattered into the shard.
   BufferSpec accumulate;

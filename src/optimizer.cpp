@@ -257,6 +257,11 @@ std::uint64_t configuration_fingerprint(const FlatLayout& layout, const Optimize
                               g.muon.ns_c, g.muon.eps, static_cast<double>(g.muon.lr_adjust)};
       h = fnv1a64(muon, sizeof muon, h);
     }
+    if (g.rule == Rule::Adafactor) {
+      const double ada[5] = {g.adafactor.beta2_decay, g.adafactor.eps1, g.adafactor.eps2,
+                             g.adafactor.d, g.adafactor.maximize ? 1.0 : 0.0};
+      h = fnv1a64(ada, sizeof ada, h);
+    }
   }
   if (o.ownership != Ownership::Flat) {
     const std::int64_t own = static_cast<int>(o.ownership);
@@ -265,19 +270,24 @@ std::uint64_t configuration_fingerprint(const FlatLayout& layout, const Optimize
   return h;
 }
 
-bool is_muon(const ParamInfo& p, const std::vector<GroupOptions>& groups) {
+// The rule of p's group (AdamW for a group beyond `groups`).
+Rule group_rule(const ParamInfo& p, const std::vector<GroupOptions>& groups) {
   const std::size_t g = static_cast<std::size_t>(p.group);
-  return g < groups.size() && groups[g].rule == Rule::Muon;
+  return g < groups.size() ? groups[g].rule : Rule::AdamW;
 }
 
-// Muon's requirements before the layout is built (the same verdict on every rank: they
-// depend on the registration and the options only).
-void check_muon_params(const FlatLayout& layout, const std::vector<GroupOptions>& groups,
-                       const OptimizerOptions& o) {
-  bool any = false;
+// The requirements of the whole-tensor rules (Muon, Adafactor: rules::needs_whole) before the
+// layout is built (the same verdict on every rank: they depend on the registration and the
+// options only).
+void check_whole_rule_params(const FlatLayout& layout, const std::vector<GroupOptions>& groups,
+                             const OptimizerOptions& o) {
+  const ParamInfo* muon = nullptr;
+  const ParamInfo* adafactor = nullptr;
   for (const ParamInfo& p : layout.params()) {
-    if (!is_muon(p, groups)) continue;
-    any = true;
+    const Rule r = group_rule(p, groups);
+    if (r == Rule::Adafactor && !adafactor) adafactor = &p;
+    if (r != Rule::Muon) continue;
+    if (!muon) muon = &p;
     require(p.rows > 1 && p.cols > 1, Status::InvalidArgument,
             "finalize: parameter '" + p.name + "' is in a Muon group (group " +
                 std::to_string(p.group) + ") but is not a 2-D matrix (shape " +
@@ -285,23 +295,45 @@ void check_muon_params(const FlatLayout& layout, const std::vector<GroupOptions>
                 "; Muon needs rows > 1 and cols > 1: register it with add_param(name, Shape2D, "
                 "group), or put it in an AdamW group)");
   }
-  if (!any) return;
-  require(o.ownership == Ownership::Whole, Status::InvalidArgument,
-          "finalize: Muon needs whole matrices: set OptimizerOptions::ownership = "
-          "Ownership::Whole");
+  if (muon)
+    require(o.ownership == Ownership::Whole, Status::InvalidArgument,
+            "finalize: Muon needs whole matrices: set OptimizerOptions::ownership = "
+            "Ownership::Whole");
+  if (adafactor) {
+    require(o.ownership == Ownership::Whole, Status::InvalidArgument,
+            "finalize: parameter '" + adafactor->name + "' (" + std::to_string(adafactor->rows) +
+                " x " + std::to_string(adafactor->cols) + ", group " +
+                std::to_string(adafactor->group) + ") is in an Adafactor group: Adafactor "
+                "needs whole tensors (row and column statistics, RMS of the parameter and of "
+                "the update): set OptimizerOptions::ownership = Ownership::Whole");
+    require(o.device == Device::Cpu, Status::Unsupported,
+            "finalize: the Adafactor rule runs on Device::Cpu only (no CUDA kernels yet)");
+    // Whole runs stage 3 and reproducible mode at stages 1-3 for the other rules; Adafactor
+    // has not been tested there yet.
+    require(o.stage != Stage::Zero3, Status::Unsupported,
+            "finalize: the Adafactor rule runs at stages 0-2 (stage 3 is not supported yet)");
+    require(o.reduction != Reduction::Reproducible || o.stage == Stage::DataParallel,
+            Status::Unsupported,
+            "finalize: the Adafactor rule runs with Reduction::Reproducible at stage 0 only "
+            "(stages 1-3 are not supported yet)");
+  }
 }
 
-// After build(): every Muon matrix must lie inside one bucket, so that the rank updating
-// that bucket (data-parallel: every rank; Whole stages 1-3: its owner) holds all of it.
-void check_muon_buckets(const FlatLayout& layout, const std::vector<GroupOptions>& groups) {
-  for (const ParamInfo& p : layout.params())
-    require(!is_muon(p, groups) || p.buckets.size() == 1, Status::InvalidArgument,
-            "finalize: Muon parameter '" + p.name + "' (" + std::to_string(p.rows) + " x " +
-                std::to_string(p.cols) + " = " + std::to_string(p.numel) +
-                " elements) spans " + std::to_string(p.buckets.size()) +
-                " buckets of " + std::to_string(layout.bucket_elems()) +
-                " elements; a matrix must fit one bucket: raise OptimizerOptions::bucket_elems "
-                "to at least its size");
+// After build(): every parameter of a whole-tensor rule must lie inside one bucket, so that
+// the rank updating that bucket (data-parallel: every rank; Whole stages 1-3: its owner)
+// holds all of it.
+void check_whole_rule_buckets(const FlatLayout& layout, const std::vector<GroupOptions>& groups) {
+  for (const ParamInfo& p : layout.params()) {
+    const Rule r = group_rule(p, groups);
+    require(!rules::needs_whole(r) || p.buckets.size() == 1, Status::InvalidArgument,
+            std::string("finalize: ") + rule_name(r) + " parameter '" + p.name + "' (" +
+                std::to_string(p.rows) + " x " + std::to_string(p.cols) + " = " +
+                std::to_string(p.numel) + " elements) spans " +
+                std::to_string(p.buckets.size()) + " buckets of " +
+                std::to_string(layout.bucket_elems()) +
+                " elements; a whole-tensor rule's parameter must fit one bucket: raise "
+                "OptimizerOptions::bucket_elems to at least its size");
+  }
 }
 
 struct RankSummary {
@@ -319,7 +351,7 @@ void ShardedOptimizer::finalize() {
   FlatLayout layout = layout_;
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
-    check_muon_params(layout, groups_, options_);
+    check_whole_rule_params(layout, groups_, options_);
     // Whole-tensor ownership (ownership.hpp) runs every stage and reduction on the CPU (the
     // collectives, unit gathers and exact sums take each bucket's ragged per-rank ranges) and
     // stages 0-2 with the default reduction on CUDA (NCCL's uneven collectives).
@@ -334,7 +366,7 @@ void ShardedOptimizer::finalize() {
     const std::size_t cap = auto_bucket_cap(options_.device);
     layout.build(comm_->size(), rules::layout_bucket_elems(layout, groups_, options_.bucket_elems, cap),
                  cap, rules::layout_align(layout, groups_));
-    check_muon_buckets(layout, groups_);
+    check_whole_rule_buckets(layout, groups_);
     if (options_.ownership == Ownership::Whole)
       layout.apply_owners(
           assign_owners(layout, rules::owner_costs(layout, groups_, options_.param_dtype)));
@@ -443,7 +475,7 @@ float* ShardedOptimizer::master_at(std::size_t b) const {
 void ShardedOptimizer::read_state(StateArray a, Range local, float* out) const {
   state_->for_each_run(local, [&](const rules::RuleRun& run, Range part) {
     float* dst = out + (part.begin - local.begin);
-    if (!rules::has(run.rule, a)) {
+    if (!rules::has(run.rule, a, run.factored)) {
       std::fill(dst, dst + part.size(), 0.0f);
       return;
     }
@@ -477,7 +509,7 @@ void ShardedOptimizer::read_state(StateArray a, Range local, float* out) const {
 
 void ShardedOptimizer::write_state(StateArray a, Range local, const float* in) {
   state_->for_each_run(local, [&](const rules::RuleRun& run, Range part) {
-    if (!rules::has(run.rule, a)) return;  // this rule keeps no such array
+    if (!rules::has(run.rule, a, run.factored)) return;  // this rule keeps no such array
     require(run.rule != Rule::AdamW8bit, Status::Unsupported,
             std::string("AdamW8bit's ") + rules::state_array_name(a) +
                 " is 8-bit codes and block scales; it is not set from fp32 values");
@@ -586,9 +618,12 @@ void ShardedOptimizer::gather_state(const char* what, StateArray a, std::size_t 
     require(out.data() != nullptr, Status::InvalidArgument, w + ": the output buffer is null");
     const ParamInfo& pi = layout_.param(i);
     const Rule rule = rules::param_rule(groups_[static_cast<std::size_t>(pi.group)], pi.numel);
-    require(rules::has(rule, a), Status::InvalidArgument,
+    const bool factored = rules::factored(rule, pi.rows, pi.cols);
+    require(rules::has(rule, a, factored), Status::InvalidArgument,
             w + ": parameter '" + pi.name + "' is updated by " + rule_name(rule) +
-                ", which keeps no " + rules::state_array_name(a));
+                ", which keeps no " + rules::state_array_name(a) +
+                (factored ? " for a 2-D parameter (its row_var and col_var: "
+                            "get_factored_state)" : ""));
   });
   const ParamInfo& p = layout_.param(i);
   buckets_->wait_params();
@@ -633,6 +668,52 @@ void ShardedOptimizer::gather_state(const char* what, StateArray a, std::size_t 
         std::copy(src, src + got.size(), out.data() + lo + (got.begin - want.begin));
       }
   }
+}
+
+void ShardedOptimizer::get_factored_state(std::size_t i, std::span<float> row_var,
+                                          std::span<float> col_var) {
+  const CallScope call("get_factored_state");
+  collective(*comm_, "get_factored_state", [&] {
+    require_finalized("get_factored_state");
+    require(i < layout_.num_params(), Status::InvalidArgument,
+            "get_factored_state: parameter index " + std::to_string(i) + " out of range (have " +
+                std::to_string(layout_.num_params()) + ")");
+    const ParamInfo& p = layout_.param(i);
+    require(rules::factored(rule_of(i), p.rows, p.cols), Status::InvalidArgument,
+            "get_factored_state: parameter '" + p.name + "' (" + std::to_string(p.rows) + " x " +
+                std::to_string(p.cols) + ", " + rule_name(rule_of(i)) +
+                ") keeps no factored statistics (Adafactor's 2-D parameters do)");
+    require(row_var.size() == p.rows && col_var.size() == p.cols, Status::InvalidArgument,
+            "get_factored_state: parameter '" + p.name + "' has " + std::to_string(p.rows) +
+                " rows and " + std::to_string(p.cols) + " columns, got buffers of " +
+                std::to_string(row_var.size()) + " and " + std::to_string(col_var.size()));
+    require(row_var.data() != nullptr && col_var.data() != nullptr, Status::InvalidArgument,
+            "get_factored_state: an output buffer is null");
+  });
+  const ParamInfo& p = layout_.param(i);
+  const std::size_t n = p.rows + p.cols;
+  const auto* factors = buf_->slots[static_cast<std::size_t>(rules::Slot::Factors)].as<float>();
+  std::vector<float> mine(n, 0.0f);
+  const auto read_own = [&] {
+    backend_->copy_to_host(mine.data(), factors + state_->matrix_slot_begin(i), n * sizeof(float));
+  };
+  const int world = comm_->size();
+  std::vector<float> all;
+  const float* src = mine.data();
+  if (options_.stage == Stage::DataParallel || world == 1) {
+    read_own();  // every rank holds every matrix
+  } else {
+    // The matrix lies whole in one rank's range of its bucket: that rank's entries.
+    const Bucket& b = layout_.bucket(p.buckets.begin);
+    int owner = 0;
+    while (owner + 1 < world && b.slice(owner).intersect(p.flat).empty()) ++owner;
+    if (comm_->rank() == owner) read_own();
+    all.resize(n * static_cast<std::size_t>(world));
+    comm_->all_gather_bytes(mine.data(), all.data(), n * sizeof(float));
+    src = all.data() + static_cast<std::size_t>(owner) * n;
+  }
+  std::copy(src, src + p.rows, row_var.begin());
+  std::copy(src + p.rows, src + n, col_var.begin());
 }
 
 template <class T>

@@ -68,6 +68,7 @@ const char* rule_name(Rule r) noexcept {
     case Rule::Lion: return "Lion";
     case Rule::AdamW8bit: return "AdamW8bit";
     case Rule::Muon: return "Muon";
+    case Rule::Adafactor: return "Adafactor";
   }
   return "unknown rule";
 }
@@ -85,9 +86,9 @@ std::string validate(const GroupOptions& g) {
   if (!std::isfinite(g.lr_scale) || g.lr_scale < 0)
     return "invalid group lr_scale " + std::to_string(g.lr_scale) + " (need >= 0)";
   if (g.rule != Rule::AdamW && g.rule != Rule::Lion && g.rule != Rule::AdamW8bit &&
-      g.rule != Rule::Muon)
+      g.rule != Rule::Muon && g.rule != Rule::Adafactor)
     return "invalid group rule " + std::to_string(static_cast<int>(g.rule)) +
-           " (AdamW 0, Lion 1, AdamW8bit 2, Muon 3)";
+           " (AdamW 0, Lion 1, AdamW8bit 2, Muon 3, Adafactor 4)";
   auto beta_ok = [](double b) { return std::isfinite(b) && b >= 0 && b < 1; };
   if (!beta_ok(g.lion.beta1) || !beta_ok(g.lion.beta2))
     return "invalid Lion betas " + std::to_string(g.lion.beta1) + ", " +
@@ -105,6 +106,16 @@ std::string validate(const GroupOptions& g) {
       m.lr_adjust != MuonLrAdjust::None)
     return "invalid Muon lr_adjust " + std::to_string(static_cast<int>(m.lr_adjust)) +
            " (Original 0, MatchRmsAdamW 1, None 2)";
+  // torch.optim.Adafactor's constructor checks (each also refuses NaN), and finite values.
+  const AdafactorConfig& a = g.adafactor;
+  if (!std::isfinite(a.beta2_decay) || a.beta2_decay > 0)
+    return "invalid Adafactor beta2_decay " + std::to_string(a.beta2_decay) + " (need <= 0)";
+  if (!std::isfinite(a.eps1) || a.eps1 < 0)
+    return "invalid Adafactor eps1 " + std::to_string(a.eps1) + " (need eps1 >= 0)";
+  if (!std::isfinite(a.eps2) || a.eps2 < 0)
+    return "invalid Adafactor eps2 " + std::to_string(a.eps2) + " (need eps2 >= 0)";
+  if (!std::isfinite(a.d) || a.d < 1)
+    return "invalid Adafactor d " + std::to_string(a.d) + " (the clipping threshold: need d >= 1)";
   return {};
 }
 

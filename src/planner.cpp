@@ -77,7 +77,8 @@ double state_bytes_per_elem(const ParamInfo& p, bool matrix, const PlanConfig& c
   const GroupOptions group = g < config.groups.size() ? config.groups[g] : GroupOptions{};
   switch (group.rule) {
     case Rule::Lion:
-    case Rule::Muon: return 4.0 + master;
+    case Rule::Muon:
+    case Rule::Adafactor: return 4.0 + master;  // (Adafactor's matrices: see owner_costs)
     case Rule::AdamW8bit:
       return (p.numel >= group.adamw8bit.min_8bit_numel ? 2.0 + 8.0 / 256 : 8.0) + master;
     case Rule::AdamW: break;
@@ -224,8 +225,11 @@ double zero_formula_bytes(Stage stage, double psi, double ranks, DType param_dty
   const double p = static_cast<double>(dtype_size(param_dtype));
   const double g = 4.0;
   // The rule's state per element: Lion and Muon one fp32 array, AdamW two, AdamW8bit two
-  // bytes and two fp32 scales per 256 elements (every parameter taken as 8-bit).
-  const double state = rule == Rule::Lion || rule == Rule::Muon ? 4.0 : rule == Rule::AdamW8bit ? 2.0 + 8.0 / 256 : 8.0;
+  // bytes and two fp32 scales per 256 elements (every parameter taken as 8-bit), Adafactor at
+  // most one (every parameter taken as unfactored; a factored matrix keeps rows + cols).
+  double state = 8.0;
+  if (rule == Rule::Lion || rule == Rule::Muon || rule == Rule::Adafactor) state = 4.0;
+  if (rule == Rule::AdamW8bit) state = 2.0 + 8.0 / 256;
   const double k = state + (param_dtype == DType::F32 ? 0.0 : 4.0);
   switch (stage) {
     case Stage::DataParallel: return (p + g + k) * psi;

@@ -54,8 +54,9 @@ Wire wire_of(const StepSettings& s) {
   return w;
 }
 
-// Per group: lr_scale, the weight-decay flag, the rule, Lion's betas and Muon's settings.
-constexpr std::size_t kGroupFields = 13;
+// Per group: lr_scale, the weight-decay flag, the rule, Lion's betas, Muon's and Adafactor's
+// settings.
+constexpr std::size_t kGroupFields = 18;
 std::vector<double> groups_of(const StepSettings& s) {
   std::vector<double> g;
   for (const GroupOptions& o : s.groups) {
@@ -72,6 +73,11 @@ std::vector<double> groups_of(const StepSettings& s) {
     g.push_back(canonical(o.muon.ns_c));
     g.push_back(canonical(o.muon.eps));
     g.push_back(static_cast<double>(o.muon.lr_adjust));
+    g.push_back(canonical(o.adafactor.beta2_decay));
+    g.push_back(canonical(o.adafactor.eps1));
+    g.push_back(canonical(o.adafactor.eps2));
+    g.push_back(canonical(o.adafactor.d));
+    g.push_back(o.adafactor.maximize ? 1.0 : 0.0);
   }
   return g;
 }
@@ -166,6 +172,11 @@ void describe(std::string& out, const std::string& name, int ranks,
       describe(diff, group + " muon.ns_c", n, field(10));
       describe(diff, group + " muon.eps", n, field(11));
       describe(diff, group + " muon.lr_adjust", n, field(12));
+      describe(diff, group + " adafactor.beta2_decay", n, field(13));
+      describe(diff, group + " adafactor.eps1", n, field(14));
+      describe(diff, group + " adafactor.eps2", n, field(15));
+      describe(diff, group + " adafactor.d", n, field(16));
+      describe(diff, group + " adafactor.maximize", n, field(17));
     }
   }
   if (diff.empty()) diff = " (the settings hash differently but compare equal)";

@@ -21,6 +21,7 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
 #include "support/muon_model.hpp"
+#include "support/rule_data.hpp"
 #include "support/same_error.hpp"
 #include "support/world.hpp"
 
@@ -62,20 +63,10 @@ OptimizerOptions muon_options(std::size_t bucket, DType dtype = DType::BF16,
   return o;
 }
 
-// splitmix64 in [0, 2^64).
-std::uint64_t mix(std::uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-// A multiple of 2^-10 in [-0.5, 0.5]: any sum of a few of them is exact in fp32.
+using test::init_value;
+using test::same_bits;
 float grad_value(std::uint64_t mb, std::uint64_t step, std::uint64_t param, std::uint64_t k) {
-  const std::uint64_t h = mix(mix(mix(mix(mb) ^ step) ^ param) ^ k);
-  return static_cast<float>(static_cast<int>(h % 1025) - 512) / 1024.0f;
-}
-float init_value(std::uint64_t param, std::uint64_t k) {
-  return static_cast<float>(static_cast<int>(mix(param * 7919 + k) % 2001) - 1000) * 1e-4f;
+  return test::exact_grad(mb, step, param, k);
 }
 
 std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm,
@@ -98,39 +89,18 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm,
   return opt;
 }
 
-// Stage 3: a forward that gathers every unit (the next one prefetched), as a trainer's
-// forward does before its backward; f(i) reads parameter i while its unit is acquired.
-// Stages 0-2: f(i) for every parameter.
-template <class F>
-void forward(ShardedOptimizer& opt, F&& f) {
-  const FlatLayout& l = opt.layout();
-  const bool zero3 = opt.options().stage == Stage::Zero3;
-  for (std::size_t u = 0; u < l.num_units(); ++u) {
-    if (zero3) {
-      opt.acquire(u);
-      if (u + 1 < l.num_units()) opt.prefetch(u + 1);
-    }
-    for (std::size_t i = l.unit(u).params.begin; i < l.unit(u).params.end; ++i) f(i);
-    if (zero3) opt.release(u);
-  }
+// Parameter i's gradient in micro-batch mb of step `step`, times `factor`.
+std::vector<float> gradient(int mb, int step, std::size_t i, float factor = 1.0f) {
+  std::vector<float> g(numel(kModel[i]));
+  for (std::size_t k = 0; k < g.size(); ++k)
+    g[k] = grad_value(static_cast<std::uint64_t>(mb), static_cast<std::uint64_t>(step), i, k) *
+           factor;
+  return g;
 }
-
-// Runs micro-batches [first, last) of step `step` (each the gradients grad_value(mb, ...),
-// times `factor`), then steps.
+// Runs micro-batches [first, last) of step `step` (stage 3: after a forward), then steps.
 void run_step(ShardedOptimizer& opt, int step, int first, int last, float factor = 1.0f) {
-  forward(opt, [](std::size_t) {});
-  for (int mb = first; mb < last; ++mb) {
-    opt.begin_backward(mb + 1 == last);
-    for (std::size_t i = kModel.size(); i-- > 0;) {
-      std::vector<float> g(numel(kModel[i]));
-      for (std::size_t k = 0; k < g.size(); ++k)
-        g[k] = grad_value(static_cast<std::uint64_t>(mb), static_cast<std::uint64_t>(step), i, k) *
-               factor;
-      opt.accumulate_grad(i, g);
-      opt.grad_ready(i);
-    }
-  }
-  opt.step();
+  test::run_micro_batches(opt, first, last,
+                          [&](int mb, std::size_t i) { return gradient(mb, step, i, factor); });
 }
 
 struct Snapshot {
@@ -150,7 +120,7 @@ Snapshot snapshot(ShardedOptimizer& opt) {
   }
   s.replica.resize(kModel.size());
   s.replica_f32.resize(kModel.size());
-  forward(opt, [&](std::size_t i) {  // stage 3 gathers its units
+  test::forward(opt, [&](std::size_t i) {  // stage 3 gathers its units
     const std::size_t n = numel(kModel[i]);
     opt.wait_param(i);  // stages 1-2 gather the replica after the step
     if (opt.options().param_dtype == DType::BF16) {
@@ -173,12 +143,6 @@ std::shared_ptr<Communicator> world_of(const char* kind) {
   std::shared_ptr<Communicator> c = test::world();
   ::unsetenv("SHARDOPT_COMM");
   return c;
-}
-template <class T>
-bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
-  // No memcmp of an empty vector's null data() (UBSan).
-  return x.size() == y.size() &&
-         (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0);
 }
 void expect_same(const Snapshot& a, const Snapshot& b, const std::string& what) {
   for (std::size_t i = 0; i < kModel.size(); ++i) {
@@ -316,18 +280,7 @@ TEST(MuonRule, MicroBatchesAreSummedBeforeNewtonSchulz) {
   for (int t = 0; t < 3; ++t) {
     run_step(*four, t, 0, 4);
     // The average of the four (exact: multiples of 2^-12, summed exactly).
-    forward(*one, [](std::size_t) {});
-    one->begin_backward(true);
-    for (std::size_t i = kModel.size(); i-- > 0;) {
-      std::vector<float> g(numel(kModel[i]), 0.0f);
-      for (int mb = 0; mb < 4; ++mb)
-        for (std::size_t k = 0; k < g.size(); ++k)
-          g[k] += grad_value(static_cast<std::uint64_t>(mb), static_cast<std::uint64_t>(t), i, k);
-      for (float& v : g) v *= 0.25f;
-      one->accumulate_grad(i, g);
-      one->grad_ready(i);
-    }
-    one->step();
+    test::run_average(*one, 4, [&](int mb, std::size_t i) { return gradient(mb, t, i); });
   }
   expect_same(snapshot(*four), snapshot(*one),
               std::string("4 micro-batches against 1, ") + stage_name(stage));

@@ -68,8 +68,9 @@ struct LossScaleState {
 };
 
 /// The optimizer state arrays (this rank's local arrays), for host copies (checkpoints).
-/// ExpAvg is AdamW's first moment and Lion's momentum; ExpAvgSq is AdamW's alone (a rule
-/// without an array reads as zeros in copy_state_to_host, and get_state refuses it).
+/// ExpAvg is AdamW's first moment and Lion's and Muon's momentum; ExpAvgSq is AdamW's second
+/// moment and the variance of Adafactor's unfactored parameters (a rule without an array
+/// reads as zeros in copy_state_to_host, and get_state refuses it).
 enum class StateArray : int { Master = 0, ExpAvg = 1, ExpAvgSq = 2 };
 
 class Backend;    // buffers and kernels of one device kind (internal)
@@ -250,6 +251,12 @@ class ShardedOptimizer {
   /// for bit (a gather of the owners' pieces, not a sum). A wrong size or index on any rank
   /// throws the same Error on every rank.
   void get_state(StateArray a, std::size_t i, std::span<float> out);
+  /// Collective: Adafactor's factored statistics of 2-D parameter i (rows > 1, cols > 1 in an
+  /// Adafactor group) on every rank: its row_var (rows floats) and col_var (cols floats), bit
+  /// for bit (its owner's, gathered). A parameter without them, a wrong size or a null buffer
+  /// on any rank throws the same Error(InvalidArgument) on every rank. (Adafactor's other
+  /// parameters keep a per-element variance: get_state(StateArray::ExpAvgSq).)
+  void get_factored_state(std::size_t i, std::span<float> row_var, std::span<float> col_var);
 
   /// What save_checkpoint() keeps with the optimizer: the locks of the save directories it
   /// saved into, held until the optimizer is destroyed (checkpoint.hpp). Opaque here.

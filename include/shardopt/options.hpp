@@ -85,9 +85,28 @@ enum class Rule : int {
   /// else. Device::Cpu at stages 0-3; on Device::Cuda (stages 0-2) the GEMMs are cuBLAS's
   /// (fp32): equal to the CPU's to rounding, not bit for bit (docs/cuda.md).
   Muon = 3,
+  /// Adafactor (Shazeer & Stern 2018; the semantics of torch.optim.Adafactor, PyTorch >= 2.5,
+  /// src/rules/adafactor.hpp), issue 32: with t the step count, rho = min(lr, 1/sqrt(t)),
+  /// alpha = max(eps2, RMS(p)) * rho; p *= 1 - lr * wd; a 2-D parameter (rows > 1 and
+  /// cols > 1, registered with add_param(name, Shape2D, group)) keeps factored statistics,
+  /// row_var = lerp(row_var, mean_j g^2, t^beta2_decay) and col_var likewise over the rows
+  /// (rows + cols fp32 per matrix, not per element), v = row_var_i col_var_j /
+  /// max(mean(row_var), eps1); any other parameter (1-D, or 1 x n / n x 1: torch would
+  /// factor a 2-D 1 x n tensor, here it is a vector) keeps the per-element variance
+  /// lerp(variance, g^2, t^beta2_decay) (exp_avg_sq's slot, 4 bytes per element);
+  /// u = g / sqrt(max(v, eps1^2)); p -= alpha / max(1, RMS(u) / d) * u. RMS(p) and RMS(u)
+  /// are statistics of the whole tensor, 1-D ones included, so every parameter of an
+  /// Adafactor group must be whole on the rank that updates it: the optimizer must use
+  /// Ownership::Whole and each parameter must fit one bucket (finalize() refuses anything
+  /// else, naming the parameter). The update runs once per step, on the reduced, averaged
+  /// and clipped gradient. lr and weight decay as for every rule (AdamConfig::lr * lr_scale;
+  /// AdamConfig::weight_decay where the group's weight_decay is on: torch's Adafactor
+  /// defaults to lr 1e-2 and weight_decay 0). Device::Cpu only; stages 0-2 (Whole's);
+  /// checkpoints of its state are refused for now.
+  Adafactor = 4,
 };
 const char* rule_name(Rule r) noexcept;
-inline constexpr int kNumRules = 4;
+inline constexpr int kNumRules = 5;
 
 /// Lion's own hyperparameters (lr and weight decay come from AdamConfig and the group).
 struct LionConfig {
@@ -122,6 +141,19 @@ struct MuonConfig {
   MuonLrAdjust lr_adjust = MuonLrAdjust::Original;
 };
 
+/// Adafactor's own hyperparameters, torch.optim.Adafactor's defaults (torch's eps = (eps1,
+/// eps2); lr is AdamConfig::lr x lr_scale and the weight decay AdamConfig::weight_decay where
+/// the group's weight_decay is on, as for Muon and Lion).
+struct AdafactorConfig {
+  double beta2_decay = -0.8;  ///< the second moments' lerp weight at step t is t^beta2_decay; <= 0
+  /// Floor of mean(row_var) and, squared, of the variance estimate; >= 0. torch's default
+  /// (None) is the parameter dtype's machine epsilon: fp32's 2^-23 here (the master is fp32).
+  double eps1 = 1.1920928955078125e-07;
+  double eps2 = 1e-3;   ///< floor of RMS(p) in the step size alpha; >= 0
+  double d = 1.0;       ///< update clipping threshold on RMS(u); >= 1
+  bool maximize = false;
+};
+
 /// Options of one parameter group. Group 0 always exists with the defaults.
 struct GroupOptions {
   double lr_scale = 1.0;      ///< this group's lr is lr * lr_scale
@@ -131,6 +163,7 @@ struct GroupOptions {
   LionConfig lion;            ///< used when rule is Lion (validated always)
   AdamW8bitConfig adamw8bit;  ///< used when rule is AdamW8bit
   MuonConfig muon;            ///< used when rule is Muon (validated always)
+  AdafactorConfig adafactor;  ///< used when rule is Adafactor (validated always)
 };
 std::string validate(const GroupOptions& g);
 
@@ -179,12 +212,13 @@ struct OptimizerOptions {
   /// Default, or Reproducible (see Reduction; needs reduce_dtype F32 and Device::Cpu).
   Reduction reduction = Reduction::Default;
   /// Flat (equal slices of every bucket), or Whole (every parameter on one rank:
-  /// ownership.hpp). Rule::Muon needs Whole. Whole runs stages 0-3 on the CPU with either
-  /// reduction (stage 3: each rank keeps its owned ranges, units gathered by uneven
-  /// all-gathers), and stages 0-2 on Device::Cuda with the default reduction (docs/cuda.md);
-  /// finalize() refuses it (Error(Unsupported)) on Device::Cuda at stage 3 or with
-  /// Reduction::Reproducible. Checkpoints do not depend on it: saved in either ownership,
-  /// they load in either (checkpoint.hpp).
+  /// ownership.hpp). Rule::Muon and Rule::Adafactor need Whole. Whole runs stages 0-3 on the
+  /// CPU with either reduction (stage 3: each rank keeps its owned ranges, units gathered by
+  /// uneven all-gathers), and stages 0-2 on Device::Cuda with the default reduction
+  /// (docs/cuda.md); finalize() refuses it (Error(Unsupported)) on Device::Cuda at stage 3 or
+  /// with Reduction::Reproducible (Adafactor: stages 0-2 on the CPU, reproducible at stage 0
+  /// only). Checkpoints do not depend on it: saved in either ownership, they load in either
+  /// (checkpoint.hpp).
   Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------

@@ -307,7 +307,8 @@ void after_publish(const fs::path& dir, const std::string& name, int keep) {
 }
 
 // A rule whose state no format stores yet (format.hpp: first_format_with, the place a new
-// rule's state and options are added) cannot be saved or loaded: refused, naming it.
+// rule's state and options are added) cannot be saved or loaded: refused, naming it
+// (Adafactor: its factored row_var and col_var have no place in format 6).
 void refuse_unstored_rules(const ShardedOptimizer& opt, const char* what) {
   for (std::size_t g = 0; g < opt.groups().size(); ++g)
     require(first_format_with(opt.groups()[g].rule) != 0, Status::Unsupported,

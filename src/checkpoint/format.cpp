@@ -197,6 +197,7 @@ std::uint32_t first_format_with(Rule rule) {
     case Rule::Lion: return 4;
     case Rule::AdamW8bit: return 5;
     case Rule::Muon: return 6;
+    case Rule::Adafactor: return 0;  // factored row_var / col_var: not stored yet
   }
   return 0;
 }

@@ -73,16 +73,32 @@ class CpuBackend final : public Backend {
                    DType replica_dtype) override {
     bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
     float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
-    const std::size_t n = rows * cols;
-    if (scaled_.size() < n) scaled_.resize(n);
-    // One fp32 multiply per element, as adam_element's `grad * s.grad_scale`.
-    float* g = scaled_.data();
-    for (std::size_t i = 0; i < n; ++i) g[i] = grad[i] * grad_scale;
+    const float* g = scale(grad, rows * cols, grad_scale);
     rules::muon::step(cfg, rows, cols, master, g, m, out_bf16, out_f32, muon_ws_);
+  }
+  void adafactor_update(const rules::adafactor::Config& cfg, std::int64_t t, std::size_t rows,
+                        std::size_t cols, bool factored, float grad_scale, float* master,
+                        const float* grad, float* state, void* replica,
+                        DType replica_dtype) override {
+    bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
+    float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
+    const float* g = scale(grad, rows * cols, grad_scale);
+    if (factored)
+      rules::adafactor::step(cfg, t, rows, cols, master, g, state, state + rows, out_bf16, out_f32);
+    else
+      rules::adafactor::step_vector(cfg, t, rows * cols, master, g, state, out_bf16, out_f32);
   }
 
  private:
-  std::vector<float> scaled_;       // the scaled gradient of one Muon matrix
+  // The gradient of one whole parameter times grad_scale, in scaled_: one fp32 multiply per
+  // element, as adam_element's `grad * s.grad_scale`.
+  const float* scale(const float* grad, std::size_t n, float grad_scale) {
+    if (scaled_.size() < n) scaled_.resize(n);
+    float* g = scaled_.data();
+    for (std::size_t i = 0; i < n; ++i) g[i] = grad[i] * grad_scale;
+    return g;
+  }
+  std::vector<float> scaled_;       // the scaled gradient of one Muon or Adafactor parameter
   rules::muon::Workspace muon_ws_;  // Newton-Schulz scratch, reused across matrices
 };
 

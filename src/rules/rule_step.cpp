@@ -2,6 +2,7 @@
 #include "rules/rule_step.hpp"
 
 #include "shardopt/error.hpp"
+#include "rules/adafactor.hpp"
 #include "rules/muon.hpp"
 #include "shardopt/lion_math.hpp"
 
@@ -75,6 +76,52 @@ muon::Config muon_config(const StepInputs& in, const GroupOptions& o) {
   return c;
 }
 
+// Adafactor's hyperparameters of group `o` (lr and weight decay as Muon takes them).
+adafactor::Config adafactor_config(const StepInputs& in, const GroupOptions& o) {
+  adafactor::Config c;
+  c.lr = in.hyper.lr * o.lr_scale;
+  c.weight_decay = o.weight_decay ? in.hyper.weight_decay : 0.0;
+  c.beta2_decay = o.adafactor.beta2_decay;
+  c.eps1 = o.adafactor.eps1;
+  c.eps2 = o.adafactor.eps2;
+  c.d = o.adafactor.d;
+  c.maximize = o.adafactor.maximize;
+  return c;
+}
+
+// The parameter of `piece`, which must be whole in the window part (whole-tensor ownership
+// puts it on one rank, inside one bucket: finalize() refuses anything else).
+const ParamInfo& whole_param(const FlatLayout& layout, const ShardPiece& piece, Rule rule) {
+  const ParamInfo& p = layout.param(piece.param);
+  if (piece.in_param.begin != 0 || piece.in_param.end != p.numel || p.rows * p.cols != p.numel)
+    throw Error(Status::Internal,
+                std::string("update_window: ") + rule_name(rule) + " parameter '" + p.name +
+                    "' is not whole in this window (elements [" +
+                    std::to_string(piece.in_param.begin) + ", " +
+                    std::to_string(piece.in_param.end) + ") of " + std::to_string(p.numel) + ")");
+  return p;
+}
+
+// Adafactor on every parameter of `flat` (a part of a run's window part: pointers at its first
+// element), each whole. Factored runs: each matrix's row_var and col_var at its place in the
+// Factors slot; otherwise the variance, per element like the master (`variance`).
+void update_adafactor(Backend& be, const FlatLayout& layout, const StateLayout& state,
+                      const StepInputs& in, Range flat, bool factored, float* master,
+                      const float* grad, float* variance, float* factors, void* replica,
+                      DType replica_dtype) {
+  const std::size_t elem = dtype_size(replica_dtype);
+  for (const ShardPiece& piece : layout.pieces_in(flat)) {
+    const ParamInfo& p = whole_param(layout, piece, Rule::Adafactor);
+    const GroupOptions& o = (*in.groups)[static_cast<std::size_t>(p.group)];
+    const std::size_t off = piece.local.begin;  // relative to `flat`
+    float* st = factored ? factors + state.matrix_slot_begin(piece.param) : variance + off;
+    be.adafactor_update(adafactor_config(in, o), in.hyper.step, p.rows, p.cols, factored,
+                        static_cast<float>(in.grad_scale), master + off, grad + off, st,
+                        replica ? static_cast<char*>(replica) + off * elem : nullptr,
+                        replica_dtype);
+  }
+}
+
 // Muon on every parameter of `flat` (a part of a window: pointers at its first element).
 // Each must lie whole inside it: whole-tensor ownership puts every matrix on one rank, inside
 // one bucket (finalize() refuses a matrix that spans buckets).
@@ -82,12 +129,7 @@ void update_muon(Backend& be, const FlatLayout& layout, const StepInputs& in, Ra
                  float* master, const float* grad, float* m, void* replica, DType replica_dtype) {
   const std::size_t elem = dtype_size(replica_dtype);
   for (const ShardPiece& piece : layout.pieces_in(flat)) {
-    const ParamInfo& p = layout.param(piece.param);
-    if (piece.in_param.begin != 0 || piece.in_param.end != p.numel || p.rows * p.cols != p.numel)
-      throw Error(Status::Internal,
-                  "update_window: Muon parameter '" + p.name + "' is not whole in this window "
-                  "(elements [" + std::to_string(piece.in_param.begin) + ", " +
-                  std::to_string(piece.in_param.end) + ") of " + std::to_string(p.numel) + ")");
+    const ParamInfo& p = whole_param(layout, piece, Rule::Muon);
     const GroupOptions& o = (*in.groups)[static_cast<std::size_t>(p.group)];
     const std::size_t off = piece.local.begin;  // relative to `flat`
     be.muon_update(muon_config(in, o), p.rows, p.cols, static_cast<float>(in.grad_scale),
@@ -125,6 +167,12 @@ void update_window(Backend& be, const FlatLayout& layout, const StateLayout& sta
       case Rule::Muon:
         update_muon(be, layout, in, flat, master, grad, slot(Slot::ExpAvg), replica,
                     w.replica_dtype);
+        return;
+      case Rule::Adafactor:
+        update_adafactor(be, layout, state, in, flat, run.factored, master, grad,
+                         run.factored ? nullptr : slot(Slot::ExpAvgSq),
+                         static_cast<float*>(slots[static_cast<std::size_t>(Slot::Factors)]),
+                         replica, w.replica_dtype);
         return;
       case Rule::AdamW8bit: {
         const StepScalars s = make_step_scalars(in.hyper, in.grad_scale);

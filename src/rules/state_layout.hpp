@@ -9,6 +9,11 @@
 // slots are as long as the local arrays. AdamW8bit runs start and end on block boundaries
 // (the layout is aligned to 256 then), so their blocks are their parameters' blocks.
 //
+// A run is also either factored or not (factored(): Adafactor's 2-D parameters, whose state
+// is sized by their shape). A factored run holds whole matrices only (whole-tensor
+// ownership: finalize() refuses anything else) and keeps, per matrix in local order, rows +
+// cols entries of each Extent::Matrix slot (matrix_slot_begin()); its padding keeps none.
+//
 // Runs depend on the rank (which pieces it owns): with mixed rules the ranks' state
 // sizes differ (the planner takes the rank: PlanConfig::rank).
 #pragma once
@@ -16,6 +21,7 @@
 #include <array>
 #include <cstddef>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "rules/rules.hpp"
@@ -27,13 +33,15 @@ namespace shardopt::rules {
 struct RuleRun {
   Range local;  ///< in the local arrays
   Rule rule = Rule::AdamW;
+  bool factored = false;  ///< its parameters keep factored state (factored())
   /// Where the run's first element sits in each slot the rule keeps (undefined otherwise).
   std::array<std::size_t, kNumSlots> slot_begin{};
-  /// The slot index of local element x of this run (per-block slots: of its block).
+  /// The slot index of local element x of this run (per-block slots: of its block). Not for
+  /// Extent::Matrix slots (StateLayout::matrix_slot_begin).
   std::size_t slot_index(Slot s, std::size_t x) const {
     const std::size_t off = x - local.begin;
     return slot_begin[static_cast<int>(s)] +
-           (slot_info(s).per_block ? off / FlatLayout::kQuantBlockElems : off);
+           (slot_info(s).extent == Extent::Block ? off / FlatLayout::kQuantBlockElems : off);
   }
 };
 
@@ -53,6 +61,9 @@ class StateLayout {
   const std::vector<RuleRun>& runs() const { return runs_; }
   /// Whether some run keeps rule r.
   bool uses(Rule r) const;
+  /// Where factored parameter `param`'s rows + cols entries start in each Extent::Matrix slot
+  /// (row_var first, then col_var); Error(Internal) when this rank holds no such matrix.
+  std::size_t matrix_slot_begin(std::size_t param) const;
   /// f(run, part) for every run overlapping `local`, in order; part is the overlap.
   template <class F>
   void for_each_run(Range local, F&& f) const {
@@ -66,6 +77,8 @@ class StateLayout {
  private:
   std::size_t first_run(std::size_t x) const;  // the run holding x (runs_.size() if none)
   std::vector<RuleRun> runs_;
+  /// (parameter, its first entry in the Extent::Matrix slots), sorted by parameter.
+  std::vector<std::pair<std::size_t, std::size_t>> matrices_;
   std::array<std::size_t, kNumSlots> slot_elems_{};
   std::size_t local_size_ = 0;
 };

@@ -553,6 +553,30 @@ TEST(CudaMuon, MatchesCpuOptimizerToRounding) {
   expect_muon_close([] { return test::gpu_world(); }, host_world);
 }
 
+// Rule::Adafactor has no device kernels: finalize() refuses it with Error(Unsupported) on
+// every rank, before anything is allocated (issue 32).
+TEST(CudaDevice, RefusesTheAdafactorRule) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  OptimizerOptions o;
+  o.device = Device::Cuda;
+  o.stage = Stage::DataParallel;
+  o.ownership = Ownership::Whole;
+  ShardedOptimizer opt(test::gpu_world(), o);
+  GroupOptions g;
+  g.rule = Rule::Adafactor;
+  opt.add_param("w", Shape2D{64, 32}, opt.add_group(g));
+  opt.add_param("b", 64, 0);
+  try {
+    opt.finalize();
+    FAIL() << "finalize() accepted Adafactor on Device::Cuda";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Adafactor rule runs on Device::Cpu only"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // Device buffers cannot go through a host communicator, at any size (even one rank runs host
 // code on the data: the bf16 wire's rounding): every rank gets the same InvalidArgument
 // before anything is allocated (needs no GPU).
