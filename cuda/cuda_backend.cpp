@@ -270,18 +270,20 @@ class CudaBackend final : public Backend {
   // rules::muon::step's arithmetic with the element passes of muon_op.hpp (the CPU's
   // formulas, bitwise) and cuBLAS for the GEMMs (fp32, cuBLAS's own summation order: results
   // agree with the CPU's to rounding, not bit for bit; docs/cuda.md). Workspace as the CPU's:
-  // U, X, Y (rows x cols) and S, T (min(rows, cols)^2), grown on demand.
+  // U, X, Y (rows x cols) and S, T (min(rows, cols)^2), at the start of the optimizer's
+  // `scratch` (device memory, accounted; the gradient is scaled inside the momentum pass, so
+  // the rows * cols the CPU scales it into are not used here).
   void muon_update(const rules::muon::Config& cfg, std::size_t rows, std::size_t cols,
                    float grad_scale, float* master, const float* grad, float* m, void* replica,
-                   DType replica_dtype) override {
+                   DType replica_dtype, float* scratch) override {
     rules::muon::check_step(cfg, rows, cols);
     require(rows <= static_cast<std::size_t>(INT_MAX) && cols <= static_cast<std::size_t>(INT_MAX),
             Status::Unsupported, "muon: cuBLAS takes int dimensions: a matrix of " +
                                      std::to_string(rows) + " x " + std::to_string(cols) +
                                      " is too large");
     const std::size_t n = rows * cols, k = std::min(rows, cols);
-    float* u = reserve(muon_ws_, rules::muon::workspace_floats(rows, cols) * sizeof(float),
-                       MemCategory::Scratch, false).as<float>();
+    require(scratch != nullptr, Status::Internal, "cuda backend: no scratch for Muon");
+    float* u = scratch;
     float* x = u + n;
     float* y = x + n;
     float* s = y + n;
@@ -393,7 +395,6 @@ class CudaBackend final : public Backend {
   Allocation norm_scratch_, norm_host_;
   Allocation norm_tables_;                  // sum_squares_in_order: the plan's tables, the sums
   Allocation qmaps_;                        // device_qmaps()
-  Allocation muon_ws_;                      // muon_update: U, X, Y, S, T of one matrix
   cublasHandle_t cublas_ = nullptr;         // cublas(): Muon's GEMMs
   std::vector<dev::NormSlice> norm_slices_;
 };

@@ -83,21 +83,23 @@ class Backend {
                                 void* replica, DType replica_dtype) = 0;
 
   /// Muon (src/rules/muon.hpp) on one whole rows x cols matrix: the reduced gradient `grad`
-  /// is first multiplied by `grad_scale` into scratch memory (fp32, element by element,
-  /// exactly as adam_update applies StepScalars::grad_scale), then rules::muon::step runs
-  /// once on it with master, the momentum m and the replica as in adam_update(). Only the CPU
-  /// backend has it; the default throws Error(Unsupported).
+  /// is first multiplied by `grad_scale` (fp32, element by element, exactly as adam_update
+  /// applies StepScalars::grad_scale), then rules::muon::step runs once on it with master, the
+  /// momentum m and the replica as in adam_update(). `scratch`: rules::scratch_floats(Muon)
+  /// floats of this backend's memory (the optimizer's, accounted). The CPU and CUDA backends
+  /// have it; the default throws Error(Unsupported).
   virtual void muon_update(const rules::muon::Config& cfg, std::size_t rows, std::size_t cols,
                            float grad_scale, float* master, const float* grad, float* m,
-                           void* replica, DType replica_dtype) {
+                           void* replica, DType replica_dtype, float* scratch) {
     (void)cfg, (void)rows, (void)cols, (void)grad_scale, (void)master, (void)grad, (void)m,
-        (void)replica, (void)replica_dtype;
+        (void)replica, (void)replica_dtype, (void)scratch;
     throw Error(Status::Unsupported,
                 std::string("the Muon rule is not implemented on the ") + name() + " backend");
   }
 
   /// Adafactor (src/rules/adafactor.hpp) on one whole parameter of rows x cols elements at
-  /// step t: the reduced gradient is scaled into scratch memory as in muon_update(), then
+  /// step t: the reduced gradient is scaled into `scratch` (rows * cols floats) as in
+  /// muon_update(), then
   /// rules::adafactor::step runs once on it: `factored`, state is row_var (rows floats) then
   /// col_var (cols floats); otherwise state is the per-element variance (rows * cols floats).
   /// Master and the replica as in adam_update(). Only the CPU backend has it; the default
@@ -105,9 +107,9 @@ class Backend {
   virtual void adafactor_update(const rules::adafactor::Config& cfg, std::int64_t t,
                                 std::size_t rows, std::size_t cols, bool factored,
                                 float grad_scale, float* master, const float* grad, float* state,
-                                void* replica, DType replica_dtype) {
+                                void* replica, DType replica_dtype, float* scratch) {
     (void)cfg, (void)t, (void)rows, (void)cols, (void)factored, (void)grad_scale, (void)master,
-        (void)grad, (void)state, (void)replica, (void)replica_dtype;
+        (void)grad, (void)state, (void)replica, (void)replica_dtype, (void)scratch;
     throw Error(Status::Unsupported,
                 std::string("the Adafactor rule is not implemented on the ") + name() + " backend");
   }

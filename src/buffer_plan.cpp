@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "exact_sum.hpp"
+#include "rules/rules.hpp"
 #include "rules/state_layout.hpp"
 
 namespace shardopt {
@@ -68,6 +69,8 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
   p.reduce_bytes = padded * (reduce_dtype == DType::BF16 && !reproducible ? 2 : 4);
   p.reduce_bytes_accumulated = reproducible ? padded * 8 : p.reduce_bytes;
   if (param_dtype != DType::F32) p.master = {MemCategory::Master, p.local_elems * f32, false};
+  p.rule_scratch = {MemCategory::Scratch,
+                    rules::rules_scratch_floats(layout, groups, stage, rank) * f32, false};
   const rules::StateLayout state(layout, groups, stage, rank);
   static_assert(rules::kNumSlots == std::tuple_size_v<decltype(p.state)>);
   for (int s = 0; s < rules::kNumSlots; ++s)

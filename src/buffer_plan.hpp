@@ -51,6 +51,10 @@ struct BufferPlan {
   /// variances (rows + cols fp32 per factored matrix). Moments, allocated only when some local
   /// element keeps them.
   std::array<BufferSpec, 7> state;
+  /// The whole-tensor rules' scratch (rules::rules_scratch_floats fp32: Muon's scaled
+  /// gradient and Newton-Schulz workspace, Adafactor's scaled gradient) of the largest
+  /// parameter this rank updates; 0 without Muon or Adafactor.
+  BufferSpec rule_scratch;
   /// Stage 2 staged, on demand: micro-batches that accumulate without synchronising (full
   /// size). Stage 3 never needs it: every micro-batch is reduce-scattered into the shard.
   BufferSpec accumulate;
@@ -80,6 +84,7 @@ struct BufferPlan {
   std::vector<BufferSpec> all() const {
     std::vector<BufferSpec> out = {replica, units, grads, staging, master};
     out.insert(out.end(), state.begin(), state.end());
+    out.push_back(rule_scratch);
     for (const BufferSpec& b : {accumulate, spill, exact, exact_wire}) out.push_back(b);
     return out;
   }

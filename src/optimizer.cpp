@@ -30,6 +30,7 @@ struct ShardedOptimizer::Buffers {
   Allocation master;      ///< local fp32 master (absent when the replica is fp32)
   /// The rules' state slots (rules/rules.hpp), packed per rule (rules/state_layout.hpp).
   std::array<Allocation, rules::kNumSlots> slots;
+  Allocation rule_scratch;  ///< Muon's / Adafactor's scratch (BufferPlan::rule_scratch)
   std::array<void*, rules::kNumSlots> slot_data() const {
     std::array<void*, rules::kNumSlots> out{};
     for (std::size_t k = 0; k < out.size(); ++k) out[k] = slots[k].data();
@@ -430,6 +431,7 @@ void ShardedOptimizer::finalize() {
     if (plan.exact.bytes > 0 && !plan.exact.on_demand) grads.exact = local_buffer(plan.exact);
     if (plan.master.bytes > 0) b.master = local_buffer(plan.master);
     for (std::size_t k = 0; k < b.slots.size(); ++k) b.slots[k] = local_buffer(plan.state[k]);
+    if (plan.rule_scratch.bytes > 0) b.rule_scratch = local_buffer(plan.rule_scratch);
   });
 
   layout_ = std::move(layout);  // BucketSet and UnitSet keep a reference to it
@@ -861,7 +863,7 @@ void ShardedOptimizer::update_and_gather(const StepHyper& h, double grad_scale,
                        options_.stage != Stage::Zero3 && comm_->size() > 1;
   double update_seconds = 0.0, update_cpu = 0.0;
   const std::array<void*, rules::kNumSlots> slots = b.slot_data();
-  const rules::StepInputs in{&groups_, h, grad_scale};
+  const rules::StepInputs in{&groups_, h, grad_scale, b.rule_scratch.as<float>()};
   for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
     const double cpu_start = process_cpu_seconds();
     const Clock::time_point start = Clock::now();

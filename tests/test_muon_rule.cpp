@@ -399,8 +399,13 @@ TEST(MuonRule, MemoryReportEqualsThePlan) {
     const MemoryPlan plan = plan_memory(unbuilt, pc);
     const MemoryReport rep = opt->memory_report();
     for (MemCategory cat : {MemCategory::Params, MemCategory::Grads, MemCategory::Master,
-                            MemCategory::Moments})
+                            MemCategory::Moments, MemCategory::Scratch})
       EXPECT_EQ(plan[cat], rep[cat]) << mem_category_name(cat) << " " << dtype_name(dtype);
+    // Scratch holds Muon's (the scaled gradient and Newton-Schulz's workspace, 3 rows cols +
+    // 2 min(rows, cols)^2 floats, of the largest matrix the rank updates): at stage 0 every
+    // rank updates the 128 x 128 matrix, 6 x 128^2 floats.
+    if (stage == Stage::DataParallel)
+      EXPECT_GE(rep[MemCategory::Scratch], 6u * 128 * 128 * sizeof(float));
     // Moments: 4 bytes per Muon element, 8 per AdamW element (and their padding); at stages
     // 1-3 each rank holds its owned parameters' (plan == report above, rank by rank).
     std::size_t muon = 0, adamw = 0;

@@ -68,21 +68,22 @@ class CpuBackend final : public Backend {
     rules::q8::adamw8bit_update(s, segments, master, grad, code_m, code_v, scale_m, scale_v,
                                 out_bf16, out_f32);
   }
+  // The scratch: the scaled gradient (rows * cols), then Muon's workspace.
   void muon_update(const rules::muon::Config& cfg, std::size_t rows, std::size_t cols,
                    float grad_scale, float* master, const float* grad, float* m, void* replica,
-                   DType replica_dtype) override {
+                   DType replica_dtype, float* scratch) override {
     bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
     float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
-    const float* g = scale(grad, rows * cols, grad_scale);
-    rules::muon::step(cfg, rows, cols, master, g, m, out_bf16, out_f32, muon_ws_);
+    const float* g = scale(grad, rows * cols, grad_scale, scratch);
+    rules::muon::step(cfg, rows, cols, master, g, m, out_bf16, out_f32, scratch + rows * cols);
   }
   void adafactor_update(const rules::adafactor::Config& cfg, std::int64_t t, std::size_t rows,
                         std::size_t cols, bool factored, float grad_scale, float* master,
                         const float* grad, float* state, void* replica,
-                        DType replica_dtype) override {
+                        DType replica_dtype, float* scratch) override {
     bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
     float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
-    const float* g = scale(grad, rows * cols, grad_scale);
+    const float* g = scale(grad, rows * cols, grad_scale, scratch);
     if (factored)
       rules::adafactor::step(cfg, t, rows, cols, master, g, state, state + rows, out_bf16, out_f32);
     else
@@ -90,16 +91,13 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  // The gradient of one whole parameter times grad_scale, in scaled_: one fp32 multiply per
+  // The gradient of one whole parameter times grad_scale, into `out`: one fp32 multiply per
   // element, as adam_element's `grad * s.grad_scale`.
-  const float* scale(const float* grad, std::size_t n, float grad_scale) {
-    if (scaled_.size() < n) scaled_.resize(n);
-    float* g = scaled_.data();
-    for (std::size_t i = 0; i < n; ++i) g[i] = grad[i] * grad_scale;
-    return g;
+  static const float* scale(const float* grad, std::size_t n, float grad_scale, float* out) {
+    require(out != nullptr, Status::Internal, "cpu backend: no scratch for a whole-tensor rule");
+    for (std::size_t i = 0; i < n; ++i) out[i] = grad[i] * grad_scale;
+    return out;
   }
-  std::vector<float> scaled_;       // the scaled gradient of one Muon or Adafactor parameter
-  rules::muon::Workspace muon_ws_;  // Newton-Schulz scratch, reused across matrices
 };
 
 }  // namespace

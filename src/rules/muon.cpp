@@ -359,14 +359,21 @@ void check_step(const Config& cfg, std::size_t rows, std::size_t cols) {
 void step(const Config& cfg, std::size_t rows, std::size_t cols, float* master, const float* grad,
           float* momentum, bf16* out_bf16, float* out_f32, Workspace& ws) {
   check_step(cfg, rows, cols);
+  if (ws.data.size() < workspace_floats(rows, cols)) ws.data.resize(workspace_floats(rows, cols));
+  step(cfg, rows, cols, master, grad, momentum, out_bf16, out_f32, ws.data.data());
+}
+
+void step(const Config& cfg, std::size_t rows, std::size_t cols, float* master, const float* grad,
+          float* momentum, bf16* out_bf16, float* out_f32, float* workspace) {
+  check_step(cfg, rows, cols);
+  require(workspace != nullptr, Status::InvalidArgument, "muon: step needs its workspace");
   require(master != nullptr && grad != nullptr && momentum != nullptr, Status::InvalidArgument,
           "muon: step needs the master weights, the gradient and the momentum buffer");
   const Scalars sc = make_scalars(cfg, rows, cols);
   const std::size_t count = rows * cols;
   const std::ptrdiff_t n = static_cast<std::ptrdiff_t>(count);
   // U first in the workspace, newton_schulz's X, Y, S, T after it.
-  if (ws.data.size() < workspace_floats(rows, cols)) ws.data.resize(workspace_floats(rows, cols));
-  float* u = ws.data.data();
+  float* u = workspace;
 
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
   for (std::ptrdiff_t e = 0; e < n; ++e) {

@@ -144,5 +144,9 @@ double newton_schulz_flops(std::size_t rows, std::size_t cols, int steps);
 /// OpenMP; the result does not depend on the thread count.
 void step(const Config& cfg, std::size_t rows, std::size_t cols, float* master, const float* grad,
           float* momentum, bf16* out_bf16, float* out_f32, Workspace& ws);
+/// step() with caller-owned scratch: `workspace` holds workspace_floats(rows, cols) floats
+/// (the optimizer's rule scratch, planned and accounted: rules::scratch_floats).
+void step(const Config& cfg, std::size_t rows, std::size_t cols, float* master, const float* grad,
+          float* momentum, bf16* out_bf16, float* out_f32, float* workspace);
 
 }  // namespace shardopt::rules::muon

@@ -102,6 +102,14 @@ const ParamInfo& whole_param(const FlatLayout& layout, const ShardPiece& piece, 
   return p;
 }
 
+// The rules' scratch for updating `p` under `rule` (StepInputs::scratch, planned for the
+// largest parameter this rank updates).
+float* scratch_for(const StepInputs& in, Rule rule, const ParamInfo& p) {
+  require(in.scratch != nullptr || scratch_floats(rule, p) == 0, Status::Internal,
+          "update_window: no rule scratch for '" + p.name + "' (" + rule_name(rule) + ")");
+  return in.scratch;
+}
+
 // Adafactor on every parameter of `flat` (a part of a run's window part: pointers at its first
 // element), each whole. Factored runs: each matrix's row_var and col_var at its place in the
 // Factors slot; otherwise the variance, per element like the master (`variance`).
@@ -118,7 +126,7 @@ void update_adafactor(Backend& be, const FlatLayout& layout, const StateLayout& 
     be.adafactor_update(adafactor_config(in, o), in.hyper.step, p.rows, p.cols, factored,
                         static_cast<float>(in.grad_scale), master + off, grad + off, st,
                         replica ? static_cast<char*>(replica) + off * elem : nullptr,
-                        replica_dtype);
+                        replica_dtype, scratch_for(in, Rule::Adafactor, p));
   }
 }
 
@@ -134,7 +142,8 @@ void update_muon(Backend& be, const FlatLayout& layout, const StepInputs& in, Ra
     const std::size_t off = piece.local.begin;  // relative to `flat`
     be.muon_update(muon_config(in, o), p.rows, p.cols, static_cast<float>(in.grad_scale),
                    master + off, grad + off, m + off,
-                   replica ? static_cast<char*>(replica) + off * elem : nullptr, replica_dtype);
+                   replica ? static_cast<char*>(replica) + off * elem : nullptr, replica_dtype,
+                   scratch_for(in, Rule::Muon, p));
   }
 }
 

@@ -22,6 +22,9 @@ struct StepInputs {
   const std::vector<GroupOptions>* groups = nullptr;
   StepHyper hyper{};          ///< lr, betas, eps, weight decay, mode, step (AdamConfig's)
   double grad_scale = 1.0;    ///< averaging x clipping x 1 / loss scale
+  /// The whole-tensor rules' scratch (BufferPlan::rule_scratch: rules_scratch_floats floats;
+  /// null when no parameter this rank updates needs it).
+  float* scratch = nullptr;
 };
 
 /// One bucket window: `flat` (this rank's slice, or the whole bucket in data-parallel mode)

@@ -109,6 +109,17 @@ constexpr bool needs_whole(Rule rule) { return rule == Rule::Muon || rule == Rul
 /// Whether `rule` runs Newton-Schulz on its matrices (Muon): owner_costs() prices those in
 /// Newton-Schulz flops; other matrix rules' work is linear in the elements (0 flops there).
 constexpr bool runs_newton_schulz(Rule rule) { return rule == Rule::Muon; }
+/// The fp32 scratch a backend needs to update parameter `p` under `rule` whole: Muon the scaled
+/// gradient and Newton-Schulz's workspace (rows cols + muon::workspace_floats), Adafactor the
+/// scaled gradient (numel); 0 for the element-wise rules. The optimizer allocates the largest
+/// over the parameters a rank updates (rules_scratch_floats) at finalize, in the memory
+/// report as Scratch, and passes it to Backend::muon_update / adafactor_update.
+std::size_t scratch_floats(Rule rule, const ParamInfo& p);
+/// The largest scratch_floats over the parameters rank `rank` updates: every parameter at
+/// stage 0 (data-parallel), its owned ones otherwise (a whole-tensor rule needs a Whole layout
+/// with owners applied: FlatLayout::param_owner).
+std::size_t rules_scratch_floats(const FlatLayout& layout, std::span<const GroupOptions> groups,
+                                 Stage stage, int rank);
 /// Bytes of state (and fp32 master when the replica is bf16) parameter `p` under `rule`
 /// keeps per element on its owner (a factored matrix: 4 (rows + cols) / numel of state).
 double state_bytes_per_elem(Rule rule, DType param_dtype, const ParamInfo& p);

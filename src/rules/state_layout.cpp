@@ -1,6 +1,8 @@
 // state_layout.cpp: the rule runs of a rank's local arrays and their slot offsets.
 #include "rules/state_layout.hpp"
 
+#include "rules/muon.hpp"
+
 #include <algorithm>
 #include <string>
 
@@ -58,6 +60,25 @@ std::vector<ParamCost> owner_costs(const FlatLayout& layout, std::span<const Gro
     out.push_back(c);
   }
   return out;
+}
+
+std::size_t scratch_floats(Rule rule, const ParamInfo& p) {
+  switch (rule) {
+    case Rule::Muon: return p.numel + muon::workspace_floats(p.rows, p.cols);
+    case Rule::Adafactor: return p.numel;
+    default: return 0;
+  }
+}
+
+std::size_t rules_scratch_floats(const FlatLayout& layout, std::span<const GroupOptions> groups,
+                                 Stage stage, int rank) {
+  const std::vector<Rule> rules = param_rules(layout, groups);
+  std::size_t largest = 0;
+  for (std::size_t i = 0; i < rules.size(); ++i)
+    if (needs_whole(rules[i]) &&
+        (stage == Stage::DataParallel || layout.param_owner(i) == rank))
+      largest = std::max(largest, scratch_floats(rules[i], layout.param(i)));
+  return largest;
 }
 
 std::size_t layout_align(const FlatLayout& layout, std::span<const GroupOptions> groups) {

@@ -197,6 +197,12 @@ struct MuonRun {
   std::vector<bf16> out;
 };
 
+// The scratch muon_update needs for a rows x cols matrix (rules::scratch_floats), on `be`.
+Allocation muon_scratch(Backend& be, std::size_t rows, std::size_t cols) {
+  return be.allocate(nullptr, MemCategory::Scratch,
+                     (rows * cols + rules::muon::workspace_floats(rows, cols)) * sizeof(float));
+}
+
 // `steps` Muon updates of a rows x cols matrix on `be` (gradients scaled by grad_scale).
 MuonRun run_muon(Backend& be, const rules::muon::Config& cfg, std::size_t rows, std::size_t cols,
                  int steps) {
@@ -204,10 +210,11 @@ MuonRun run_muon(Backend& be, const rules::muon::Config& cfg, std::size_t rows, 
   std::vector<float> p = values(n, 11), m(n, 0.0f);
   std::vector<bf16> out(n, bf16{0});
   Allocation dp = upload(be, p), dm = upload(be, m), dout = upload(be, out);
+  Allocation scratch = muon_scratch(be, rows, cols);
   for (int s = 0; s < steps; ++s) {
     Allocation dg = upload(be, values(n, 20 + static_cast<std::uint64_t>(s)));
     be.muon_update(cfg, rows, cols, 0.5f, dp.as<float>(), dg.as<float>(), dm.as<float>(),
-                   dout.data(), DType::BF16);
+                   dout.data(), DType::BF16, scratch.as<float>());
   }
   return {download<float>(be, dp.data(), n), download<float>(be, dm.data(), n),
           download<bf16>(be, dout.data(), n)};
@@ -260,8 +267,9 @@ TEST(CudaBackend, MuonMatchesCpuToRounding) {
         std::vector<double> u(n);
         for (auto* be : {gpu.get(), cpu.get()}) {
           Allocation dp = upload(*be, zero), dm = upload(*be, zero), dg = upload(*be, g);
+          Allocation scratch = muon_scratch(*be, rows, cols);
           be->muon_update(one, rows, cols, 1.0f, dp.as<float>(), dg.as<float>(), dm.as<float>(),
-                          nullptr, DType::F32);
+                          nullptr, DType::F32, scratch.as<float>());
           const std::vector<float> p = download<float>(*be, dp.data(), n);
           for (std::size_t i = 0; i < n; ++i) (be == gpu.get() ? o_gpu : o_cpu)[i] = -p[i];
         }
@@ -311,7 +319,7 @@ TEST(CudaBackend, MuonRefusesBadArguments) {
         std::tuple{rules::muon::Config{}, std::size_t{0}, std::size_t{4}}}) {
     try {
       gpu->muon_update(cfg, rows, cols, 1.0f, d.as<float>(), d.as<float>(), d.as<float>(),
-                       nullptr, DType::F32);
+                       nullptr, DType::F32, d.as<float>());
       ADD_FAILURE() << "expected Error(InvalidArgument)";
     } catch (const Error& e) {
       EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
