@@ -355,13 +355,13 @@ void ShardedOptimizer::finalize() {
     check_whole_rule_params(layout, groups_, options_);
     // Whole-tensor ownership (ownership.hpp) runs every stage and reduction on the CPU (the
     // collectives, unit gathers and exact sums take each bucket's ragged per-rank ranges) and
-    // stages 0-2 with the default reduction on CUDA (NCCL's uneven collectives).
+    // stages 0-2 on CUDA (NCCL's uneven collectives; reproducible mode is CPU-only anyway:
+    // the constructor refuses it there).
     if (options_.ownership == Ownership::Whole) {
-      require(options_.device == Device::Cpu ||
-                  (options_.stage != Stage::Zero3 && options_.reduction == Reduction::Default),
+      require(options_.device == Device::Cpu || options_.stage != Stage::Zero3,
               Status::Unsupported,
-              "ownership Whole on Device::Cuda: stage 3 and Reduction::Reproducible are not "
-              "supported yet; use stages 0-2 with the default reduction, or the CPU");
+              "ownership Whole on Device::Cuda: stage 3 is not supported yet; use stages 0-2, "
+              "or the CPU");
       layout.set_ownership(Ownership::Whole);
     }
     const std::size_t cap = auto_bucket_cap(options_.device);

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "shardopt/checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/shardopt.h"
 #include "support/reference.hpp"
@@ -750,9 +751,16 @@ TEST(CApi, MuonGroupAndMatricesEqualCppApi) {
     }
     train_c_and_cpp(opt, ref, sizes, 5, 4);
     expect_master_and_exp_avg_equal(opt, ref, sizes);
-    // No checkpoint format for whole ownership yet: refused, as shardopt.h says.
-    EXPECT_FAILS(shardopt_save_checkpoint(opt, "/tmp/shardopt-capi-whole-refused", 1, nullptr),
-                 SHARDOPT_ERROR_UNSUPPORTED, "shardopt_save_checkpoint", "");
+    // Whole ownership and Muon's momentum round-trip through a checkpoint (format 6).
+    const std::string dir = "/tmp/shardopt-capi-whole-" + std::to_string(::getpid());
+    ASSERT_EQ(shardopt_save_checkpoint(opt, dir.c_str(), 1, nullptr), SHARDOPT_SUCCESS) << last(opt);
+    train_c_and_cpp(opt, ref, sizes, 1, 6);  // move away from the saved state
+    ASSERT_EQ(shardopt_load_checkpoint(opt, dir.c_str()), SHARDOPT_SUCCESS) << last(opt);
+    shardopt::load_checkpoint(ref, dir);  // the C++ API from the same files: the same state
+    expect_master_and_exp_avg_equal(opt, ref, sizes);
+    train_c_and_cpp(opt, ref, sizes, 7, 2);  // and the same training after it
+    expect_master_and_exp_avg_equal(opt, ref, sizes);
+    std::filesystem::remove_all(dir);
     EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
   }
 }

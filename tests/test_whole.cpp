@@ -386,21 +386,26 @@ TEST(Whole, WireBytesEqualFlat) {
 }
 
 TEST(Whole, Refusals) {
-  const auto finalize_with = [](OptimizerOptions o) {
-    o.ownership = Ownership::Whole;
-    auto opt = make(o, test::world());
-    opt->finalize();
-  };
-  // (Device::Cuda runs Whole at stages 0-2: tests/gpu/test_cuda_optimizer.cpp, CudaWhole;
-  // checkpoints of Whole layouts: test_checkpoint_whole.)
-  // The planner refuses what finalize() refuses.
+  // (Device::Cuda runs Whole at stages 0-2 with the default reduction and refuses the rest:
+  // tests/gpu/test_cuda_optimizer.cpp, CudaWhole; checkpoints of Whole layouts:
+  // test_checkpoint_whole.) The planner refuses what finalize() refuses, and plans the rest.
   FlatLayout l;
   l.add("a", 100, 0);
   PlanConfig pc;
   pc.world_size = test::world_size();
   pc.ownership = Ownership::Whole;
   pc.device = Device::Cuda;
+  pc.stage = Stage::Zero3;
   EXPECT_THROW(plan_memory(l, pc), Error);
+  pc.stage = Stage::Zero1;
+  pc.reduction = Reduction::Reproducible;
+  EXPECT_THROW(plan_memory(l, pc), Error);
+  pc.reduction = Reduction::Default;
+  EXPECT_NO_THROW(plan_memory(l, pc));
+  pc.device = Device::Cpu;
+  pc.stage = Stage::Zero3;
+  pc.reduction = Reduction::Reproducible;
+  EXPECT_NO_THROW(plan_memory(l, pc));
 }
 
 // Reproducible mode with gradients whose sums round: Whole equals Flat at every stage, and

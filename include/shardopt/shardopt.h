@@ -166,7 +166,8 @@ typedef enum shardopt_ownership {
                                    most parameters) */
   SHARDOPT_OWNERSHIP_WHOLE = 1, /* ragged per-rank ranges: every parameter inside a bucket has
                                    one owner, which updates it whole (SHARDOPT_RULE_MUON needs
-                                   it); stages 0-2 on the CPU, no checkpoints yet */
+                                   it); stages 0-3 on the CPU, 0-2 on CUDA; checkpoints
+                                   load in either ownership */
   SHARDOPT_OWNERSHIP_MIN_ENUM = -0x7FFFFFFF - 1,
   SHARDOPT_OWNERSHIP_MAX_ENUM = 0x7FFFFFFF
 } shardopt_ownership_t;
@@ -291,7 +292,7 @@ typedef struct shardopt_config {
                            needed by SHARDOPT_RULE_MUON groups; it runs stages 0-3 on the CPU
                            with either reduction and stages 0-2 on SHARDOPT_DEVICE_CUDA with
                            the default one (finalize returns SHARDOPT_ERROR_UNSUPPORTED for
-                           the rest) and checkpoints refuse it */
+                           the rest); checkpoints load in either ownership */
   int reserved1;        /* must be 0 (keeps the struct free of trailing padding) */
 } shardopt_config_t;
 

@@ -33,7 +33,8 @@
 //   parameters (biases, norms) get AdamW with the group's lr and decay. Put embeddings and the
 //   head in an unflagged group (AdamW), as is usual for Muon. With any group flagged the
 //   optimizer uses Ownership::Whole (each matrix updated whole by one rank), which runs
-//   stages 0-2 and no checkpoints yet (finalize and save refuse, on every rank).
+//   stages 0-3 on the CPU; its checkpoints are the library's (format 6, Muon's momentum
+//   included).
 // - Parameters: CPU, dense, leaf tensors that require grad, all fp32 or all bf16, each in one
 //   group. Group options are torch::optim::AdamWOptions; betas and eps must be the same in
 //   every group, weight_decay either 0 or one common value (shardopt's groups have an lr
