@@ -70,9 +70,9 @@ struct MetaParam {
   std::uint64_t cols = 0;
 };
 
-/// The first format version that stores the state of `rule` (its rule options included);
-/// 0 for a rule no format stores yet (save_checkpoint refuses it). A decoder refuses a group
-/// whose rule its file's version cannot hold.
+/// The first format version that stores the state of `rule` (its rule options included:
+/// AdamW 1, Lion 4, AdamW8bit 5, Muon 6, Adafactor 7). A decoder refuses a group whose rule
+/// its file's version cannot hold; a new rule gets its version here.
 std::uint32_t first_format_with(Rule rule);
 
 /// Format 2: canonical elements [begin, begin + count) of one shard file, stored as the
