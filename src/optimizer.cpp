@@ -309,10 +309,8 @@ void check_whole_rule_params(const FlatLayout& layout, const std::vector<GroupOp
                 "the update): set OptimizerOptions::ownership = Ownership::Whole");
     require(o.device == Device::Cpu, Status::Unsupported,
             "finalize: the Adafactor rule runs on Device::Cpu only (no CUDA kernels yet)");
-    // Whole runs stage 3 and reproducible mode at stages 1-3 for the other rules; Adafactor
-    // has not been tested there yet.
-    require(o.stage != Stage::Zero3, Status::Unsupported,
-            "finalize: the Adafactor rule runs at stages 0-2 (stage 3 is not supported yet)");
+    // Whole runs reproducible mode at stages 1-3 for the other rules; Adafactor has not been
+    // tested there yet.
     require(o.reduction != Reduction::Reproducible || o.stage == Stage::DataParallel,
             Status::Unsupported,
             "finalize: the Adafactor rule runs with Reduction::Reproducible at stage 0 only "
@@ -694,11 +692,8 @@ void ShardedOptimizer::get_factored_state(std::size_t i, std::span<float> row_va
   });
   const ParamInfo& p = layout_.param(i);
   const std::size_t n = p.rows + p.cols;
-  const auto* factors = buf_->slots[static_cast<std::size_t>(rules::Slot::Factors)].as<float>();
   std::vector<float> mine(n, 0.0f);
-  const auto read_own = [&] {
-    backend_->copy_to_host(mine.data(), factors + state_->matrix_slot_begin(i), n * sizeof(float));
-  };
+  const auto read_own = [&] { copy_factors_to_host(i, mine); };
   const int world = comm_->size();
   std::vector<float> all;
   const float* src = mine.data();
@@ -716,6 +711,23 @@ void ShardedOptimizer::get_factored_state(std::size_t i, std::span<float> row_va
   }
   std::copy(src, src + p.rows, row_var.begin());
   std::copy(src + p.rows, src + n, col_var.begin());
+}
+
+// Parameter i's entries of the factored slot (matrix_slot_begin: Error(Internal) unless this
+// rank holds the matrix).
+void ShardedOptimizer::copy_factors_to_host(std::size_t i, std::span<float> out) {
+  const ParamInfo& p = layout_.param(i);
+  require(out.size() == p.rows + p.cols, Status::Internal, "copy_factors_to_host: wrong size");
+  const auto* factors = buf_->slots[static_cast<std::size_t>(rules::Slot::Factors)].as<float>();
+  backend_->copy_to_host(out.data(), factors + state_->matrix_slot_begin(i), out.size() * sizeof(float));
+}
+
+void ShardedOptimizer::copy_factors_from_host(std::size_t i, std::span<const float> in) {
+  const ParamInfo& p = layout_.param(i);
+  require(in.size() == p.rows + p.cols, Status::Internal, "copy_factors_from_host: wrong size");
+  auto* factors = buf_->slots[static_cast<std::size_t>(rules::Slot::Factors)].as<float>();
+  backend_->copy_from_host(factors + state_->matrix_slot_begin(i), in.data(),
+                           in.size() * sizeof(float));
 }
 
 template <class T>

@@ -1,7 +1,8 @@
 // test_adafactor_rule.cpp: Rule::Adafactor as an optimizer rule (issue 32) at whatever rank
 // count the binary runs with (1 without MPI; 1-4 under mpiexec): 2-D matrices (factored) and
 // vectors (unfactored) in an Adafactor group, next to AdamW vectors and a Muon matrix in the
-// same optimizer, Ownership::Whole at stages 0-2. Against the double model of
+// same optimizer, Ownership::Whole at stages 0-3 (stage 3: four units, gathered by a forward).
+// Against the double model of
 // torch.optim.Adafactor (tests/support/adafactor_model.hpp); the same bits at every rank
 // count, stage and bucket size as one process that runs every rank's micro-batches, on both
 // MPI communicators; micro-batches summed before the update (once per step); clipping and
@@ -12,7 +13,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "shardopt/bf16.hpp"
-#include "shardopt/checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
 #include "support/adafactor_model.hpp"
@@ -97,7 +96,10 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm,
   GroupOptions muon;
   muon.rule = Rule::Muon;
   EXPECT_EQ(opt->add_group(muon), kMuon);
-  for (const P& p : kModel) {
+  for (std::size_t i = 0; i < kModel.size(); ++i) {
+    const P& p = kModel[i];
+    // Stage 3 gathers four units: {a0 b0 a1} {v0 a2} {m0 a3} {r0 b1}.
+    if (o.stage == Stage::Zero3 && (i == 3 || i == 5 || i == 7)) opt->begin_unit();
     if (p.cols) opt->add_param(p.name, Shape2D{p.rows, p.cols}, p.group);
     else opt->add_param(p.name, p.rows, p.group);
   }
@@ -157,19 +159,20 @@ Snapshot snapshot(ShardedOptimizer& opt) {
     s.exp_avg_sq.push_back(v);
     s.row_var.push_back(r);
     s.col_var.push_back(c);
+  }
+  s.replica.resize(kModel.size());
+  s.replica_f32.resize(kModel.size());
+  test::forward(opt, [&](std::size_t i) {  // stage 3 gathers its units
     opt.wait_param(i);  // stages 1-2 gather the replica after the step
     if (opt.options().param_dtype == DType::BF16) {
       const std::span<bf16> rep = opt.param<bf16>(i);
-      std::vector<std::uint16_t> bits(n);
-      for (std::size_t k = 0; k < n; ++k) bits[k] = rep[k].bits;
-      s.replica.push_back(bits);
-      s.replica_f32.emplace_back();
+      s.replica[i].resize(rep.size());
+      for (std::size_t k = 0; k < rep.size(); ++k) s.replica[i][k] = rep[k].bits;
     } else {
       const std::span<float> rep = opt.param<float>(i);
-      s.replica.emplace_back();
-      s.replica_f32.emplace_back(rep.begin(), rep.end());
+      s.replica_f32[i].assign(rep.begin(), rep.end());
     }
-  }
+  });
   return s;
 }
 void expect_same(const Snapshot& a, const Snapshot& b, const std::string& what) {
@@ -309,8 +312,8 @@ TEST(AdafactorRule, TenStepsMatchTheDoubleModel) {
   }
 }
 
-// (b) The same bits at every rank count, stage (0-2: each parameter updated by its owner at
-// stages 1-2) and bucket size as one data-parallel process running every rank's micro-batches
+// (b) The same bits at every rank count, stage (0-3: each parameter updated by its owner at
+// stages 1-3; stage 3 in four units) and bucket size as one data-parallel process running every rank's micro-batches
 // (12 per step, spread evenly), bf16 and fp32 replicas, plain MPI and shared memory; stage 0
 // equals stage 1 bit for bit at the same rank count.
 TEST(AdafactorRule, SameBitsAsOneProcessAtAnyRankCountStageAndBucketSize) {
@@ -325,7 +328,7 @@ TEST(AdafactorRule, SameBitsAsOneProcessAtAnyRankCountStageAndBucketSize) {
       const Snapshot want = snapshot(*single);
       for (const auto& [comm_name, comm] : comms()) {
         Snapshot stage0;
-        for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+        for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
           auto opt = make(comm(), options(bucket, dtype, stage), adafactor_group());
           for (int t = 0; t < 4; ++t) run_step(*opt, t, rank * per_rank, (rank + 1) * per_rank);
           const std::string what = comm_name + ", " + stage_name(stage) + ", " +
@@ -482,10 +485,6 @@ TEST(AdafactorRule, RefusalsAreTheSameOnEveryRank) {
     test::expect_same_error(Status::InvalidArgument, finalize_with(s, true), {"'w'", "Adafactor"},
                             std::string("Flat at ") + stage_name(stage));
   }
-  OptimizerOptions zero3 = ok;
-  zero3.stage = Stage::Zero3;
-  test::expect_same_error(Status::Unsupported, finalize_with(zero3, true),
-                          {"Adafactor rule runs at stages 0-2", "stage 3"}, "stage 3");
   OptimizerOptions repro = ok;
   repro.stage = Stage::Zero1;
   repro.reduction = Reduction::Reproducible;
@@ -522,19 +521,12 @@ TEST(AdafactorRule, RefusalsAreTheSameOnEveryRank) {
   test::expect_same_error(
       Status::InvalidArgument, [&] { opt->get_state(StateArray::ExpAvgSq, 4, big); },
       {"'a2'", "Adafactor", "get_factored_state"}, "get_state of a factored matrix");
-  // Checkpoints of Adafactor state: refused clearly.
-  test::expect_same_error(
-      Status::Unsupported,
-      [&] {
-        save_checkpoint(*opt, std::filesystem::temp_directory_path() / "shardopt_adafactor_ckpt");
-      },
-      {"Adafactor"}, "save_checkpoint");
 }
 
 // (f) The memory each rank holds is the planner's; a factored matrix keeps rows + cols floats.
 TEST(AdafactorRule, MemoryReportEqualsThePlan) {
   const int world = test::world_size();
-  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
   for (DType dtype : {DType::BF16, DType::F32})
   for (std::size_t bucket : {std::size_t{20000}, std::size_t{0}}) {
     auto opt = make(test::world(), options(bucket, dtype, stage), adafactor_group());
@@ -561,7 +553,7 @@ TEST(AdafactorRule, MemoryReportEqualsThePlan) {
   }
   // Factored matrices alone (sizes multiples of 64: no padding inside a run): every rank's
   // moments are 4 (rows + cols) bytes per matrix it owns, and all ranks' add up to the model's.
-  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2}) {
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
     ShardedOptimizer opt(test::world(), options(20000, DType::BF16, stage));
     const int ada = opt.add_group(adafactor_group());
     opt.add_param("a", Shape2D{96, 64}, ada);

@@ -1,5 +1,5 @@
 // test_checkpoint_fixture.cpp: checkpoints users already have still load. The committed
-// format-1 to -5 checkpoints (tests/data/ckpt_v1 to v5, all saved at 2 ranks
+// format-1 to -6 checkpoints (tests/data/ckpt_v1 to v6, all saved at 2 ranks
 // from the same state) load at this run's world size (1 without MPI, 1-4 under mpiexec) in
 // every stage, bit for bit equal to the state they were saved from, with their
 // hyperparameters and loss-scaling state; saved again (current format) they load again
@@ -31,7 +31,8 @@ const fs::path kFixture = fs::path(SHARDOPT_TEST_DATA) / "ckpt_v1";
 const std::vector<fs::path> kFixtures = {kFixture, fs::path(SHARDOPT_TEST_DATA) / "ckpt_v2",
                                          fs::path(SHARDOPT_TEST_DATA) / "ckpt_v3",
                                          fs::path(SHARDOPT_TEST_DATA) / "ckpt_v4",
-                                         fs::path(SHARDOPT_TEST_DATA) / "ckpt_v5"};
+                                         fs::path(SHARDOPT_TEST_DATA) / "ckpt_v5",
+                                         fs::path(SHARDOPT_TEST_DATA) / "ckpt_v6"};
 
 // expected.bin: master, exp_avg, exp_avg_sq per parameter, unpadded (see tests/data/README.md).
 test::FullState expected_state(const fs::path& fixture = kFixture) {
@@ -126,6 +127,25 @@ TEST(FixtureFiles, FormatFiveHasQuantizationFieldsButNoShapes) {
   for (const ckpt::MetaParam& p : m.params) EXPECT_EQ(p.rows, 0u);  // format 6 added shapes
   // AdamW groups only: 12 bytes per element, as in format 4.
   for (const ckpt::MetaShard& s : m.shards) {
+    std::uint64_t n = 0;
+    for (const ckpt::Block& b : s.blocks) n += b.count;
+    EXPECT_EQ(s.file_bytes, ckpt::kShardHeaderBytes + 12 * n);
+  }
+}
+
+TEST(FixtureFiles, FormatSixHasShapesAndSevenArrayShardHeaders) {
+  const fs::path dir = kFixtures[5] / "save" / "ckpt-00000001";
+  const ckpt::Metadata m = ckpt::read_metadata(dir);
+  EXPECT_EQ(m.version, 6u);
+  EXPECT_EQ(m.world_size, 2u);
+  for (const ckpt::MetaParam& p : m.params) EXPECT_EQ(p.rows, 1u);  // 1-D: 1 x numel
+  // A format-6 shard header counts 7 arrays (format 7 added the factors).
+  const std::vector<unsigned char> shard = ckpt::read_whole_file(dir / ckpt::shard_file_name(0), 1 << 20);
+  std::uint32_t arrays = 0;
+  std::memcpy(&arrays, shard.data() + 40, 4);
+  EXPECT_EQ(arrays, 7u);
+  EXPECT_EQ(ckpt::decode_shard_header(shard).version, 6u);
+  for (const ckpt::MetaShard& s : m.shards) {  // AdamW groups only: 12 bytes per element
     std::uint64_t n = 0;
     for (const ckpt::Block& b : s.blocks) n += b.count;
     EXPECT_EQ(s.file_bytes, ckpt::kShardHeaderBytes + 12 * n);

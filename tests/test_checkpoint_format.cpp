@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -566,7 +567,12 @@ TEST(Format, MuonOptionsAndShapesRoundTrip) {
   adamw.groups[2] = GroupOptions{};
   EXPECT_EQ(bytes.size(), encode_metadata(adamw).size() + 52);
   const Metadata d = decode_metadata(bytes);
-  EXPECT_EQ(d.version, 6u);
+  EXPECT_EQ(d.version, kFormatVersion);
+  // Without Adafactor groups format 7's metadata is format 6's: read as 6, the same.
+  const Metadata six = decode_metadata(with_version(bytes, 6));
+  EXPECT_EQ(six.version, 6u);
+  EXPECT_EQ(six.shards[3].file_bytes, d.shards[3].file_bytes);
+  EXPECT_EQ(six.groups[2].muon.ns_steps, 7);
   ASSERT_EQ(d.groups.size(), 3u);
   const MuonConfig& c = d.groups[2].muon;
   EXPECT_EQ(d.groups[2].rule, Rule::Muon);
@@ -615,4 +621,114 @@ TEST(Format, ShapesMustMatchTheSizesAndMuonNeedsFormatSix) {
   EXPECT_EQ(first_format_with(Rule::Lion), 4u);
   EXPECT_EQ(first_format_with(Rule::AdamW8bit), 5u);
   EXPECT_EQ(first_format_with(Rule::Muon), 6u);
+}
+
+// Format 7: an Adafactor group's options follow its record; a factored matrix stores rows +
+// cols Factors entries (row_var, col_var) in the run holding its first element, an unfactored
+// Adafactor parameter its variance as exp_avg_sq.
+namespace {
+Metadata adafactor_sample() {
+  Metadata m = sample();
+  GroupOptions ada;
+  ada.rule = Rule::Adafactor;
+  ada.lr_scale = 0.5;
+  ada.adafactor.beta2_decay = -0.6;
+  ada.adafactor.eps1 = 1e-25;
+  ada.adafactor.eps2 = 4e-3;
+  ada.adafactor.d = 2.25;
+  ada.adafactor.maximize = true;
+  m.groups.push_back(ada);
+  m.params = {{"embed", 100, 0, 0, 0, 0}, {"w", 1000, 2, 0, 25, 40}, {"b", 3, 2, 0, 1, 3}};
+  m.shards = {shard_of(m, {{0, 400, 0x1234u, 0}}),
+              shard_of(m, {{400, 300, 0x1235u, 0}, {700, 100, 0x99u, 0}}), shard_of(m, {}),
+              shard_of(m, {{800, 303, 0x1236u, 0}})};
+  return m;
+}
+}  // namespace
+
+TEST(Format, AdafactorOptionsAndFactoredStateRoundTrip) {
+  const Metadata m = adafactor_sample();
+  const std::vector<unsigned char> bytes = encode_metadata(m);
+  // The same metadata with an AdamW group instead: Adafactor's options take 36 bytes.
+  Metadata adamw = m;
+  adamw.groups[2] = GroupOptions{};
+  EXPECT_EQ(bytes.size(), encode_metadata(adamw).size() + 36);
+  const Metadata d = decode_metadata(bytes);
+  EXPECT_EQ(d.version, 7u);
+  ASSERT_EQ(d.groups.size(), 3u);
+  const AdafactorConfig& c = d.groups[2].adafactor;
+  EXPECT_EQ(d.groups[2].rule, Rule::Adafactor);
+  EXPECT_EQ(d.groups[2].lr_scale, 0.5);
+  EXPECT_EQ(c.beta2_decay, -0.6);
+  EXPECT_EQ(c.eps1, 1e-25);
+  EXPECT_EQ(c.eps2, 4e-3);
+  EXPECT_EQ(c.d, 2.25);
+  EXPECT_TRUE(c.maximize);
+  EXPECT_EQ(d.groups[1].adafactor.d, AdafactorConfig{}.d);  // another group: the defaults
+  EXPECT_EQ(param_rule(d, 1), Rule::Adafactor);
+  // Shard 0: 100 AdamW elements (12 bytes) and w's first 300 (master, 4) with w's 25 + 40
+  // factors; shard 1: w's middle (masters only); shard 3: w's tail and b (master and its
+  // variance, 8 bytes each).
+  EXPECT_EQ(d.shards[0].file_bytes, kShardHeaderBytes + 12 * 100 + 4 * 300 + 4 * (25 + 40));
+  EXPECT_EQ(d.shards[1].file_bytes, kShardHeaderBytes + 4 * 400);
+  EXPECT_EQ(d.shards[3].file_bytes, kShardHeaderBytes + 4 * 300 + 8 * 3);
+  const std::vector<std::uint64_t> canonical = canonical_offsets(d);
+  const auto first = block_entries(d, block_pieces(d, canonical, 0, 400));
+  EXPECT_EQ(first[static_cast<std::size_t>(FileArray::Factors)], 65u);
+  EXPECT_EQ(first[static_cast<std::size_t>(FileArray::ExpAvgSq)], 100u);  // AdamW's only
+  const auto tail = block_entries(d, block_pieces(d, canonical, 800, 303));
+  EXPECT_EQ(tail[static_cast<std::size_t>(FileArray::Factors)], 0u);
+  EXPECT_EQ(tail[static_cast<std::size_t>(FileArray::ExpAvgSq)], 3u);  // b's variance
+  expect_every_corruption_refused(bytes);
+  // A bad maximize flag with valid checksums is corrupt (the flag follows d, whose value
+  // appears nowhere else in the file).
+  std::vector<unsigned char> bad = bytes;
+  const double d_value = 2.25;
+  const unsigned char* at = std::search(bad.data(), bad.data() + bad.size(),
+                                        reinterpret_cast<const unsigned char*>(&d_value),
+                                        reinterpret_cast<const unsigned char*>(&d_value) + 8);
+  ASSERT_NE(at, bad.data() + bad.size());
+  const std::size_t pos = static_cast<std::size_t>(at - bad.data()) + 8;
+  std::uint32_t v = 0;
+  std::memcpy(&v, bad.data() + pos, 4);
+  ASSERT_EQ(v, 1u);
+  v = 2;
+  std::memcpy(bad.data() + pos, &v, 4);
+  reseal(bad);
+  try {
+    decode_metadata(bad);
+    ADD_FAILURE() << "a maximize flag of 2 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::CorruptData);
+    EXPECT_NE(std::string(e.what()).find("Adafactor maximize flag"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Format, AdafactorNeedsFormatSevenAndItsShardHeaderCountsEightArrays) {
+  EXPECT_EQ(first_format_with(Rule::Adafactor), 7u);
+  try {
+    decode_metadata(with_version(encode_metadata(adafactor_sample()), 6));
+    ADD_FAILURE() << "format 6 with an Adafactor group accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::CorruptData);
+    EXPECT_NE(std::string(e.what()).find("format 6 cannot hold Adafactor state"), std::string::npos)
+        << e.what();
+  }
+  // Shard headers: format 7 counts 8 arrays, formats 5 and 6 counted 7; either other count
+  // is refused.
+  const auto header = encode_shard_header(shard_header(adafactor_sample(), 0));
+  EXPECT_EQ(decode_shard_header(header).version, 7u);
+  const auto with = [&](std::uint32_t version, std::uint32_t arrays) {
+    auto h = header;
+    std::memcpy(h.data() + 8, &version, 4);
+    std::memcpy(h.data() + 40, &arrays, 4);
+    const std::uint32_t crc = crc32c(h.data(), kShardHeaderBytes - 4);
+    std::memcpy(h.data() + kShardHeaderBytes - 4, &crc, 4);
+    return h;
+  };
+  EXPECT_NO_THROW(decode_shard_header(with(7, 8)));
+  EXPECT_NO_THROW(decode_shard_header(with(6, 7)));
+  EXPECT_NO_THROW(decode_shard_header(with(5, 7)));
+  EXPECT_THROW(decode_shard_header(with(7, 7)), Error);
+  EXPECT_THROW(decode_shard_header(with(6, 8)), Error);
 }

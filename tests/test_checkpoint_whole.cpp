@@ -1,11 +1,12 @@
-// test_checkpoint_whole.cpp: checkpoints of Whole-ownership layouts and of Muon's momentum
-// (issue 32, point 6), in runs of 1 to 4 ranks (sub-communicators of the launched world W: every
+// test_checkpoint_whole.cpp: checkpoints of Whole-ownership layouts, of Muon's momentum and of
+// Adafactor's variance and factored statistics (issue 32, point 6), in runs of 1 to 4 ranks (sub-communicators of the launched world W: every
 // N -> M with N or M = W, so N != M and 3 ranks are covered across the np1-np4 runs). A
 // checkpoint saved at N ranks in Flat or Whole ownership loads at M ranks in either, in every
 // stage, with the master, the state (AdamW's moments, Lion's, AdamW8bit's codes and scales,
-// Muon's momentum) and the replica bit-identical, and training continues bit for bit as the
-// run that never stopped (the averaged gradient is exact at every world size:
-// ckpt_model.hpp). Muon's options come back from the checkpoint; a Muon matrix registered
+// Muon's momentum, Adafactor's per-element variance and factored row_var and col_var) and the
+// replica bit-identical, and training continues bit for bit as the run that never stopped
+// (the averaged gradient is exact at every world size: ckpt_model.hpp). Muon's and
+// Adafactor's options come back from the checkpoint; a Muon matrix registered
 // with another shape is refused; shardopt-export writes the same file from a Whole
 // checkpoint as from a Flat one. A checkpoint saved at W ranks also loads into every other
 // stage and ownership, stage 3 under Whole included.
@@ -79,6 +80,21 @@ MuonConfig saved_muon_config() {
   return c;
 }
 
+// Adafactor options other than the defaults.
+AdafactorConfig saved_adafactor_config() {
+  AdafactorConfig c;
+  c.beta2_decay = -0.7;
+  c.eps1 = 1e-20;
+  c.eps2 = 2e-3;
+  c.d = 1.5;
+  return c;
+}
+
+bool same(const AdafactorConfig& a, const AdafactorConfig& b) {
+  return a.beta2_decay == b.beta2_decay && a.eps1 == b.eps1 && a.eps2 == b.eps2 && a.d == b.d &&
+         a.maximize == b.maximize;
+}
+
 bool same(const MuonConfig& a, const MuonConfig& b) {
   return a.momentum == b.momentum && a.nesterov == b.nesterov && a.ns_steps == b.ns_steps &&
          a.ns_a == b.ns_a && a.ns_b == b.ns_b && a.ns_c == b.ns_c && a.eps == b.eps &&
@@ -131,6 +147,7 @@ TEST_P(WholeCheckpoint, SavedAtNRanksLoadsAtMInEitherOwnershipAndContinuesBitFor
   const Case c = GetParam();
   test::CkptSetup save = setup_of(c, c.save_own, c.save_stage);
   save.muon_config = saved_muon_config();
+  save.adafactor_config = saved_adafactor_config();
   const test::CkptSetup load = setup_of(c, c.load_own, c.load_stage);  // default Muon options
   for (int n = 1; n <= W; ++n)
     for (int m = 1; m <= W; ++m) {
@@ -167,16 +184,28 @@ TEST_P(WholeCheckpoint, SavedAtNRanksLoadsAtMInEitherOwnershipAndContinuesBitFor
           const std::size_t at = saved.state.arrays[1].size() - 24 * 40 - 33 * 17;
           EXPECT_NE(saved.state.arrays[1][at], 0.0f);
         }
+        if (c.rule1 == Rule::Adafactor) {
+          EXPECT_TRUE(same(b->groups()[1].adafactor, saved_adafactor_config()));
+          EXPECT_EQ(b->rule_of(1), Rule::Adafactor);
+          // The factored statistics (matrices 1 and 3) and parameter 5's variance came back.
+          ASSERT_EQ(saved.state.factors.size(), 20u + 15u + 8u + 8u);
+          EXPECT_NE(saved.state.factors[0], 0.0f);
+          EXPECT_NE(saved.state.factors.back(), 0.0f);
+          std::size_t at5 = 0;
+          for (std::size_t i = 0; i < 5; ++i) at5 += b->layout().param(i).numel;
+          EXPECT_NE(saved.state.arrays[2][at5], 0.0f);
+        }
         for (int s = 4; s <= 5; ++s) test::ckpt_train_step(*b, s);
         EXPECT_TRUE(snapshot(*b) == continued);
 
         // Saved at W ranks, loaded in every other stage and ownership: the same bits. Muon
-        // runs in Whole only.
+        // and Adafactor run in Whole only.
+        const bool whole_only = c.muon || c.rule1 == Rule::Adafactor;
         if (n == W)
           for (Ownership own : {Ownership::Flat, Ownership::Whole})
             for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
               if ((own == c.load_own && stage == c.load_stage) ||
-                  (c.muon && own == Ownership::Flat))
+                  (whole_only && own == Ownership::Flat))
                 continue;
               auto o = test::make_ckpt_optimizer(at_m, setup_of(c, own, stage));
               load_checkpoint(*o, dir);
@@ -203,7 +232,14 @@ INSTANTIATE_TEST_SUITE_P(
         Case{Ownership::Whole, Stage::Zero2, Ownership::Whole, Stage::DataParallel, Rule::AdamW,
              true, DType::F32},
         Case{Ownership::Whole, Stage::DataParallel, Ownership::Whole, Stage::Zero1, Rule::Lion,
-             true}),
+             true},
+        // Adafactor (factored matrices and a 1-D variance) + AdamW + Muon in Whole, stages 0,
+        // 1 and 2 on both sides.
+        Case{Ownership::Whole, Stage::Zero1, Ownership::Whole, Stage::Zero2, Rule::Adafactor},
+        Case{Ownership::Whole, Stage::Zero2, Ownership::Whole, Stage::DataParallel,
+             Rule::Adafactor, false, DType::F32},
+        Case{Ownership::Whole, Stage::DataParallel, Ownership::Whole, Stage::Zero1,
+             Rule::Adafactor, true}),
     case_name);
 
 // A Muon matrix's momentum is laid out by its shape: the same parameter registered transposed

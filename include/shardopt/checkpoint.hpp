@@ -7,8 +7,9 @@
 // checksummed. A save writes into a temporary directory and publishes it by rename, so a
 // process killed at any moment leaves the previous checkpoint complete. A checkpoint saved at
 // N ranks loads at any M ranks, in any stage and either ownership (Flat or Whole), bit for
-// bit; checkpoints of the previous formats (1 to 5) still load. Each parameter's state is its
-// rule's (AdamW's moments, Lion's and Muon's momentum, AdamW8bit's codes and block scales).
+// bit; checkpoints of the previous formats (1 to 6) still load. Each parameter's state is its
+// rule's (AdamW's moments, Lion's and Muon's momentum, AdamW8bit's codes and block scales,
+// Adafactor's variance or factored row and column statistics).
 // Format and protocol: docs/checkpoint-format.md. All ranks must see the same file system
 // path.
 #pragma once

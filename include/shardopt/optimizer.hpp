@@ -235,6 +235,11 @@ class ShardedOptimizer {
   };
   void copy_q8_state_to_host(std::size_t offset, std::size_t n, const Q8State& out);
   void copy_q8_state_from_host(std::size_t offset, std::size_t n, const Q8State& in);
+  /// Host copies of Adafactor's factored statistics of 2-D parameter i, row_var then col_var
+  /// (rows + cols floats: `out` / `in`), which this rank must hold (its owner; every rank at
+  /// stage 0): local, for checkpoints (get_factored_state is the collective view).
+  void copy_factors_to_host(std::size_t i, std::span<float> out);
+  void copy_factors_from_host(std::size_t i, std::span<const float> in);
   /// Loss scaling: the scale the trainer multiplies its loss by, and the full state.
   double loss_scale() const { return loss_scale_.scale; }
   const LossScaleState& loss_scale_state() const { return loss_scale_; }

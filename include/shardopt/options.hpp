@@ -101,8 +101,8 @@ enum class Rule : int {
   /// else, naming the parameter). The update runs once per step, on the reduced, averaged
   /// and clipped gradient. lr and weight decay as for every rule (AdamConfig::lr * lr_scale;
   /// AdamConfig::weight_decay where the group's weight_decay is on: torch's Adafactor
-  /// defaults to lr 1e-2 and weight_decay 0). Device::Cpu only; stages 0-2 (Whole's);
-  /// checkpoints of its state are refused for now.
+  /// defaults to lr 1e-2 and weight_decay 0). Device::Cpu only; stages 0-3 (Whole's);
+  /// checkpoints store its variance, factored statistics and options (format 7).
   Adafactor = 4,
 };
 const char* rule_name(Rule r) noexcept;
@@ -216,7 +216,7 @@ struct OptimizerOptions {
   /// CPU with either reduction (stage 3: each rank keeps its owned ranges, units gathered by
   /// uneven all-gathers), and stages 0-2 on Device::Cuda with the default reduction
   /// (docs/cuda.md); finalize() refuses it (Error(Unsupported)) on Device::Cuda at stage 3 or
-  /// with Reduction::Reproducible (Adafactor: stages 0-2 on the CPU, reproducible at stage 0
+  /// with Reduction::Reproducible (Adafactor: stages 0-3 on the CPU, reproducible at stage 0
   /// only). Checkpoints do not depend on it: saved in either ownership, they load in either
   /// (checkpoint.hpp).
   Ownership ownership = Ownership::Flat;

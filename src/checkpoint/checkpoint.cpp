@@ -132,7 +132,8 @@ struct Source {
   std::size_t count;
   Rule rule;
   std::size_t param;
-  BlockPiece piece() const { return BlockPiece{param, canonical, count, rule}; }
+  bool first;  // starts at the parameter's first element
+  BlockPiece piece() const { return BlockPiece{param, canonical, count, rule, first}; }
 };
 
 struct PlannedBlock {
@@ -148,7 +149,8 @@ std::vector<PlannedBlock> plan_blocks(const ShardedOptimizer& opt, const std::ve
   for (const ShardPiece& p : owned_pieces(opt, PieceSet::Written))
     if (!p.in_param.empty())
       sources.push_back(Source{canonical[p.param] + p.in_param.begin, p.local.begin,
-                               p.in_param.size(), opt.rule_of(p.param), p.param});
+                               p.in_param.size(), opt.rule_of(p.param), p.param,
+                               p.in_param.begin == 0});
   std::sort(sources.begin(), sources.end(),
             [](const Source& a, const Source& b) { return a.canonical < b.canonical; });
   // How much of s fits in `room` elements.
@@ -168,7 +170,8 @@ std::vector<PlannedBlock> plan_blocks(const ShardedOptimizer& opt, const std::ve
         take = fit(s, static_cast<std::size_t>(kBlockElems));
       }
       Block& b = blocks.back().block;
-      blocks.back().sources.push_back(Source{s.canonical, s.local, take, s.rule, s.param});
+      blocks.back().sources.push_back(Source{s.canonical, s.local, take, s.rule, s.param, s.first});
+      s.first = false;
       b.count += take;
       s.canonical += take;
       s.local += take;
@@ -190,7 +193,7 @@ std::vector<Block> write_shard(ShardedOptimizer& opt, Metadata& m, const fs::pat
   f.write(header.data(), header.size());
   if (plan.empty()) test_point("shard-partly-written");
   const std::size_t most = plan.empty() ? 0 : static_cast<std::size_t>(kBlockElems);
-  std::vector<float> host(most), scales[2];
+  std::vector<float> host(most), scales[2], factors;
   std::vector<std::uint8_t> codes[2];
   for (std::size_t k = 0; k < plan.size(); ++k) {
     const std::uint64_t start = f.bytes();
@@ -231,6 +234,14 @@ std::vector<Block> write_shard(ShardedOptimizer& opt, Metadata& m, const fs::pat
                                  scales[1].data() + scales[1].size() - nb});
     }
     for (int x = 0; x < 2; ++x) put(scales[x].data(), scales[x].size() * sizeof(float));
+    // Adafactor's factored matrices whose first element the block holds: row_var, col_var.
+    factors.clear();
+    for (const Source& s : plan[k].sources)
+      if (const auto n = piece_entries(m, s.piece())[static_cast<std::size_t>(FileArray::Factors)]) {
+        factors.resize(factors.size() + n);
+        opt.copy_factors_to_host(s.param, std::span<float>(factors).last(n));
+      }
+    put(factors.data(), factors.size() * sizeof(float));
     for (int x = 0; x < 2; ++x) put(codes[x].data(), codes[x].size());
     blocks[k].crc = crc;
     blocks[k].file_offset = start;
@@ -306,17 +317,6 @@ void after_publish(const fs::path& dir, const std::string& name, int keep) {
   }
 }
 
-// A rule whose state no format stores yet (format.hpp: first_format_with, the place a new
-// rule's state and options are added) cannot be saved or loaded: refused, naming it
-// (Adafactor: its factored row_var and col_var have no place in format 6).
-void refuse_unstored_rules(const ShardedOptimizer& opt, const char* what) {
-  for (std::size_t g = 0; g < opt.groups().size(); ++g)
-    require(first_format_with(opt.groups()[g].rule) != 0, Status::Unsupported,
-            std::string(what) + ": group " + std::to_string(g) + " runs rule " +
-                rule_name(opt.groups()[g].rule) +
-                ", whose state checkpoints do not store yet");
-}
-
 }  // namespace
 
 fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveOptions& options) {
@@ -324,7 +324,6 @@ fs::path save_checkpoint(ShardedOptimizer& opt, const fs::path& dir, const SaveO
   const int rank = comm.rank();
   collective(comm, "save_checkpoint", [&] {
     require(opt.finalized(), Status::InvalidState, "save_checkpoint: finalize() first");
-    refuse_unstored_rules(opt, "save_checkpoint");
     require(options.keep >= 1, Status::InvalidArgument, "save_checkpoint: keep must be >= 1");
   });
 
@@ -441,6 +440,8 @@ struct Staged {
   std::vector<std::uint8_t> codes[2];
   std::vector<float> scales[2];
   std::vector<Range> fp32_pieces;  ///< with 8-bit state: the local ranges of the other pieces
+  /// Adafactor's factored matrices this rank holds: row_var then col_var, by parameter.
+  std::map<std::size_t, std::vector<float>> factors;
 };
 
 // One held piece: its canonical range and where it goes in the state arrays.
@@ -455,12 +456,15 @@ Staged read_held_state(const fs::path& dir, const Metadata& m, const ShardedOpti
   std::vector<Target> targets;
   std::vector<Range> fp32_ranges;
   bool any8 = false;
+  Staged st;
   for (const ShardPiece& p : owned_pieces(opt, PieceSet::Held))
     if (!p.in_param.empty()) {
       const std::uint64_t at = canonical[p.param] + p.in_param.begin;
       targets.push_back(Target{at, at + p.in_param.size(), p.local.begin});
       const bool q8 = opt.rule_of(p.param) == Rule::AdamW8bit;
       any8 = any8 || q8;
+      const ParamInfo& info = opt.layout().param(p.param);
+      if (rules::factored(opt.rule_of(p.param), info.rows, info.cols)) st.factors[p.param];
       if (!q8) fp32_ranges.push_back(p.local);
     }
   std::sort(targets.begin(), targets.end(),
@@ -473,7 +477,6 @@ Staged read_held_state(const fs::path& dir, const Metadata& m, const ShardedOpti
       wanted.push_back(Range{t.begin, t.end});
   }
   const std::size_t local = owned_state_elems(opt);
-  Staged st;
   for (auto& a : st.arrays) a.assign(local, 0.0f);  // padding stays zero
   if (any8) st.fp32_pieces = std::move(fp32_ranges);
   // Padding in an 8-bit block holds zeros, whose code is not 0 (code 0 is the map's
@@ -502,6 +505,11 @@ Staged read_held_state(const fs::path& dir, const Metadata& m, const ShardedOpti
     const auto a = static_cast<std::uint32_t>(c.array);
     if (a < kNumArrays) {
       place(c.values, c.begin, st.arrays[a]);
+    } else if (c.array == FileArray::Factors) {  // a whole matrix's, at its first element
+      const auto i = static_cast<std::size_t>(
+          std::lower_bound(canonical.begin(), canonical.end(), c.begin) - canonical.begin());
+      if (auto it = st.factors.find(i); it != st.factors.end())
+        it->second.assign(c.values.begin(), c.values.end());
     } else if (!any8) {
       return;  // (the rules agree: no 8-bit state is stored either)
     } else if (c.array == FileArray::CodeM || c.array == FileArray::CodeV) {
@@ -518,6 +526,10 @@ Staged read_held_state(const fs::path& dir, const Metadata& m, const ShardedOpti
     }
   };
   read_state(dir, m, wanted, sink);
+  for (const auto& [i, v] : st.factors)  // (piece_entries gives every stored matrix its own)
+    require(v.size() == opt.layout().param(i).rows + opt.layout().param(i).cols,
+            Status::CorruptData, "load_checkpoint: the checkpoint lacks the factored statistics "
+            "of parameter '" + opt.layout().param(i).name + "'");
   return st;
 }
 
@@ -531,7 +543,6 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
   std::uint64_t identity = 0;  // must agree: every rank loads the same checkpoint
   collective(comm, "load_checkpoint", [&] {
           require(opt.finalized(), Status::InvalidState, "load_checkpoint: finalize() first");
-          refuse_unstored_rules(opt, "load_checkpoint");
           const fs::path dir = resolve_checkpoint_dir(path);
           m = read_metadata(dir);
           check_compatible(m, opt);
@@ -558,6 +569,7 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
     }
     opt.copy_state_from_host(kinds[a], 0, st.arrays[a]);
   }
+  for (const auto& [i, v] : st.factors) opt.copy_factors_from_host(i, v);
   if (!st.codes[0].empty())
     opt.copy_q8_state_from_host(0, st.codes[0].size(),
                                 {st.codes[0].data(), st.codes[1].data(), st.scales[0].data(),
@@ -565,14 +577,15 @@ void load_checkpoint(ShardedOptimizer& opt, const fs::path& path) {
   opt.set_step_count(m.step_count);
   opt.set_adam_config(m.adam);
   // The hyperparameters come from the checkpoint; the rule and its layout options stay (they
-  // were checked to give every parameter its saved rule). Muon's options come from a group
-  // saved as Muon; a group saved under another rule (no parameters: the rules agreed) keeps
-  // the optimizer's.
+  // were checked to give every parameter its saved rule). Muon's (Adafactor's) options come
+  // from a group saved as Muon (Adafactor); a group saved under another rule (no parameters:
+  // the rules agreed) keeps the optimizer's.
   for (std::size_t g = 0; g < m.groups.size(); ++g) {
     GroupOptions go = m.groups[g];
     go.rule = opt.groups()[g].rule;
     go.adamw8bit = opt.groups()[g].adamw8bit;
     if (m.groups[g].rule != Rule::Muon) go.muon = opt.groups()[g].muon;
+    if (m.groups[g].rule != Rule::Adafactor) go.adafactor = opt.groups()[g].adafactor;
     opt.set_group(static_cast<int>(g), go);
   }
   opt.set_loss_scale_state(loss);

@@ -1,5 +1,5 @@
 // format.cpp: byte-level encoding of checkpoint metadata, shard headers and LATEST, with
-// decoders (formats 1 to 6) that bounds-check every field before it is used (they are
+// decoders (formats 1 to 7) that bounds-check every field before it is used (they are
 // fuzzed: tests/fuzz/); checkpoint directory names; bytes from files made fit for messages.
 #include "format.hpp"
 
@@ -197,7 +197,7 @@ std::uint32_t first_format_with(Rule rule) {
     case Rule::Lion: return 4;
     case Rule::AdamW8bit: return 5;
     case Rule::Muon: return 6;
-    case Rule::Adafactor: return 0;  // factored row_var / col_var: not stored yet
+    case Rule::Adafactor: return 7;
   }
   return 0;
 }
@@ -216,7 +216,7 @@ std::vector<BlockPiece> block_pieces(const Metadata& m, const std::vector<std::u
       std::upper_bound(canonical.begin(), canonical.end() - 1, begin) - canonical.begin());
   for (i = i == 0 ? 0 : i - 1; i < m.params.size() && canonical[i] < end; ++i) {
     const std::uint64_t b = std::max(begin, canonical[i]), e = std::min(end, canonical[i + 1]);
-    if (b < e) out.push_back(BlockPiece{i, b, e - b, param_rule(m, i)});
+    if (b < e) out.push_back(BlockPiece{i, b, e - b, param_rule(m, i), b == canonical[i]});
   }
   return out;
 }
@@ -231,17 +231,20 @@ std::array<std::uint64_t, kNumFileArrays> piece_entries(const Metadata& m, const
   }
   // Per element: the fp32 arrays the rule keeps (Muon's momentum is an exp_avg, as Lion's).
   using rules::Slot;
-  if (rules::keeps(p.rule, Slot::ExpAvg)) n[1] = p.count;
-  if (rules::keeps(p.rule, Slot::ExpAvgSq)) n[2] = p.count;
+  const MetaParam& mp = m.params.at(p.param);
+  const bool factored = rules::factored(p.rule, static_cast<std::size_t>(mp.rows),
+                                        static_cast<std::size_t>(mp.cols));
+  if (rules::keeps(p.rule, Slot::ExpAvg, factored)) n[1] = p.count;
+  if (rules::keeps(p.rule, Slot::ExpAvgSq, factored)) n[2] = p.count;
   // Per quantization block, then per element: AdamW8bit's scales and codes.
   n[3] = p.quant_blocks();
   n[4] = p.quant_blocks();
   if (p.rule == Rule::AdamW8bit) {
-    n[5] = p.count;
-    n[6] = p.count;
+    n[static_cast<std::size_t>(FileArray::CodeM)] = p.count;
+    n[static_cast<std::size_t>(FileArray::CodeV)] = p.count;
   }
-  // (Per parameter, in the run holding its first element: the hook for factored state, see
-  // format.hpp. No rule keeps any yet.)
+  // Per factored matrix, in the run holding its first element: row_var and col_var.
+  if (factored && p.first) n[static_cast<std::size_t>(FileArray::Factors)] = mp.rows + mp.cols;
   return n;
 }
 
@@ -256,7 +259,10 @@ std::array<std::uint64_t, kNumFileArrays> block_entries(const Metadata& m,
 }
 
 std::uint64_t block_bytes(const std::array<std::uint64_t, kNumFileArrays>& n) {
-  return 4 * (n[0] + n[1] + n[2] + n[3] + n[4]) + n[5] + n[6];
+  std::uint64_t bytes = 0;
+  for (std::uint32_t a = 0; a < kNumFileArrays; ++a)
+    bytes += n[a] * (is_fp32(static_cast<FileArray>(a)) ? sizeof(float) : 1);
+  return bytes;
 }
 
 std::vector<Range> shard_extents(const Metadata& m, std::size_t index) {
@@ -303,9 +309,15 @@ namespace {
 
 // A group's rule options after its fixed record (format 6): what the rule's update reads
 // beyond the record's fields, empty for the rules before format 6. A rule with options of
-// its own (Muon's MuonConfig; Adafactor's would follow) adds them here and in
-// decode_rule_options, with a new format version.
+// its own (Muon's MuonConfig, format 6; Adafactor's AdafactorConfig, format 7) adds them
+// here and in decode_rule_options, with a new format version.
 void encode_rule_options(Writer& w, const GroupOptions& g) {
+  if (g.rule == Rule::Adafactor) {
+    const AdafactorConfig& c = g.adafactor;
+    for (double x : {c.beta2_decay, c.eps1, c.eps2, c.d}) w.put<double>(x);
+    w.put<std::uint32_t>(c.maximize ? 1 : 0);
+    return;
+  }
   if (g.rule != Rule::Muon) return;
   const MuonConfig& c = g.muon;
   w.put<double>(c.momentum);
@@ -316,6 +328,17 @@ void encode_rule_options(Writer& w, const GroupOptions& g) {
 }
 
 void decode_rule_options(Reader& r, GroupOptions& g) {
+  if (g.rule == Rule::Adafactor) {  // (formats before 7 refused the rule)
+    AdafactorConfig& c = g.adafactor;
+    c.beta2_decay = r.get<double>("group Adafactor beta2_decay");
+    c.eps1 = r.get<double>("group Adafactor eps1");
+    c.eps2 = r.get<double>("group Adafactor eps2");
+    c.d = r.get<double>("group Adafactor d");
+    const auto maximize = r.get<std::uint32_t>("group Adafactor maximize flag");
+    if (maximize > 1) corrupt("bad group Adafactor maximize flag");
+    c.maximize = maximize == 1;
+    return;
+  }
   if (g.rule != Rule::Muon) return;
   MuonConfig& c = g.muon;
   c.momentum = r.get<double>("group Muon momentum");
@@ -695,7 +718,7 @@ std::array<unsigned char, kShardHeaderBytes> encode_shard_header(const ShardHead
   w.put<std::uint32_t>(h.world_size);
   w.put<std::uint64_t>(h.elements);
   w.put<std::uint64_t>(h.blocks);
-  w.put<std::uint32_t>(kNumFileArrays);  // format 5: entries as the metadata's rules say
+  w.put<std::uint32_t>(kNumFileArrays);  // format 5 (7: 8 arrays): entries as the rules say
   w.put<std::uint32_t>(0);
   w.put<std::uint64_t>(h.layout_hash);
   w.put<std::uint32_t>(h.table_hash);
@@ -725,7 +748,7 @@ ShardHeader decode_shard_header(std::span<const unsigned char> in) {
   const auto crc = r.get<std::uint32_t>("header checksum");
   if (crc32c(in.data(), kShardHeaderBytes - 4) != crc) corrupt("shard header checksum mismatch");
   check_version(h.version, "shard file");
-  const bool layout_ok = h.version >= 5 ? arrays == kNumFileArrays && elem == 0
+  const bool layout_ok = h.version >= 5 ? arrays == file_arrays_in(h.version) && elem == 0
                                         : arrays == kNumArrays && elem == sizeof(float);
   if (header_bytes != kShardHeaderBytes || !layout_ok)
     corrupt("shard header describes an unknown record layout");

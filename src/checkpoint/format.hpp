@@ -1,5 +1,5 @@
-// format.hpp: the on-disk checkpoint format, as bytes: encoding (version 6) and validating
-// decoding (versions 1 to 6) of the metadata file and of shard headers, the names of
+// format.hpp: the on-disk checkpoint format, as bytes: encoding (version 7) and validating
+// decoding (versions 1 to 7) of the metadata file and of shard headers, the names of
 // checkpoint directories, and bytes from checkpoint files made fit for messages. No files,
 // no MPI: the fuzzer and the export tool use it alone. docs/checkpoint-format.md describes
 // every field.
@@ -25,22 +25,30 @@
 
 namespace shardopt::ckpt {
 
-inline constexpr std::uint32_t kFormatVersion = 6;  ///< written; versions 1..6 are read
+inline constexpr std::uint32_t kFormatVersion = 7;  ///< written; versions 1..7 are read
 inline constexpr std::size_t kMetaHeaderBytes = 32;
 inline constexpr std::size_t kShardHeaderBytes = 64;
 /// Formats 1-4: master, exp_avg, exp_avg_sq (fp32 each) for every element; an array the
 /// element's rule does not keep (Lion's exp_avg_sq) is stored as zeros and ignored on load.
 inline constexpr std::uint32_t kNumArrays = 3;
 
-/// The arrays of a format-5/6 block, in file order. Each holds the entries of the block's
+/// The arrays of a format-5/6/7 block, in file order. Each holds the entries of the block's
 /// elements whose rule keeps it (rules/rules.hpp; piece_entries() says how many), in
 /// canonical order: master every element (fp32), exp_avg those under AdamW, Lion and Muon
 /// (fp32: AdamW's first moment, Lion's and Muon's momentum), exp_avg_sq those under AdamW
-/// (fp32), the AdamW8bit elements' exp_avg and exp_avg_sq scales (fp32, one per 256-element
-/// quantization block counted from the parameter's first element) and their codes (u8 per
-/// element). Formats 1-4 hold the first three, every element each.
-enum class FileArray : std::uint32_t { Master, ExpAvg, ExpAvgSq, ScaleM, ScaleV, CodeM, CodeV };
-inline constexpr std::uint32_t kNumFileArrays = 7;
+/// and Adafactor's unfactored parameters (fp32: the second moment, the variance), the
+/// AdamW8bit elements' exp_avg and exp_avg_sq scales (fp32, one per 256-element quantization
+/// block counted from the parameter's first element), format 7: Adafactor's factored
+/// statistics (fp32, rows + cols per factored matrix: row_var then col_var, in the run
+/// holding the matrix's first element), and the AdamW8bit codes (u8 per element). Formats
+/// 1-4 hold the first three, every element each; formats 5 and 6 all but Factors (their
+/// shard headers count 7 arrays).
+enum class FileArray : std::uint32_t { Master, ExpAvg, ExpAvgSq, ScaleM, ScaleV, Factors, CodeM, CodeV };
+inline constexpr std::uint32_t kNumFileArrays = 8;
+/// The arrays before the codes hold fp32 entries, the codes one byte each.
+constexpr bool is_fp32(FileArray a) { return a < FileArray::CodeM; }
+/// The arrays a shard header of format `version` (>= 5) counts.
+constexpr std::uint32_t file_arrays_in(std::uint32_t version) { return version >= 7 ? 8 : 7; }
 /// The quantization block of AdamW8bit state (rules/qmap.hpp's kBlock).
 inline constexpr std::uint64_t kQuantBlock = 256;
 /// Format 2: the most elements in one block (the unit of reading and checksumming: 3 MiB of
@@ -62,9 +70,9 @@ struct MetaParam {
   std::uint64_t cols = 0;
 };
 
-/// The first format version that stores the state of `rule` (its rule options included);
-/// 0 for a rule no format stores yet (save_checkpoint refuses it). A decoder refuses a group
-/// whose rule its file's version cannot hold.
+/// The first format version that stores the state of `rule` (its rule options included:
+/// AdamW 1, Lion 4, AdamW8bit 5, Muon 6, Adafactor 7). A decoder refuses a group whose rule
+/// its file's version cannot hold; a new rule gets its version here.
 std::uint32_t first_format_with(Rule rule);
 
 /// Format 2: canonical elements [begin, begin + count) of one shard file, stored as the
@@ -127,6 +135,7 @@ struct BlockPiece {
   std::uint64_t begin = 0;
   std::uint64_t count = 0;
   Rule rule = Rule::AdamW;
+  bool first = false;  ///< the run starts at the parameter's first element
   /// Quantization blocks of the run (AdamW8bit only; the run starts on one).
   std::uint64_t quant_blocks() const { return rule == Rule::AdamW8bit ? (count + kQuantBlock - 1) / kQuantBlock : 0; }
 };
@@ -136,17 +145,12 @@ std::vector<BlockPiece> block_pieces(const Metadata& m, const std::vector<std::u
                                      std::uint64_t begin, std::uint64_t count);
 /// Entries of each FileArray that the stored run `p` has: the one place that says what a
 /// rule's state looks like on disk (the writer, the decoder's block sizes and the reader all
-/// ask it). Per element (master; exp_avg for AdamW, Lion, Muon; exp_avg_sq for AdamW;
-/// AdamW8bit's codes), per 256-element quantization block (AdamW8bit's scales); formats 1-4:
-/// master, exp_avg, exp_avg_sq for every element.
-///
-/// The hook for a rule whose per-parameter state is not one value per element (Adafactor's
-/// factored row and column statistics): give it FileArrays of its own (kNumFileArrays and
-/// the shard header's array count grow with a new format version) whose entries are counted
-/// here per parameter, in the run that holds the parameter's first element (rows + cols
-/// values, from MetaParam::rows/cols). Such a rule needs Whole ownership, where one rank
-/// saves every run of a parameter, and a loading rank holds all of it; the writer
-/// (write_shard) fills them from the rule's state and the loader's sink places them.
+/// ask it). Per element (master; exp_avg for AdamW, Lion, Muon; exp_avg_sq for AdamW and
+/// Adafactor's unfactored parameters; AdamW8bit's codes), per 256-element quantization block
+/// (AdamW8bit's scales), per parameter (Adafactor's factored matrices: rows + cols Factors
+/// entries, from MetaParam::rows/cols, in the run holding the matrix's first element: the
+/// rule needs Whole ownership, where one rank saves every run of a matrix and a loading rank
+/// holds all of it); formats 1-4: master, exp_avg, exp_avg_sq for every element.
 std::array<std::uint64_t, kNumFileArrays> piece_entries(const Metadata& m, const BlockPiece& p);
 /// Entries of each FileArray in a block made of `pieces`: the sum of their piece_entries().
 std::array<std::uint64_t, kNumFileArrays> block_entries(const Metadata& m,

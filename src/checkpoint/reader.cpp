@@ -64,7 +64,7 @@ void check_shard_file(InFile& f, const fs::path& dir, const Metadata& m, std::si
   }
 }
 
-// Formats 2-6: the blocks of shard `index` that overlap `wanted`, each verified, then passed
+// Formats 2-7: the blocks of shard `index` that overlap `wanted`, each verified, then passed
 // on.
 void read_blocks(const fs::path& dir, const Metadata& m, std::size_t index,
                  const std::vector<std::uint64_t>& canonical, std::span<const Range> wanted,
@@ -89,13 +89,14 @@ void read_blocks(const fs::path& dir, const Metadata& m, std::size_t index,
     std::size_t start = 0;
     for (std::uint32_t a = 0; a < kNumFileArrays; ++a) {
       at[a] = start;
-      start += static_cast<std::size_t>(entries[a]) * (a < 5 ? sizeof(float) : 1);
+      start += static_cast<std::size_t>(entries[a]) *
+               (is_fp32(static_cast<FileArray>(a)) ? sizeof(float) : 1);
     }
     const auto* base = reinterpret_cast<const unsigned char*>(buf.data());
     const auto pass = [&](FileArray a, std::uint64_t begin, std::size_t n) {
       const auto k = static_cast<std::uint32_t>(a);
       Chunk c{a, begin, {}, {}};
-      if (k < 5) {
+      if (is_fp32(a)) {
         c.values = std::span<const float>(reinterpret_cast<const float*>(base + at[k]), n);
         at[k] += n * sizeof(float);
       } else {
@@ -105,8 +106,8 @@ void read_blocks(const fs::path& dir, const Metadata& m, std::size_t index,
       if (n > 0) sink(c);
     };
     // Each array holds its entries of every piece in turn (piece_entries: per element, per
-    // quantization block; formats 2-4: the three fp32 arrays of every element), the fp32 and
-    // scale arrays starting at the piece's first element.
+    // quantization block, per factored matrix; formats 2-4: the three fp32 arrays of every
+    // element), the fp32, scale and factor arrays starting at the piece's first element.
     for (std::uint32_t k = 0; k < kNumFileArrays; ++k)
       for (const BlockPiece& p : pieces)
         pass(static_cast<FileArray>(k), p.begin, static_cast<std::size_t>(piece_entries(m, p)[k]));

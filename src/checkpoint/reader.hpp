@@ -1,6 +1,6 @@
 // reader.hpp: reading a published checkpoint from files: which directory a path names,
 // its validated metadata, and the state values of any canonical ranges, every byte's
-// checksum verified. Formats 1 to 5. Used by load_checkpoint() and by the export tool (no
+// checksum verified. Formats 1 to 7. Used by load_checkpoint() and by the export tool (no
 // MPI).
 #pragma once
 
@@ -26,8 +26,9 @@ Metadata read_metadata(const fs::path& checkpoint_dir);
 
 /// Entries of one stored array (format.hpp: FileArray) at canonical positions: `begin` is
 /// the canonical position of the first element (scales: of the first quantization block's
-/// first element, one value per 256 elements from there). fp32 arrays and scales fill
-/// `values`, codes fill `codes`. Formats 1-4 pass Master, ExpAvg and ExpAvgSq only.
+/// first element, one value per 256 elements from there; Factors: of the matrix's first
+/// element, its rows + cols values). fp32 arrays, scales and factors fill `values`, codes
+/// fill `codes`. Formats 1-4 pass Master, ExpAvg and ExpAvgSq only.
 struct Chunk {
   FileArray array = FileArray::Master;
   std::uint64_t begin = 0;

@@ -1,7 +1,8 @@
 // make_corpus.cpp: seeds for fuzz_checkpoint_reader from real checkpoints: the metadata
 // files, shard headers and LATEST files of saves in a few configurations (current format; one
-// of them Whole ownership with a Muon group and 2-D shapes), and the committed format-1, -2 and
-// -5 fixtures' (tests/data/ckpt_v1, ckpt_v2, ckpt_v5).
+// of them Whole ownership with a Muon group and 2-D shapes, one with Adafactor's variance and
+// factored statistics), and the committed format-1, -2, -5 and -6 fixtures' (tests/data/ckpt_v1,
+// ckpt_v2, ckpt_v5, ckpt_v6).
 //   fuzz_make_corpus OUTPUT_DIR
 #include <cstdio>
 #include <filesystem>
@@ -43,7 +44,7 @@ int main(int argc, char** argv) {
   const test::CkptSetup setups[] = {{Stage::Zero1, DType::BF16, {}},
                                     {Stage::DataParallel, DType::F32, ls},
                                     {Stage::Zero2, DType::BF16, ls},
-                                    test::whole_muon_setup()};
+                                    test::whole_muon_setup(), test::whole_adafactor_setup()};
   int n = 0;
   for (const test::CkptSetup& s : setups) {
     const fs::path dir = out / ("save-" + std::to_string(n));
@@ -53,10 +54,10 @@ int main(int argc, char** argv) {
     fs::remove_all(dir);
     ++n;
   }
-  for (const char* v : {"v1", "v2", "v5"}) {
+  for (const char* v : {"v1", "v2", "v5", "v6"}) {
     const fs::path old = fs::path(SHARDOPT_TEST_DATA) / (std::string("ckpt_") + v) / "save";
     seeds_from(old, old / "ckpt-00000001", out, v);
   }
-  std::printf("wrote %d sets of metadata, shard-header and LATEST seeds to %s\n", n + 3, out.c_str());
+  std::printf("wrote %d sets of metadata, shard-header and LATEST seeds to %s\n", n + 4, out.c_str());
   return 0;
 }

@@ -1,5 +1,6 @@
 // ckpt_model.hpp: a small deterministic training setup for checkpoint tests: an optimizer
-// over odd-sized parameters (optionally Whole ownership, 2-D shapes and a Muon group),
+// over odd-sized parameters (optionally Whole ownership, 2-D shapes, a Muon group and
+// Adafactor in group 1),
 // gradients that do not depend on the rank (so the averaged gradient is exact at world sizes
 // 1, 2 and 4, and at 3: see ckpt_train_step), the full state gathered for bitwise
 // comparisons, and the model of the committed format-1 fixture.
@@ -20,6 +21,7 @@
 // Which state a rank holds, from the one function the checkpoint code asks too (internal
 // header, by path: not every user of this file has src/ on its include path).
 #include "../../src/checkpoint/pieces.hpp"
+#include "../../src/rules/rules.hpp"
 
 namespace shardopt::test {
 
@@ -33,6 +35,9 @@ struct CkptSetup {
   DType dtype = DType::BF16;
   LossScaling loss_scaling{};
   Rule rule1 = Rule::AdamW;  ///< group 1's rule (parameters 1, 3, 5)
+  /// Group 1's options when rule1 is Adafactor (needs Ownership::Whole; with `shapes`,
+  /// parameters 1 and 3 keep factored statistics and 5 a per-element variance).
+  AdafactorConfig adafactor_config{};
   /// Group 1's adamw8bit.min_8bit_numel (64: parameters 1 and 3 keep 8-bit state, 5 fp32).
   std::size_t min_8bit_numel = 64;
   /// Flat, or Whole (every parameter inside a bucket on one rank: ownership.hpp).
@@ -53,6 +58,16 @@ inline CkptSetup whole_muon_setup() {
   s.ownership = Ownership::Whole;
   s.shapes = true;
   s.muon = true;
+  return s;
+}
+
+/// Whole ownership with Adafactor in group 1 and 2-D shapes (stage 1, bf16 replica): two
+/// factored matrices and a 1-D Adafactor parameter next to AdamW (the fuzz corpus's seed).
+inline CkptSetup whole_adafactor_setup() {
+  CkptSetup s;
+  s.ownership = Ownership::Whole;
+  s.shapes = true;
+  s.rule1 = Rule::Adafactor;
   return s;
 }
 
@@ -78,6 +93,7 @@ inline std::unique_ptr<ShardedOptimizer> make_ckpt_optimizer(std::shared_ptr<Com
   g1.weight_decay = false;
   g1.rule = s.rule1;
   g1.adamw8bit.min_8bit_numel = s.min_8bit_numel;
+  g1.adafactor = s.adafactor_config;
   opt->add_group(g1);
   const auto& sizes = ckpt_sizes();
   for (std::size_t i = 0; i < sizes.size(); ++i) {
@@ -182,17 +198,22 @@ class SharedDir {
 /// The full state (master, exp_avg, exp_avg_sq, each per parameter, concatenated in
 /// parameter order; AdamW8bit parameters' exp_avg and exp_avg_sq dequantized) on every rank,
 /// and AdamW8bit's raw state: codes per element (0 elsewhere), scales per quantization block
-/// of the 8-bit parameters in order. Collective.
+/// of the 8-bit parameters in order, and Adafactor's factored statistics: row_var then
+/// col_var of each factored matrix in parameter order. Collective.
 struct FullState {
   std::vector<float> arrays[3];
   std::vector<std::uint8_t> codes[2];
   std::vector<float> scales[2];
+  std::vector<float> factors;
   std::int64_t step = 0;
   bool operator==(const FullState& o) const {
     for (int a = 0; a < 3; ++a)
       if (arrays[a].size() != o.arrays[a].size() ||
           std::memcmp(arrays[a].data(), o.arrays[a].data(), arrays[a].size() * 4) != 0)
         return false;
+    if (factors.size() != o.factors.size() ||
+        (!factors.empty() && std::memcmp(factors.data(), o.factors.data(), factors.size() * 4) != 0))
+      return false;
     for (int x = 0; x < 2; ++x)  // (no 8-bit state: empty vectors, whose data() may be null)
       if (codes[x] != o.codes[x] || scales[x].size() != o.scales[x].size() ||
           (!scales[x].empty() &&
@@ -236,6 +257,13 @@ inline FullState gather_state(ShardedOptimizer& opt) {
     reduce(full);
     st.arrays[a].assign(full.begin(), full.end());
   }
+  for (std::size_t i = 0; i < l.num_params(); ++i) {
+    const ParamInfo& p = l.param(i);
+    if (!rules::factored(opt.rule_of(i), p.rows, p.cols)) continue;
+    std::vector<float> f(p.rows + p.cols);
+    opt.get_factored_state(i, std::span<float>(f).first(p.rows), std::span<float>(f).last(p.cols));
+    st.factors.insert(st.factors.end(), f.begin(), f.end());
+  }
   if (!any8) return st;
   std::vector<std::uint8_t> codes[2];
   std::vector<float> scales[2];
@@ -273,6 +301,7 @@ inline void broadcast_state(Communicator& comm, FullState& s) {
   for (auto& a : s.arrays) send(a);
   for (auto& c : s.codes) send(c);
   for (auto& x : s.scales) send(x);
+  send(s.factors);
   comm.broadcast_bytes(&s.step, sizeof s.step, 0);
 }
 
