@@ -55,6 +55,10 @@ struct Buffers {
   std::size_t n = 0;
   std::unique_ptr<float[], FreeDeleter> p, g, m, v;
   std::unique_ptr<bf16[], FreeDeleter> half;
+  // Reproducible mode's two-phase method (made by exact_buffers() on first use): g's levels,
+  // levels one or two above them (lifts), and two int64 arrays.
+  std::unique_ptr<std::uint8_t[], FreeDeleter> level, lifted;
+  std::unique_ptr<std::int64_t[], FreeDeleter> sums, low;
 };
 
 float value(std::size_t i, std::uint32_t salt) {
@@ -81,6 +85,20 @@ Buffers& buffers(std::size_t n) {
     g[i] = 1e-2f * value(static_cast<std::size_t>(i), 2);
   }
   cpu::cast_f32_to_bf16(p, b.half.get(), n);
+  return b;
+}
+
+/// The two-phase method's arrays: g's levels and g rounded to them (the sums), first touched
+/// with the kernels' own partition.
+Buffers& exact_buffers(Buffers& b) {
+  if (b.level) return b;
+  const std::size_t n = b.n;
+  b.level = alloc<std::uint8_t>(n), b.lifted = alloc<std::uint8_t>(n);
+  b.sums = alloc<std::int64_t>(n), b.low = alloc<std::int64_t>(n);
+  cpu::exact_levels(b.g.get(), n, b.level.get());
+  cpu::exact_round_to_levels(b.g.get(), n, b.level.get(), b.sums.get());
+  cpu::exact_round_to_levels(b.g.get(), n, b.level.get(), b.low.get());
+  for (std::size_t i = 0; i < n; ++i) b.lifted[i] = static_cast<std::uint8_t>(b.level[i] + 1 + i % 2);
   return b;
 }
 
@@ -187,12 +205,36 @@ std::vector<Kernel> kernels() {
     cpu::exact_square_add(b.g.get(), b.n, sq);
     return static_cast<double>(sq.digit[0]);
   };
+  // Reproducible mode's two-phase method (one micro-batch per rank): g's levels, g rounded to
+  // its levels' grids (int64), the int64 sums rounded once to fp32 (into m); with several
+  // micro-batches, the bins lifted by one or two levels (idempotent: run after run the same).
+  auto levels = [](Buffers& b) {
+    cpu::exact_levels(b.g.get(), b.n, exact_buffers(b).level.get());
+    return 0.0;
+  };
+  auto round_levels = [](Buffers& b) {
+    exact_buffers(b);
+    cpu::exact_round_to_levels(b.g.get(), b.n, b.level.get(), b.sums.get());
+    return 0.0;
+  };
+  auto sums_to_float = [](Buffers& b) {
+    exact_buffers(b);
+    cpu::exact_sums_to_float(b.sums.get(), b.level.get(), b.m.get(), b.n);
+    return 0.0;
+  };
+  auto lift = [](Buffers& b) {
+    exact_buffers(b);
+    cpu::exact_lift(b.level.get(), b.lifted.get(), b.low.get(), b.sums.get(), b.n);
+    return 0.0;
+  };
 
   struct Entry {
     const char* name;
     double bytes;
     std::function<double(Buffers&)> fn;
     bool streams;
+    /// The straightforward scalar loop; none where the portable path is that loop (the code
+    /// the kernel replaced).
     std::function<double(Buffers&)> scalar;
     bool avx2 = false;  ///< also forced to AVX2 where AVX-512 is the best ISA
   };
@@ -297,6 +339,11 @@ std::vector<Kernel> kernels() {
            acc += static_cast<double>(x[i]) * x[i];
          return acc;
        }},
+      // The portable paths of these are the loops of exact::ExactGrads::reduce they replaced.
+      {"exact_levels", 5, levels, false, nullptr, true},
+      {"exact_round_to_levels", 13, round_levels, false, nullptr, true},
+      {"exact_sums_to_float", 13, sums_to_float, false, nullptr, true},
+      {"exact_lift", 26, lift, false, nullptr, true},
       {"all_finite", 4, finite, false,
        [](Buffers& b) {
          const float* x = b.g.get();
@@ -344,7 +391,7 @@ std::vector<Kernel> kernels() {
       cpu::set_isa(keep);
       return r;
     });
-    add(e.name, e.bytes, Variant::Scalar, e.scalar);
+    if (e.scalar) add(e.name, e.bytes, Variant::Scalar, e.scalar);
   }
   return k;
 }

@@ -11,39 +11,6 @@
 #include <vector>
 
 namespace shardopt::exact {
-namespace {
-
-// 2^b(L) and 2^-b(L) for L = 0..kMaxLevel (b(0) = kBase, used as level 1's low bin).
-struct Powers {
-  std::array<double, kMaxLevel + 1> up{};
-  std::array<double, kMaxLevel + 1> down{};
-  Powers() {
-    for (int l = 0; l <= kMaxLevel; ++l) {
-      up[static_cast<std::size_t>(l)] = std::ldexp(1.0, bin_exponent(l));
-      down[static_cast<std::size_t>(l)] = std::ldexp(1.0, -bin_exponent(l));
-    }
-  }
-};
-const Powers kPow;
-
-// The packed contribution of one element's bins at `local` level to a sum at level `global`
-// (>= local): lifting by one level moves the top bin down and drops the low bin.
-inline std::int64_t packed(std::uint8_t local, std::uint8_t global, std::int64_t top,
-                           std::int64_t low) {
-  if (local == kEmpty || global == kNonFinite) return 0;
-  const int lift = global - local;
-  if (lift == 0) return top * (std::int64_t{1} << kBinBits) + low;
-  return lift == 1 ? top : 0;
-}
-
-// x rounded to the nearest integer, ties to even (|x| <= 2^51; the default rounding mode):
-// adding 1.5 * 2^52 leaves no fraction bits. Exact, and no libm call.
-inline double round_to_integer(double x) {
-  constexpr double kShift = 6755399441055744.0;  // 1.5 * 2^52
-  return (x + kShift) - kShift;  // IEEE semantics (no -ffast-math): not folded
-}
-
-}  // namespace
 
 std::size_t grads_bytes(std::size_t padded, std::size_t max_bucket) {
   return padded * (2 * sizeof(std::int64_t) + 1) + max_bucket;
@@ -85,7 +52,6 @@ void ExactGrads::pack(std::size_t begin, std::size_t n, std::uint64_t* out) cons
 void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float* grads) {
   const std::size_t b = bk.flat.begin;
   const std::size_t n = bk.flat.size();
-  const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
   const float* last = grads + b;
   std::int64_t* top = top_ + b;
   const std::int64_t* low = low_ + b;
@@ -97,25 +63,13 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
     deposit_range(grads, b, n);
     std::memcpy(scratch_, level, n);
     comm.all_reduce_int(level, n, IntOp::MaxU8);
-    const std::uint8_t* mine = scratch_;
-#pragma omp parallel for schedule(static)
-    for (std::ptrdiff_t j = 0; j < count; ++j) top[j] = packed(mine[j], level[j], top[j], low[j]);
+    cpu::exact_lift(scratch_, level, top, low, n);
   } else {
     // 1'. One micro-batch: its levels, their maximum, and each value rounded to the low bin
     // of that level (0 when the level is 2 or more above its own: below half a unit).
-#pragma omp parallel for schedule(static)
-    for (std::ptrdiff_t j = 0; j < count; ++j) {
-      const float v = last[j];
-      level[j] = v == 0.0f ? kEmpty : std::isfinite(v) ? static_cast<std::uint8_t>(level_of(v)) : kNonFinite;
-    }
+    cpu::exact_levels(last, n, level);
     comm.all_reduce_int(level, n, IntOp::MaxU8);
-#pragma omp parallel for schedule(static)
-    for (std::ptrdiff_t j = 0; j < count; ++j) {
-      const std::uint8_t l = level[j];
-      top[j] = l == kEmpty || l == kNonFinite
-                   ? 0
-                   : static_cast<std::int64_t>(round_to_integer(static_cast<double>(last[j]) * kPow.down[l - 1]));
-    }
+    cpu::exact_round_to_levels(last, n, level, top);
   }
   // 2. Integer sums (associative on every transport), then one rounding to fp32 of the
   // elements this rank keeps: the bucket (whole), or its slice, equal or (whole-tensor
@@ -129,14 +83,7 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
   float* dst = grads + b + first;
   const std::int64_t* sum = top + first;
   const std::uint8_t* lv = level + first;
-  const std::ptrdiff_t m = static_cast<std::ptrdiff_t>(mine.size());
-#pragma omp parallel for schedule(static)
-  for (std::ptrdiff_t j = 0; j < m; ++j) {
-    const std::uint8_t l = lv[j];
-    dst[j] = l == kEmpty        ? 0.0f
-             : l == kNonFinite ? std::numeric_limits<float>::quiet_NaN()
-                               : cpu::exact_to_float(sum[j], bin_exponent(l - 1));
-  }
+  cpu::exact_sums_to_float(sum, lv, dst, mine.size());
 }
 
 namespace {

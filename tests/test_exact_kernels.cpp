@@ -18,10 +18,12 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/kernels.hpp"
@@ -258,50 +260,69 @@ TEST(ExactKernels, CombineInPlace) {
   }
 }
 
+namespace {
+
 // Metamorphic: negating every input negates every output (zeros stay +0, NaN stays NaN): a
 // truncating or away-from-zero rounding breaks the symmetry of round-to-nearest-even at ties.
-// Scaling every input by 2^24 moves every value up exactly one level and the grid with it,
-// so the outputs scale exactly (inputs kept inside the normal range on both sides).
+// Scaling every input by 2^24k moves every value up exactly k levels and the grid with it,
+// so the outputs scale exactly (inputs kept inside the normal range on both sides). `sum`
+// is a method: one value per rank in, the fp32 sums out.
+using Method = std::function<std::vector<float>(const PerRank&)>;
+
+void expect_odd_and_scaling_by_levels(const Method& sum, const std::string& what) {
+  for (int ranks : {2, 4, 7}) {
+    const std::size_t n = 8191;
+    const PerRank vals = corpus(ranks, n, 4242u + static_cast<std::uint64_t>(ranks));
+    PerRank neg = vals;
+    for (auto& r : neg)
+      for (float& x : r) x = -x;
+    std::vector<float> a = sum(vals), b = sum(neg);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (std::isnan(a[i])) {
+        ASSERT_TRUE(std::isnan(b[i])) << what << " " << i;
+      } else if (a[i] == 0.0f) {
+        ASSERT_EQ(bits(b[i]), 0u) << what << " " << i;
+        ASSERT_EQ(bits(a[i]), 0u) << what << " " << i;
+      } else {
+        ASSERT_EQ(bits(b[i]), bits(-a[i])) << what << " element " << i << ": " << a[i];
+      }
+    }
+    // Scaling: random values with exponent fields 48..200 (levels 3..9; 2^48 more is 96..248).
+    std::mt19937_64 rng(99u + static_cast<std::uint64_t>(ranks));
+    PerRank lo(static_cast<std::size_t>(ranks), std::vector<float>(n));
+    for (std::size_t i = 0; i < n; ++i) {
+      const int c = 48 + static_cast<int>(rng() % 153);
+      for (int r = 0; r < ranks; ++r) {
+        const int e = std::min(200, std::max(48, c - static_cast<int>(rng() % 30)));
+        lo[static_cast<std::size_t>(r)][i] = (rng() % 5 == 0) ? 0.0f : with_exponent(rng, e);
+      }
+    }
+    a = sum(lo);
+    for (int k : {1, 2}) {
+      PerRank hi = lo;
+      for (auto& r : hi)
+        for (float& x : r) x = std::ldexp(x, 24 * k);
+      b = sum(hi);
+      for (std::size_t i = 0; i < n; ++i)
+        ASSERT_EQ(bits(b[i]), bits(std::ldexp(a[i], 24 * k)))
+            << what << ", 2^" << 24 * k << ", element " << i << ": " << a[i];
+    }
+  }
+}
+
+std::vector<float> direct_combine(const PerRank& vals) {
+  std::vector<float> out(vals[0].size());
+  cpu::exact_combine(pointers(vals).data(), static_cast<int>(vals.size()), out.data(), out.size(), nullptr);
+  return out;
+}
+
+}  // namespace
+
 TEST(ExactKernels, CombineIsOddAndScalesByLevels) {
   const IsaScope restore;
   for (cpu::Isa isa : isas()) {
     cpu::set_isa(isa);
-    for (int ranks : {2, 4, 7}) {
-      const std::size_t n = 8191;
-      const PerRank vals = corpus(ranks, n, 4242u + static_cast<std::uint64_t>(ranks));
-      PerRank neg = vals;
-      for (auto& r : neg)
-        for (float& x : r) x = -x;
-      std::vector<float> a(n), b(n);
-      cpu::exact_combine(pointers(vals).data(), ranks, a.data(), n, nullptr);
-      cpu::exact_combine(pointers(neg).data(), ranks, b.data(), n, nullptr);
-      for (std::size_t i = 0; i < n; ++i) {
-        if (std::isnan(a[i])) {
-          ASSERT_TRUE(std::isnan(b[i])) << i;
-        } else if (a[i] == 0.0f) {
-          ASSERT_EQ(bits(b[i]), 0u) << i;
-          ASSERT_EQ(bits(a[i]), 0u) << i;
-        } else {
-          ASSERT_EQ(bits(b[i]), bits(-a[i])) << cpu::isa_name(isa) << " element " << i << ": " << a[i];
-        }
-      }
-      // Scaling: random values with exponent fields 48..200 (levels 3..9; 2^24 more is 72..224).
-      std::mt19937_64 rng(99u + static_cast<std::uint64_t>(ranks));
-      PerRank lo(static_cast<std::size_t>(ranks), std::vector<float>(n)), hi = lo;
-      for (std::size_t i = 0; i < n; ++i) {
-        const int centre = 48 + static_cast<int>(rng() % 153);
-        for (int r = 0; r < ranks; ++r) {
-          const int e = std::min(200, std::max(48, centre - static_cast<int>(rng() % 30)));
-          const float x = (rng() % 5 == 0) ? 0.0f : with_exponent(rng, e);
-          lo[static_cast<std::size_t>(r)][i] = x;
-          hi[static_cast<std::size_t>(r)][i] = std::ldexp(x, 24);
-        }
-      }
-      cpu::exact_combine(pointers(lo).data(), ranks, a.data(), n, nullptr);
-      cpu::exact_combine(pointers(hi).data(), ranks, b.data(), n, nullptr);
-      for (std::size_t i = 0; i < n; ++i)
-        ASSERT_EQ(bits(b[i]), bits(std::ldexp(a[i], 24))) << cpu::isa_name(isa) << " element " << i << ": " << a[i];
-    }
+    expect_odd_and_scaling_by_levels(direct_combine, std::string("direct, ") + cpu::isa_name(isa));
   }
 }
 
@@ -513,5 +534,187 @@ TEST(ExactKernels, DepositEqualsThePortableDeposit) {
         ASSERT_EQ(got.low[i], want.low[i]) << cpu::isa_name(isa) << " element " << i;
       }
     }
+  }
+}
+
+// ---- the two-phase method's passes (exact::ExactGrads::reduce) --------------------------------
+
+namespace {
+
+// The two-phase method over ranks on one process, every pass on the active ISA over elements
+// [offset, n), with what each pass wrote. One micro-batch per rank (`rows` one per rank):
+// each rank's levels, their maximum (the all-reduce MaxU8), each rank's values rounded to
+// that level's grid, the int64 sums (the all-reduce SumI64), one rounding. Several (`ranks`
+// < rows: rank r deposits rows r, r + ranks, ...; its last row stays in the gradient buffer as
+// in ExactGrads::reduce): the deposits, the maximum of the levels, each rank's bins lifted to
+// it, the sums, one rounding.
+struct TwoPhase {
+  std::vector<std::vector<std::uint8_t>> own;     // each rank's levels
+  std::vector<std::uint8_t> level;                // their maximum
+  std::vector<std::vector<std::int64_t>> packed;  // each rank's int64 contribution
+  std::vector<std::int64_t> sum;
+  std::vector<float> out;
+};
+
+TwoPhase two_phase(const PerRank& rows, int ranks, std::size_t offset = 0) {
+  const std::size_t n = rows[0].size() - offset;
+  TwoPhase t;
+  t.level.assign(n, 0);
+  t.sum.assign(n, 0);
+  const bool deposited = rows.size() > static_cast<std::size_t>(ranks);
+  std::vector<std::vector<std::int64_t>> low;
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<std::uint8_t> own(n, 0);
+    std::vector<std::int64_t> top(n, 0), lo(n, 0);
+    if (deposited) {
+      for (std::size_t k = static_cast<std::size_t>(r); k < rows.size(); k += static_cast<std::size_t>(ranks))
+        cpu::exact_deposit(rows[k].data() + offset, n, top.data(), lo.data(), own.data());
+    } else {
+      cpu::exact_levels(rows[static_cast<std::size_t>(r)].data() + offset, n, own.data());
+    }
+    for (std::size_t i = 0; i < n; ++i) t.level[i] = std::max(t.level[i], own[i]);
+    t.own.push_back(std::move(own));
+    t.packed.push_back(std::move(top));
+    low.push_back(std::move(lo));
+  }
+  for (int r = 0; r < ranks; ++r) {
+    const auto k = static_cast<std::size_t>(r);
+    if (deposited)
+      cpu::exact_lift(t.own[k].data(), t.level.data(), t.packed[k].data(), low[k].data(), n);
+    else
+      cpu::exact_round_to_levels(rows[k].data() + offset, n, t.level.data(), t.packed[k].data());
+    for (std::size_t i = 0; i < n; ++i) t.sum[i] += t.packed[k][i];
+  }
+  t.out.resize(n);
+  cpu::exact_sums_to_float(t.sum.data(), t.level.data(), t.out.data(), n);
+  return t;
+}
+
+std::vector<float> two_phase_sum(const PerRank& vals) { return two_phase(vals, static_cast<int>(vals.size())).out; }
+
+template <class T>
+void expect_same(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      ASSERT_EQ(bits(got[i]), bits(want[i])) << what << ", element " << i << ": " << got[i] << " vs " << want[i];
+    } else {
+      ASSERT_EQ(got[i], want[i]) << what << ", element " << i;
+    }
+  }
+}
+
+}  // namespace
+
+// Every pass of the two-phase method on every ISA (forced, each in turn) writes what the
+// portable pass writes, bit for bit, and the result equals the independent oracles: the
+// eager one (one micro-batch per rank) and one process depositing every micro-batch (several
+// per rank: lifts by one and by several levels between ranks). The boundary corpus, 1-17
+// ranks, unaligned starts and ragged ends.
+TEST(ExactKernels, TwoPhasePassesEqualThePortableOnesAndTheOracles) {
+  const IsaScope restore;
+  struct Case {
+    int ranks;
+    std::size_t rows;  // micro-batches in all (ranks: one each)
+  };
+  for (const Case& c : {Case{1, 1}, Case{2, 2}, Case{3, 3}, Case{4, 4}, Case{17, 17}, Case{1, 5}, Case{2, 7},
+                        Case{3, 12}, Case{4, 9}}) {
+    const std::size_t n = 10007;
+    const PerRank rows = corpus(static_cast<int>(c.rows), n, 555u + c.rows * 31 + static_cast<std::uint64_t>(c.ranks));
+    std::vector<float> want(n);
+    if (c.rows == static_cast<std::size_t>(c.ranks)) {
+      for (std::size_t i = 0; i < n; ++i) want[i] = oracle_one(rows, i);
+    } else {
+      want = oracle_binned(rows);
+    }
+    for (std::size_t offset : {std::size_t{0}, std::size_t{3}}) {
+      cpu::set_isa(cpu::Isa::Portable);
+      const TwoPhase ref = two_phase(rows, c.ranks, offset);
+      const std::string base = std::to_string(c.ranks) + " ranks, " + std::to_string(c.rows) +
+                                " micro-batches, offset " + std::to_string(offset) + ", ";
+      expect_same(ref.out, std::vector<float>(want.begin() + static_cast<std::ptrdiff_t>(offset), want.end()),
+                  base + "portable vs the oracle");
+      for (cpu::Isa isa : isas()) {
+        if (isa == cpu::Isa::Portable) continue;
+        cpu::set_isa(isa);
+        const TwoPhase got = two_phase(rows, c.ranks, offset);
+        const std::string what = base + cpu::isa_name(isa);
+        for (std::size_t r = 0; r < got.own.size(); ++r) {
+          expect_same(got.own[r], ref.own[r], what + " levels of rank " + std::to_string(r));
+          expect_same(got.packed[r], ref.packed[r], what + " integers of rank " + std::to_string(r));
+        }
+        expect_same(got.out, ref.out, what + " sums");
+      }
+    }
+  }
+}
+
+// The final rounding on its own, every ISA against cpu::exact_to_float (which
+// ExactSum.ToFloatRoundsOnceToNearestEven checks against long double) on int64 sums at every
+// level: ties of the rounding one unit either side, around 2^50 (where the rounding to odd
+// starts), subnormal results of level 1 (ties included), sums that round to Inf or to
+// FLT_MAX, zero, the int64 extremes and random words; empty and non-finite levels.
+TEST(ExactKernels, TwoPhaseSumsRoundOnce) {
+  const IsaScope restore;
+  std::vector<std::int64_t> sums;
+  std::vector<std::uint8_t> levels;
+  std::mt19937_64 rng(2024);
+  auto add = [&](std::int64_t s, int level) {
+    sums.push_back(s);
+    levels.push_back(static_cast<std::uint8_t>(level));
+  };
+  for (int level : {0, 1, 2, 6, 10, 11, 127}) {
+    add(std::numeric_limits<std::int64_t>::min(), level);
+    for (std::int64_t s : {std::int64_t{0}, std::int64_t{1}, std::int64_t{2}, std::int64_t{3}, std::int64_t{5},
+                           std::numeric_limits<std::int64_t>::max(), std::int64_t{1} << 50,
+                           (std::int64_t{1} << 50) - 1, (std::int64_t{1} << 50) + 1})
+      for (int sign : {1, -1}) add(sign * s, level);
+    for (int p = 20; p <= 62; ++p)
+      for (std::int64_t d : {std::int64_t{-1}, std::int64_t{0}, std::int64_t{1}, std::int64_t{4096}, std::int64_t{8191}})
+        for (int sign : {1, -1}) {
+          // 2^p + 2^(p-24) is a tie of the rounding to 24 bits; + d either side of it.
+          const std::int64_t t = (std::int64_t{1} << p) + (std::int64_t{1} << (p - 24)) + d;
+          add(sign * t, level);
+          add(sign * (t + (std::int64_t{1} << (p - 23))), level);  // odd significand: ties up
+        }
+    for (int k = 0; k < 200; ++k) add(static_cast<std::int64_t>(rng()), level);
+  }
+  for (std::int64_t d : {std::int64_t{-1}, std::int64_t{0}, std::int64_t{1}})
+    for (int sign : {1, -1}) {
+      // level 11's grid is 2^90: FLT_MAX = (2^24 - 1) 2^104 = (2^24 - 1) 2^14 units; the tie
+      // above it (2^24 - 1/2) 2^14 units rounds to Inf.
+      add(sign * (((std::int64_t{1} << 24) - 1) * (std::int64_t{1} << 14) + (std::int64_t{1} << 13) + d), 11);
+      add(sign * ((std::int64_t{1} << 38) + d), 11);  // 2^128: Inf
+    }
+  const std::size_t n = sums.size();
+  std::vector<float> want(n);
+  for (std::size_t i = 0; i < n; ++i)
+    want[i] = levels[i] == 0     ? 0.0f
+              : levels[i] == 127 ? std::numeric_limits<float>::quiet_NaN()
+                                 : cpu::exact_to_float(sums[i], exact::bin_exponent(levels[i] - 1));
+  for (cpu::Isa isa : isas()) {
+    cpu::set_isa(isa);
+    for (std::size_t offset : {std::size_t{0}, std::size_t{1}}) {
+      std::vector<float> got(n - offset);
+      cpu::exact_sums_to_float(sums.data() + offset, levels.data() + offset, got.data(), got.size());
+      expect_same(got, std::vector<float>(want.begin() + static_cast<std::ptrdiff_t>(offset), want.end()),
+                  std::string(cpu::isa_name(isa)) + ", offset " + std::to_string(offset));
+    }
+  }
+  // The cases the comments name occur (this list is not vacuous).
+  std::size_t infs = 0, subnormals = 0;
+  for (float f : want) {
+    infs += std::isinf(f) ? 1 : 0;
+    subnormals += std::fpclassify(f) == FP_SUBNORMAL ? 1 : 0;
+  }
+  EXPECT_GT(infs, 0u);
+  EXPECT_GT(subnormals, 0u);
+}
+
+TEST(ExactKernels, TwoPhaseIsOddAndScalesByLevels) {
+  const IsaScope restore;
+  for (cpu::Isa isa : isas()) {
+    cpu::set_isa(isa);
+    expect_odd_and_scaling_by_levels(two_phase_sum, std::string("two-phase, ") + cpu::isa_name(isa));
   }
 }

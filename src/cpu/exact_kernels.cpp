@@ -221,6 +221,47 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
   }
 }
 
+// ---- the two-phase method's passes (exact::ExactGrads::reduce) ----
+
+void exact_levels(const float* g, std::size_t n, std::uint8_t* level) {
+  for (std::size_t j = 0; j < n; ++j) {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(g[j]) & 0x7fffffffu;
+    const std::uint32_t e = u >> 23;
+    level[j] = u == 0 ? 0 : e == 0xffu ? 127 : static_cast<std::uint8_t>((e + 24) / 24);
+  }
+}
+
+void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* level, std::int64_t* out) {
+  for (std::size_t j = 0; j < n; ++j) {
+    const std::uint8_t l = level[j];
+    out[j] = l == 0 || l == 127
+                 ? 0
+                 : static_cast<std::int64_t>(round_to_integer(static_cast<double>(g[j]) * pow2(174 - 24 * l)));
+  }
+}
+
+void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
+                const std::int64_t* low, std::size_t n) {
+  for (std::size_t j = 0; j < n; ++j) {
+    const std::uint8_t local = mine[j], global = level[j];
+    if (local == 0 || global == 127) {
+      top[j] = 0;
+      continue;
+    }
+    const int lift = global - local;
+    top[j] = lift == 0 ? top[j] * (std::int64_t{1} << 24) + low[j] : lift == 1 ? top[j] : 0;
+  }
+}
+
+void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst, std::size_t n) {
+  for (std::size_t j = 0; j < n; ++j) {
+    const std::uint8_t l = level[j];
+    dst[j] = l == 0     ? 0.0f
+             : l == 127 ? std::numeric_limits<float>::quiet_NaN()
+                        : exact_to_float(sum[j], 24 * static_cast<int>(l) - 174);
+  }
+}
+
 std::uint32_t max_exponent_field(const std::uint32_t* lanes, int nlanes, const float* x, std::size_t n) {
   std::uint32_t e = 0;
   for (int k = 0; k < nlanes; ++k) e = std::max(e, lanes[k]);
@@ -268,7 +309,19 @@ void combine_threaded(void (*kernel)(const T* const*, int, float*, std::size_t),
   }
 }
 
+// The threading of the elementwise exact kernels: body(b, len) on fixed chunks of kExactGrain.
+template <class Body>
+void for_grains(std::size_t n, const Body& body) {
+  const std::ptrdiff_t items = static_cast<std::ptrdiff_t>((n + kExactGrain - 1) / kExactGrain);
+#pragma omp parallel for schedule(static) if (items > 1)
+  for (std::ptrdiff_t c = 0; c < items; ++c) {
+    const std::size_t b = static_cast<std::size_t>(c) * kExactGrain;
+    body(b, std::min(kExactGrain, n - b));
+  }
+}
+
 }  // namespace
+
 
 void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n,
                    SquareDigits* squares) {
@@ -278,23 +331,36 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
 void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
                    std::uint8_t* level) {
   const RangeKernels& k = active_kernels();
-  const std::ptrdiff_t items = static_cast<std::ptrdiff_t>((n + kExactGrain - 1) / kExactGrain);
-#pragma omp parallel for schedule(static) if (items > 1)
-  for (std::ptrdiff_t c = 0; c < items; ++c) {
-    const std::size_t b = static_cast<std::size_t>(c) * kExactGrain;
-    k.exact_deposit(g + b, std::min(kExactGrain, n - b), top + b, low + b, level + b);
-  }
+  for_grains(n, [&](std::size_t b, std::size_t len) { k.exact_deposit(g + b, len, top + b, low + b, level + b); });
 }
 
 void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
                         const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out) {
   const RangeKernels& k = active_kernels();
-  const std::ptrdiff_t items = static_cast<std::ptrdiff_t>((n + kExactGrain - 1) / kExactGrain);
-#pragma omp parallel for schedule(static) if (items > 1)
-  for (std::ptrdiff_t c = 0; c < items; ++c) {
-    const std::size_t b = static_cast<std::size_t>(c) * kExactGrain;
-    k.exact_deposit_pack(g + b, std::min(kExactGrain, n - b), top + b, low + b, level + b, out + b);
-  }
+  for_grains(n, [&](std::size_t b, std::size_t len) {
+    k.exact_deposit_pack(g + b, len, top + b, low + b, level + b, out + b);
+  });
+}
+
+void exact_levels(const float* g, std::size_t n, std::uint8_t* level) {
+  const RangeKernels& k = active_kernels();
+  for_grains(n, [&](std::size_t b, std::size_t len) { k.exact_levels(g + b, len, level + b); });
+}
+
+void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* level, std::int64_t* out) {
+  const RangeKernels& k = active_kernels();
+  for_grains(n, [&](std::size_t b, std::size_t len) { k.exact_round_to_levels(g + b, len, level + b, out + b); });
+}
+
+void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
+                const std::int64_t* low, std::size_t n) {
+  const RangeKernels& k = active_kernels();
+  for_grains(n, [&](std::size_t b, std::size_t len) { k.exact_lift(mine + b, level + b, top + b, low + b, len); });
+}
+
+void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst, std::size_t n) {
+  const RangeKernels& k = active_kernels();
+  for_grains(n, [&](std::size_t b, std::size_t len) { k.exact_sums_to_float(sum + b, level + b, dst + b, len); });
 }
 
 void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::int64_t* low,

@@ -83,6 +83,14 @@ struct RangeKernels {
   /// exact_deposit_pack (kernels.hpp) on one range.
   void (*exact_deposit_pack)(const float* g, std::size_t n, const std::int64_t* top,
                              const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out);
+  /// The two-phase method's passes (kernels.hpp) on one range.
+  void (*exact_levels)(const float* g, std::size_t n, std::uint8_t* level);
+  void (*exact_round_to_levels)(const float* g, std::size_t n, const std::uint8_t* level,
+                                std::int64_t* out);
+  void (*exact_lift)(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
+                     const std::int64_t* low, std::size_t n);
+  void (*exact_sums_to_float)(const std::int64_t* sum, const std::uint8_t* level, float* dst,
+                              std::size_t n);
 };
 
 /// Values per fixed-point window of the SIMD exact_square_add: each lane adds at most
@@ -127,6 +135,11 @@ void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_
                    std::uint8_t* level);
 void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
                         const std::int64_t* low, const std::uint8_t* level, std::uint64_t* out);
+void exact_levels(const float* g, std::size_t n, std::uint8_t* level);
+void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* level, std::int64_t* out);
+void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
+                const std::int64_t* low, std::size_t n);
+void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst, std::size_t n);
 }  // namespace portable
 
 /// Blocks per call of a SIMD table's interleaved sum of squares (and the OpenMP unit).

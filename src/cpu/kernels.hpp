@@ -127,6 +127,28 @@ void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::i
 void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n,
                           SquareDigits* squares);
 
+/// The two-phase method (exact::ExactGrads::reduce, the fallback of transports that offer
+/// only built-in reductions), one pass each. Levels are exact_deposit's encoding (0 empty,
+/// 1-11, 127 non-finite); b(L) = 24 L - 150, so level L's low grid is 2^(24 L - 174).
+///
+/// level[i] = the level of g[i] alone: 0 for +-0, 127 for NaN or +-Inf, else (e + 24) / 24
+/// with e its biased exponent field (subnormals: level 1).
+void exact_levels(const float* g, std::size_t n, std::uint8_t* level);
+/// out[i] = round(g[i] / 2^(24 level[i] - 174)) (nearest even) where level[i] is 1-11 (the
+/// element's level over every rank, at least g[i]'s own: |g[i]| then rounds to below 2^47),
+/// else 0.
+void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* level,
+                           std::int64_t* out);
+/// Each element's bins at its own level mine[i] lifted to level[i] >= mine[i] and packed
+/// into one int64 in top's place: top * 2^24 + low at the same level, top one level up,
+/// 0 two or more up, when mine[i] is empty or level[i] is non-finite.
+void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
+                const std::int64_t* low, std::size_t n);
+/// dst[i] = exact_to_float(sum[i], 24 level[i] - 174) for levels 1-11, +0 for level 0, the
+/// quiet NaN for 127 (the one rounding of the two-phase sums).
+void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst,
+                         std::size_t n);
+
 // ---- instruction set -------------------------------------------------------------------------
 
 enum class Isa { Portable, Avx2, Avx512 };

@@ -585,6 +585,106 @@ void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {
   for (std::size_t w = 0; w < n; w += kExactChunk)
     exact_square_window(x + w, n - w < kExactChunk ? n - w : kExactChunk, squares);
 }
+
+// ---- the two-phase method's passes (exact::ExactGrads::reduce), as kernels_avx512.cpp ----
+
+// exact_to_float on 4 int64 lanes, as kernels_avx512.cpp's exact_to_float8 (the method is
+// described there): AVX2 has no 64-bit arithmetic shift, so n >> 13 is the logical shift with
+// the sign's bits put back on top.
+__m128 exact_to_float4(__m256i n, __m256i e) {
+  const __m256d magic = _mm256_set1_pd(0x1.8p52);
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i wide = _mm256_or_si256(_mm256_cmpgt_epi64(n, _mm256_set1_epi64x((std::int64_t{1} << 50) - 1)),
+                                       _mm256_cmpgt_epi64(_mm256_set1_epi64x(-(std::int64_t{1} << 50)), n));
+  __m256i t = n;
+  if (!_mm256_testz_si256(wide, wide)) {
+    const __m256i shifted = _mm256_or_si256(_mm256_srli_epi64(n, 13), _mm256_slli_epi64(_mm256_cmpgt_epi64(zero, n), 51));
+    const __m256i sticky = _mm256_andnot_si256(
+        _mm256_cmpeq_epi64(_mm256_and_si256(n, _mm256_set1_epi64x(0x1fff)), zero), _mm256_set1_epi64x(1));
+    t = _mm256_blendv_epi8(n, _mm256_or_si256(shifted, sticky), wide);
+    e = _mm256_add_epi64(e, _mm256_and_si256(wide, _mm256_set1_epi64x(13)));
+  }
+  const __m256d exact = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_add_epi64(t, _mm256_castpd_si256(magic))), magic);
+  return _mm256_cvtpd_ps(_mm256_mul_pd(
+      exact, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52))));
+}
+
+/// 4 levels (bytes) as int64 lanes.
+__m256i load_levels4(const std::uint8_t* level) { return _mm256_cvtepu8_epi64(_mm_loadu_si32(level)); }
+
+/// 24 l: with b(l) = 24 l - 150, the exponents of the grids are offsets of it.
+__m256i times24(__m256i l) { return _mm256_add_epi64(_mm256_slli_epi64(l, 4), _mm256_slli_epi64(l, 3)); }
+
+void exact_levels(const float* g, std::size_t n, std::uint8_t* level) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i zero = _mm256_setzero_si256();
+  // Bytes 0, 4, 8, 12 of each 128-bit half into its first 4 bytes.
+  const __m256i gather = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  std::size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    const __m256i a = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i)), abs_mask);
+    const __m256i e = _mm256_srli_epi32(a, 23);
+    __m256i l = _mm256_srli_epi32(
+        _mm256_mullo_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(24)), _mm256_set1_epi32(2731)), 16);
+    l = _mm256_andnot_si256(_mm256_cmpeq_epi32(a, zero), l);
+    l = _mm256_blendv_epi8(l, _mm256_set1_epi32(127), _mm256_cmpeq_epi32(e, _mm256_set1_epi32(0xff)));
+    const __m256i b = _mm256_shuffle_epi8(l, gather);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(level + i),
+                     _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  }
+  portable::exact_levels(g + i, n - i, level + i);
+}
+
+void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* level, std::int64_t* out) {
+  const __m256d magic = _mm256_set1_pd(0x1.8p52);
+  const __m256i magic_bits = _mm256_castpd_si256(magic);
+  const __m256i zero = _mm256_setzero_si256();
+  std::size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m256i l = load_levels4(level + i);
+    const __m256i dead = _mm256_or_si256(_mm256_cmpeq_epi64(l, zero), _mm256_cmpeq_epi64(l, _mm256_set1_epi64x(127)));
+    const __m256d down = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_sub_epi64(_mm256_set1_epi64x(1197), times24(l)), 52));
+    const __m256d x = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(g + i)), down);
+    const __m256i r = _mm256_sub_epi64(_mm256_castpd_si256(_mm256_add_pd(x, magic)), magic_bits);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_andnot_si256(dead, r));
+  }
+  portable::exact_round_to_levels(g + i, n - i, level + i, out + i);
+}
+
+void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
+                const std::int64_t* low, std::size_t n) {
+  const __m256i zero = _mm256_setzero_si256();
+  std::size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m256i local = load_levels4(mine + i);
+    const __m256i global = load_levels4(level + i);
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + i));
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + i));
+    const __m256i dead = _mm256_or_si256(_mm256_cmpeq_epi64(local, zero),
+                                         _mm256_cmpeq_epi64(global, _mm256_set1_epi64x(127)));
+    const __m256i same = _mm256_cmpeq_epi64(global, local);
+    const __m256i up_one = _mm256_cmpeq_epi64(global, _mm256_add_epi64(local, _mm256_set1_epi64x(1)));
+    __m256i r = _mm256_and_si256(up_one, t);
+    r = _mm256_blendv_epi8(r, _mm256_add_epi64(_mm256_slli_epi64(t, 24), lo), same);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(top + i), _mm256_andnot_si256(dead, r));
+  }
+  portable::exact_lift(mine + i, level + i, top + i, low + i, n - i);
+}
+
+void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst, std::size_t n) {
+  const __m128 nan = _mm_castsi128_ps(_mm_set1_epi32(0x7fc00000));
+  std::size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m256i l = load_levels4(level + i);
+    const __m128 f = exact_to_float4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum + i)),
+                                     _mm256_sub_epi64(times24(l), _mm256_set1_epi64x(174)));
+    const __m128i l32 = _mm_cvtepu8_epi32(_mm_loadu_si32(level + i));
+    const __m128 r = _mm_andnot_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(l32, _mm_setzero_si128())), f);
+    _mm_storeu_ps(dst + i, _mm_blendv_ps(r, nan, _mm_castsi128_ps(_mm_cmpeq_epi32(l32, _mm_set1_epi32(127)))));
+  }
+  portable::exact_sums_to_float(sum + i, level + i, dst + i, n - i);
+}
 }  // namespace
 }  // namespace shardopt::cpu::avx2
 
@@ -610,6 +710,10 @@ const RangeKernels kAvx2Kernels = {
     avx2::adamw8bit_blocks,
     avx2::q8_quantize,
     portable::exact_deposit_pack,
+    avx2::exact_levels,
+    avx2::exact_round_to_levels,
+    avx2::exact_lift,
+    avx2::exact_sums_to_float,
 };
 
 }  // namespace shardopt::cpu

@@ -496,18 +496,44 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
   }
 }
 
-// exact_combine_packed, 8 elements (64-bit words) at a time. The int64 sum goes to fp32 with
-// one rounding without AVX-512DQ: below 2^50 in magnitude it converts to a double exactly
-// (the 1.5 * 2^52 bit trick); above, it is first rounded to odd at 2^13 (floor plus a
-// sticky bit), which keeps the final rounding to 24 bits correct. The scaling by 2^g is
-// exact in double, and the conversion to fp32 rounds once (subnormals included).
+// exact_to_float (kernels.hpp) on 8 int64 lanes, operation for operation, without
+// AVX-512DQ: below 2^50 in magnitude n converts to a double exactly (the 1.5 * 2^52 bit
+// trick); above (unsigned |n|: INT64_MIN too), it is first rounded to odd at 2^13 (floor plus
+// a sticky bit), which keeps the final rounding to 24 bits correct. The scaling by 2^e is
+// exact in double, and the conversion to fp32 rounds once (subnormals included, Inf past the
+// range).
+__m256 exact_to_float8(__m512i n, __m512i e) {
+  const __m512d magic = _mm512_set1_pd(0x1.8p52);
+  const __mmask8 wide = _mm512_cmpge_epu64_mask(_mm512_abs_epi64(n), _mm512_set1_epi64(std::int64_t{1} << 50));
+  __m512i t = n;
+  if (wide != 0) {
+    const __m512i sticky = _mm512_maskz_mov_epi64(_mm512_test_epi64_mask(n, _mm512_set1_epi64(0x1fff)),
+                                                  _mm512_set1_epi64(1));
+    t = _mm512_mask_or_epi64(n, wide, _mm512_srai_epi64(n, 13), sticky);
+    e = _mm512_mask_add_epi64(e, wide, e, _mm512_set1_epi64(13));
+  }
+  const __m512d exact = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_add_epi64(t, _mm512_castpd_si512(magic))), magic);
+  return _mm512_cvtpd_ps(_mm512_mul_pd(
+      exact, _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52))));
+}
+
+/// 8 levels (bytes) as int64 lanes.
+__m512i load_levels8(const std::uint8_t* level) {
+  return _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(level)));
+}
+
+/// 24 l - 174: the exponent of level l's low grid, b(l - 1).
+__m512i grid_exponent8(__m512i l) {
+  return _mm512_sub_epi64(_mm512_add_epi64(_mm512_slli_epi64(l, 4), _mm512_slli_epi64(l, 3)),
+                          _mm512_set1_epi64(174));
+}
+
+// exact_combine_packed, 8 elements (64-bit words) at a time: the int64 sum goes to fp32 by
+// exact_to_float8.
 void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n) {
   if (ranks > kExactCombineMaxSimdRanks) return portable::exact_combine_packed(src, ranks, dst, n);
   const __m512i fifteen = _mm512_set1_epi64(15);
   const __m512i one = _mm512_set1_epi64(1);
-  const __m512d magic = _mm512_set1_pd(0x1.8p52);
-  const __m512i magic_bits = _mm512_castpd_si512(magic);
-  const __m512i wide_from = _mm512_set1_epi64(std::int64_t{1} << 50);
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m512i g = _mm512_setzero_si512();
@@ -526,21 +552,7 @@ void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst
       sum = _mm512_mask_add_epi64(sum, at, sum, _mm512_add_epi64(_mm512_slli_epi64(top, 24), low));
       sum = _mm512_mask_add_epi64(sum, below, sum, top);
     }
-    const __mmask8 wide = _mm512_cmpge_epi64_mask(_mm512_abs_epi64(sum), wide_from);
-    __m512i t = sum;
-    if (wide != 0) {
-      const __m512i sticky = _mm512_maskz_mov_epi64(
-          _mm512_test_epi64_mask(sum, _mm512_set1_epi64(0x1fff)), one);
-      t = _mm512_mask_or_epi64(sum, wide, _mm512_srai_epi64(sum, 13), sticky);
-    }
-    // e = 24 g - 174 (the grid of level g - 1), plus 13 where t was shifted.
-    __m512i e = _mm512_sub_epi64(_mm512_add_epi64(_mm512_slli_epi64(g, 4), _mm512_slli_epi64(g, 3)),
-                                 _mm512_set1_epi64(174));
-    e = _mm512_mask_add_epi64(e, wide, e, _mm512_set1_epi64(13));
-    const __m512d exact = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_add_epi64(t, magic_bits)), magic);
-    const __m512d scaled = _mm512_mul_pd(
-        exact, _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52)));
-    const __m256 f = _mm512_cvtpd_ps(scaled);
+    const __m256 f = exact_to_float8(sum, grid_exponent8(g));  // the grid of level g - 1
     const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
     _mm256_storeu_ps(dst + i, _mm512_castps512_ps256(_mm512_mask_blend_ps(
                                   static_cast<__mmask16>(nonfinite), _mm512_castps256_ps512(f),
@@ -641,6 +653,80 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
   portable::exact_deposit_pack(g + i, n - i, top + i, low + i, level + i, out + i);
 }
 
+// ---- the two-phase method's passes (exact::ExactGrads::reduce) ----
+
+// exact_levels, 16 at a time: (e + 24) / 24 = ((e + 24) * 2731) >> 16 for e below 300 (as
+// deposit8), 0 for +-0, 127 for NaN and Inf.
+void exact_levels(const float* g, std::size_t n, std::uint8_t* level) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i ff = _mm512_set1_epi32(0xff);
+  std::size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    const __m512i a = _mm512_and_si512(_mm512_loadu_si512(g + i), abs_mask);
+    const __m512i e = _mm512_srli_epi32(a, 23);
+    const __m512i want = _mm512_srli_epi32(
+        _mm512_mullo_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(24)), _mm512_set1_epi32(2731)), 16);
+    __m512i l = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(a, a), want);
+    l = _mm512_mask_mov_epi32(l, _mm512_cmpeq_epi32_mask(e, ff), _mm512_set1_epi32(127));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(level + i), _mm512_cvtepi32_epi8(l));
+  }
+  portable::exact_levels(g + i, n - i, level + i);
+}
+
+// exact_round_to_levels, 8 at a time: the value times 2^(174 - 24 l) (exact in double),
+// rounded to an integer and moved to int64 by the 1.5 * 2^52 bit trick (|x| < 2^47); 0 where
+// the level is empty or non-finite (whatever the scaling gave there).
+void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* level, std::int64_t* out) {
+  const __m512d magic = _mm512_set1_pd(0x1.8p52);
+  const __m512i magic_bits = _mm512_castpd_si512(magic);
+  const __m512i nonfinite = _mm512_set1_epi64(127);
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m512i l = load_levels8(level + i);
+    const __mmask8 live = _mm512_test_epi64_mask(l, l) & static_cast<__mmask8>(~_mm512_cmpeq_epi64_mask(l, nonfinite));
+    const __m512i l24 = _mm512_add_epi64(_mm512_slli_epi64(l, 4), _mm512_slli_epi64(l, 3));
+    const __m512d down = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_sub_epi64(_mm512_set1_epi64(1197), l24), 52));
+    const __m512d x = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(g + i)), down);
+    _mm512_storeu_si512(out + i, _mm512_maskz_sub_epi64(live, _mm512_castpd_si512(_mm512_add_pd(x, magic)), magic_bits));
+  }
+  portable::exact_round_to_levels(g + i, n - i, level + i, out + i);
+}
+
+// exact_lift, 8 at a time, by masks.
+void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
+                const std::int64_t* low, std::size_t n) {
+  const __m512i nonfinite = _mm512_set1_epi64(127);
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m512i local = load_levels8(mine + i);
+    const __m512i global = load_levels8(level + i);
+    const __m512i t = _mm512_loadu_si512(top + i);
+    const __mmask8 live = _mm512_test_epi64_mask(local, local) &
+                          static_cast<__mmask8>(~_mm512_cmpeq_epi64_mask(global, nonfinite));
+    const __mmask8 same = live & _mm512_cmpeq_epi64_mask(global, local);
+    const __mmask8 up_one = live & _mm512_cmpeq_epi64_mask(global, _mm512_add_epi64(local, _mm512_set1_epi64(1)));
+    const __m512i r = _mm512_maskz_mov_epi64(up_one, t);
+    _mm512_storeu_si512(top + i, _mm512_mask_add_epi64(r, same, _mm512_slli_epi64(t, 24), _mm512_loadu_si512(low + i)));
+  }
+  portable::exact_lift(mine + i, level + i, top + i, low + i, n - i);
+}
+
+// exact_sums_to_float, 8 at a time: exact_to_float8 at each level's grid, +0 for empty
+// elements and the quiet NaN for non-finite ones.
+void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst, std::size_t n) {
+  const __m512 nan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000));
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m512i l = load_levels8(level + i);
+    const __m512 f = _mm512_castps256_ps512(exact_to_float8(_mm512_loadu_si512(sum + i), grid_exponent8(l)));
+    const __mmask16 empty = _mm512_cmpeq_epi64_mask(l, _mm512_setzero_si512());
+    const __mmask16 nonfinite = _mm512_cmpeq_epi64_mask(l, _mm512_set1_epi64(127));
+    _mm256_storeu_ps(dst + i, _mm512_castps512_ps256(_mm512_mask_mov_ps(
+                                  _mm512_maskz_mov_ps(static_cast<__mmask16>(~empty), f), nonfinite, nan)));
+  }
+  portable::exact_sums_to_float(sum + i, level + i, dst + i, n - i);
+}
+
 // Squares relative to the window's largest exponent emax: with m the 24-bit significand
 // and e' = max(e, 1), v = m * 2^(e' - 150) and v^2 = m^2 * 2^(2 e' - 300). For the values
 // with e' >= e0 = max(emax - 24, 1), q = (v * 2^(150 - e0))^2 = m^2 * 2^(2 (e' - e0)) is an
@@ -735,6 +821,10 @@ const RangeKernels kAvx512Kernels = {
     avx512::adamw8bit_blocks,
     avx512::q8_quantize,
     avx512::exact_deposit_pack,
+    avx512::exact_levels,
+    avx512::exact_round_to_levels,
+    avx512::exact_lift,
+    avx512::exact_sums_to_float,
 };
 
 }  // namespace shardopt::cpu

@@ -111,6 +111,10 @@ const RangeKernels kPortableKernels = {
     nullptr,
     nullptr,
     portable::exact_deposit_pack,
+    portable::exact_levels,
+    portable::exact_round_to_levels,
+    portable::exact_lift,
+    portable::exact_sums_to_float,
 };
 
 }  // namespace shardopt::cpu
