@@ -12,7 +12,10 @@
 // the final rounding, lifts by one and by several levels, subnormal inputs, FLT_MAX and sums
 // that round to Inf, cancellation to zero, -0, NaN and Inf; 1 to 100 ranks (the SIMD paths
 // sum in doubles up to 64 ranks and hand more to the int64 path). exact_square_add must
-// give the same integer as adding every square one by one (SquareDigits::add).
+// give the same integer as adding every square one by one (SquareDigits::add). The two-phase
+// method's passes (exact_levels, exact_round_to_levels, exact_lift, exact_sums_to_float) on
+// every ISA, forced in turn, must write what the portable passes (the loops they replaced)
+// write, and their result must equal the same oracles on the same corpus.
 #include <gtest/gtest.h>
 
 #include <bit>

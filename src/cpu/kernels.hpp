@@ -141,7 +141,7 @@ void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* le
                            std::int64_t* out);
 /// Each element's bins at its own level mine[i] lifted to level[i] >= mine[i] and packed
 /// into one int64 in top's place: top * 2^24 + low at the same level, top one level up,
-/// 0 two or more up, when mine[i] is empty or level[i] is non-finite.
+/// 0 two or more up; 0 as well when mine[i] is empty or level[i] is non-finite.
 void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
                 const std::int64_t* low, std::size_t n);
 /// dst[i] = exact_to_float(sum[i], 24 level[i] - 174) for levels 1-11, +0 for level 0, the
