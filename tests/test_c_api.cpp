@@ -865,4 +865,246 @@ TEST(CApi, MuonAndShapeMistakesAreClearErrors) {
   EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
 }
 
+// Adafactor through the C ABI (issue 32): a group with every adafactor_* option off its
+// default and a weight decay, a factored matrix (shardopt_add_param_2d) and a vector in it,
+// and an AdamW matrix beside them: the weights, the vector's variance (exp_avg_sq) and the
+// matrix's row_var/col_var (shardopt_get_factored_state) equal the C++ API's bit for bit at
+// stages 0-2, and again after a checkpoint round trip (format 7).
+TEST(CApi, AdafactorGroupEqualsCppApi) {
+  for (int stage : {SHARDOPT_STAGE_DATA_PARALLEL, SHARDOPT_STAGE_ZERO1, SHARDOPT_STAGE_ZERO2}) {
+    SCOPED_TRACE(stage);
+    shardopt_config_t c = config(stage, SHARDOPT_DTYPE_BF16);
+    c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+    c.bucket_elems = 0;  // automatic: raised to the largest Adafactor parameter
+    c.weight_decay = 0.05;
+    shardopt_optimizer_t opt = nullptr;
+    ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS) << last(nullptr);
+    shardopt_group_t ag;
+    shardopt_group_init(&ag);
+    EXPECT_EQ(ag.adafactor_beta2_decay, -0.8);  // torch.optim.Adafactor's defaults
+    EXPECT_EQ(ag.adafactor_eps1, 1.1920928955078125e-07);
+    EXPECT_EQ(ag.adafactor_eps2, 1e-3);
+    EXPECT_EQ(ag.adafactor_d, 1.0);
+    EXPECT_EQ(ag.adafactor_maximize, 0);
+    EXPECT_EQ(ag.reserved1, 0);
+    ag.rule = SHARDOPT_RULE_ADAFACTOR;
+    ag.lr_scale = 0.5;
+    ag.adafactor_beta2_decay = -0.6;
+    ag.adafactor_eps1 = 1e-6;
+    ag.adafactor_eps2 = 2e-3;
+    ag.adafactor_d = 1.25;
+    ag.adafactor_maximize = 1;
+    int g = -1;
+    ASSERT_EQ(shardopt_add_group_ex(opt, &ag, &g), SHARDOPT_SUCCESS) << last(opt);
+    shardopt_group_t back;
+    back.struct_size = sizeof back;
+    ASSERT_EQ(shardopt_get_group_ex(opt, g, &back), SHARDOPT_SUCCESS);
+    EXPECT_EQ(std::memcmp(&back, &ag, sizeof ag), 0);
+
+    shardopt::OptimizerOptions o;
+    o.stage = static_cast<shardopt::Stage>(stage);
+    o.adam.lr = c.lr;
+    o.adam.weight_decay = c.weight_decay;
+    o.adam.max_grad_norm = c.max_grad_norm;
+    o.bucket_elems = 0;
+    o.ownership = shardopt::Ownership::Whole;
+    shardopt::ShardedOptimizer ref(shardopt::make_single_process_communicator(), o);
+    shardopt::GroupOptions rg;
+    rg.rule = shardopt::Rule::Adafactor;
+    rg.lr_scale = 0.5;
+    rg.adafactor.beta2_decay = -0.6;
+    rg.adafactor.eps1 = 1e-6;
+    rg.adafactor.eps2 = 2e-3;
+    rg.adafactor.d = 1.25;
+    rg.adafactor.maximize = true;
+    ASSERT_EQ(ref.add_group(rg), g);
+    const std::size_t sizes[3] = {24 * 16, 24, 8 * 40};
+    ASSERT_EQ(shardopt_add_param_2d(opt, "w1", 24, 16, g, nullptr), SHARDOPT_SUCCESS) << last(opt);
+    ASSERT_EQ(shardopt_add_param(opt, "b1", 24, g, nullptr), SHARDOPT_SUCCESS);
+    ASSERT_EQ(shardopt_add_param_2d(opt, "w2", 8, 40, 0, nullptr), SHARDOPT_SUCCESS);
+    ref.add_param("w1", shardopt::Shape2D{24, 16}, g);
+    ref.add_param("b1", 24, g);
+    ref.add_param("w2", shardopt::Shape2D{8, 40}, 0);
+    ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS) << last(opt);
+    ref.finalize();
+    EXPECT_EQ(ref.rule_of(1), shardopt::Rule::Adafactor);
+    EXPECT_EQ(ref.rule_of(2), shardopt::Rule::AdamW);
+    for (std::size_t p = 0; p < 3; ++p) {
+      std::vector<float> v(sizes[p]);
+      for (std::size_t k = 0; k < v.size(); ++k) v[k] = 0.2f * synth(3, 0, p, k);
+      ASSERT_EQ(shardopt_set_param(opt, p, v.data(), v.size()), SHARDOPT_SUCCESS);
+      ref.set_param(p, v);
+    }
+    // Master weights, the vector's variance and the AdamW matrix's v, the factored statistics.
+    auto expect_equal = [&] {
+      for (std::size_t p = 0; p < 3; ++p) {
+        std::vector<float> a(sizes[p]), b(sizes[p]);
+        ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+        ref.get_master(p, b);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+        if (p == 0) continue;  // factored: no per-element variance
+        ASSERT_EQ(shardopt_get_exp_avg_sq(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+        ref.get_state(shardopt::StateArray::ExpAvgSq, p, b);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+      }
+      std::vector<float> row(24), col(16), rref(24), cref(16);
+      ASSERT_EQ(shardopt_get_factored_state(opt, 0, row.data(), 24, col.data(), 16),
+                SHARDOPT_SUCCESS) << last(opt);
+      ref.get_factored_state(0, rref, cref);
+      EXPECT_EQ(std::memcmp(row.data(), rref.data(), row.size() * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(col.data(), cref.data(), col.size() * sizeof(float)), 0);
+      EXPECT_GT(row[0], 0.0f);  // the statistics moved off their zero start
+    };
+    train_c_and_cpp(opt, ref, sizes, 6, 5);
+    expect_equal();
+    const std::string dir = "/tmp/shardopt-capi-adafactor-" + std::to_string(::getpid());
+    ASSERT_EQ(shardopt_save_checkpoint(opt, dir.c_str(), 1, nullptr), SHARDOPT_SUCCESS) << last(opt);
+    train_c_and_cpp(opt, ref, sizes, 1, 6);  // move away from the saved state
+    ASSERT_EQ(shardopt_load_checkpoint(opt, dir.c_str()), SHARDOPT_SUCCESS) << last(opt);
+    shardopt::load_checkpoint(ref, dir);  // the C++ API from the same files: the same state
+    expect_equal();
+    train_c_and_cpp(opt, ref, sizes, 8, 2);  // and the same training after it
+    expect_equal();
+    std::filesystem::remove_all(dir);
+    EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  }
+}
+
+// Each adafactor_* field reaches the optimizer: changing it through the C ABI changes the
+// weights after two steps (so the test above would see one lost on the way).
+TEST(CApi, AdafactorOptionsChangeTheResult) {
+  auto train = [](void (*change)(shardopt_group_t&)) {
+    shardopt_config_t c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_F32);
+    c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+    c.bucket_elems = 0;
+    shardopt_optimizer_t opt = nullptr;
+    EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+    shardopt_group_t ag;
+    shardopt_group_init(&ag);
+    ag.rule = SHARDOPT_RULE_ADAFACTOR;
+    change(ag);
+    int g = -1;
+    EXPECT_EQ(shardopt_add_group_ex(opt, &ag, &g), SHARDOPT_SUCCESS) << last(opt);
+    EXPECT_EQ(shardopt_add_param_2d(opt, "w", 12, 8, g, nullptr), SHARDOPT_SUCCESS);
+    EXPECT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS) << last(opt);
+    std::vector<float> v(96);
+    for (std::size_t k = 0; k < v.size(); ++k) v[k] = 1e-4f * synth(5, 0, 0, k);  // RMS < eps2
+    EXPECT_EQ(shardopt_set_param(opt, 0, v.data(), v.size()), SHARDOPT_SUCCESS);
+    for (int step = 0; step < 2; ++step) {
+      for (std::size_t k = 0; k < v.size(); ++k) v[k] = synth(7, step, 0, k);
+      EXPECT_EQ(shardopt_accumulate_grad_f32(opt, 0, v.data(), v.size()), SHARDOPT_SUCCESS);
+      EXPECT_EQ(shardopt_step(opt, nullptr), SHARDOPT_SUCCESS);
+    }
+    EXPECT_EQ(shardopt_get_master(opt, 0, v.data(), v.size()), SHARDOPT_SUCCESS);
+    EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+    return v;
+  };
+  const std::vector<float> base = train([](shardopt_group_t&) {});
+  EXPECT_EQ(base, train([](shardopt_group_t&) {}));
+  EXPECT_NE(base, train([](shardopt_group_t& g) { g.adafactor_beta2_decay = -0.5; }));
+  EXPECT_NE(base, train([](shardopt_group_t& g) { g.adafactor_eps1 = 1.0; }));
+  EXPECT_NE(base, train([](shardopt_group_t& g) { g.adafactor_eps2 = 2e-3; }));
+  EXPECT_NE(base, train([](shardopt_group_t& g) { g.adafactor_d = 1e6; }));
+  EXPECT_NE(base, train([](shardopt_group_t& g) { g.adafactor_maximize = 1; }));
+}
+
+// Adafactor mistakes are SHARDOPT_ERROR_INVALID_ARGUMENT with a message naming the field;
+// group structs from 0.4 and 0.5 (no adafactor_* fields) get Adafactor's defaults; Adafactor
+// without whole ownership is refused at finalize; shardopt_get_factored_state's misuse.
+TEST(CApi, AdafactorMistakesAreClearErrors) {
+  shardopt_config_t c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_F32);
+  c.bucket_elems = 0;
+  shardopt_optimizer_t opt = nullptr;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  shardopt_group_t ag;
+  shardopt_group_init(&ag);
+  ag.rule = SHARDOPT_RULE_ADAFACTOR;
+  shardopt_group_t bad = ag;
+  bad.rule = 5;
+  EXPECT_FAILS(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT,
+               "shardopt_add_group_ex", "SHARDOPT_RULE_ADAFACTOR 4");
+  bad = ag;
+  bad.adafactor_maximize = 2;
+  EXPECT_FAILS(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT,
+               "shardopt_add_group_ex", "adafactor_maximize must be 0 or 1");
+  bad = ag;
+  bad.reserved1 = 1;
+  EXPECT_FAILS(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT,
+               "shardopt_add_group_ex", "reserved1");
+  const struct {
+    double shardopt_group_t::*field;
+    double value;
+    const char* reason;
+  } values[] = {
+      {&shardopt_group_t::adafactor_beta2_decay, 0.5, "invalid Adafactor beta2_decay"},
+      {&shardopt_group_t::adafactor_eps1, -1.0, "invalid Adafactor eps1"},
+      {&shardopt_group_t::adafactor_eps2, NAN, "invalid Adafactor eps2"},
+      {&shardopt_group_t::adafactor_d, 0.5, "invalid Adafactor d"},
+  };
+  for (const auto& v : values) {
+    bad = ag;
+    bad.*v.field = v.value;
+    EXPECT_FAILS(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT,
+                 "shardopt_add_group_ex", v.reason);
+  }
+  // Callers built against 0.4's (ends with adamw8bit_min_numel) and 0.5's (ends with
+  // reserved0) shardopt_group_t: the fields beyond their struct are never read.
+  for (std::size_t size : {offsetof(shardopt_group_t, muon_momentum),
+                           offsetof(shardopt_group_t, adafactor_beta2_decay)}) {
+    SCOPED_TRACE(size);
+    shardopt_group_t old = ag;
+    old.struct_size = size;
+    old.adafactor_beta2_decay = 7.0;  // invalid, but beyond the caller's struct
+    old.reserved1 = 3;
+    int g = -1;
+    ASSERT_EQ(shardopt_add_group_ex(opt, &old, &g), SHARDOPT_SUCCESS) << last(opt);
+    shardopt_group_t back;
+    back.struct_size = sizeof back;
+    ASSERT_EQ(shardopt_get_group_ex(opt, g, &back), SHARDOPT_SUCCESS);
+    EXPECT_EQ(back.rule, SHARDOPT_RULE_ADAFACTOR);
+    EXPECT_EQ(back.adafactor_beta2_decay, -0.8);
+    EXPECT_EQ(back.reserved1, 0);
+    // An older caller reads back only its own fields.
+    shardopt_group_t part = ag;
+    part.struct_size = size;
+    part.adafactor_d = 9.0;
+    ASSERT_EQ(shardopt_get_group_ex(opt, g, &part), SHARDOPT_SUCCESS);
+    EXPECT_EQ(part.adafactor_d, 9.0);
+  }
+  // Adafactor without whole ownership: refused at finalize, naming the parameter.
+  int g = -1;
+  ASSERT_EQ(shardopt_add_group_ex(opt, &ag, &g), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param_2d(opt, "m", 6, 8, g, nullptr), SHARDOPT_SUCCESS);
+  EXPECT_FAILS(shardopt_finalize(opt), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_finalize",
+               "parameter 'm' (6 x 8, group 3) is in an Adafactor group");
+  EXPECT_NE(last(nullptr).find("Ownership::Whole"), std::string::npos) << last(nullptr);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  // shardopt_get_factored_state: before finalize, then a vector, a wrong shape, NULL.
+  c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_group_ex(opt, &ag, &g), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param_2d(opt, "m", 6, 8, g, nullptr), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param(opt, "v", 8, g, nullptr), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param_2d(opt, "a", 6, 8, 0, nullptr), SHARDOPT_SUCCESS);
+  float row[6], col[8];
+  EXPECT_EQ(shardopt_get_factored_state(opt, 0, row, 6, col, 8), SHARDOPT_ERROR_INVALID_STATE);
+  ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS) << last(opt);
+  EXPECT_EQ(shardopt_get_factored_state(opt, 0, row, 6, col, 8), SHARDOPT_SUCCESS) << last(opt);
+  EXPECT_FAILS(shardopt_get_factored_state(opt, 1, row, 1, col, 8),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_factored_state",
+               "'v' (1 x 8, Adafactor) keeps no factored statistics");
+  EXPECT_FAILS(shardopt_get_factored_state(opt, 2, row, 6, col, 8),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_factored_state",
+               "'a' (6 x 8, AdamW) keeps no factored statistics");
+  EXPECT_FAILS(shardopt_get_factored_state(opt, 0, row, 8, col, 6),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_factored_state",
+               "'m' has 6 rows and 8 columns, got buffers of 8 and 6");
+  EXPECT_FAILS(shardopt_get_factored_state(opt, 0, nullptr, 6, col, 8),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_factored_state",
+               "row_var or col_var is NULL");
+  EXPECT_FAILS(shardopt_get_factored_state(opt, 3, row, 6, col, 8),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_factored_state", "out of range");
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+}
+
 }  // namespace
