@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -381,6 +382,18 @@ TEST(CApi, StepReportsClippingAndSkipping) {
   EXPECT_EQ(steps, 1);
 }
 
+// Sets every parameter of both optimizers to scale * synth(seed, 0, p, k).
+template <std::size_t N>
+void set_params_alike(shardopt_optimizer_t opt, shardopt::ShardedOptimizer& ref,
+                      const std::size_t (&sizes)[N], int seed, float scale) {
+  for (std::size_t p = 0; p < N; ++p) {
+    std::vector<float> v(sizes[p]);
+    for (std::size_t k = 0; k < v.size(); ++k) v[k] = scale * synth(seed, 0, p, k);
+    ASSERT_EQ(shardopt_set_param(opt, p, v.data(), v.size()), SHARDOPT_SUCCESS);
+    ref.set_param(p, v);
+  }
+}
+
 // Training through the C ABI (replica pointers, gradient pointers and accumulate, groups, lr
 // changes) gives exactly the C++ API's weights: the ABI adds no arithmetic of its own.
 void train_both(int stage, int dtype) {
@@ -407,12 +420,7 @@ void train_both(int stage, int dtype) {
   }
   ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS);
   ref.finalize();
-  for (std::size_t p = 0; p < 3; ++p) {
-    std::vector<float> v(sizes[p]);
-    for (std::size_t k = 0; k < v.size(); ++k) v[k] = synth(0, 0, p, k);
-    ASSERT_EQ(shardopt_set_param(opt, p, v.data(), v.size()), SHARDOPT_SUCCESS);
-    ref.set_param(p, v);
-  }
+  set_params_alike(opt, ref, sizes, 0, 1.0f);
   for (int step = 0; step < 4; ++step) {
     const double lr = 1e-2 * (step + 1);
     ASSERT_EQ(shardopt_set_lr(opt, lr), SHARDOPT_SUCCESS);
@@ -496,6 +504,48 @@ void train_c_and_cpp(shardopt_optimizer_t opt, shardopt::ShardedOptimizer& ref,
   }
 }
 
+// Adds group `g` through the ABI and returns its index; shardopt_get_group_ex gives back the
+// same bytes.
+int add_group_read_back(shardopt_optimizer_t opt, const shardopt_group_t& g) {
+  int index = -1;
+  EXPECT_EQ(shardopt_add_group_ex(opt, &g, &index), SHARDOPT_SUCCESS) << last(opt);
+  shardopt_group_t back;
+  back.struct_size = sizeof back;
+  EXPECT_EQ(shardopt_get_group_ex(opt, index, &back), SHARDOPT_SUCCESS);
+  EXPECT_EQ(std::memcmp(&back, &g, sizeof g), 0);
+  return index;
+}
+
+// The C++ API's options for the C config `c` (the fields these tests change).
+shardopt::OptimizerOptions cpp_options(const shardopt_config_t& c) {
+  shardopt::OptimizerOptions o;
+  o.stage = static_cast<shardopt::Stage>(c.stage);
+  o.param_dtype = static_cast<shardopt::DType>(c.param_dtype);
+  o.adam.lr = c.lr;
+  o.adam.weight_decay = c.weight_decay;
+  o.adam.max_grad_norm = c.max_grad_norm;
+  o.bucket_elems = c.bucket_elems;
+  o.ownership = static_cast<shardopt::Ownership>(c.ownership);
+  return o;
+}
+
+// A checkpoint through the C ABI (save, train on, load), loaded by the C++ API from the same
+// files too: `expect_equal` holds after the load and after two more steps.
+template <std::size_t N>
+void checkpoint_round_trip(shardopt_optimizer_t opt, shardopt::ShardedOptimizer& ref,
+                           const std::size_t (&sizes)[N], const std::string& tag,
+                           const std::function<void()>& expect_equal) {
+  const std::string dir = "/tmp/shardopt-capi-" + tag + "-" + std::to_string(::getpid());
+  ASSERT_EQ(shardopt_save_checkpoint(opt, dir.c_str(), 1, nullptr), SHARDOPT_SUCCESS) << last(opt);
+  train_c_and_cpp(opt, ref, sizes, 1, 6);  // move away from the saved state
+  ASSERT_EQ(shardopt_load_checkpoint(opt, dir.c_str()), SHARDOPT_SUCCESS) << last(opt);
+  shardopt::load_checkpoint(ref, dir);  // the same state
+  expect_equal();
+  train_c_and_cpp(opt, ref, sizes, 7, 2);  // and the same training after it
+  expect_equal();
+  std::filesystem::remove_all(dir);
+}
+
 // Every parameter's master weights and exp_avg (Lion's and Muon's momentum) through the C ABI
 // equal the C++ API's bit for bit.
 template <std::size_t N>
@@ -567,12 +617,7 @@ TEST(CApi, LionGroupThroughTheGroupStructEqualsCppApi) {
   }
   ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS);
   ref.finalize();
-  for (std::size_t p = 0; p < 3; ++p) {
-    std::vector<float> v(sizes[p]);
-    for (std::size_t k = 0; k < v.size(); ++k) v[k] = synth(0, 0, p, k);
-    ASSERT_EQ(shardopt_set_param(opt, p, v.data(), v.size()), SHARDOPT_SUCCESS);
-    ref.set_param(p, v);
-  }
+  set_params_alike(opt, ref, sizes, 0, 1.0f);
   // The AdamW-era setter changes lr_scale and keeps the rule; changing the rule is refused.
   ASSERT_EQ(shardopt_set_group(opt, 1, 0.6, 1), SHARDOPT_SUCCESS);
   rg.lr_scale = 0.6;
@@ -691,20 +736,9 @@ TEST(CApi, MuonGroupAndMatricesEqualCppApi) {
     mg.muon_ns_steps = 4;
     mg.muon_eps = 1e-6;
     mg.muon_lr_adjust = SHARDOPT_MUON_LR_MATCH_RMS_ADAMW;
-    int g = -1;
-    ASSERT_EQ(shardopt_add_group_ex(opt, &mg, &g), SHARDOPT_SUCCESS) << last(opt);
-    shardopt_group_t back;
-    back.struct_size = sizeof back;
-    ASSERT_EQ(shardopt_get_group_ex(opt, g, &back), SHARDOPT_SUCCESS);
-    EXPECT_EQ(std::memcmp(&back, &mg, sizeof mg), 0);
+    const int g = add_group_read_back(opt, mg);
 
-    shardopt::OptimizerOptions o;
-    o.stage = static_cast<shardopt::Stage>(stage);
-    o.adam.lr = c.lr;
-    o.adam.max_grad_norm = c.max_grad_norm;
-    o.bucket_elems = 0;
-    o.ownership = shardopt::Ownership::Whole;
-    shardopt::ShardedOptimizer ref(shardopt::make_single_process_communicator(), o);
+    shardopt::ShardedOptimizer ref(shardopt::make_single_process_communicator(), cpp_options(c));
     shardopt::GroupOptions rg;
     rg.rule = shardopt::Rule::Muon;
     rg.lr_scale = 2.0;
@@ -743,55 +777,53 @@ TEST(CApi, MuonGroupAndMatricesEqualCppApi) {
     ASSERT_EQ(shardopt_get_config(opt, &got), SHARDOPT_SUCCESS);
     EXPECT_EQ(got.ownership, SHARDOPT_OWNERSHIP_WHOLE);
     EXPECT_GE(got.bucket_elems, 24u * 16u);
-    for (std::size_t p = 0; p < 3; ++p) {
-      std::vector<float> v(sizes[p]);
-      for (std::size_t k = 0; k < v.size(); ++k) v[k] = 0.2f * synth(2, 0, p, k);
-      ASSERT_EQ(shardopt_set_param(opt, p, v.data(), v.size()), SHARDOPT_SUCCESS);
-      ref.set_param(p, v);
-    }
+    set_params_alike(opt, ref, sizes, 2, 0.2f);
     train_c_and_cpp(opt, ref, sizes, 5, 4);
     expect_master_and_exp_avg_equal(opt, ref, sizes);
     // Whole ownership and Muon's momentum round-trip through a checkpoint (format 6).
-    const std::string dir = "/tmp/shardopt-capi-whole-" + std::to_string(::getpid());
-    ASSERT_EQ(shardopt_save_checkpoint(opt, dir.c_str(), 1, nullptr), SHARDOPT_SUCCESS) << last(opt);
-    train_c_and_cpp(opt, ref, sizes, 1, 6);  // move away from the saved state
-    ASSERT_EQ(shardopt_load_checkpoint(opt, dir.c_str()), SHARDOPT_SUCCESS) << last(opt);
-    shardopt::load_checkpoint(ref, dir);  // the C++ API from the same files: the same state
-    expect_master_and_exp_avg_equal(opt, ref, sizes);
-    train_c_and_cpp(opt, ref, sizes, 7, 2);  // and the same training after it
-    expect_master_and_exp_avg_equal(opt, ref, sizes);
-    std::filesystem::remove_all(dir);
+    checkpoint_round_trip(opt, ref, sizes, "whole",
+                          [&] { expect_master_and_exp_avg_equal(opt, ref, sizes); });
     EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
   }
+}
+
+// A 12 x 8 matrix in group `g` (whole ownership, stage 1, fp32), from init_scale * synth (or
+// zero when init_scale is 0), after two steps of synthetic gradients: its master weights.
+std::vector<float> train_matrix_of(const shardopt_group_t& g, float init_scale) {
+  shardopt_config_t c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_F32);
+  c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+  c.bucket_elems = 0;
+  shardopt_optimizer_t opt = nullptr;
+  EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  int index = -1;
+  EXPECT_EQ(shardopt_add_group_ex(opt, &g, &index), SHARDOPT_SUCCESS) << last(opt);
+  EXPECT_EQ(shardopt_add_param_2d(opt, "w", 12, 8, index, nullptr), SHARDOPT_SUCCESS);
+  EXPECT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS) << last(opt);
+  std::vector<float> v(96);
+  if (init_scale != 0.0f) {
+    for (std::size_t k = 0; k < v.size(); ++k) v[k] = init_scale * synth(5, 0, 0, k);
+    EXPECT_EQ(shardopt_set_param(opt, 0, v.data(), v.size()), SHARDOPT_SUCCESS);
+  }
+  for (int step = 0; step < 2; ++step) {
+    for (std::size_t k = 0; k < v.size(); ++k) v[k] = synth(7, step, 0, k);
+    EXPECT_EQ(shardopt_accumulate_grad_f32(opt, 0, v.data(), v.size()), SHARDOPT_SUCCESS);
+    EXPECT_EQ(shardopt_step(opt, nullptr), SHARDOPT_SUCCESS);
+  }
+  EXPECT_EQ(shardopt_get_master(opt, 0, v.data(), v.size()), SHARDOPT_SUCCESS);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  return v;
 }
 
 // The options and shapes reach the optimizer: changing a Muon option through the C ABI changes
 // the result (so the test above would see one lost on the way).
 TEST(CApi, MuonOptionsChangeTheResult) {
   auto train = [](int lr_adjust, int nesterov) {
-    shardopt_config_t c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_F32);
-    c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
-    c.bucket_elems = 0;
-    shardopt_optimizer_t opt = nullptr;
-    EXPECT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
     shardopt_group_t mg;
     shardopt_group_init(&mg);
     mg.rule = SHARDOPT_RULE_MUON;
     mg.muon_lr_adjust = lr_adjust;
     mg.muon_nesterov = nesterov;
-    int g = -1;
-    EXPECT_EQ(shardopt_add_group_ex(opt, &mg, &g), SHARDOPT_SUCCESS);
-    EXPECT_EQ(shardopt_add_param_2d(opt, "w", 12, 8, g, nullptr), SHARDOPT_SUCCESS);
-    EXPECT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS) << last(opt);
-    std::vector<float> v(96);
-    for (int step = 0; step < 2; ++step) {
-      for (std::size_t k = 0; k < v.size(); ++k) v[k] = synth(7, step, 0, k);
-      EXPECT_EQ(shardopt_accumulate_grad_f32(opt, 0, v.data(), v.size()), SHARDOPT_SUCCESS);
-      EXPECT_EQ(shardopt_step(opt, nullptr), SHARDOPT_SUCCESS);
-    }
-    EXPECT_EQ(shardopt_get_master(opt, 0, v.data(), v.size()), SHARDOPT_SUCCESS);
-    EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
-    return v;
+    return train_matrix_of(mg, 0.0f);
   };
   const std::vector<float> base = train(SHARDOPT_MUON_LR_ORIGINAL, 1);
   EXPECT_NE(base, train(SHARDOPT_MUON_LR_NONE, 1));
@@ -862,6 +894,196 @@ TEST(CApi, MuonAndShapeMistakesAreClearErrors) {
   ASSERT_EQ(shardopt_add_group_ex(opt, &mg, &g), SHARDOPT_SUCCESS);
   ASSERT_EQ(shardopt_add_param_2d(opt, "m", 6, 8, g, nullptr), SHARDOPT_SUCCESS);
   EXPECT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS) << last(opt);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+}
+
+// Adafactor through the C ABI (issue 32): a group with every adafactor_* option off its
+// default and a weight decay, a factored matrix (shardopt_add_param_2d) and a vector in it,
+// and an AdamW matrix beside them: the weights, the vector's variance (exp_avg_sq) and the
+// matrix's row_var/col_var (shardopt_get_factored_state) equal the C++ API's bit for bit at
+// stages 0-2, and again after a checkpoint round trip (format 7).
+TEST(CApi, AdafactorGroupEqualsCppApi) {
+  for (int stage : {SHARDOPT_STAGE_DATA_PARALLEL, SHARDOPT_STAGE_ZERO1, SHARDOPT_STAGE_ZERO2}) {
+    SCOPED_TRACE(stage);
+    shardopt_config_t c = config(stage, SHARDOPT_DTYPE_BF16);
+    c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+    c.bucket_elems = 0;  // automatic: raised to the largest Adafactor parameter
+    c.weight_decay = 0.05;
+    shardopt_optimizer_t opt = nullptr;
+    ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS) << last(nullptr);
+    shardopt_group_t ag;
+    shardopt_group_init(&ag);
+    EXPECT_EQ(ag.adafactor_beta2_decay, -0.8);  // torch.optim.Adafactor's defaults
+    EXPECT_EQ(ag.adafactor_eps1, 1.1920928955078125e-07);
+    EXPECT_EQ(ag.adafactor_eps2, 1e-3);
+    EXPECT_EQ(ag.adafactor_d, 1.0);
+    EXPECT_EQ(ag.adafactor_maximize, 0);
+    EXPECT_EQ(ag.reserved1, 0);
+    ag.rule = SHARDOPT_RULE_ADAFACTOR;
+    ag.lr_scale = 0.5;
+    ag.adafactor_beta2_decay = -0.6;
+    ag.adafactor_eps1 = 1e-6;
+    ag.adafactor_eps2 = 2e-3;
+    ag.adafactor_d = 1.25;
+    ag.adafactor_maximize = 1;
+    const int g = add_group_read_back(opt, ag);
+
+    shardopt::ShardedOptimizer ref(shardopt::make_single_process_communicator(), cpp_options(c));
+    shardopt::GroupOptions rg;
+    rg.rule = shardopt::Rule::Adafactor;
+    rg.lr_scale = 0.5;
+    rg.adafactor.beta2_decay = -0.6;
+    rg.adafactor.eps1 = 1e-6;
+    rg.adafactor.eps2 = 2e-3;
+    rg.adafactor.d = 1.25;
+    rg.adafactor.maximize = true;
+    ASSERT_EQ(ref.add_group(rg), g);
+    const std::size_t sizes[3] = {24 * 16, 24, 8 * 40};
+    ASSERT_EQ(shardopt_add_param_2d(opt, "w1", 24, 16, g, nullptr), SHARDOPT_SUCCESS) << last(opt);
+    ASSERT_EQ(shardopt_add_param(opt, "b1", 24, g, nullptr), SHARDOPT_SUCCESS);
+    ASSERT_EQ(shardopt_add_param_2d(opt, "w2", 8, 40, 0, nullptr), SHARDOPT_SUCCESS);
+    ref.add_param("w1", shardopt::Shape2D{24, 16}, g);
+    ref.add_param("b1", 24, g);
+    ref.add_param("w2", shardopt::Shape2D{8, 40}, 0);
+    ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS) << last(opt);
+    ref.finalize();
+    EXPECT_EQ(ref.rule_of(1), shardopt::Rule::Adafactor);
+    EXPECT_EQ(ref.rule_of(2), shardopt::Rule::AdamW);
+    set_params_alike(opt, ref, sizes, 3, 0.2f);
+    // Master weights, the vector's variance and the AdamW matrix's v, the factored statistics.
+    auto expect_equal = [&] {
+      for (std::size_t p = 0; p < 3; ++p) {
+        std::vector<float> a(sizes[p]), b(sizes[p]);
+        ASSERT_EQ(shardopt_get_master(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+        ref.get_master(p, b);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+        if (p == 0) continue;  // factored: no per-element variance
+        ASSERT_EQ(shardopt_get_exp_avg_sq(opt, p, a.data(), a.size()), SHARDOPT_SUCCESS);
+        ref.get_state(shardopt::StateArray::ExpAvgSq, p, b);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "param " << p;
+      }
+      std::vector<float> row(24), col(16), rref(24), cref(16);
+      ASSERT_EQ(shardopt_get_factored_state(opt, 0, row.data(), 24, col.data(), 16),
+                SHARDOPT_SUCCESS) << last(opt);
+      ref.get_factored_state(0, rref, cref);
+      EXPECT_EQ(std::memcmp(row.data(), rref.data(), row.size() * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(col.data(), cref.data(), col.size() * sizeof(float)), 0);
+      EXPECT_GT(row[0], 0.0f);  // the statistics moved off their zero start
+    };
+    train_c_and_cpp(opt, ref, sizes, 6, 5);
+    expect_equal();
+    checkpoint_round_trip(opt, ref, sizes, "adafactor", expect_equal);  // format 7
+    EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  }
+}
+
+// Each adafactor_* field reaches the optimizer: changing it through the C ABI changes the
+// weights after two steps (so the test above would see one lost on the way).
+TEST(CApi, AdafactorOptionsChangeTheResult) {
+  auto train = [](void (*change)(shardopt_group_t&)) {
+    shardopt_group_t ag;
+    shardopt_group_init(&ag);
+    ag.rule = SHARDOPT_RULE_ADAFACTOR;
+    change(ag);
+    return train_matrix_of(ag, 1e-4f);  // RMS(p) below eps2 at first
+  };
+  const std::vector<float> base = train([](shardopt_group_t&) {});
+  EXPECT_EQ(base, train([](shardopt_group_t&) {}));
+  EXPECT_NE(base, train([](shardopt_group_t& g) { g.adafactor_beta2_decay = -0.5; }));
+  EXPECT_NE(base, train([](shardopt_group_t& g) { g.adafactor_eps1 = 1.0; }));
+  EXPECT_NE(base, train([](shardopt_group_t& g) { g.adafactor_eps2 = 2e-3; }));
+  EXPECT_NE(base, train([](shardopt_group_t& g) { g.adafactor_d = 1e6; }));
+  EXPECT_NE(base, train([](shardopt_group_t& g) { g.adafactor_maximize = 1; }));
+}
+
+// Adafactor mistakes are SHARDOPT_ERROR_INVALID_ARGUMENT with a message naming the field;
+// group structs from 0.4 and 0.5 (no adafactor_* fields) get Adafactor's defaults; Adafactor
+// without whole ownership is refused at finalize; shardopt_get_factored_state's misuse.
+TEST(CApi, AdafactorMistakesAreClearErrors) {
+  shardopt_config_t c = config(SHARDOPT_STAGE_ZERO1, SHARDOPT_DTYPE_F32);
+  c.bucket_elems = 0;
+  shardopt_optimizer_t opt = nullptr;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  shardopt_group_t ag;
+  shardopt_group_init(&ag);
+  ag.rule = SHARDOPT_RULE_ADAFACTOR;
+  // Each mistake alone in an otherwise valid Adafactor group: the ABI's own checks, then the
+  // optimizer's validation of the values (torch.optim.Adafactor's constructor checks).
+  const struct {
+    void (*spoil)(shardopt_group_t&);
+    const char* reason;
+  } mistakes[] = {
+      {[](shardopt_group_t& g) { g.rule = 5; }, "SHARDOPT_RULE_ADAFACTOR 4"},
+      {[](shardopt_group_t& g) { g.adafactor_maximize = 2; }, "adafactor_maximize must be 0 or 1"},
+      {[](shardopt_group_t& g) { g.reserved1 = 1; }, "reserved1"},
+      {[](shardopt_group_t& g) { g.adafactor_beta2_decay = 0.5; }, "invalid Adafactor beta2_decay"},
+      {[](shardopt_group_t& g) { g.adafactor_eps1 = -1.0; }, "invalid Adafactor eps1"},
+      {[](shardopt_group_t& g) { g.adafactor_eps2 = NAN; }, "invalid Adafactor eps2"},
+      {[](shardopt_group_t& g) { g.adafactor_d = 0.5; }, "invalid Adafactor d"},
+  };
+  for (const auto& m : mistakes) {
+    shardopt_group_t bad = ag;
+    m.spoil(bad);
+    EXPECT_FAILS(shardopt_add_group_ex(opt, &bad, nullptr), SHARDOPT_ERROR_INVALID_ARGUMENT,
+                 "shardopt_add_group_ex", m.reason);
+  }
+  // Callers built against 0.4's (ends with adamw8bit_min_numel) and 0.5's (ends with
+  // reserved0) shardopt_group_t: the fields beyond their struct are never read.
+  for (std::size_t size : {offsetof(shardopt_group_t, muon_momentum),
+                           offsetof(shardopt_group_t, adafactor_beta2_decay)}) {
+    SCOPED_TRACE(size);
+    shardopt_group_t old = ag;
+    old.struct_size = size;
+    old.adafactor_beta2_decay = 7.0;  // invalid, but beyond the caller's struct
+    old.reserved1 = 3;
+    int g = -1;
+    ASSERT_EQ(shardopt_add_group_ex(opt, &old, &g), SHARDOPT_SUCCESS) << last(opt);
+    shardopt_group_t back;
+    back.struct_size = sizeof back;
+    ASSERT_EQ(shardopt_get_group_ex(opt, g, &back), SHARDOPT_SUCCESS);
+    EXPECT_EQ(back.rule, SHARDOPT_RULE_ADAFACTOR);
+    EXPECT_EQ(back.adafactor_beta2_decay, -0.8);
+    EXPECT_EQ(back.reserved1, 0);
+    // An older caller reads back only its own fields.
+    shardopt_group_t part = ag;
+    part.struct_size = size;
+    part.adafactor_d = 9.0;
+    ASSERT_EQ(shardopt_get_group_ex(opt, g, &part), SHARDOPT_SUCCESS);
+    EXPECT_EQ(part.adafactor_d, 9.0);
+  }
+  // Adafactor without whole ownership: refused at finalize, naming the parameter.
+  int g = -1;
+  ASSERT_EQ(shardopt_add_group_ex(opt, &ag, &g), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param_2d(opt, "m", 6, 8, g, nullptr), SHARDOPT_SUCCESS);
+  EXPECT_FAILS(shardopt_finalize(opt), SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_finalize",
+               "parameter 'm' (6 x 8, group 3) is in an Adafactor group");
+  EXPECT_NE(last(nullptr).find("Ownership::Whole"), std::string::npos) << last(nullptr);
+  EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
+  // shardopt_get_factored_state: before finalize, then a vector, a wrong shape, NULL.
+  c.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+  ASSERT_EQ(shardopt_create(&opt, &c), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_group_ex(opt, &ag, &g), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param_2d(opt, "m", 6, 8, g, nullptr), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param(opt, "v", 8, g, nullptr), SHARDOPT_SUCCESS);
+  ASSERT_EQ(shardopt_add_param_2d(opt, "a", 6, 8, 0, nullptr), SHARDOPT_SUCCESS);
+  float row[6], col[8];
+  EXPECT_EQ(shardopt_get_factored_state(opt, 0, row, 6, col, 8), SHARDOPT_ERROR_INVALID_STATE);
+  ASSERT_EQ(shardopt_finalize(opt), SHARDOPT_SUCCESS) << last(opt);
+  EXPECT_EQ(shardopt_get_factored_state(opt, 0, row, 6, col, 8), SHARDOPT_SUCCESS) << last(opt);
+  EXPECT_FAILS(shardopt_get_factored_state(opt, 1, row, 1, col, 8),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_factored_state",
+               "'v' (1 x 8, Adafactor) keeps no factored statistics");
+  EXPECT_FAILS(shardopt_get_factored_state(opt, 2, row, 6, col, 8),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_factored_state",
+               "'a' (6 x 8, AdamW) keeps no factored statistics");
+  EXPECT_FAILS(shardopt_get_factored_state(opt, 0, row, 8, col, 6),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_factored_state",
+               "'m' has 6 rows and 8 columns, got buffers of 8 and 6");
+  EXPECT_FAILS(shardopt_get_factored_state(opt, 0, nullptr, 6, col, 8),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_factored_state",
+               "row_var or col_var is NULL");
+  EXPECT_FAILS(shardopt_get_factored_state(opt, 3, row, 6, col, 8),
+               SHARDOPT_ERROR_INVALID_ARGUMENT, "shardopt_get_factored_state", "out of range");
   EXPECT_EQ(shardopt_destroy(opt), SHARDOPT_SUCCESS);
 }
 

@@ -4,7 +4,8 @@
 ! 1 (issue 27); the argument-order rule: status and errmsg (and the optional arguments)
 ! passed by keyword, in any order; loss-scaling options validated while loss scaling is off;
 ! a Lion group (rule and betas by keyword) against Lion written out in single precision here;
-! a Muon matrix declared w(cols, rows) equals C's row-major rows x cols bit for bit.
+! a Muon matrix and an Adafactor matrix declared w(cols, rows) equal C's row-major rows x cols
+! bit for bit (Adafactor's row_var and col_var too).
 program test_fortran_api
   use, intrinsic :: iso_c_binding, only: c_float, c_double, c_int, c_int16_t, c_int64_t
   use shardopt
@@ -19,6 +20,13 @@ program test_fortran_api
   logical :: wd
   integer :: status, ia, ib, grp, failures
   interface
+    function shardopt_test_matrix_c(rule, rows, cols, steps, out, row_var, col_var) &
+        bind(c, name='shardopt_test_matrix_c')
+      import :: c_int, c_float
+      integer(c_int), value :: rule, rows, cols, steps
+      real(c_float), intent(out) :: out(*), row_var(*), col_var(*)
+      integer(c_int) :: shardopt_test_matrix_c
+    end function shardopt_test_matrix_c
     function c_getpid() bind(c, name='getpid')
       import :: c_int
       integer(c_int) :: c_getpid
@@ -112,6 +120,8 @@ program test_fortran_api
   call check_adamw8bit()
   call check_muon()
   call check_muon_errors()
+  call check_adafactor()
+  call check_adafactor_errors()
 
   if (failures > 0) error stop 1
   print '(a)', 'test_fortran_api: all checks passed'
@@ -385,39 +395,62 @@ contains
   !> Muon with a transposed declaration (issue 32): a 5 x 3 matrix (rows > cols, so Newton-Schulz
   !> runs on its transpose) declared w(3, 5) here, column-major, is C's row-major 5 x 3 matrix
   !> when registered with rows=size(w, 2), cols=size(w, 1): trained here with the values and
-  !> gradients fortran_muon_reference.c gives C's element (r, c), the master weights equal the
+  !> gradients fortran_matrix_reference.c gives C's element (r, c), the master weights equal the
   !> C program's bit for bit. Registered the other way round (3 x 5: the same memory read as
   !> another matrix) they differ, so the comparison can fail. Mistaken shapes are errors.
   subroutine check_muon()
     integer, parameter :: rows = 5, cols = 3, steps = 4
     real(c_float) :: mine(cols, rows), swapped(cols, rows), theirs(cols * rows)
+    real(c_float) :: row_var(rows), col_var(cols)
     integer :: st, code
-    interface
-      function shardopt_test_muon_c(rows, cols, steps, out) bind(c, name='shardopt_test_muon_c')
-        import :: c_int, c_float
-        integer(c_int), value :: rows, cols, steps
-        real(c_float), intent(out) :: out(*)
-        integer(c_int) :: shardopt_test_muon_c
-      end function shardopt_test_muon_c
-    end interface
-    code = shardopt_test_muon_c(rows, cols, steps, theirs)
+    code = shardopt_test_matrix_c(SHARDOPT_RULE_MUON, rows, cols, steps, theirs, row_var, col_var)
     call expect(code, SHARDOPT_SUCCESS, 'the C reference failed', '')
-    call train_muon(.false., rows, cols, steps, mine)
+    call train_matrix(SHARDOPT_RULE_MUON, .false., rows, cols, steps, mine)
     if (any(transfer(mine, 1_c_int, size(mine)) /= transfer(theirs, 1_c_int, size(theirs)))) &
       call fail('Muon through w(cols, rows) differs from C''s rows x cols bits', 0)
     if (all(mine == reshape([(0.0_c_float, st = 1, rows * cols)], [cols, rows]))) &
       call fail('Muon left the matrix zero', 0)
-    call train_muon(.true., rows, cols, steps, swapped)
+    call train_matrix(SHARDOPT_RULE_MUON, .true., rows, cols, steps, swapped)
     if (all(transfer(swapped, 1_c_int, size(swapped)) == transfer(theirs, 1_c_int, size(theirs)))) &
       call fail('the shape does not matter: the comparison above cannot fail', 0)
   end subroutine check_muon
 
-  !> check_muon's Fortran side: trains w(cols, rows) with Muon; `swap`: registered as
-  !> rows=size(w, 1), cols=size(w, 2).
-  subroutine train_muon(swap, rows, cols, steps, out)
+  !> Adafactor with a transposed declaration (issue 32), as check_muon: a 4 x 6 matrix declared
+  !> w(6, 4), registered with rows=size(w, 2), cols=size(w, 1), options by keyword as C's
+  !> defaults: its master weights and its factored statistics, row_var(size(w, 2)) and
+  !> col_var(size(w, 1)), equal the C program's bit for bit; registered 6 x 4 they differ.
+  subroutine check_adafactor()
+    integer, parameter :: rows = 4, cols = 6, steps = 5
+    real(c_float) :: mine(cols, rows), swapped(cols, rows), theirs(cols * rows)
+    real(c_float) :: row_var(rows), col_var(cols), c_row_var(rows), c_col_var(cols)
+    real(c_float) :: s_row_var(cols), s_col_var(rows)
+    integer :: code
+    code = shardopt_test_matrix_c(SHARDOPT_RULE_ADAFACTOR, rows, cols, steps, theirs, c_row_var, &
+                                  c_col_var)
+    call expect(code, SHARDOPT_SUCCESS, 'the C reference failed', '')
+    call train_matrix(SHARDOPT_RULE_ADAFACTOR, .false., rows, cols, steps, mine, row_var, col_var)
+    if (any(transfer(mine, 1_c_int, size(mine)) /= transfer(theirs, 1_c_int, size(theirs)))) &
+      call fail('Adafactor through w(cols, rows) differs from C''s rows x cols bits', 0)
+    if (any(transfer(row_var, 1_c_int, rows) /= transfer(c_row_var, 1_c_int, rows)) .or. &
+        any(transfer(col_var, 1_c_int, cols) /= transfer(c_col_var, 1_c_int, cols))) &
+      call fail('Adafactor''s row_var/col_var differ from C''s', 0)
+    if (all(row_var == 0.0_c_float) .or. all(col_var == 0.0_c_float)) &
+      call fail('Adafactor left its statistics zero', 0)
+    call train_matrix(SHARDOPT_RULE_ADAFACTOR, .true., rows, cols, steps, swapped, s_row_var, &
+                      s_col_var)
+    if (all(transfer(swapped, 1_c_int, size(swapped)) == transfer(theirs, 1_c_int, size(theirs)))) &
+      call fail('the shape does not matter to Adafactor: the comparison above cannot fail', 0)
+  end subroutine check_adafactor
+
+  !> check_muon's and check_adafactor's Fortran side: trains w(cols, rows) with `rule`;
+  !> `swap`: registered as rows=size(w, 1), cols=size(w, 2). Adafactor's statistics into
+  !> row_var and col_var (sized for the registered shape).
+  subroutine train_matrix(rule, swap, rows, cols, steps, out, row_var, col_var)
+    integer(c_int), intent(in) :: rule
     logical, intent(in) :: swap
     integer, intent(in) :: rows, cols, steps
     real(c_float), intent(out) :: out(cols, rows)
+    real(c_float), intent(out), optional :: row_var(:), col_var(:)
     type(shardopt_optimizer) :: k
     type(shardopt_config) :: c
     real(c_float) :: w(cols, rows), gr(cols, rows)
@@ -429,7 +462,15 @@ contains
     c%lr = 0.05_c_double
     call shardopt_create(k, st, config=c, errmsg=msg)
     call expect(st, SHARDOPT_SUCCESS, msg, '')
-    call shardopt_add_group(k, 1.0_c_double, .true., grp, st, errmsg=msg, rule=SHARDOPT_RULE_MUON)
+    if (rule == SHARDOPT_RULE_ADAFACTOR) then  ! C's defaults, spelled out by keyword
+      call shardopt_add_group(k, 1.0_c_double, .true., grp, st, errmsg=msg, rule=rule, &
+                              adafactor_beta2_decay=-0.8_c_double, &
+                              adafactor_eps1=1.1920928955078125e-07_c_double, &
+                              adafactor_eps2=1e-3_c_double, adafactor_d=1.0_c_double, &
+                              adafactor_maximize=.false.)
+    else
+      call shardopt_add_group(k, 1.0_c_double, .true., grp, st, errmsg=msg, rule=rule)
+    end if
     call expect(st, SHARDOPT_SUCCESS, msg, '')
     if (swap) then
       call shardopt_add_param(k, 'w', size(w), iw, st, group=grp, errmsg=msg, &
@@ -464,8 +505,12 @@ contains
     end do
     call shardopt_get_master(k, iw, out, st, msg)
     call expect(st, SHARDOPT_SUCCESS, msg, '')
+    if (present(row_var)) then
+      call shardopt_get_factored_state(k, iw, row_var, col_var, st, msg)
+      call expect(st, SHARDOPT_SUCCESS, msg, '')
+    end if
     call shardopt_destroy(k, st, msg)
-  end subroutine train_muon
+  end subroutine train_matrix
 
   !> Shape mistakes: rows x cols that is not numel, one of rows= and cols= alone, a Muon group
   !> parameter without a shape (refused at finalize, naming it), Muon options by keyword.
@@ -502,6 +547,55 @@ contains
     call shardopt_destroy(k, st, msg)
     call expect(st, SHARDOPT_SUCCESS, msg, '')
   end subroutine check_muon_errors
+
+  !> Adafactor's mistakes: bad options by keyword (the library's message), Adafactor without
+  !> whole ownership (refused at finalize, naming the parameter), and
+  !> shardopt_get_factored_state on a vector, with wrong sizes and at index 0.
+  subroutine check_adafactor_errors()
+    type(shardopt_optimizer) :: k
+    type(shardopt_config) :: c
+    integer :: st, grp, iw, iv
+    real(c_float) :: row_var(5), col_var(3)
+    call shardopt_config_init(c, st)
+    call shardopt_create(k, st, config=c, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_group(k, 1.0_c_double, .false., iw, st, errmsg=msg, &
+                            rule=SHARDOPT_RULE_ADAFACTOR, adafactor_beta2_decay=0.5_c_double)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'Adafactor beta2_decay')
+    call shardopt_add_group(k, 1.0_c_double, .false., iw, st, errmsg=msg, &
+                            rule=SHARDOPT_RULE_ADAFACTOR, adafactor_d=0.5_c_double)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'Adafactor d')
+    call shardopt_add_group(k, 1.0_c_double, .false., grp, st, errmsg=msg, &
+                            rule=SHARDOPT_RULE_ADAFACTOR, adafactor_maximize=.true.)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_param(k, 'w', 15, iw, st, group=grp, errmsg=msg, rows=5, cols=3)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_finalize(k, st, msg)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'parameter ''w'' (5 x 3, group 1)')
+    call shardopt_destroy(k, st, msg)
+    c%ownership = SHARDOPT_OWNERSHIP_WHOLE
+    call shardopt_create(k, st, config=c, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_group(k, 1.0_c_double, .false., grp, st, errmsg=msg, &
+                            rule=SHARDOPT_RULE_ADAFACTOR)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_param(k, 'w', 15, iw, st, group=grp, errmsg=msg, rows=5, cols=3)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_add_param(k, 'v', 12, iv, st, group=grp, errmsg=msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_finalize(k, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_get_factored_state(k, iw, row_var, col_var, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+    call shardopt_get_factored_state(k, iw, col_var, row_var, st, msg)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'has 5 rows and 3 columns')
+    call shardopt_get_factored_state(k, iv, row_var, col_var, st, msg)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'keeps no factored statistics')
+    call shardopt_get_factored_state(k, 0, row_var, col_var, st, msg)
+    call expect(st, SHARDOPT_ERROR_INVALID_ARGUMENT, msg, 'indices start at 1')
+    call shardopt_destroy(k, st, msg)
+    call expect(st, SHARDOPT_SUCCESS, msg, '')
+  end subroutine check_adafactor_errors
 
   subroutine fail(what, value)
     character(len=*), intent(in) :: what

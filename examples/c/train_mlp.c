@@ -7,7 +7,8 @@
  *   mpiexec -n 2 ./train_mlp_c [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
  *                              [--params-out FILE] [--save-dir DIR --save-at K]
  *                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
- *                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N] [--muon]
+ *                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N]
+ *                              [--muon | --adafactor] [--zero-grad]
  *
  * --rule and --min-8bit-numel as in the C++ trainer: both groups' update rule (through
  * shardopt_group_t) and AdamW8bit's threshold.
@@ -16,6 +17,15 @@
  * 96 x 64 weight registered with shardopt_add_param_2d (row-major, as stored here) in a
  * SHARDOPT_RULE_MUON group, whole-tensor ownership (SHARDOPT_OWNERSHIP_WHOLE) and the automatic
  * bucket size; fc1, fc2 and the biases keep --rule. Stages 0-2, no checkpoints.
+ *
+ * --adafactor as in the C++ trainer: the same hidden layer, fch.weight (shardopt_add_param_2d:
+ * factored row_var/col_var) and fch.bias (a per-element variance) both in a
+ * SHARDOPT_RULE_ADAFACTOR group with its defaults (torch.optim.Adafactor's) and no weight
+ * decay (torch's default); whole ownership and the automatic bucket size as for --muon.
+ *
+ * --zero-grad calls shardopt_zero_grad before each step's backward, as a trainer used to
+ * torch's optimizer.zero_grad() would; the step already leaves the gradients zero, so the
+ * weights must not change by a bit (ctest compares them with the C++ trainer's).
  *
  * Each layer is a unit (shardopt_begin_unit before its parameters, at every stage, so that all
  * stages share one layout). The step runs layer by layer over this rank's samples: forward
@@ -84,7 +94,8 @@ static void make_sample(int step, int s, float* x, float* y) {
 }
 
 typedef struct {
-  int steps, stage, dtype, save_at, rule, muon;
+  int steps, stage, dtype, save_at, rule, zero_grad;
+  int hidden_rule; /* the hidden layer's rule (--muon, --adafactor), or -1: no hidden layer */
   size_t min_8bit_numel;
   const char* params_out;
   const char* save_dir;
@@ -106,11 +117,20 @@ static int parse(int argc, char** argv, cli_t* c) {
   c->check_loss = NULL;
   c->rule = SHARDOPT_RULE_ADAMW;
   c->min_8bit_numel = 4096;
-  c->muon = 0;
+  c->hidden_rule = -1;
+  c->zero_grad = 0;
   for (i = 1; i < argc; ++i) {
     const char* a = argv[i];
-    if (strcmp(a, "--muon") == 0) {
-      c->muon = 1;
+    if (strcmp(a, "--muon") == 0 || strcmp(a, "--adafactor") == 0) {
+      if (c->hidden_rule != -1) {
+        fprintf(stderr, "train_mlp_c: --muon and --adafactor exclude each other\n");
+        return 1;
+      }
+      c->hidden_rule = a[2] == 'm' ? SHARDOPT_RULE_MUON : SHARDOPT_RULE_ADAFACTOR;
+      continue;
+    }
+    if (strcmp(a, "--zero-grad") == 0) {
+      c->zero_grad = 1;
       continue;
     }
     if (i + 1 >= argc) {
@@ -235,8 +255,8 @@ static int check_loss(const char* path, const double* losses, int first, int las
 }
 
 static int train(shardopt_optimizer_t opt, const cli_t* cli) {
-  /* fch (hidden, --muon only) sits between fc1 and fc2; fc2 reads `mid` inputs: kMid with
-   * --muon, else kHidden. */
+  /* fch (hidden, --muon or --adafactor only) sits between fc1 and fc2; fc2 reads `mid`
+   * inputs: kMid with the hidden layer, else kHidden. */
   static float w1[kHidden * kIn], b1[kHidden], wh[kMid * kHidden], bh[kMid];
   static float w2[kOut * kMid], b2[kOut];
   static float gw1[kHidden * kIn], gb1[kHidden], gwh[kMid * kHidden], gbh[kMid];
@@ -246,7 +266,8 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
   static float xs[kGlobalBatch][kIn], ys[kGlobalBatch][kOut], hs[kGlobalBatch][kHidden];
   static float h2s[kGlobalBatch][kMid], dh2s[kGlobalBatch][kMid];
   static float douts[kGlobalBatch][kOut], dhs[kGlobalBatch][kHidden];
-  const int muon = cli->muon, mid = muon ? kMid : kHidden;
+  const int hidden = cli->hidden_rule != -1, mid = hidden ? kMid : kHidden;
+  const int adafactor = cli->hidden_rule == SHARDOPT_RULE_ADAFACTOR;
   /* Registration order, with each parameter's initial scale and seed (as the C++ trainer). */
   const char* names[kMaxParams] = {"fc1.weight", "fc1.bias", "fch.weight",
                                    "fch.bias",   "fc2.weight", "fc2.bias"};
@@ -257,8 +278,8 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
                                     1.0f / sqrtf((float)mid), 0.0f};
   const uint64_t seeds[kMaxParams] = {11, 12, 15, 16, 13, 14};
   size_t W1 = 0, B1 = 0, WH = 0, BH = 0, W2 = 0, B2 = 0, index[kMaxParams];
-  const size_t unit1 = 0, unith = 1, unit2 = muon ? 2 : 1;
-  int rank = 0, world = 1, no_decay = 0, muon_group = 0, start = 0, rc = 0;
+  const size_t unit1 = 0, unith = 1, unit2 = hidden ? 2 : 1;
+  int rank = 0, world = 1, no_decay = 0, hidden_group = 0, start = 0, rc = 0;
   int local, first, step, s, i, j, m, o, p;
   size_t k;
   shardopt_step_result_t r;
@@ -273,7 +294,8 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
   }
   {
     /* Both groups under --rule: group 0 (the default group, with decay) changed, group 1
-     * added without decay; with --muon, group 2: Muon (its defaults: torch.optim.Muon's). */
+     * added without decay; with --muon, group 2: Muon (its defaults: torch.optim.Muon's);
+     * with --adafactor, group 2: Adafactor (torch.optim.Adafactor's defaults, no decay). */
     shardopt_group_t g;
     shardopt_group_init(&g);
     g.rule = cli->rule;
@@ -281,27 +303,30 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     CHECK(shardopt_set_group_ex(opt, 0, &g));
     g.weight_decay = 0;
     CHECK(shardopt_add_group_ex(opt, &g, &no_decay));
-    if (muon) {
+    if (hidden) {
       shardopt_group_init(&g);
-      g.rule = SHARDOPT_RULE_MUON;
-      CHECK(shardopt_add_group_ex(opt, &g, &muon_group));
+      g.rule = cli->hidden_rule;
+      g.weight_decay = adafactor ? 0 : 1;
+      CHECK(shardopt_add_group_ex(opt, &g, &hidden_group));
     }
   }
   for (p = 0; p < kMaxParams; ++p) {
-    if (!muon && (p == 2 || p == 3)) continue; /* no hidden layer */
+    if (!hidden && (p == 2 || p == 3)) continue; /* no hidden layer */
     if (p % 2 == 0) CHECK(shardopt_begin_unit(opt, NULL)); /* one unit per layer */
     if (p == 2) /* the hidden matrix: kMid rows (outputs) x kHidden columns, row-major */
-      CHECK(shardopt_add_param_2d(opt, names[p], kMid, kHidden, muon_group, &index[p]));
+      CHECK(shardopt_add_param_2d(opt, names[p], kMid, kHidden, hidden_group, &index[p]));
+    else if (p == 3 && adafactor) /* Adafactor's bias: a per-element variance */
+      CHECK(shardopt_add_param(opt, names[p], sizes[p], hidden_group, &index[p]));
     else
       CHECK(shardopt_add_param(opt, names[p], sizes[p], p % 2 == 1 ? no_decay : 0, &index[p]));
   }
   W1 = index[0], B1 = index[1], W2 = index[4], B2 = index[5];
-  if (muon) WH = index[2], BH = index[3];
+  if (hidden) WH = index[2], BH = index[3];
   CHECK(shardopt_finalize(opt));
 
   /* Same initial values on every rank (scaled uniform, like Kaiming-uniform). */
   for (p = 0; p < kMaxParams; ++p) {
-    if (!muon && (p == 2 || p == 3)) continue;
+    if (!hidden && (p == 2 || p == 3)) continue;
     for (k = 0; k < sizes[p]; ++k) init[k] = scales[p] * uniform(seeds[p], k);
     CHECK(shardopt_set_param(opt, index[p], init, sizes[p]));
   }
@@ -323,9 +348,10 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     const double lr = step < warm ? peak * (step + 1) / warm
                                   : peak * 0.5 * (1 + cos(kPi * (step - warm) / (cli->steps - warm)));
     double local_sse = 0, loss;
-    /* The activations fc2 reads: the hidden layer's with --muon, else fc1's. */
+    /* The activations fc2 reads: the hidden layer's with one, else fc1's. */
     float (*last)[kMid] = h2s;
     CHECK(shardopt_set_lr(opt, lr));
+    if (cli->zero_grad) CHECK(shardopt_zero_grad(opt)); /* redundant: the step zeroed them */
     memset(gw1, 0, sizeof gw1);
     memset(gb1, 0, sizeof gb1);
     memset(gwh, 0, sizeof gwh);
@@ -345,7 +371,7 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
       }
     }
     CHECK(release_layer(opt, cli->stage, unit1));
-    if (muon) { /* Forward, the hidden layer. */
+    if (hidden) { /* Forward, the hidden layer. */
       CHECK(acquire_layer(opt, cli->stage, unith, (int)unit2));
       CHECK(read_param(opt, cli->dtype, WH, wh));
       CHECK(read_param(opt, cli->dtype, BH, bh));
@@ -377,10 +403,10 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     /* Backward, layer 2 (the layer below prefetched), then down to layer 1; each layer's
      * gradients are handed over as soon as they are complete (stages 2 and 3 reduce bucket
      * by bucket). */
-    CHECK(acquire_layer(opt, cli->stage, unit2, (int)(muon ? unith : unit1)));
+    CHECK(acquire_layer(opt, cli->stage, unit2, (int)(hidden ? unith : unit1)));
     CHECK(read_param(opt, cli->dtype, W2, w2)); /* the input gradient needs W2 */
     for (s = 0; s < local; ++s) {
-      float* d = muon ? dh2s[s] : dhs[s];
+      float* d = hidden ? dh2s[s] : dhs[s];
       for (j = 0; j < mid; ++j) d[j] = 0;
       for (o = 0; o < kOut; ++o) {
         gb2[o] += douts[s][o];
@@ -395,7 +421,7 @@ static int train(shardopt_optimizer_t opt, const cli_t* cli) {
     CHECK(shardopt_accumulate_grad_f32(opt, W2, gw2, sizes[4]));
     CHECK(shardopt_grad_ready(opt, W2));
     CHECK(release_layer(opt, cli->stage, unit2));
-    if (muon) { /* Backward, the hidden layer. */
+    if (hidden) { /* Backward, the hidden layer. */
       CHECK(acquire_layer(opt, cli->stage, unith, (int)unit1));
       CHECK(read_param(opt, cli->dtype, WH, wh));
       for (s = 0; s < local; ++s) {
@@ -484,9 +510,11 @@ int main(int argc, char** argv) {
     cfg.weight_decay = 0.01;
     cfg.max_grad_norm = 1.0;
     cfg.bucket_elems = 1024; /* several stage-2 buckets even for this small model */
-    if (cli.muon) {
-      cfg.ownership = SHARDOPT_OWNERSHIP_WHOLE; /* each Muon matrix updated whole by one rank */
-      cfg.bucket_elems = 0; /* automatic: raised to the Muon matrix, which must fit one bucket */
+    if (cli.hidden_rule != -1) {
+      /* Each Muon/Adafactor tensor updated whole by one rank; the automatic bucket size is
+       * raised to the largest, which must fit one bucket. */
+      cfg.ownership = SHARDOPT_OWNERSHIP_WHOLE;
+      cfg.bucket_elems = 0;
     }
 #ifdef SHARDOPT_WITH_MPI
     st = shardopt_create_mpi(&opt, MPI_COMM_WORLD, &cfg);

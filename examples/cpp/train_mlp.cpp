@@ -8,7 +8,8 @@
 //
 //   mpiexec -n 2 ./train_mlp [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
 //                            [--micro-batches K] [--no-overlap]
-//                            [--rule adamw|lion|adamw8bit] [--min-8bit-numel N] [--muon]
+//                            [--rule adamw|lion|adamw8bit] [--min-8bit-numel N]
+//                            [--muon | --adafactor]
 //                            [--loss-out FILE] [--check-against FILE] [--params-out FILE]
 //   ./train_mlp --help
 //
@@ -28,7 +29,12 @@
 // --muon adds a hidden layer fch (64 -> 96, ReLU) between fc1 and fc2 whose 96 x 64 weight is
 // a Rule::Muon matrix (add_param with a Shape2D), with Ownership::Whole and the automatic
 // bucket size; fc1 (the input layer), fc2 (the head) and the biases keep --rule, as usual
-// for Muon. Stages 0-2 (Whole runs no stage 3 yet).
+// for Muon. Stages 0-2 (the trainer acquires no hidden unit at stage 3).
+//
+// --adafactor adds the same hidden layer, both of its parameters in a Rule::Adafactor group
+// (torch.optim.Adafactor's defaults, weight_decay off as torch's): its 96 x 64 weight keeps
+// factored statistics (row_var, col_var), its bias a per-element variance; Ownership::Whole
+// and the automatic bucket size as for --muon; fc1, fc2 and their biases keep --rule.
 //
 // --params-out writes the final fp32 master weights of every parameter, in order, as raw
 // floats; the C and Fortran trainers (examples/c, examples/fortran) write the same file.
@@ -91,6 +97,7 @@ struct Options {
   Rule rule = Rule::AdamW;
   std::size_t min_8bit_numel = AdamW8bitConfig{}.min_8bit_numel;
   bool muon = false;
+  bool adafactor = false;
   std::string loss_out, check_against, params_out;
 };
 
@@ -133,8 +140,13 @@ int parse(int argc, char** argv, bool print, Options& o) {
   app.add_option("--min-8bit-numel", o.min_8bit_numel,
                  "with --rule adamw8bit: parameters with fewer elements keep fp32 state")
       ->capture_default_str();
-  app.add_flag("--muon", o.muon,
-               "add a hidden 64 -> 96 layer whose weight Muon trains (Ownership::Whole)");
+  auto* muon = app.add_flag("--muon", o.muon,
+                            "add a hidden 64 -> 96 layer whose weight Muon trains "
+                            "(Ownership::Whole)");
+  app.add_flag("--adafactor", o.adafactor,
+               "add a hidden 64 -> 96 layer that Adafactor trains, its weight factored "
+               "(Ownership::Whole)")
+      ->excludes(muon);
   app.add_option("--loss-out", o.loss_out, "write the loss curve (one value per step)");
   app.add_option("--check-against", o.check_against,
                  "compare the loss curve with this file; fail beyond the tolerance")
@@ -176,9 +188,11 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   o.bucket_elems = 1024;  // several buckets even for this small model
   o.overlap = cli.overlap;
   if (cli.reproducible) o.reduction = Reduction::Reproducible;
-  if (cli.muon) {
-    o.ownership = Ownership::Whole;  // each Muon matrix updated whole by one rank
-    o.bucket_elems = 0;  // automatic: raised to the Muon matrix, which must fit one bucket
+  // The hidden layer (--muon, --adafactor) and its whole-tensor rule.
+  const bool hidden = cli.muon || cli.adafactor;
+  if (hidden) {
+    o.ownership = Ownership::Whole;  // each Muon/Adafactor tensor updated whole by one rank
+    o.bucket_elems = 0;  // automatic: raised to the largest such tensor, which must fit a bucket
   }
   ShardedOptimizer opt(comm, o);
   GroupOptions decay{1.0, true}, no_decay_group{1.0, false};
@@ -188,21 +202,24 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   }
   opt.set_group(0, decay);
   const int no_decay = opt.add_group(no_decay_group);
-  GroupOptions muon_group;  // Muon's defaults (torch.optim.Muon's), with decay
-  muon_group.rule = Rule::Muon;
-  const int muon = cli.muon ? opt.add_group(muon_group) : 0;
-  const int mid = cli.muon ? kMid : kHidden;  // fc2's inputs
+  // Muon's defaults (torch.optim.Muon's), with decay; Adafactor's (torch.optim.Adafactor's),
+  // without decay as torch's default.
+  GroupOptions hidden_group;
+  hidden_group.rule = cli.adafactor ? Rule::Adafactor : Rule::Muon;
+  hidden_group.weight_decay = !cli.adafactor;
+  const int hidden_g = hidden ? opt.add_group(hidden_group) : 0;
+  const int mid = hidden ? kMid : kHidden;  // fc2's inputs
   // Stage 3 gathers parameters a unit (here: a layer) at a time. Units are declared at every
   // stage, as the C and Fortran trainers do, so that all stages share one layout.
   const bool zero3 = cli.stage == Stage::Zero3;
   const std::size_t layer1 = static_cast<std::size_t>(opt.begin_unit());
   const std::size_t W1 = opt.add_param("fc1.weight", kHidden * kIn);
   const std::size_t B1 = opt.add_param("fc1.bias", kHidden, no_decay);
-  std::size_t WH = 0, BH = 0;  // the hidden layer (--muon)
-  if (cli.muon) {
+  std::size_t WH = 0, BH = 0;  // the hidden layer (--muon, --adafactor)
+  if (hidden) {
     opt.begin_unit();
-    WH = opt.add_param("fch.weight", Shape2D{kMid, kHidden}, muon);  // row-major (out, in)
-    BH = opt.add_param("fch.bias", kMid, no_decay);
+    WH = opt.add_param("fch.weight", Shape2D{kMid, kHidden}, hidden_g);  // row-major (out, in)
+    BH = opt.add_param("fch.bias", kMid, cli.adafactor ? hidden_g : no_decay);
   }
   const std::size_t layer2 = static_cast<std::size_t>(opt.begin_unit());
   const std::size_t W2 = opt.add_param("fc2.weight", static_cast<std::size_t>(kOut * mid));
@@ -219,7 +236,7 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   init(B1, 0.0f, 12);
   init(W2, 1.0f / std::sqrt(static_cast<float>(mid)), 13);
   init(B2, 0.0f, 14);
-  if (cli.muon) {
+  if (hidden) {
     init(WH, 1.0f / std::sqrt(static_cast<float>(kHidden)), 15);
     init(BH, 0.0f, 16);
   }
@@ -252,7 +269,7 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
   }
   std::vector<double> losses;
   std::vector<float> x(kIn), y(kOut), h(kHidden), out(kOut), dout(kOut), dh(kHidden);
-  std::vector<float> h2(kMid), dh2(kMid);  // the hidden layer's (--muon)
+  std::vector<float> h2(kMid), dh2(kMid);  // the hidden layer's (--muon, --adafactor)
   for (int step = 0; step < cli.steps; ++step) {
     // Linear warm-up then cosine decay; set on every rank alike.
     const double warm = 20, peak = 1e-2;
@@ -273,7 +290,7 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
     const std::vector<float> w2 = read_param(opt, W2), b2 = read_param(opt, B2);
     if (zero3) opt.release(layer2);
     std::vector<float> wh, bh;
-    if (cli.muon) wh = read_param(opt, WH), bh = read_param(opt, BH);
+    if (hidden) wh = read_param(opt, WH), bh = read_param(opt, BH);
     double local_sse = 0;
     std::vector<double> mb_sse(static_cast<std::size_t>(num_mb), 0.0);  // reproducible mode
     for (std::size_t mb = 0; mb < mb_first.size(); ++mb) {
@@ -288,15 +305,15 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
           for (int i = 0; i < kIn; ++i) a += w1[j * kIn + i] * x[i];
           h[j] = a > 0 ? a : 0;
         }
-        if (cli.muon) {
+        if (hidden) {
           for (int m = 0; m < kMid; ++m) {
             float a = bh[m];
             for (int j = 0; j < kHidden; ++j) a += wh[m * kHidden + j] * h[j];
             h2[m] = a > 0 ? a : 0;
           }
         }
-        const std::vector<float>& last = cli.muon ? h2 : h;  // what fc2 reads
-        std::vector<float>& dlast = cli.muon ? dh2 : dh;
+        const std::vector<float>& last = hidden ? h2 : h;  // what fc2 reads
+        std::vector<float>& dlast = hidden ? dh2 : dh;
         for (int o2 = 0; o2 < kOut; ++o2) {
           float a = b2[o2];
           for (int j = 0; j < mid; ++j) a += w2[o2 * mid + j] * last[j];
@@ -305,7 +322,7 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
           sse_mb += static_cast<double>(e) * e;
           dout[o2] = 2.0f * e / static_cast<float>(micro);  // d(mean over micro-batch)/d out
         }
-        // Backward, layer 2 (the hidden layer with --muon) then layer 1.
+        // Backward, layer 2 (the hidden layer with --muon or --adafactor) then layer 1.
         for (int j = 0; j < mid; ++j) dlast[j] = 0;
         for (int o2 = 0; o2 < kOut; ++o2) {
           gb2[o2] += dout[o2];
@@ -314,7 +331,7 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
             dlast[j] += dout[o2] * w2[o2 * mid + j];
           }
         }
-        if (cli.muon) {
+        if (hidden) {
           for (int j = 0; j < kHidden; ++j) dh[j] = 0;
           for (int m = 0; m < kMid; ++m) {
             if (h2[m] <= 0) continue;
@@ -336,7 +353,7 @@ int run(std::shared_ptr<Communicator> comm, const Options& cli) {
       opt.grad_ready(B2);
       opt.accumulate_grad(W2, std::span<const float>(gw2));
       opt.grad_ready(W2);
-      if (cli.muon) {
+      if (hidden) {
         opt.accumulate_grad(BH, std::span<const float>(gbh));
         opt.grad_ready(BH);
         opt.accumulate_grad(WH, std::span<const float>(gwh));

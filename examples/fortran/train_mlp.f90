@@ -9,7 +9,8 @@
 !   mpiexec -n 2 ./train_mlp_f [--steps N] [--stage 0|1|2|3] [--dtype bf16|fp32]
 !                              [--params-out FILE] [--save-dir DIR --save-at K]
 !                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
-!                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N] [--muon]
+!                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N]
+!                              [--muon | --adafactor]
 !
 ! --rule and --min-8bit-numel as in the C++ trainer: both groups' update rule (group 1 through
 ! shardopt_set_group's rule=, group 2 through shardopt_add_group's) and AdamW8bit's threshold.
@@ -19,6 +20,10 @@
 ! weight is declared wh(n_hidden, n_mid), column-major: the same memory as C's row-major
 ! 96 x 64 matrix, so it is registered with rows=size(wh, 2), cols=size(wh, 1), and Muon sees
 ! the C trainer's matrix bit for bit (ctest compares the weights).
+!
+! --adafactor as in the C++ trainer: the same hidden layer, fch.weight (rows=, cols=: factored
+! row_var/col_var) and fch.bias (a per-element variance) in a SHARDOPT_RULE_ADAFACTOR group
+! with its defaults and no weight decay (torch.optim.Adafactor's); whole ownership as --muon.
 !
 ! Each layer is a unit (shardopt_begin_unit before its parameters, at every stage, so that all
 ! stages share one layout), and the step runs layer by layer as in examples/c/train_mlp.c:
@@ -46,7 +51,7 @@ program train_mlp_f
   integer :: steps, stage, status, rank, world, rc, save_at
   integer(c_int) :: dtype, rule
   integer(c_int64_t) :: min_8bit_numel
-  logical :: muon
+  logical :: muon, adafactor, hidden  ! hidden: a hidden layer (--muon or --adafactor)
   character(len=:), allocatable :: params_out, save_dir, resume, loss_out, check_loss
   character(len=512) :: msg
 
@@ -60,9 +65,11 @@ program train_mlp_f
   cfg%weight_decay = 0.01_c_double
   cfg%max_grad_norm = 1.0_c_double
   cfg%bucket_elems = 1024  ! several stage-2 buckets even for this small model
-  if (muon) then
-    cfg%ownership = SHARDOPT_OWNERSHIP_WHOLE  ! each Muon matrix updated whole by one rank
-    cfg%bucket_elems = 0  ! automatic: raised to the Muon matrix, which must fit one bucket
+  if (hidden) then
+    ! Each Muon/Adafactor tensor updated whole by one rank; the automatic bucket size is raised
+    ! to the largest, which must fit one bucket.
+    cfg%ownership = SHARDOPT_OWNERSHIP_WHOLE
+    cfg%bucket_elems = 0
   end if
   call shardopt_create(opt, status, config=cfg, comm=MPI_COMM_WORLD%MPI_VAL, errmsg=msg)
   call check(status, msg)
@@ -101,11 +108,17 @@ contains
     rule = SHARDOPT_RULE_ADAMW
     min_8bit_numel = 4096
     muon = .false.
+    adafactor = .false.
     i = 1
     do while (i <= command_argument_count())
       call get_command_argument(i, flag)
-      if (trim(flag) == '--muon') then
-        muon = .true.
+      if (trim(flag) == '--muon' .or. trim(flag) == '--adafactor') then
+        muon = muon .or. trim(flag) == '--muon'
+        adafactor = adafactor .or. trim(flag) == '--adafactor'
+        if (muon .and. adafactor) then
+          write (error_unit, '(a)') 'train_mlp_f: --muon and --adafactor exclude each other'
+          error stop 2
+        end if
         i = i + 1
         cycle
       end if
@@ -153,6 +166,7 @@ contains
       end select
       i = i + 2
     end do
+    hidden = muon .or. adafactor
   end subroutine parse_arguments
 
   !> Rank 0 compares losses(first:last) with the "step loss" lines of `path` (tolerance as the
@@ -337,7 +351,7 @@ contains
   end subroutine write_params
 
   integer function train()
-    ! fc2 reads `mid` inputs: the hidden layer's n_mid with --muon, else fc1's n_hidden. The
+    ! fc2 reads `mid` inputs: the hidden layer's n_mid with one, else fc1's n_hidden. The
     ! hidden weight wh(n_hidden, n_mid) is C's row-major n_mid x n_hidden matrix.
     real(c_float) :: w1(n_in, n_hidden), b1(n_hidden), wh(n_hidden, n_mid), bh(n_mid), b2(n_out)
     real(c_float) :: gw1(n_in, n_hidden), gb1(n_hidden), gwh(n_hidden, n_mid), gbh(n_mid)
@@ -351,7 +365,8 @@ contains
     real(c_double) :: lr, local_sse, loss
     real(c_double), parameter :: warm = 20, peak = 1e-2_c_double
     real(c_double), allocatable :: losses(:)
-    integer :: iw1, ib1, iwh, ibh, iw2, ib2, no_decay, muon_group, local, first, step, s, i, j, m, o
+    integer :: iw1, ib1, iwh, ibh, iw2, ib2, no_decay, hidden_group, local, first, step, s, i, j
+    integer :: m, o
     integer :: start, unit, mid, unit1, unith, unit2
     integer(c_int64_t) :: bytes, peak_bytes, done
     character(len=512) :: where
@@ -378,9 +393,10 @@ contains
     unit2 = 2
     iwh = 0
     ibh = 0
-    if (muon) then  ! group 3: Muon with its defaults (torch.optim.Muon's), with decay
-      call shardopt_add_group(opt, 1.0_c_double, .true., muon_group, status, msg, &
-                              rule=SHARDOPT_RULE_MUON)
+    if (hidden) then  ! group 3: Muon (torch.optim.Muon's defaults, with decay) or Adafactor
+      ! (torch.optim.Adafactor's defaults, no decay)
+      call shardopt_add_group(opt, 1.0_c_double, muon, hidden_group, status, msg, &
+                              rule=merge(SHARDOPT_RULE_MUON, SHARDOPT_RULE_ADAFACTOR, muon))
       call check(status, msg)
       mid = n_mid
       unit2 = 3
@@ -392,13 +408,14 @@ contains
     call check(status, msg)
     call shardopt_add_param(opt, 'fc1.bias', n_hidden, ib1, status, group=no_decay, errmsg=msg)
     call check(status, msg)
-    if (muon) then  ! the hidden layer: unit 2
+    if (hidden) then  ! the hidden layer: unit 2
       call shardopt_begin_unit(opt, status, errmsg=msg)
       call check(status, msg)
-      call shardopt_add_param(opt, 'fch.weight', size(wh), iwh, status, group=muon_group, &
+      call shardopt_add_param(opt, 'fch.weight', size(wh), iwh, status, group=hidden_group, &
                               errmsg=msg, rows=size(wh, 2), cols=size(wh, 1))
       call check(status, msg)
-      call shardopt_add_param(opt, 'fch.bias', n_mid, ibh, status, group=no_decay, errmsg=msg)
+      call shardopt_add_param(opt, 'fch.bias', n_mid, ibh, status, &
+                              group=merge(no_decay, hidden_group, muon), errmsg=msg)
       call check(status, msg)
     end if
     call shardopt_begin_unit(opt, status, errmsg=msg)  ! the last layer
@@ -414,7 +431,7 @@ contains
     call init_param(ib1, n_hidden, 0.0_c_float, 12)
     call init_param(iw2, n_out * mid, 1.0_c_float / sqrt(real(mid, c_float)), 13)
     call init_param(ib2, n_out, 0.0_c_float, 14)
-    if (muon) then
+    if (hidden) then
       call init_param(iwh, n_mid * n_hidden, 1.0_c_float / sqrt(real(n_hidden, c_float)), 15)
       call init_param(ibh, n_mid, 0.0_c_float, 16)
     end if
@@ -460,7 +477,7 @@ contains
         call dense_relu(w1, b1, xs(:, s), hs(:, s))
       end do
       call release_layer(unit1)
-      if (muon) then  ! Forward, the hidden layer.
+      if (hidden) then  ! Forward, the hidden layer.
         call acquire_layer(unith, unit2)
         call read_matrix(iwh, wh)
         call read_vector(ibh, bh)
@@ -490,7 +507,7 @@ contains
       ! Backward, the last layer (the one below prefetched), then down to layer 1; each layer's
       ! gradients are handed over as soon as they are complete (stages 2 and 3 reduce bucket
       ! by bucket).
-      call acquire_layer(unit2, merge(unith, unit1, muon))
+      call acquire_layer(unit2, merge(unith, unit1, hidden))
       call read_matrix(iw2, w2)  ! the input gradient needs W2
       do s = 1, local
         dlast(:, s) = 0
@@ -505,7 +522,7 @@ contains
       call hand_over(ib2, size(gb2), gb2)
       call hand_over(iw2, size(gw2), gw2)
       call release_layer(unit2)
-      if (muon) then  ! Backward, the hidden layer.
+      if (hidden) then  ! Backward, the hidden layer.
         call acquire_layer(unith, unit1)
         call read_matrix(iwh, wh)
         do s = 1, local

@@ -386,7 +386,7 @@ typedef enum {
   SHARDOPT_RULE_ADAMW8BIT = 2, /* AdamW with 8-bit block-quantized m and v (bitsandbytes /
                                   torchao semantics); parameters below adamw8bit_min_numel
                                   elements keep fp32 state; CPU and CUDA */
-  SHARDOPT_RULE_MUON = 3 /* Muon (torch.optim.Muon's semantics) on 2-D matrices: M = lerp(M, g,
+  SHARDOPT_RULE_MUON = 3, /* Muon (torch.optim.Muon's semantics) on 2-D matrices: M = lerp(M, g,
                             1 - mu); U = nesterov ? lerp(g, M, mu) : M; O = Newton-Schulz(U)
                             once per step on the reduced gradient; p *= 1 - lr wd;
                             p -= adjusted lr * O (state: the momentum M as exp_avg). Every
@@ -395,6 +395,19 @@ typedef enum {
                             ownership must be SHARDOPT_OWNERSHIP_WHOLE; finalize refuses
                             anything else (SHARDOPT_ERROR_INVALID_ARGUMENT, naming the
                             parameter). CPU only */
+  SHARDOPT_RULE_ADAFACTOR = 4 /* Adafactor (torch.optim.Adafactor's semantics, PyTorch >= 2.5;
+                                 since 0.6.0): rho = min(lr, 1 / sqrt(t)), alpha =
+                                 max(eps2, RMS(p)) rho; p *= 1 - lr wd; a parameter registered
+                                 with shardopt_add_param_2d (rows > 1, cols > 1) keeps factored
+                                 second moments (row_var, col_var: rows + cols floats,
+                                 shardopt_get_factored_state), any other the per-element
+                                 variance (shardopt_get_exp_avg_sq); u = g / sqrt(max(v,
+                                 eps1^2)); p -= alpha / max(1, RMS(u) / d) u. RMS(p) and RMS(u)
+                                 are whole-tensor statistics, so the config's ownership must be
+                                 SHARDOPT_OWNERSHIP_WHOLE; finalize refuses otherwise
+                                 (SHARDOPT_ERROR_INVALID_ARGUMENT). Stages 0-3; CPU only.
+                                 torch's defaults: lr 1e-2, weight_decay 0 (set them in the
+                                 config or the group) */
 } shardopt_rule_t;
 
 /* Muon's learning-rate adjustment (torch.optim.Muon's adjust_lr_fn), rows x cols the
@@ -427,6 +440,15 @@ typedef struct {
   double muon_eps;      /* Newton-Schulz's Frobenius-norm clamp, > 0; default 1e-7 */
   int muon_lr_adjust;   /* shardopt_muon_lr_adjust_t; default SHARDOPT_MUON_LR_ORIGINAL */
   int reserved0;        /* must be 0 (keeps the struct free of trailing padding) */
+  /* ---- since 0.6.0 (Adafactor, C++'s AdafactorConfig; lr and decay as for Muon) ---- */
+  double adafactor_beta2_decay; /* the second moments' lerp weight is t^beta2_decay; <= 0;
+                                   default -0.8 */
+  double adafactor_eps1; /* floor of mean(row_var) and, squared, of the variance; >= 0;
+                            default 2^-23 (fp32's machine epsilon: torch's None) */
+  double adafactor_eps2; /* floor of RMS(p) in the step size; >= 0; default 1e-3 */
+  double adafactor_d;    /* update clipping threshold on RMS(u); >= 1; default 1 */
+  int adafactor_maximize; /* 0 or 1; default 0 */
+  int reserved1;          /* must be 0 (keeps the struct free of trailing padding) */
 } shardopt_group_t;
 
 /* Fills the defaults (an AdamW group like group 0) and struct_size. */
@@ -461,7 +483,8 @@ SHARDOPT_API shardopt_status_t shardopt_add_param(shardopt_optimizer_t opt, cons
  * numel is rows * cols) stored row-major: element (r, c) at r * cols + c, as torch stores
  * an (out_features, in_features) weight. A Fortran array declared w(cols, rows) is the same
  * memory (the Fortran module takes rows = size(w, 2), cols = size(w, 1)). The layout keeps
- * the shape: SHARDOPT_RULE_MUON works on it, and whole-tensor ownership weighs the
+ * the shape: SHARDOPT_RULE_MUON works on it, SHARDOPT_RULE_ADAFACTOR factors its second
+ * moments, and whole-tensor ownership weighs the
  * Newton-Schulz cost with it. A zero extent, or rows * cols beyond size_t, is
  * SHARDOPT_ERROR_INVALID_ARGUMENT naming the parameter and its shape. Local; before
  * finalize; the same on every rank (the shape is part of the layout every rank agrees on). */
@@ -538,6 +561,16 @@ SHARDOPT_API shardopt_status_t shardopt_get_exp_avg(shardopt_optimizer_t opt, si
                                                     float* out, size_t numel);
 SHARDOPT_API shardopt_status_t shardopt_get_exp_avg_sq(shardopt_optimizer_t opt, size_t index,
                                                        float* out, size_t numel);
+
+/* Collective: Adafactor's factored second moments of parameter `index` (a 2-D parameter,
+ * rows > 1 and cols > 1, of a SHARDOPT_RULE_ADAFACTOR group): row_var[0, rows) and
+ * col_var[0, cols) on every rank, bit for bit (its owner's, gathered). rows and cols must be
+ * the parameter's shape (shardopt_param_shape). A parameter without them (any other
+ * parameter keeps its variance in exp_avg_sq), a wrong size or a NULL buffer on any rank
+ * fails the call on every rank (SHARDOPT_ERROR_INVALID_ARGUMENT). Since 0.6.0. */
+SHARDOPT_API shardopt_status_t shardopt_get_factored_state(shardopt_optimizer_t opt, size_t index,
+                                                           float* row_var, size_t rows,
+                                                           float* col_var, size_t cols);
 
 /* The full-replica values of parameter `index`, as the forward pass reads them: *data
  * points at *numel elements inside the optimizer (64-element aligned); device memory when

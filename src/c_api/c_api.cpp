@@ -38,6 +38,7 @@ static_assert(SHARDOPT_ADAM_L2 == static_cast<int>(AdamMode::AdamL2));
 static_assert(SHARDOPT_MEM_SCRATCH == static_cast<int>(MemCategory::Scratch));
 static_assert(SHARDOPT_OWNERSHIP_WHOLE == static_cast<int>(Ownership::Whole));
 static_assert(SHARDOPT_RULE_MUON == static_cast<int>(Rule::Muon));
+static_assert(SHARDOPT_RULE_ADAFACTOR == static_cast<int>(Rule::Adafactor));
 static_assert(SHARDOPT_MUON_LR_NONE == static_cast<int>(MuonLrAdjust::None));
 static_assert(SHARDOPT_MEM_TOTAL == kNumMemCategories);
 static_assert(sizeof(bf16) == sizeof(std::uint16_t));
@@ -199,7 +200,10 @@ constexpr std::size_t kGroupEnds[] = {
     SHARDOPT_GROUP_END(muon_nesterov), SHARDOPT_GROUP_END(muon_ns_steps),
     SHARDOPT_GROUP_END(muon_ns_a), SHARDOPT_GROUP_END(muon_ns_b), SHARDOPT_GROUP_END(muon_ns_c),
     SHARDOPT_GROUP_END(muon_eps), SHARDOPT_GROUP_END(muon_lr_adjust),
-    SHARDOPT_GROUP_END(reserved0)};
+    SHARDOPT_GROUP_END(reserved0), SHARDOPT_GROUP_END(adafactor_beta2_decay),
+    SHARDOPT_GROUP_END(adafactor_eps1), SHARDOPT_GROUP_END(adafactor_eps2),
+    SHARDOPT_GROUP_END(adafactor_d), SHARDOPT_GROUP_END(adafactor_maximize),
+    SHARDOPT_GROUP_END(reserved1)};
 static_assert(kGroupEnds[std::size(kGroupEnds) - 1] == sizeof(shardopt_group_t));
 // The first version ended with lion_beta2.
 constexpr std::size_t kGroupMinSize = SHARDOPT_GROUP_END(lion_beta2);
@@ -223,6 +227,12 @@ shardopt_group_t c_group(const GroupOptions& g) {
   c.muon_eps = g.muon.eps;
   c.muon_lr_adjust = static_cast<int>(g.muon.lr_adjust);
   c.reserved0 = 0;
+  c.adafactor_beta2_decay = g.adafactor.beta2_decay;
+  c.adafactor_eps1 = g.adafactor.eps1;
+  c.adafactor_eps2 = g.adafactor.eps2;
+  c.adafactor_d = g.adafactor.d;
+  c.adafactor_maximize = g.adafactor.maximize ? 1 : 0;
+  c.reserved1 = 0;
   return c;
 }
 
@@ -237,11 +247,12 @@ GroupOptions read_group(const shardopt_group_t* in) {
   require(c.weight_decay == 0 || c.weight_decay == 1, Status::InvalidArgument,
           "group->weight_decay must be 0 or 1, got " + std::to_string(c.weight_decay));
   require(c.rule == SHARDOPT_RULE_ADAMW || c.rule == SHARDOPT_RULE_LION ||
-              c.rule == SHARDOPT_RULE_ADAMW8BIT || c.rule == SHARDOPT_RULE_MUON,
+              c.rule == SHARDOPT_RULE_ADAMW8BIT || c.rule == SHARDOPT_RULE_MUON ||
+              c.rule == SHARDOPT_RULE_ADAFACTOR,
           Status::InvalidArgument,
           "group->rule " + std::to_string(c.rule) +
               " is not a shardopt_rule_t (SHARDOPT_RULE_ADAMW 0, SHARDOPT_RULE_LION 1, "
-              "SHARDOPT_RULE_ADAMW8BIT 2, SHARDOPT_RULE_MUON 3)");
+              "SHARDOPT_RULE_ADAMW8BIT 2, SHARDOPT_RULE_MUON 3, SHARDOPT_RULE_ADAFACTOR 4)");
   require(c.muon_nesterov == 0 || c.muon_nesterov == 1, Status::InvalidArgument,
           "group->muon_nesterov must be 0 or 1, got " + std::to_string(c.muon_nesterov));
   require(c.muon_lr_adjust >= SHARDOPT_MUON_LR_ORIGINAL &&
@@ -252,6 +263,11 @@ GroupOptions read_group(const shardopt_group_t* in) {
               "_MATCH_RMS_ADAMW 1, _NONE 2)");
   require(c.reserved0 == 0, Status::InvalidArgument,
           "group->reserved0 must be 0, got " + std::to_string(c.reserved0));
+  require(c.adafactor_maximize == 0 || c.adafactor_maximize == 1, Status::InvalidArgument,
+          "group->adafactor_maximize must be 0 or 1, got " +
+              std::to_string(c.adafactor_maximize));
+  require(c.reserved1 == 0, Status::InvalidArgument,
+          "group->reserved1 must be 0, got " + std::to_string(c.reserved1));
   GroupOptions g;
   g.lr_scale = c.lr_scale;
   g.weight_decay = c.weight_decay == 1;
@@ -267,6 +283,11 @@ GroupOptions read_group(const shardopt_group_t* in) {
   g.muon.ns_c = c.muon_ns_c;
   g.muon.eps = c.muon_eps;
   g.muon.lr_adjust = static_cast<MuonLrAdjust>(c.muon_lr_adjust);
+  g.adafactor.beta2_decay = c.adafactor_beta2_decay;  // validated by the optimizer too
+  g.adafactor.eps1 = c.adafactor_eps1;
+  g.adafactor.eps2 = c.adafactor_eps2;
+  g.adafactor.d = c.adafactor_d;
+  g.adafactor.maximize = c.adafactor_maximize == 1;
   return g;
 }
 
@@ -443,6 +464,18 @@ shardopt_status_t shardopt_get_exp_avg_sq(shardopt_optimizer_t opt, size_t index
                                           size_t numel) {
   return on_handle("shardopt_get_exp_avg_sq", opt, [&](ShardedOptimizer& o) {
     copy_state_out(o, StateArray::ExpAvgSq, index, out, numel);
+  });
+}
+
+shardopt_status_t shardopt_get_factored_state(shardopt_optimizer_t opt, size_t index,
+                                              float* row_var, size_t rows, float* col_var,
+                                              size_t cols) {
+  return on_handle("shardopt_get_factored_state", opt, [&](ShardedOptimizer& o) {
+    // NULL buffers agreed here (a span is never made from one); the rest, the parameter's
+    // rule and shape included, the optimizer checks on every rank together.
+    agree_args(o, Status::InvalidArgument,
+               row_var == nullptr || col_var == nullptr ? "row_var or col_var is NULL" : "");
+    o.get_factored_state(index, {row_var, rows}, {col_var, cols});
   });
 }
 

@@ -71,6 +71,10 @@ module shardopt
   !> Muon on 2-D matrices (shardopt.h): every parameter of the group registered with rows= and
   !> cols=, and shardopt_config%ownership = SHARDOPT_OWNERSHIP_WHOLE.
   integer(c_int), parameter, public :: SHARDOPT_RULE_MUON = 3
+  !> Adafactor (shardopt.h): a parameter registered with rows= and cols= (both > 1) keeps
+  !> factored second moments, any other a per-element variance; shardopt_config%ownership =
+  !> SHARDOPT_OWNERSHIP_WHOLE.
+  integer(c_int), parameter, public :: SHARDOPT_RULE_ADAFACTOR = 4
   !> Muon's learning-rate adjustment (shardopt_add_group's muon_lr_adjust).
   integer(c_int), parameter, public :: SHARDOPT_MUON_LR_ORIGINAL = 0
   integer(c_int), parameter, public :: SHARDOPT_MUON_LR_MATCH_RMS_ADAMW = 1
@@ -162,6 +166,12 @@ module shardopt
     real(c_double) :: muon_eps
     integer(c_int) :: muon_lr_adjust
     integer(c_int) :: reserved0
+    real(c_double) :: adafactor_beta2_decay
+    real(c_double) :: adafactor_eps1
+    real(c_double) :: adafactor_eps2
+    real(c_double) :: adafactor_d
+    integer(c_int) :: adafactor_maximize
+    integer(c_int) :: reserved1
   end type c_group_options
 
   !> What one step did (shardopt_step_result_t); clipped and skipped are 0 or 1, times are
@@ -197,6 +207,7 @@ module shardopt
   public :: shardopt_set_group, shardopt_memory_usage
   public :: shardopt_comm_name, shardopt_get_config, shardopt_num_groups, shardopt_get_group
   public :: shardopt_get_exp_avg, shardopt_get_exp_avg_sq, shardopt_replica, shardopt_replica_bf16
+  public :: shardopt_get_factored_state
   public :: shardopt_param_offset, shardopt_wait_param, shardopt_wait_all, shardopt_progress
   public :: shardopt_get_loss_scale, shardopt_set_loss_scale
   public :: shardopt_save_checkpoint, shardopt_load_checkpoint
@@ -577,6 +588,17 @@ module shardopt
       integer(c_size_t), value :: n
       integer(c_int) :: c_get_exp_avg_sq
     end function
+    function c_get_factored_state(opt, idx, row_var, rows, col_var, cols) &
+        bind(c, name="shardopt_get_factored_state")
+      import :: c_int, c_ptr, c_size_t, c_float
+      type(c_ptr), value :: opt
+      integer(c_size_t), value :: idx
+      real(c_float), intent(inout) :: row_var(*)
+      integer(c_size_t), value :: rows
+      real(c_float), intent(inout) :: col_var(*)
+      integer(c_size_t), value :: cols
+      integer(c_int) :: c_get_factored_state
+    end function
     function c_replica(opt, p, n) bind(c, name="shardopt_replica")
       import :: c_int, c_ptr, c_size_t
       type(c_ptr), value :: opt
@@ -860,15 +882,18 @@ contains
 
   !> Adds a parameter group (local, before finalize); group receives its 1-based index.
   !> rule (SHARDOPT_RULE_ADAMW, the default, SHARDOPT_RULE_LION, SHARDOPT_RULE_ADAMW8BIT or
-  !> SHARDOPT_RULE_MUON) and the rules' options are optional, by keyword: Lion's betas (default
-  !> 0.9 and 0.99), AdamW8bit's adamw8bit_min_numel (default 4096), Muon's muon_momentum
-  !> (0.95), muon_nesterov (.true.), muon_ns_steps (5), muon_ns_a/_b/_c (3.4445, -4.7750,
-  !> 2.0315), muon_eps (1e-7) and muon_lr_adjust (SHARDOPT_MUON_LR_ORIGINAL); shardopt.h's
-  !> shardopt_group_t says what each means.
+  !> SHARDOPT_RULE_MUON, SHARDOPT_RULE_ADAFACTOR) and the rules' options are optional, by
+  !> keyword: Lion's betas (default 0.9 and 0.99), AdamW8bit's adamw8bit_min_numel (default
+  !> 4096), Muon's muon_momentum (0.95), muon_nesterov (.true.), muon_ns_steps (5),
+  !> muon_ns_a/_b/_c (3.4445, -4.7750, 2.0315), muon_eps (1e-7) and muon_lr_adjust
+  !> (SHARDOPT_MUON_LR_ORIGINAL), Adafactor's adafactor_beta2_decay (-0.8), adafactor_eps1
+  !> (2^-23), adafactor_eps2 (1e-3), adafactor_d (1) and adafactor_maximize (.false.);
+  !> shardopt.h's shardopt_group_t says what each means.
   subroutine shardopt_add_group(opt, lr_scale, weight_decay, group, status, errmsg, rule, &
                                 lion_beta1, lion_beta2, adamw8bit_min_numel, muon_momentum, &
                                 muon_nesterov, muon_ns_steps, muon_ns_a, muon_ns_b, muon_ns_c, &
-                                muon_eps, muon_lr_adjust)
+                                muon_eps, muon_lr_adjust, adafactor_beta2_decay, adafactor_eps1, &
+                                adafactor_eps2, adafactor_d, adafactor_maximize)
     type(shardopt_optimizer), intent(in) :: opt
     real(c_double), intent(in) :: lr_scale
     logical, intent(in) :: weight_decay
@@ -882,6 +907,9 @@ contains
     logical, intent(in), optional :: muon_nesterov
     integer, intent(in), optional :: muon_ns_steps
     integer(c_int), intent(in), optional :: muon_lr_adjust
+    real(c_double), intent(in), optional :: adafactor_beta2_decay, adafactor_eps1, adafactor_eps2
+    real(c_double), intent(in), optional :: adafactor_d
+    logical, intent(in), optional :: adafactor_maximize
     type(c_group_options) :: options
     integer(c_int) :: g, code
     g = -1
@@ -889,12 +917,15 @@ contains
     if (present(rule) .or. present(lion_beta1) .or. present(lion_beta2) .or. &
         present(adamw8bit_min_numel) .or. present(muon_momentum) .or. present(muon_nesterov) .or. &
         present(muon_ns_steps) .or. present(muon_ns_a) .or. present(muon_ns_b) .or. &
-        present(muon_ns_c) .or. present(muon_eps) .or. present(muon_lr_adjust)) then
+        present(muon_ns_c) .or. present(muon_eps) .or. present(muon_lr_adjust) .or. &
+        present(adafactor_beta2_decay) .or. present(adafactor_eps1) .or. &
+        present(adafactor_eps2) .or. present(adafactor_d) .or. present(adafactor_maximize)) then
       call c_group_init(options)
       call set_group_options(options, 'shardopt_add_group', lr_scale, weight_decay, status, &
                              errmsg, rule, lion_beta1, lion_beta2, adamw8bit_min_numel, &
                              muon_momentum, muon_nesterov, muon_ns_steps, muon_ns_a, muon_ns_b, &
-                             muon_ns_c, muon_eps, muon_lr_adjust)
+                             muon_ns_c, muon_eps, muon_lr_adjust, adafactor_beta2_decay, &
+                             adafactor_eps1, adafactor_eps2, adafactor_d, adafactor_maximize)
       if (status /= SHARDOPT_SUCCESS) return
       code = c_add_group_ex(opt%ptr, options, g)
     else
@@ -911,7 +942,8 @@ contains
   subroutine set_group_options(options, routine, lr_scale, weight_decay, status, errmsg, rule, &
                                lion_beta1, lion_beta2, adamw8bit_min_numel, muon_momentum, &
                                muon_nesterov, muon_ns_steps, muon_ns_a, muon_ns_b, muon_ns_c, &
-                               muon_eps, muon_lr_adjust)
+                               muon_eps, muon_lr_adjust, adafactor_beta2_decay, adafactor_eps1, &
+                               adafactor_eps2, adafactor_d, adafactor_maximize)
     type(c_group_options), intent(inout) :: options
     character(len=*), intent(in) :: routine
     real(c_double), intent(in) :: lr_scale
@@ -925,6 +957,9 @@ contains
     logical, intent(in), optional :: muon_nesterov
     integer, intent(in), optional :: muon_ns_steps
     integer(c_int), intent(in), optional :: muon_lr_adjust
+    real(c_double), intent(in), optional :: adafactor_beta2_decay, adafactor_eps1, adafactor_eps2
+    real(c_double), intent(in), optional :: adafactor_d
+    logical, intent(in), optional :: adafactor_maximize
     status = SHARDOPT_SUCCESS
     if (present(adamw8bit_min_numel)) then
       if (adamw8bit_min_numel < 0) then
@@ -947,6 +982,12 @@ contains
     if (present(muon_ns_c)) options%muon_ns_c = muon_ns_c
     if (present(muon_eps)) options%muon_eps = muon_eps
     if (present(muon_lr_adjust)) options%muon_lr_adjust = muon_lr_adjust
+    if (present(adafactor_beta2_decay)) options%adafactor_beta2_decay = adafactor_beta2_decay
+    if (present(adafactor_eps1)) options%adafactor_eps1 = adafactor_eps1
+    if (present(adafactor_eps2)) options%adafactor_eps2 = adafactor_eps2
+    if (present(adafactor_d)) options%adafactor_d = adafactor_d
+    if (present(adafactor_maximize)) &
+      options%adafactor_maximize = merge(1_c_int, 0_c_int, adafactor_maximize)
   end subroutine set_group_options
 
   !> Registers a parameter of numel elements (local, before finalize); index receives its
@@ -1372,14 +1413,16 @@ contains
   end subroutine shardopt_get_hyper
 
   !> Changes group `group` (1-based) options. rule and the rules' options (Lion's betas,
-  !> adamw8bit_min_numel, Muon's muon_*) are optional, by keyword, as in shardopt_add_group
+  !> adamw8bit_min_numel, Muon's muon_*, Adafactor's adafactor_*) are optional, by keyword, as
+  !> in shardopt_add_group
   !> (left out: the group keeps its own; the rule and the threshold are fixed at finalize).
   !> Group 1 is the default group: this is how
   !> it gets another rule.
   subroutine shardopt_set_group(opt, group, lr_scale, weight_decay, status, errmsg, rule, &
                                 lion_beta1, lion_beta2, adamw8bit_min_numel, muon_momentum, &
                                 muon_nesterov, muon_ns_steps, muon_ns_a, muon_ns_b, muon_ns_c, &
-                                muon_eps, muon_lr_adjust)
+                                muon_eps, muon_lr_adjust, adafactor_beta2_decay, adafactor_eps1, &
+                                adafactor_eps2, adafactor_d, adafactor_maximize)
     type(shardopt_optimizer), intent(in) :: opt
     integer, intent(in) :: group
     real(c_double), intent(in) :: lr_scale
@@ -1393,13 +1436,18 @@ contains
     logical, intent(in), optional :: muon_nesterov
     integer, intent(in), optional :: muon_ns_steps
     integer(c_int), intent(in), optional :: muon_lr_adjust
+    real(c_double), intent(in), optional :: adafactor_beta2_decay, adafactor_eps1, adafactor_eps2
+    real(c_double), intent(in), optional :: adafactor_d
+    logical, intent(in), optional :: adafactor_maximize
     type(c_group_options) :: options
     integer(c_int) :: code
     if (.not. (present(rule) .or. present(lion_beta1) .or. present(lion_beta2) .or. &
                present(adamw8bit_min_numel) .or. present(muon_momentum) .or. &
                present(muon_nesterov) .or. present(muon_ns_steps) .or. present(muon_ns_a) .or. &
                present(muon_ns_b) .or. present(muon_ns_c) .or. present(muon_eps) .or. &
-               present(muon_lr_adjust))) then
+               present(muon_lr_adjust) .or. present(adafactor_beta2_decay) .or. &
+               present(adafactor_eps1) .or. present(adafactor_eps2) .or. present(adafactor_d) .or. &
+               present(adafactor_maximize))) then
       call finish_index(opt%ptr, c_set_group(opt%ptr, int(group - 1, c_int), lr_scale, &
                                              merge(1_c_int, 0_c_int, weight_decay)), &
                         'shardopt_set_group', 'group', group, status, errmsg)
@@ -1411,7 +1459,8 @@ contains
       call set_group_options(options, 'shardopt_set_group', lr_scale, weight_decay, status, &
                              errmsg, rule, lion_beta1, lion_beta2, adamw8bit_min_numel, &
                              muon_momentum, muon_nesterov, muon_ns_steps, muon_ns_a, muon_ns_b, &
-                             muon_ns_c, muon_eps, muon_lr_adjust)
+                             muon_ns_c, muon_eps, muon_lr_adjust, adafactor_beta2_decay, &
+                             adafactor_eps1, adafactor_eps2, adafactor_d, adafactor_maximize)
       if (status /= SHARDOPT_SUCCESS) return
       code = c_set_group_ex(opt%ptr, int(group - 1, c_int), options)
     end if
@@ -1551,6 +1600,23 @@ contains
                       c_get_exp_avg_sq(opt%ptr, c_index(index), values, size(values, kind=c_size_t)), &
                       'shardopt_get_exp_avg_sq', 'parameter', index, status, errmsg)
   end subroutine get_exp_avg_sq_r2
+
+  !> Collective: Adafactor's factored statistics of parameter `index` (1-based; registered with
+  !> rows= and cols=, both > 1, in a SHARDOPT_RULE_ADAFACTOR group): row_var(rows) and
+  !> col_var(cols), rows and cols as registered (row-major: an array declared w(cols, rows)
+  !> has row_var(size(w, 2)) and col_var(size(w, 1))), bit for bit on every rank.
+  subroutine shardopt_get_factored_state(opt, index, row_var, col_var, status, errmsg)
+    type(shardopt_optimizer), intent(in) :: opt
+    integer, intent(in) :: index
+    real(c_float), intent(inout) :: row_var(:), col_var(:)
+    integer, intent(out) :: status
+    character(len=*), intent(out), optional :: errmsg
+    call finish_index(opt%ptr, &
+                      c_get_factored_state(opt%ptr, c_index(index), row_var, &
+                                           size(row_var, kind=c_size_t), col_var, &
+                                           size(col_var, kind=c_size_t)), &
+                      'shardopt_get_factored_state', 'parameter', index, status, errmsg)
+  end subroutine shardopt_get_factored_state
 
   !> The dynamic loss-scaling state. Local.
   subroutine shardopt_get_loss_scale(opt, scale, good_steps, skipped_steps, status, errmsg)

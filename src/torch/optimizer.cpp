@@ -218,9 +218,11 @@ void ShardedAdamW::build(const std::vector<std::string>& names, const Units* uni
       rules[g].lion = r->lion();
       rules[g].adamw8bit.min_8bit_numel = r->min_8bit_numel();
       rules[g].muon = r->muon();
+      rules[g].adafactor = r->adafactor();
     }
-    // Muon updates whole matrices: each must live on one rank.
-    if (rules[g].rule == Rule::Muon) options.ownership = Ownership::Whole;
+    // Muon and Adafactor update whole tensors: each must live on one rank.
+    if (rules[g].rule == Rule::Muon || rules[g].rule == Rule::Adafactor)
+      options.ownership = Ownership::Whole;
   }
   core_ = std::make_unique<ShardedOptimizer>(comm, options);
   for (std::size_t g = 0; g < param_groups_.size(); ++g) {
@@ -238,14 +240,16 @@ void ShardedAdamW::build(const std::vector<std::string>& names, const Units* uni
     for (std::size_t i = unit_first_[u]; i < unit_first_[u + 1]; ++i) {
       const torch::Tensor& p = params_[i];
       const int g = group_of_[i];
-      if (companion_[static_cast<std::size_t>(g)] < 0)
-        core_->add_param(names_[i], static_cast<std::size_t>(p.numel()), g);
-      else if (p.dim() == 2 && p.size(0) > 1 && p.size(1) > 1)  // a Muon matrix
+      const std::size_t gi = static_cast<std::size_t>(g);
+      const bool matrix = p.dim() == 2 && p.size(0) > 1 && p.size(1) > 1;
+      if (matrix && (companion_[gi] >= 0 || rules[gi].rule == Rule::Adafactor))
+        // A Muon matrix, or an Adafactor matrix (factored statistics): shaped as torch's.
         core_->add_param(names_[i], Shape2D{static_cast<std::size_t>(p.size(0)),
                                             static_cast<std::size_t>(p.size(1))}, g);
-      else  // a bias, norm or vector of a Muon group: AdamW
-        core_->add_param(names_[i], static_cast<std::size_t>(p.numel()),
-                         companion_[static_cast<std::size_t>(g)]);
+      else if (companion_[gi] >= 0)  // a bias, norm or vector of a Muon group: AdamW
+        core_->add_param(names_[i], static_cast<std::size_t>(p.numel()), companion_[gi]);
+      else  // any other, Adafactor's non-matrices (a per-element variance) included
+        core_->add_param(names_[i], static_cast<std::size_t>(p.numel()), g);
       unit_of_.push_back(u);
     }
   }

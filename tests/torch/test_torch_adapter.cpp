@@ -114,16 +114,20 @@ double max_rel_diff(const std::vector<torch::Tensor>& a, const std::vector<torch
 // Mean squared error written out: LibTorch 1.13 has no bf16 mse_loss on the CPU.
 torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& y) { return (out - y).pow(2).mean(); }
 
+// The rules that update whole tensors and need Ownership::Whole (options.hpp).
+bool whole_rule(Rule r) { return r == Rule::Muon || r == Rule::Adafactor; }
+
 OptimizerOptions shard_options(Stage stage, Rule rule = Rule::AdamW) {
   OptimizerOptions o;
   o.stage = stage;
   o.bucket_elems = 1024;  // several buckets, parameters straddling them
-  // A Muon matrix must fit one bucket: the automatic size is raised to the largest.
-  if (rule == Rule::Muon) o.bucket_elems = 0;
+  // A Muon or Adafactor tensor must fit one bucket: the automatic size is raised to the largest.
+  if (whole_rule(rule)) o.bucket_elems = 0;
   return o;
 }
 
-// Whether the adapter gives parameter p Muon in a group flagged Rule::Muon: a matrix.
+// Whether the adapter gives parameter p Muon in a group flagged Rule::Muon, or factored
+// statistics in one flagged Rule::Adafactor: a matrix.
 bool is_matrix(const torch::Tensor& p) { return p.dim() == 2 && p.size(0) > 1 && p.size(1) > 1; }
 
 torch::optim::AdamWOptions adamw(double lr = 1e-2) {
@@ -155,7 +159,8 @@ struct TrainRun {
 // Trains with the adapter: `micro` micro-batches per step, all but the last under no_sync().
 // Under another rule the defaults are a RuleOptions (AdamW8bit: the two larger matrices, 481
 // and 1369 elements, keep 8-bit state, the rest fp32; Muon: the three weight matrices get
-// Muon, the biases AdamW, and the adapter turns on Ownership::Whole itself).
+// Muon, the biases AdamW, and the adapter turns on Ownership::Whole itself; Adafactor: every
+// parameter, the matrices shaped (factored), Ownership::Whole as for Muon).
 constexpr std::size_t kMin8bit = 256;
 TrainRun train_adapter(Stage stage, torch::ScalarType dtype, int steps, int micro,
                        Rule rule = Rule::AdamW) {
@@ -176,7 +181,13 @@ TrainRun train_adapter(Stage stage, torch::ScalarType dtype, int steps, int micr
                       (rule == Rule::Muon && !is_matrix(tensors[i]))
                   ? Rule::AdamW
                   : rule);
-  if (rule == Rule::Muon) EXPECT_EQ(opt.core().options().ownership, shardopt::Ownership::Whole);
+  if (whole_rule(rule))
+    EXPECT_EQ(opt.core().options().ownership, shardopt::Ownership::Whole);
+  for (std::size_t i = 0; i < opt.names().size(); ++i)  // shaped: the matrices of Muon/Adafactor
+    EXPECT_EQ(opt.core().layout().param(i).rows,
+              whole_rule(rule) && is_matrix(tensors[i])
+                  ? static_cast<std::size_t>(tensors[i].size(0))
+                  : 1u);
   TrainRun run;
   for (int s = 0; s < steps; ++s) {
     opt.zero_grad();
@@ -237,18 +248,18 @@ TrainRun train_by_hand(Stage stage, torch::ScalarType dtype, int steps, int micr
   o.param_dtype = dtype == torch::kFloat ? DType::F32 : DType::BF16;
   o.adam.lr = 1e-2;
   o.adam.weight_decay = 0.05;
-  if (rule == Rule::Muon) o.ownership = shardopt::Ownership::Whole;
+  if (whole_rule(rule)) o.ownership = shardopt::Ownership::Whole;
   ShardedOptimizer opt(test::world(), o);
   GroupOptions g;
   g.rule = rule;
   g.adamw8bit.min_8bit_numel = kMin8bit;
   opt.set_group(0, g);
   // Muon: the matrices (rows x cols as torch stores them) in group 0, the rest in an AdamW
-  // group with the same lr and decay.
+  // group with the same lr and decay. Adafactor: all in group 0, the matrices shaped.
   const int others = rule == Rule::Muon ? opt.add_group(GroupOptions{}) : 0;
   for (std::size_t i = 0; i < params.size(); ++i) {
     const std::string name = "p" + std::to_string(i);
-    if (rule == Rule::Muon && is_matrix(params[i]))
+    if (whole_rule(rule) && is_matrix(params[i]))
       opt.add_param(name, shardopt::Shape2D{static_cast<std::size_t>(params[i].size(0)),
                                             static_cast<std::size_t>(params[i].size(1))});
     else
@@ -307,7 +318,10 @@ INSTANTIATE_TEST_SUITE_P(
                     WiringCase{Stage::Zero2, torch::kBFloat16, 2, Rule::AdamW8bit},
                     WiringCase{Stage::DataParallel, torch::kFloat, 1, Rule::Muon},
                     WiringCase{Stage::Zero1, torch::kFloat, 2, Rule::Muon},
-                    WiringCase{Stage::Zero2, torch::kBFloat16, 2, Rule::Muon}),
+                    WiringCase{Stage::Zero2, torch::kBFloat16, 2, Rule::Muon},
+                    WiringCase{Stage::DataParallel, torch::kFloat, 1, Rule::Adafactor},
+                    WiringCase{Stage::Zero1, torch::kFloat, 2, Rule::Adafactor},
+                    WiringCase{Stage::Zero2, torch::kBFloat16, 2, Rule::Adafactor}),
     [](const testing::TestParamInfo<WiringCase>& i) {
       return std::string(stage_name(i.param.stage)).substr(0, 4) + std::to_string(i.index) +
              (i.param.dtype == torch::kFloat ? "_fp32" : "_bf16") + "_micro" +

@@ -25,7 +25,8 @@
 //
 // Contract (checked where it can be, otherwise documented):
 // - Update rules: a group's options (or the defaults) may be a RuleOptions, an AdamWOptions
-//   that also names the group's shardopt::Rule (AdamW, Lion, AdamW8bit, Muon) and the rule's
+//   that also names the group's shardopt::Rule (AdamW, Lion, AdamW8bit, Muon, Adafactor) and
+//   the rule's
 //   options; plain AdamWOptions mean AdamW. The rule is fixed at construction.
 // - Muon (issue 32): in a group flagged RuleOptions().rule(Rule::Muon), every 2-D parameter
 //   with both extents > 1 gets Muon, its shape (size(0), size(1)) taken from the tensor
@@ -35,6 +36,14 @@
 //   optimizer uses Ownership::Whole (each matrix updated whole by one rank), which runs
 //   stages 0-3 on the CPU; its checkpoints are the library's (format 6, Muon's momentum
 //   included).
+// - Adafactor (issue 32): in a group flagged RuleOptions().rule(Rule::Adafactor), every
+//   parameter gets Adafactor (RuleOptions::adafactor's options; lr and weight decay the
+//   group's, so set torch's Adafactor defaults, lr 1e-2 and weight_decay 0, yourself): a 2-D
+//   tensor with both extents > 1 keeps factored row and column statistics, its shape taken
+//   from the tensor as for Muon; any other (biases, norms, and tensors of 3 or more
+//   dimensions, which torch would factor over their last two) a per-element variance. A
+//   flagged group turns Ownership::Whole on as Muon's does (CPU, stages 0-3; checkpoints of
+//   format 7 hold the statistics).
 // - Parameters: CPU, dense, leaf tensors that require grad, all fp32 or all bf16, each in one
 //   group. Group options are torch::optim::AdamWOptions; betas and eps must be the same in
 //   every group, weight_decay either 0 or one common value (shardopt's groups have an lr
@@ -116,6 +125,13 @@ class RuleOptions : public torch::optim::AdamWOptions {
     return *this;
   }
   const MuonConfig& muon() const { return muon_; }
+  /// Adafactor's own options (beta2_decay, eps1, eps2, d, maximize), used by
+  /// rule(Rule::Adafactor); lr and weight decay are the group's.
+  RuleOptions& adafactor(const AdafactorConfig& a) {
+    adafactor_ = a;
+    return *this;
+  }
+  const AdafactorConfig& adafactor() const { return adafactor_; }
   std::unique_ptr<torch::optim::OptimizerOptions> clone() const override {
     return std::make_unique<RuleOptions>(*this);
   }
@@ -125,6 +141,7 @@ class RuleOptions : public torch::optim::AdamWOptions {
   LionConfig lion_;
   AdamW8bitConfig adamw8bit_;
   MuonConfig muon_;
+  AdafactorConfig adafactor_;
 };
 
 class ShardedAdamW : public torch::optim::Optimizer {
