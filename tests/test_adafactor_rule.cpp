@@ -403,48 +403,52 @@ TEST(AdafactorRule, ReproducibleSameBitsAsOneProcessWithRoundingSums) {
   }
   const int uneven_last = uneven_first + split[static_cast<std::size_t>(rank)];
   const bool last = rank == world - 1;
+  const auto kinds = comms();
+  const std::vector<std::size_t> buckets = {16384, 24000, 70000};
   for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
-    for (std::size_t bucket : {std::size_t{16384}, std::size_t{24000}, std::size_t{70000}})
-      for (const auto& [comm_name, comm] : comms()) {
-        const DType dtype = bucket == 24000 ? DType::F32 : DType::BF16;
-        const std::string what = std::string("reproducible, ") + comm_name + ", " +
-                                 stage_name(stage) + ", " + dtype_name(dtype) + ", bucket " +
-                                 std::to_string(bucket);
-        SCOPED_TRACE(what);
-        OptimizerOptions o = options(bucket, dtype, stage);
-        o.reduction = Reduction::Reproducible;
-        o.adam.max_grad_norm = 1.0;  // below the averaged gradient's norm: every step clips
-        OptimizerOptions one = options(bucket, dtype);
-        one.reduction = o.reduction;
-        one.adam.max_grad_norm = o.adam.max_grad_norm;
-        auto opt = make(comm(), o, adafactor_group());
-        auto single = make(make_single_process_communicator(), one, adafactor_group());
-        if (stage != Stage::DataParallel) {  // the case the two-phase method must handle
-          bool ragged = false;
-          for (const Bucket& bk : opt->layout().buckets()) ragged = ragged || !bk.equal_cut;
-          ASSERT_TRUE(ragged || world == 1);
-        }
-        // `nan`: a NaN in the last rank's first micro-batch and in the one process's first.
-        auto both = [&](int t, int first, int last_mb, int total, bool nan = false) {
-          const StepResult got = run_step(*opt, t, first, last_mb, nan && last, kThird);
-          const StepResult want = run_step(*single, t, 0, total, nan, kThird);
-          EXPECT_EQ(got.skipped, want.skipped) << "step " << t;
-          EXPECT_EQ(got.clipped, want.clipped) << "step " << t;
-          EXPECT_EQ(got.clip_coef, want.clip_coef) << "step " << t;
-          if (!want.skipped) EXPECT_EQ(got.grad_norm, want.grad_norm) << "step " << t;
-          return got;
-        };
-        EXPECT_TRUE(both(0, rank, rank + 1, world).clipped);
-        EXPECT_TRUE(both(1, rank * per_rank, (rank + 1) * per_rank, kMicroBatches).clipped);
-        EXPECT_TRUE(both(2, uneven_first, uneven_last, uneven_total).clipped);
-        const Snapshot before = snapshot(*opt);
-        EXPECT_TRUE(both(3, rank * per_rank, (rank + 1) * per_rank, kMicroBatches, true).skipped);
-        expect_same(snapshot(*opt), before, what + ": after the skipped step");
-        EXPECT_EQ(opt->step_count(), 3);
-        both(4, rank * per_rank, (rank + 1) * per_rank, kMicroBatches);
-        both(5, rank, rank + 1, world);
-        expect_same(snapshot(*opt), snapshot(*single), what);
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      // Both MPI communicators at every stage (mpi, shm, mpi), bf16 and fp32 replicas.
+      const std::size_t bucket = buckets[b];
+      const auto& [comm_name, comm] = kinds[b % kinds.size()];
+      const DType dtype = b == 1 ? DType::F32 : DType::BF16;
+      const std::string what = std::string("reproducible, ") + comm_name + ", " +
+                               stage_name(stage) + ", " + dtype_name(dtype) + ", bucket " +
+                               std::to_string(bucket);
+      SCOPED_TRACE(what);
+      OptimizerOptions o = options(bucket, dtype, stage);
+      o.reduction = Reduction::Reproducible;
+      o.adam.max_grad_norm = 1.0;  // below the averaged gradient's norm: every step clips
+      OptimizerOptions one = options(bucket, dtype);
+      one.reduction = o.reduction;
+      one.adam.max_grad_norm = o.adam.max_grad_norm;
+      auto opt = make(comm(), o, adafactor_group());
+      auto single = make(make_single_process_communicator(), one, adafactor_group());
+      if (stage != Stage::DataParallel) {  // the case the two-phase method must handle
+        bool ragged = false;
+        for (const Bucket& bk : opt->layout().buckets()) ragged = ragged || !bk.equal_cut;
+        ASSERT_TRUE(ragged || world == 1);
       }
+      // `nan`: a NaN in the last rank's first micro-batch and in the one process's first.
+      auto both = [&](int t, int first, int last_mb, int total, bool nan = false) {
+        const StepResult got = run_step(*opt, t, first, last_mb, nan && last, kThird);
+        const StepResult want = run_step(*single, t, 0, total, nan, kThird);
+        EXPECT_EQ(got.skipped, want.skipped) << "step " << t;
+        EXPECT_EQ(got.clipped, want.clipped) << "step " << t;
+        EXPECT_EQ(got.clip_coef, want.clip_coef) << "step " << t;
+        if (!want.skipped) EXPECT_EQ(got.grad_norm, want.grad_norm) << "step " << t;
+        return got;
+      };
+      EXPECT_TRUE(both(0, rank, rank + 1, world).clipped);
+      EXPECT_TRUE(both(1, rank * per_rank, (rank + 1) * per_rank, kMicroBatches).clipped);
+      EXPECT_TRUE(both(2, uneven_first, uneven_last, uneven_total).clipped);
+      const Snapshot before = snapshot(*opt);
+      EXPECT_TRUE(both(3, rank * per_rank, (rank + 1) * per_rank, kMicroBatches, true).skipped);
+      expect_same(snapshot(*opt), before, what + ": after the skipped step");
+      EXPECT_EQ(opt->step_count(), 3);
+      both(4, rank * per_rank, (rank + 1) * per_rank, kMicroBatches);
+      both(5, rank, rank + 1, world);
+      expect_same(snapshot(*opt), snapshot(*single), what);
+    }
 }
 
 // (d) Clipping scales the gradient Adafactor sees (its statistics scale by the clip
