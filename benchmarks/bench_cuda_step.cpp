@@ -33,6 +33,7 @@
 #include "shardopt/cuda_comm.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
+#include "support/forwarding_comm.hpp"  // tests/support
 
 using namespace shardopt;
 
@@ -98,58 +99,27 @@ class TimedRequest final : public CommRequest {
 };
 
 /// The device communicator, recording the phase marks on its stream during step().
-class TimedComm final : public Communicator {
+class TimedComm final : public test::ForwardingComm {
  public:
   TimedComm(std::shared_ptr<Communicator> inner, Marks& marks)
-      : inner_(std::move(inner)), marks_(marks),
-        stream_(static_cast<cudaStream_t>(inner_->device_stream())) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string name() const override { return inner_->name(); }
-  bool device_buffers() const override { return inner_->device_buffers(); }
-  void* device_stream() const override { return inner_->device_stream(); }
+      : ForwardingComm(inner), marks_(marks),
+        stream_(static_cast<cudaStream_t>(inner->device_stream())) {}
   std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
                                                         CommType wire) override {
-    return std::make_unique<TimedRequest>(inner_->start_reduce_scatter_sum(buf, count, wire),
+    return std::make_unique<TimedRequest>(ForwardingComm::start_reduce_scatter_sum(buf, count, wire),
                                           marks_, stream_);
   }
   std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count,
                                                 CommType type) override {
     if (marks_.in_step) marks_.gathering = true;
-    return inner_->start_all_gather(buf, count, type);
-  }
-  std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
-                                                    CommType wire) override {
-    return inner_->start_all_reduce_sum(buf, count, wire);
-  }
-  void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
-    inner_->all_reduce_sum(buf, count, type);
-  }
-  void reduce_scatter_int(void* buf, std::size_t count, IntOp op) override {
-    inner_->reduce_scatter_int(buf, count, op);
-  }
-  void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
-    inner_->all_reduce_int(buf, count, op);
+    return ForwardingComm::start_all_gather(buf, count, type);
   }
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     if (marks_.in_step && !marks_.gathering) marks_.normed.record(stream_);
-    inner_->all_reduce_sum_host(buf, count);
+    ForwardingComm::all_reduce_sum_host(buf, count);
   }
-  void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
-    inner_->all_gather_bytes(send, recv, bytes);
-  }
-  void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
-    inner_->broadcast_bytes(buf, bytes, root);
-  }
-  void barrier() override { inner_->barrier(); }
-  Allocation allocate_collective_buffer(MemoryTracker* tracker, MemCategory category,
-                                        std::size_t bytes) override {
-    return inner_->allocate_collective_buffer(tracker, category, bytes);
-  }
-  void set_collective_timeout(double seconds) override { inner_->set_collective_timeout(seconds); }
 
  private:
-  std::shared_ptr<Communicator> inner_;
   Marks& marks_;
   cudaStream_t stream_;
 };

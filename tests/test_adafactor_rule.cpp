@@ -5,8 +5,9 @@
 // Against the double model of
 // torch.optim.Adafactor (tests/support/adafactor_model.hpp); the same bits at every rank
 // count, stage and bucket size as one process that runs every rank's micro-batches, on both
-// MPI communicators; micro-batches summed before the update (once per step); clipping and
-// skipped steps; the refusals, the same on every rank; memory_report() == plan_memory().
+// MPI communicators, with either reduction (Reproducible: with sums that round too, at stages
+// 0-3); micro-batches summed before the update (once per step); clipping and skipped steps;
+// the refusals, the same on every rank; memory_report() == plan_memory().
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -112,19 +113,22 @@ std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm,
   return opt;
 }
 
-std::vector<float> gradient(int mb, int step, std::size_t i) {
+// `factor` 1/3 makes the gradients' sums round (reproducible mode's tests).
+std::vector<float> gradient(int mb, int step, std::size_t i, float factor = 1.0f) {
   std::vector<float> g(numel(kModel[i]));
   for (std::size_t k = 0; k < g.size(); ++k)
     g[k] = grad_value(static_cast<std::uint64_t>(mb), static_cast<std::uint64_t>(step), i, k,
-                      cols_of(kModel[i]));
+                      cols_of(kModel[i])) *
+           factor;
   return g;
 }
 
 // Runs micro-batches [first, last) of step `step`, then steps. `poison`: parameter 0's first
 // gradient element of the first micro-batch becomes NaN.
-StepResult run_step(ShardedOptimizer& opt, int step, int first, int last, bool poison = false) {
+StepResult run_step(ShardedOptimizer& opt, int step, int first, int last, bool poison = false,
+                    float factor = 1.0f) {
   return test::run_micro_batches(opt, first, last, [&](int mb, std::size_t i) {
-    std::vector<float> g = gradient(mb, step, i);
+    std::vector<float> g = gradient(mb, step, i, factor);
     if (poison && mb == first && i == 0) g[0] = std::numeric_limits<float>::quiet_NaN();
     return g;
   });
@@ -359,20 +363,92 @@ TEST(AdafactorRule, MicroBatchesAreSummedBeforeTheUpdate) {
   }
 }
 
-// Reproducible mode (stage 0, where Whole allows it) runs Adafactor too: the same bits as
+// Reproducible mode runs Adafactor at stages 0-3 (stage 3 in four units): the same bits as
 // the default mode with exact gradients.
 TEST(AdafactorRule, ReproducibleModeMatchesTheDefault) {
   const int world = test::world_size(), rank = test::world_rank();
   const int per_rank = kMicroBatches / world;
-  OptimizerOptions o = options(24000);
-  auto opt = make(test::world(), o, adafactor_group());
-  o.reduction = Reduction::Reproducible;
-  auto exact = make(test::world(), o, adafactor_group());
-  for (int t = 0; t < 3; ++t) {
-    run_step(*opt, t, rank * per_rank, (rank + 1) * per_rank);
-    run_step(*exact, t, rank * per_rank, (rank + 1) * per_rank);
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
+    OptimizerOptions o = options(24000, DType::BF16, stage);
+    auto opt = make(test::world(), o, adafactor_group());
+    o.reduction = Reduction::Reproducible;
+    auto exact = make(test::world(), o, adafactor_group());
+    for (int t = 0; t < 3; ++t) {
+      run_step(*opt, t, rank * per_rank, (rank + 1) * per_rank);
+      run_step(*exact, t, rank * per_rank, (rank + 1) * per_rank);
+    }
+    expect_same(snapshot(*opt), snapshot(*exact),
+                std::string("reproducible against default, ") + stage_name(stage));
   }
-  expect_same(snapshot(*opt), snapshot(*exact), "reproducible against default");
+}
+
+// Reproducible mode with gradients whose sums round (thirds): at every stage (0-3; at stages
+// 1-3 every bucket of a Whole layout is ragged, so the two-phase method reduces it), bucket
+// size, rank count and MPI communicator, the bits of one process (reproducible too) that runs
+// every micro-batch: one micro-batch per rank, 12 / N each, uneven counts (a rank with none
+// where N > 1), clipped at every step (the exact sum of squares gives every rank the one
+// process's coefficient), and a step skipped on a NaN in one rank's gradient, then two more.
+TEST(AdafactorRule, ReproducibleSameBitsAsOneProcessWithRoundingSums) {
+  const int world = test::world_size(), rank = test::world_rank();
+  const int per_rank = kMicroBatches / world;
+  constexpr float kThird = 1.0f / 3.0f;
+  // Micro-batches per rank at step 2 (uneven; a rank with none).
+  const std::vector<std::vector<int>> splits = {{5}, {0, 5}, {3, 0, 2}, {1, 0, 3, 1}};
+  ASSERT_LE(world, 4);
+  const std::vector<int>& split = splits[static_cast<std::size_t>(world - 1)];
+  int uneven_first = 0, uneven_total = 0;
+  for (int r = 0; r < world; ++r) {
+    if (r < rank) uneven_first += split[static_cast<std::size_t>(r)];
+    uneven_total += split[static_cast<std::size_t>(r)];
+  }
+  const int uneven_last = uneven_first + split[static_cast<std::size_t>(rank)];
+  const bool last = rank == world - 1;
+  const auto kinds = comms();
+  const std::vector<std::size_t> buckets = {16384, 24000, 70000};
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      // Both MPI communicators at every stage (mpi, shm, mpi), bf16 and fp32 replicas.
+      const std::size_t bucket = buckets[b];
+      const auto& [comm_name, comm] = kinds[b % kinds.size()];
+      const DType dtype = b == 1 ? DType::F32 : DType::BF16;
+      const std::string what = std::string("reproducible, ") + comm_name + ", " +
+                               stage_name(stage) + ", " + dtype_name(dtype) + ", bucket " +
+                               std::to_string(bucket);
+      SCOPED_TRACE(what);
+      OptimizerOptions o = options(bucket, dtype, stage);
+      o.reduction = Reduction::Reproducible;
+      o.adam.max_grad_norm = 1.0;  // below the averaged gradient's norm: every step clips
+      OptimizerOptions one = options(bucket, dtype);
+      one.reduction = o.reduction;
+      one.adam.max_grad_norm = o.adam.max_grad_norm;
+      auto opt = make(comm(), o, adafactor_group());
+      auto single = make(make_single_process_communicator(), one, adafactor_group());
+      if (stage != Stage::DataParallel) {  // the case the two-phase method must handle
+        bool ragged = false;
+        for (const Bucket& bk : opt->layout().buckets()) ragged = ragged || !bk.equal_cut;
+        ASSERT_TRUE(ragged || world == 1);
+      }
+      // `nan`: a NaN in the last rank's first micro-batch and in the one process's first.
+      auto both = [&](int t, int first, int last_mb, int total, bool nan = false) {
+        const StepResult got = run_step(*opt, t, first, last_mb, nan && last, kThird);
+        const StepResult want = run_step(*single, t, 0, total, nan, kThird);
+        EXPECT_EQ(got.skipped, want.skipped) << "step " << t;
+        EXPECT_EQ(got.clipped, want.clipped) << "step " << t;
+        EXPECT_EQ(got.clip_coef, want.clip_coef) << "step " << t;
+        if (!want.skipped) EXPECT_EQ(got.grad_norm, want.grad_norm) << "step " << t;
+        return got;
+      };
+      EXPECT_TRUE(both(0, rank, rank + 1, world).clipped);
+      EXPECT_TRUE(both(1, rank * per_rank, (rank + 1) * per_rank, kMicroBatches).clipped);
+      EXPECT_TRUE(both(2, uneven_first, uneven_last, uneven_total).clipped);
+      const Snapshot before = snapshot(*opt);
+      EXPECT_TRUE(both(3, rank * per_rank, (rank + 1) * per_rank, kMicroBatches, true).skipped);
+      expect_same(snapshot(*opt), before, what + ": after the skipped step");
+      EXPECT_EQ(opt->step_count(), 3);
+      both(4, rank * per_rank, (rank + 1) * per_rank, kMicroBatches);
+      both(5, rank, rank + 1, world);
+      expect_same(snapshot(*opt), snapshot(*single), what);
+    }
 }
 
 // (d) Clipping scales the gradient Adafactor sees (its statistics scale by the clip
@@ -485,11 +561,6 @@ TEST(AdafactorRule, RefusalsAreTheSameOnEveryRank) {
     test::expect_same_error(Status::InvalidArgument, finalize_with(s, true), {"'w'", "Adafactor"},
                             std::string("Flat at ") + stage_name(stage));
   }
-  OptimizerOptions repro = ok;
-  repro.stage = Stage::Zero1;
-  repro.reduction = Reduction::Reproducible;
-  test::expect_same_error(Status::Unsupported, finalize_with(repro, true),
-                          {"Adafactor rule", "Reproducible"}, "reproducible at stage 1");
   OptimizerOptions small = ok;
   small.bucket_elems = 1000;  // the 64 x 32 matrix spans buckets
   test::expect_same_error(Status::InvalidArgument, finalize_with(small, true),

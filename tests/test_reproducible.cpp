@@ -26,6 +26,7 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
 #include "support/ckpt_model.hpp"  // test::SharedDir
+#include "support/forwarding_comm.hpp"
 #include "support/world.hpp"
 
 using namespace shardopt;
@@ -274,55 +275,10 @@ TEST(Reproducible, OneMicroBatchPerRankMatchesOneProcess) {
 
 namespace {
 
-// Forwards to another communicator and counts the payload bytes of the gradient reductions
-// (per rank, as MemoryPlan::reduce_bytes counts them): the direct exchange's raw fp32 values
-// and the two-phase method's integer collectives.
-class CountingComm final : public Communicator {
- public:
-  explicit CountingComm(std::shared_ptr<Communicator> in) : in_(std::move(in)) {}
-  std::size_t combine_bytes = 0;
-  std::size_t int_bytes = 0;
-
-  int rank() const override { return in_->rank(); }
-  int size() const override { return in_->size(); }
-  std::string name() const override { return in_->name(); }
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* b, std::size_t c, CommType w) override {
-    return in_->start_reduce_scatter_sum(b, c, w);
-  }
-  std::unique_ptr<CommRequest> start_all_gather(void* b, std::size_t c, CommType t) override {
-    return in_->start_all_gather(b, c, t);
-  }
-  std::unique_ptr<CommRequest> start_all_reduce_sum(float* b, std::size_t c, CommType w) override {
-    return in_->start_all_reduce_sum(b, c, w);
-  }
-  void all_reduce_sum(void* b, std::size_t c, CommType t) override { in_->all_reduce_sum(b, c, t); }
-  void reduce_scatter_int(void* b, std::size_t c, IntOp op) override {
-    int_bytes += c * static_cast<std::size_t>(size()) * (op == IntOp::SumI64 ? 8 : 1);
-    in_->reduce_scatter_int(b, c, op);
-  }
-  void all_reduce_int(void* b, std::size_t c, IntOp op) override {
-    int_bytes += c * (op == IntOp::SumI64 ? 8 : 1);
-    in_->all_reduce_int(b, c, op);
-  }
-  bool refuse_combine = false;  ///< act as a communicator without the direct exchange
-  bool reduce_scatter_combine(const void* in, std::size_t elem, float* out, std::size_t c,
-                              BlockCombiner& op) override {
-    if (refuse_combine) return false;
-    const bool done = in_->reduce_scatter_combine(in, elem, out, c, op);
-    if (done) combine_bytes += c * static_cast<std::size_t>(size()) * elem;
-    return done;
-  }
-  void all_reduce_sum_host(double* b, std::size_t c) override { in_->all_reduce_sum_host(b, c); }
-  void all_gather_bytes(const void* s, void* r, std::size_t b) override { in_->all_gather_bytes(s, r, b); }
-  void broadcast_bytes(void* b, std::size_t n, int root) override { in_->broadcast_bytes(b, n, root); }
-  void barrier() override { in_->barrier(); }
-  Allocation allocate_collective_buffer(MemoryTracker* t, MemCategory c, std::size_t b) override {
-    return in_->allocate_collective_buffer(t, c, b);
-  }
-
- private:
-  std::shared_ptr<Communicator> in_;
-};
+// Counts the payload bytes of the gradient reductions (per rank, as MemoryPlan::reduce_bytes
+// counts them): the direct exchange's raw fp32 values (combine_bytes) and the two-phase
+// method's integer collectives (int_bytes).
+using test::CountingComm;
 
 // Sets an environment variable for one scope (the same on every rank).
 struct EnvScope {

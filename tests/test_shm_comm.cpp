@@ -20,6 +20,7 @@
 #include "shardopt/planner.hpp"
 #include "comm/mpi_watchdog.hpp"
 #include "comm/shm_node.hpp"
+#include "support/forwarding_comm.hpp"
 #include "support/reference.hpp"
 
 using namespace shardopt;
@@ -452,43 +453,9 @@ INSTANTIATE_TEST_SUITE_P(Nodes, ShmCollectives, testing::Values(0, 2),
 
 namespace {
 
-// Counts the buffers the communicator handed out, so the test knows the windows are used.
-class CountingComm final : public Communicator {
- public:
-  explicit CountingComm(std::shared_ptr<Communicator> inner) : in_(std::move(inner)) {}
-  int windows = 0;
-  int rank() const override { return in_->rank(); }
-  int size() const override { return in_->size(); }
-  std::string name() const override { return in_->name(); }
-  void all_reduce_sum(void* b, std::size_t n, CommType t) override { in_->all_reduce_sum(b, n, t); }
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* b, std::size_t c,
-                                                        CommType w) override {
-    return in_->start_reduce_scatter_sum(b, c, w);
-  }
-  std::unique_ptr<CommRequest> start_all_reduce_sum(float* b, std::size_t n, CommType w) override {
-    return in_->start_all_reduce_sum(b, n, w);
-  }
-  std::unique_ptr<CommRequest> start_all_gather(void* b, std::size_t c, CommType t) override {
-    return in_->start_all_gather(b, c, t);
-  }
-  void all_reduce_sum_host(double* b, std::size_t n) override { in_->all_reduce_sum_host(b, n); }
-  void all_gather_bytes(const void* s, void* r, std::size_t n) override {
-    in_->all_gather_bytes(s, r, n);
-  }
-  void broadcast_bytes(void* b, std::size_t n, int root) override {
-    in_->broadcast_bytes(b, n, root);
-  }
-  void barrier() override { in_->barrier(); }
-  std::uint64_t internode_bytes() const override { return in_->internode_bytes(); }
-  Allocation allocate_collective_buffer(MemoryTracker* t, MemCategory c, std::size_t n) override {
-    Allocation a = in_->allocate_collective_buffer(t, c, n);
-    if (a.data()) ++windows;
-    return a;
-  }
-
- private:
-  std::shared_ptr<Communicator> in_;
-};
+// Counts the buffers the communicator handed out (windows), so the test knows the windows are
+// used.
+using test::CountingComm;
 
 const std::vector<std::size_t> kSizes = {1, 7, 300, 5000, 65, 129, 3, 1000};
 

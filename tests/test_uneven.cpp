@@ -17,45 +17,13 @@
 
 #include "shardopt/layout.hpp"  // fnv1a64
 #include "shardopt/mpi_comm.hpp"
+#include "support/forwarding_comm.hpp"
 #include "support/same_error.hpp"
 #include "support/world.hpp"
 
 using namespace shardopt;
 
 namespace {
-
-// Forwards the equal-count primitives and nothing else, so the uneven calls run the base
-// class's composed default (what the NCCL communicator and any new one get).
-class ComposedOnly final : public Communicator {
- public:
-  explicit ComposedOnly(std::shared_ptr<Communicator> in) : in_(std::move(in)) {}
-  int rank() const override { return in_->rank(); }
-  int size() const override { return in_->size(); }
-  std::string name() const override { return in_->name() + " (composed)"; }
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* b, std::size_t c,
-                                                        CommType w) override {
-    return in_->start_reduce_scatter_sum(b, c, w);
-  }
-  std::unique_ptr<CommRequest> start_all_gather(void* b, std::size_t c, CommType t) override {
-    return in_->start_all_gather(b, c, t);
-  }
-  std::unique_ptr<CommRequest> start_all_reduce_sum(float* b, std::size_t c,
-                                                    CommType w) override {
-    return in_->start_all_reduce_sum(b, c, w);
-  }
-  void all_reduce_sum(void* b, std::size_t c, CommType t) override { in_->all_reduce_sum(b, c, t); }
-  void all_gather_bytes(const void* s, void* r, std::size_t n) override {
-    in_->all_gather_bytes(s, r, n);
-  }
-  void broadcast_bytes(void* b, std::size_t n, int root) override {
-    in_->broadcast_bytes(b, n, root);
-  }
-  void barrier() override { in_->barrier(); }
-  void set_collective_timeout(double s) override { in_->set_collective_timeout(s); }
-
- private:
-  std::shared_ptr<Communicator> in_;
-};
 
 struct Case {
   std::string name;
@@ -75,7 +43,10 @@ std::vector<Case> communicators() {
       {"shm", shm(0), true},
       {"shm-foreign-buffer", shm(0), false},
       {"shm-2-nodes", shm(2), true},
-      {"composed-default", [plain] { return std::make_shared<ComposedOnly>(plain()); }, false},
+      // Forwards everything but the uneven collectives, which run the base class's composed
+      // default (what the NCCL communicator and any new one get).
+      {"composed-default", [plain] { return std::make_shared<test::ComposedOnlyComm>(plain()); },
+       false},
       {"checked-plain", [plain] { return make_checked_communicator(plain()); }, false},
       {"checked-shm", [shm] { return make_checked_communicator(shm(0)()); }, true},
   };

@@ -22,6 +22,7 @@
 #include "shardopt/mpi_comm.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
+#include "support/forwarding_comm.hpp"
 #include "support/same_error.hpp"
 #include "support/world.hpp"
 
@@ -30,55 +31,7 @@ using namespace shardopt;
 namespace {
 
 // Counts the bytes each rank hands to the data collectives (what goes on the wire).
-class CountingComm final : public Communicator {
- public:
-  explicit CountingComm(std::shared_ptr<Communicator> in) : in_(std::move(in)) {}
-  int rank() const override { return in_->rank(); }
-  int size() const override { return in_->size(); }
-  std::string name() const override { return in_->name() + " (counting)"; }
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* b, std::size_t c,
-                                                        CommType w) override {
-    bytes += c * static_cast<std::size_t>(size()) * width(w);
-    return in_->start_reduce_scatter_sum(b, c, w);
-  }
-  std::unique_ptr<CommRequest> start_all_gather(void* b, std::size_t c, CommType t) override {
-    bytes += c * static_cast<std::size_t>(size()) * width(t);
-    return in_->start_all_gather(b, c, t);
-  }
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(float* b,
-                                                          std::span<const std::size_t> c,
-                                                          CommType w) override {
-    for (std::size_t n : c) bytes += n * width(w);
-    return in_->start_reduce_scatter_sum_v(b, c, w);
-  }
-  std::unique_ptr<CommRequest> start_all_gather_v(void* b, std::span<const std::size_t> c,
-                                                  CommType t) override {
-    for (std::size_t n : c) bytes += n * width(t);
-    return in_->start_all_gather_v(b, c, t);
-  }
-  std::unique_ptr<CommRequest> start_all_reduce_sum(float* b, std::size_t c,
-                                                    CommType w) override {
-    bytes += c * width(w);
-    return in_->start_all_reduce_sum(b, c, w);
-  }
-  void all_reduce_sum(void* b, std::size_t c, CommType t) override { in_->all_reduce_sum(b, c, t); }
-  void all_gather_bytes(const void* s, void* r, std::size_t n) override {
-    in_->all_gather_bytes(s, r, n);
-  }
-  void broadcast_bytes(void* b, std::size_t n, int root) override {
-    in_->broadcast_bytes(b, n, root);
-  }
-  void barrier() override { in_->barrier(); }
-  void set_collective_timeout(double s) override { in_->set_collective_timeout(s); }
-
-  std::size_t bytes = 0;
-
- private:
-  static std::size_t width(CommType t) {
-    return t == CommType::F32 ? 4 : t == CommType::F64 ? 8 : 2;
-  }
-  std::shared_ptr<Communicator> in_;
-};
+using test::CountingComm;
 
 // Sizes: small ones (ranks outnumber parameters in a small bucket), one of 5000 that spans
 // buckets of 700, AdamW8bit ones above its min_8bit_numel.
@@ -190,7 +143,7 @@ Result run(const RunSpec& r, CountingComm* counter = nullptr) {
   Result res;
   const int players = r.play_ranks > 0 ? r.play_ranks : 1;
   for (int s = 0; s < r.steps; ++s) {
-    const std::size_t before = counter ? counter->bytes : 0;
+    const std::size_t before = counter ? counter->wire_bytes : 0;
     forward();
     for (int who = 0; who < players; ++who)
       for (int mb = 0; mb < r.micro; ++mb) {
@@ -204,7 +157,7 @@ Result run(const RunSpec& r, CountingComm* counter = nullptr) {
         }
       }
     opt->step();
-    if (counter) res.wire_per_step = counter->bytes - before;
+    if (counter) res.wire_per_step = counter->wire_bytes - before;
   }
   res.padded = opt->layout().padded_size();
   res.quantum = FlatLayout::bucket_quantum(opt->layout().world_size(), opt->layout().align_elems());

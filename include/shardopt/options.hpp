@@ -216,9 +216,9 @@ struct OptimizerOptions {
   /// CPU with either reduction (stage 3: each rank keeps its owned ranges, units gathered by
   /// uneven all-gathers), and stages 0-2 on Device::Cuda with the default reduction
   /// (docs/cuda.md); finalize() refuses it (Error(Unsupported)) on Device::Cuda at stage 3 or
-  /// with Reduction::Reproducible (Adafactor: stages 0-3 on the CPU, reproducible at stage 0
-  /// only). Checkpoints do not depend on it: saved in either ownership, they load in either
-  /// (checkpoint.hpp).
+  /// with Reduction::Reproducible (Adafactor runs on the CPU only: stages 0-3, either
+  /// reduction). Checkpoints do not depend on it: saved in either ownership, they load in
+  /// either (checkpoint.hpp).
   Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------

@@ -24,6 +24,7 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/torch/optimizer.hpp"
 #include "support/ckpt_model.hpp"  // SharedDir, gather_state, broadcast_state
+#include "support/forwarding_comm.hpp"
 #include "support/mpi_sub.hpp"     // first_world_ranks
 #include "support/world.hpp"
 
@@ -457,46 +458,8 @@ TEST(AdapterHooks, OutOfOrderAndUnusedParametersMatchStage1) {
 
 namespace {
 
-// A communicator that counts the gradient reductions started through it.
-class CountingComm final : public Communicator {
- public:
-  explicit CountingComm(std::shared_ptr<Communicator> in) : in_(std::move(in)) {}
-  int rank() const override { return in_->rank(); }
-  int size() const override { return in_->size(); }
-  std::string name() const override { return in_->name(); }
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
-                                                        CommType wire) override {
-    ++reductions;
-    return in_->start_reduce_scatter_sum(buf, count, wire);
-  }
-  std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count, CommType type) override {
-    ++gathers;
-    gather_calls.emplace_back(CallScope::current());
-    return in_->start_all_gather(buf, count, type);
-  }
-  std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
-                                                    CommType wire) override {
-    ++reductions;
-    return in_->start_all_reduce_sum(buf, count, wire);
-  }
-  void all_reduce_sum(void* buf, std::size_t count, CommType type) override {
-    in_->all_reduce_sum(buf, count, type);
-  }
-  void all_reduce_sum_host(double* buf, std::size_t count) override { in_->all_reduce_sum_host(buf, count); }
-  void all_gather_bytes(const void* send, void* recv, std::size_t bytes) override {
-    in_->all_gather_bytes(send, recv, bytes);
-  }
-  void broadcast_bytes(void* buf, std::size_t bytes, int root) override {
-    in_->broadcast_bytes(buf, bytes, root);
-  }
-  void barrier() override { in_->barrier(); }
-  int reductions = 0;
-  int gathers = 0;
-  std::vector<std::string> gather_calls;  // the library call each gather started in
-
- private:
-  std::shared_ptr<Communicator> in_;
-};
+// Counts the gradient reductions and the all-gathers started through it.
+using test::CountingComm;
 
 }  // namespace
 
