@@ -7,6 +7,8 @@
 #   - an update kernel (a kernel over AdamChunkOp) has a contractable mul/add/sub.f32 (no .rn):
 #     ptxas may fuse those even when the PTX has no fma;
 #   - the AdamW8bit kernel (over AdamW8bitOp) is missing or has a contractable mul/add/sub.f32;
+#   - the Adafactor kernel (over AdafactorOp) is missing or has a contractable mul/add/sub of
+#     f32 or f64 (its fp64 sums must round as the CPU's);
 #   - an update kernel lacks 128-bit global loads (4: master, grad, m, v) or stores (3:
 #     master, m, v) of fp32;
 #   - ptxas reports spill stores or loads in any kernel.
@@ -33,13 +35,14 @@ fmas=$(grep -c -E 'fma\.rn\.f(32|64)' "$tmp/k.ptx" || true)
 # Per kernel: name, contractable fp32 arithmetic, v4 fp32 loads and stores.
 awk '
   /^(\.visible |\.weak )*\.entry / { name = $0; sub(/\(.*/, "", name); sub(/.*\.entry /, "", name); body = 1 }
-  body && /^\}/ { print name, loose, loads, stores; body = 0; loose = loads = stores = 0 }
+  body && /^\}/ { print name, loose, loads, stores, loose64; body = 0; loose = loads = stores = loose64 = 0 }
   body && /(mul|add|sub)\.f32/ { loose++ }
+  body && /(mul|add|sub)\.f64/ { loose64++ }
   body && /ld\.global(\.nc)?\.v4\.f32/ { loads++ }
   body && /st\.global\.v4\.f32/ { stores++ }
 ' "$tmp/k.ptx" > "$tmp/kernels.txt"
 updates=0
-while read -r name loose loads stores; do
+while read -r name loose loads stores _; do
   case "$name" in *AdamChunkOp*) ;; *) continue ;; esac
   updates=$((updates + 1))
   [ "$loose" -eq 0 ] || fail "$loose contractable mul/add/sub.f32 (no .rn) in update kernel $name"
@@ -48,13 +51,22 @@ while read -r name loose loads stores; do
   echo "update kernel $name: $loads ld.global.v4.f32, $stores st.global.v4.f32, $loose contractable fp32 ops"
 done < "$tmp/kernels.txt"
 q8=0
-while read -r name loose loads stores; do
+while read -r name loose loads stores _; do
   case "$name" in *AdamW8bitOp*) ;; *) continue ;; esac
   q8=$((q8 + 1))
   [ "$loose" -eq 0 ] || fail "$loose contractable mul/add/sub.f32 (no .rn) in AdamW8bit kernel $name"
   echo "AdamW8bit kernel $name: $loose contractable fp32 ops"
 done < "$tmp/kernels.txt"
 [ "$q8" -ge 1 ] || fail "found no AdamW8bit kernel (over AdamW8bitOp) in the PTX"
+ada=0
+while read -r name loose loads stores loose64; do
+  case "$name" in *AdafactorOp*) ;; *) continue ;; esac
+  ada=$((ada + 1))
+  [ "$loose" -eq 0 ] || fail "$loose contractable mul/add/sub.f32 (no .rn) in Adafactor kernel $name"
+  [ "$loose64" -eq 0 ] || fail "$loose64 contractable mul/add/sub.f64 (no .rn) in Adafactor kernel $name"
+  echo "Adafactor kernel $name: $loose contractable fp32 ops, $loose64 contractable fp64 ops"
+done < "$tmp/kernels.txt"
+[ "$ada" -ge 1 ] || fail "found no Adafactor kernel (over AdafactorOp) in the PTX"
 [ "$updates" -ge 2 ] || fail "found $updates update kernels in the PTX (want the Thrust one and the grid-stride one)"
 
 spills=$(grep -E '[1-9][0-9]* bytes spill (stores|loads)' "$tmp/ptxas.log" || true)
