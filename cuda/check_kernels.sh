@@ -8,7 +8,8 @@
 #     ptxas may fuse those even when the PTX has no fma;
 #   - the AdamW8bit kernel (over AdamW8bitOp) or the Adafactor kernel (over AdafactorOp) is
 #     missing or has a contractable mul/add/sub of f32 or f64 (Adafactor's fp64 sums must round
-#     as the CPU's);
+#     as the CPU's) or an approximate operation (approx, rsqrt, div.full: the CPU's division
+#     and square roots are correctly rounded);
 #   - an update kernel lacks 128-bit global loads (4: master, grad, m, v) or stores (3:
 #     master, m, v) of fp32;
 #   - ptxas reports spill stores or loads in any kernel.
@@ -32,12 +33,15 @@ fail() { echo "FAIL: $*"; status=1; }
 fmas=$(grep -c -E 'fma\.rn\.f(32|64)' "$tmp/k.ptx" || true)
 [ "$fmas" -eq 0 ] || fail "$fmas contracted multiply-adds (fma.rn.f32/f64) in the PTX"
 
-# Per kernel: name, contractable fp32 arithmetic, v4 fp32 loads and stores.
+# Per kernel: name, contractable fp32 arithmetic, v4 fp32 loads and stores, contractable fp64
+# arithmetic, approximate operations.
 awk '
   /^(\.visible |\.weak )*\.entry / { name = $0; sub(/\(.*/, "", name); sub(/.*\.entry /, "", name); body = 1 }
-  body && /^\}/ { print name, loose, loads, stores, loose64; body = 0; loose = loads = stores = loose64 = 0 }
+  body && /^\}/ { print name, loose + 0, loads + 0, stores + 0, loose64 + 0, approx + 0
+                  body = 0; loose = loads = stores = loose64 = approx = 0 }
   body && /(mul|add|sub)\.f32/ { loose++ }
   body && /(mul|add|sub)\.f64/ { loose64++ }
+  body && /(approx|rsqrt|div\.full)/ { approx++ }
   body && /ld\.global(\.nc)?\.v4\.f32/ { loads++ }
   body && /st\.global\.v4\.f32/ { stores++ }
 ' "$tmp/k.ptx" > "$tmp/kernels.txt"
@@ -51,15 +55,16 @@ while read -r name loose loads stores _; do
   echo "update kernel $name: $loads ld.global.v4.f32, $stores st.global.v4.f32, $loose contractable fp32 ops"
 done < "$tmp/kernels.txt"
 # rule_kernels OP LABEL: the kernels over OP must exist and have no contractable fp32 or fp64
-# arithmetic.
+# arithmetic, and no approximate division, square root or reciprocal (the CPU's are IEEE's).
 rule_kernels() {
-  local op=$1 label=$2 found=0 name loose loads stores loose64
-  while read -r name loose loads stores loose64; do
+  local op=$1 label=$2 found=0 name loose loads stores loose64 approx
+  while read -r name loose loads stores loose64 approx; do
     case "$name" in *"$op"*) ;; *) continue ;; esac
     found=$((found + 1))
     [ "$loose" -eq 0 ] || fail "$loose contractable mul/add/sub.f32 (no .rn) in $label kernel $name"
     [ "$loose64" -eq 0 ] || fail "$loose64 contractable mul/add/sub.f64 (no .rn) in $label kernel $name"
-    echo "$label kernel $name: $loose contractable fp32 ops, $loose64 contractable fp64 ops"
+    [ "$approx" -eq 0 ] || fail "$approx approximate operations (approx, rsqrt, div.full) in $label kernel $name"
+    echo "$label kernel $name: $loose contractable fp32 ops, $loose64 contractable fp64 ops, $approx approximate ops"
   done < "$tmp/kernels.txt"
   [ "$found" -ge 1 ] || fail "found no $label kernel (over $op) in the PTX"
 }
