@@ -6,7 +6,10 @@
 #     from the CPU kernels (built with -ffp-contract=off), so the bitwise tests would fail;
 #   - an update kernel (a kernel over AdamChunkOp) has a contractable mul/add/sub.f32 (no .rn):
 #     ptxas may fuse those even when the PTX has no fma;
-#   - the AdamW8bit kernel (over AdamW8bitOp) is missing or has a contractable mul/add/sub.f32;
+#   - the AdamW8bit kernel (over AdamW8bitOp) or the Adafactor kernel (over AdafactorOp) is
+#     missing or has a contractable mul/add/sub of f32 or f64 (Adafactor's fp64 sums must round
+#     as the CPU's) or an approximate operation (approx, rsqrt, div.full: the CPU's division
+#     and square roots are correctly rounded);
 #   - an update kernel lacks 128-bit global loads (4: master, grad, m, v) or stores (3:
 #     master, m, v) of fp32;
 #   - ptxas reports spill stores or loads in any kernel.
@@ -30,16 +33,20 @@ fail() { echo "FAIL: $*"; status=1; }
 fmas=$(grep -c -E 'fma\.rn\.f(32|64)' "$tmp/k.ptx" || true)
 [ "$fmas" -eq 0 ] || fail "$fmas contracted multiply-adds (fma.rn.f32/f64) in the PTX"
 
-# Per kernel: name, contractable fp32 arithmetic, v4 fp32 loads and stores.
+# Per kernel: name, contractable fp32 arithmetic, v4 fp32 loads and stores, contractable fp64
+# arithmetic, approximate operations.
 awk '
   /^(\.visible |\.weak )*\.entry / { name = $0; sub(/\(.*/, "", name); sub(/.*\.entry /, "", name); body = 1 }
-  body && /^\}/ { print name, loose, loads, stores; body = 0; loose = loads = stores = 0 }
+  body && /^\}/ { print name, loose + 0, loads + 0, stores + 0, loose64 + 0, approx + 0
+                  body = 0; loose = loads = stores = loose64 = approx = 0 }
   body && /(mul|add|sub)\.f32/ { loose++ }
+  body && /(mul|add|sub)\.f64/ { loose64++ }
+  body && /(approx|rsqrt|div\.full)/ { approx++ }
   body && /ld\.global(\.nc)?\.v4\.f32/ { loads++ }
   body && /st\.global\.v4\.f32/ { stores++ }
 ' "$tmp/k.ptx" > "$tmp/kernels.txt"
 updates=0
-while read -r name loose loads stores; do
+while read -r name loose loads stores _; do
   case "$name" in *AdamChunkOp*) ;; *) continue ;; esac
   updates=$((updates + 1))
   [ "$loose" -eq 0 ] || fail "$loose contractable mul/add/sub.f32 (no .rn) in update kernel $name"
@@ -47,14 +54,22 @@ while read -r name loose loads stores; do
   [ "$stores" -ge 3 ] || fail "update kernel $name has $stores 128-bit fp32 stores (want >= 3)"
   echo "update kernel $name: $loads ld.global.v4.f32, $stores st.global.v4.f32, $loose contractable fp32 ops"
 done < "$tmp/kernels.txt"
-q8=0
-while read -r name loose loads stores; do
-  case "$name" in *AdamW8bitOp*) ;; *) continue ;; esac
-  q8=$((q8 + 1))
-  [ "$loose" -eq 0 ] || fail "$loose contractable mul/add/sub.f32 (no .rn) in AdamW8bit kernel $name"
-  echo "AdamW8bit kernel $name: $loose contractable fp32 ops"
-done < "$tmp/kernels.txt"
-[ "$q8" -ge 1 ] || fail "found no AdamW8bit kernel (over AdamW8bitOp) in the PTX"
+# rule_kernels OP LABEL: the kernels over OP must exist and have no contractable fp32 or fp64
+# arithmetic, and no approximate division, square root or reciprocal (the CPU's are IEEE's).
+rule_kernels() {
+  local op=$1 label=$2 found=0 name loose loads stores loose64 approx
+  while read -r name loose loads stores loose64 approx; do
+    case "$name" in *"$op"*) ;; *) continue ;; esac
+    found=$((found + 1))
+    [ "$loose" -eq 0 ] || fail "$loose contractable mul/add/sub.f32 (no .rn) in $label kernel $name"
+    [ "$loose64" -eq 0 ] || fail "$loose64 contractable mul/add/sub.f64 (no .rn) in $label kernel $name"
+    [ "$approx" -eq 0 ] || fail "$approx approximate operations (approx, rsqrt, div.full) in $label kernel $name"
+    echo "$label kernel $name: $loose contractable fp32 ops, $loose64 contractable fp64 ops, $approx approximate ops"
+  done < "$tmp/kernels.txt"
+  [ "$found" -ge 1 ] || fail "found no $label kernel (over $op) in the PTX"
+}
+rule_kernels AdamW8bitOp AdamW8bit
+rule_kernels AdafactorOp Adafactor
 [ "$updates" -ge 2 ] || fail "found $updates update kernels in the PTX (want the Thrust one and the grid-stride one)"
 
 spills=$(grep -E '[1-9][0-9]* bytes spill (stores|loads)' "$tmp/ptxas.log" || true)

@@ -11,12 +11,17 @@
 // Muon (muon_update): the element passes are device algorithms over muon_op.hpp, the
 // Frobenius norm the fixed fp64 tree of sum_squares (one host read per matrix), and the
 // GEMMs of Newton-Schulz cuBLAS's fp32 cublasSgemm on the compute stream.
+//
+// Adafactor (adafactor_update): the passes of adafactor_op.hpp, every sum in the CPU's fixed
+// order (one work item per chain), so the result is the CPU's bit for bit; no host wait.
 #include <cublas_v2.h>
 
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -24,6 +29,7 @@
 #include "cuda_check.hpp"
 #include "cuda_ops.hpp"
 #include "host_wait.hpp"
+#include "rules/adafactor.hpp"
 #include "rules/adamw8bit.hpp"
 #include "rules/qmap.hpp"
 #include "shardopt/cuda_comm.hpp"
@@ -331,6 +337,56 @@ class CudaBackend final : public Backend {
     op.out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
     op.pass = dev::MuonPassOp::Apply;
     dev::muon_pass(stream_, op, n);
+  }
+
+  // rules::adafactor::step / step_vector as the passes of adafactor_op.hpp, in the CPU's
+  // reduction order: the state and the weights are the CPU's bit for bit. No host wait: the
+  // step coefficient stays on the device. The optimizer's `scratch` (device memory,
+  // rules::scratch_floats: accounted) holds the reduction's workspace
+  // (rules::adafactor::workspace_floats: the lanes in double first, then mean and the
+  // coefficient), then the scaled gradient (rows * cols).
+  void adafactor_update(const rules::adafactor::Config& cfg, std::int64_t t, std::size_t rows,
+                        std::size_t cols, bool factored, float grad_scale, float* master,
+                        const float* grad, float* state, void* replica, DType replica_dtype,
+                        float* scratch) override {
+    namespace ada = rules::adafactor;
+    dev::AdafactorOp op;
+    op.s = ada::make_scalars(cfg, t);  // the CPU's checks, before anything is queued
+    require(rows > 0 && cols > 0, Status::InvalidArgument,
+            "adafactor: rows and cols must be >= 1 (torch cannot step an empty tensor either)");
+    require(master && grad && state, Status::InvalidArgument,
+            "adafactor: a null master, grad or state pointer");
+    require(scratch != nullptr && reinterpret_cast<std::uintptr_t>(scratch) % alignof(double) == 0,
+            Status::Internal, "cuda backend: no (or a misaligned) scratch for Adafactor");
+    op.rows = rows;
+    op.cols = cols;
+    op.chunks = ada::reduction_chunks(rows, cols, factored);
+    op.grad_scale = grad_scale;
+    op.grad = grad;
+    op.master = master;
+    op.lanes_p = reinterpret_cast<double*>(scratch);
+    op.lanes_u = op.lanes_p + op.chunks * ada::kLanes;
+    op.mean = reinterpret_cast<float*>(op.lanes_u + op.chunks * ada::kLanes);
+    op.coef = op.mean + 1;
+    op.g = scratch + ada::workspace_floats(rows, cols, factored);
+    if (factored) {
+      op.row_var = state;
+      op.col_var = state + rows;
+    } else {
+      op.variance = state;
+    }
+    op.out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;
+    op.out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
+    using P = dev::AdafactorOp;
+    static constexpr P::Pass kFactored[] = {P::Scale, P::Stats,       P::Mean,
+                                            P::Lanes, P::Coefficient, P::Apply};
+    static constexpr P::Pass kVector[] = {P::Scale, P::VectorLanes, P::Coefficient,
+                                          P::VectorApply};
+    for (const P::Pass pass : factored ? std::span<const P::Pass>(kFactored)
+                                       : std::span<const P::Pass>(kVector)) {
+      op.pass = pass;
+      dev::adafactor_pass(stream_, op);
+    }
   }
 
   void synchronize() override { dev::host_wait(stream_); }

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 
+#include "adafactor_op.hpp"
 #include "adam_chunk.hpp"
 #include "adamw8bit_op.hpp"
 #include "lion_op.hpp"
@@ -27,6 +28,8 @@ const void* adam_grid_stride_kernel_address();
 void lion_update(cudaStream_t stream, const LionOp& op, std::size_t n);
 /// One of Muon's element passes over the n elements of one matrix (muon_op.hpp).
 void muon_pass(cudaStream_t stream, const MuonPassOp& op, std::size_t n);
+/// One of Adafactor's passes over one parameter (adafactor_op.hpp: op.items() work items).
+void adafactor_pass(cudaStream_t stream, const AdafactorOp& op);
 /// AdamW8bit on one segment of `blocks` whole 256-element blocks (op's pointers at the
 /// segment's start, its maps in device memory): one 256-thread CUDA block per quantization
 /// block.

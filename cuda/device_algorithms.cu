@@ -116,6 +116,11 @@ void muon_pass(cudaStream_t stream, const MuonPassOp& op, std::size_t n) {
   SHARDOPT_CUDA_CHECK(cudaGetLastError());
 }
 
+void adafactor_pass(cudaStream_t stream, const AdafactorOp& op) {
+  guarded("thrust::for_each_n (Adafactor pass)", [&] { adafactor_pass(on(stream), op); });
+  SHARDOPT_CUDA_CHECK(cudaGetLastError());
+}
+
 void adamw8bit_update(cudaStream_t stream, const AdamW8bitOp& op, std::size_t blocks) {
   if (blocks == 0) return;
   const unsigned grid = static_cast<unsigned>(blocks < kQ8MaxGrid ? blocks : kQ8MaxGrid);

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <span>
 
+#include "adafactor_op.hpp"
 #include "adam_chunk.hpp"
 #include "adamw8bit_op.hpp"
 #include "lion_op.hpp"
@@ -46,6 +47,13 @@ void lion_update(Policy&& exec, const LionOp& op, std::size_t n) {
 template <class Policy>
 void muon_pass(Policy&& exec, const MuonPassOp& op, std::size_t n) {
   if (n) thrust::for_each_n(exec, Index(0), n, op);
+}
+
+/// One of Adafactor's passes over one parameter: op.items() work items (adafactor_op.hpp).
+template <class Policy>
+void adafactor_pass(Policy&& exec, const AdafactorOp& op) {
+  const std::size_t items = op.items();
+  if (items) thrust::for_each_n(exec, Index(0), items, op);
 }
 
 /// AdamW8bit on one segment of `blocks` whole 256-element blocks: one work item per block

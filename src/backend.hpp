@@ -98,12 +98,14 @@ class Backend {
   }
 
   /// Adafactor (src/rules/adafactor.hpp) on one whole parameter of rows x cols elements at
-  /// step t: the reduced gradient is scaled into `scratch` (rows * cols floats) as in
-  /// muon_update(), then
-  /// rules::adafactor::step runs once on it: `factored`, state is row_var (rows floats) then
+  /// step t: the reduced gradient is scaled (rows * cols floats of `scratch`) as in
+  /// muon_update(), then rules::adafactor::step runs once on it: `factored`, state is row_var (rows floats) then
   /// col_var (cols floats); otherwise state is the per-element variance (rows * cols floats).
-  /// Master and the replica as in adam_update(). Only the CPU backend has it; the default
-  /// throws Error(Unsupported).
+  /// Master and the replica as in adam_update(). `scratch`: rules::scratch_floats(Adafactor)
+  /// floats of this backend's memory (the device backend keeps its reduction's workspace,
+  /// rules::adafactor::workspace_floats, at its start and the scaled gradient after it). The
+  /// CPU and CUDA backends have it (bit for bit the same results); the default throws
+  /// Error(Unsupported).
   virtual void adafactor_update(const rules::adafactor::Config& cfg, std::int64_t t,
                                 std::size_t rows, std::size_t cols, bool factored,
                                 float grad_scale, float* master, const float* grad, float* state,

@@ -307,8 +307,6 @@ void check_whole_rule_params(const FlatLayout& layout, const std::vector<GroupOp
                 std::to_string(adafactor->group) + ") is in an Adafactor group: Adafactor "
                 "needs whole tensors (row and column statistics, RMS of the parameter and of "
                 "the update): set OptimizerOptions::ownership = Ownership::Whole");
-    require(o.device == Device::Cpu, Status::Unsupported,
-            "finalize: the Adafactor rule runs on Device::Cpu only (no CUDA kernels yet)");
   }
 }
 

@@ -101,7 +101,7 @@ enum class Rule : int {
   /// else, naming the parameter). The update runs once per step, on the reduced, averaged
   /// and clipped gradient. lr and weight decay as for every rule (AdamConfig::lr * lr_scale;
   /// AdamConfig::weight_decay where the group's weight_decay is on: torch's Adafactor
-  /// defaults to lr 1e-2 and weight_decay 0). Device::Cpu only; stages 0-3 (Whole's);
+  /// defaults to lr 1e-2 and weight_decay 0). Stages 0-3 on the CPU, 0-2 on Device::Cuda;
   /// checkpoints store its variance, factored statistics and options (format 7).
   Adafactor = 4,
 };
@@ -216,9 +216,9 @@ struct OptimizerOptions {
   /// CPU with either reduction (stage 3: each rank keeps its owned ranges, units gathered by
   /// uneven all-gathers), and stages 0-2 on Device::Cuda with the default reduction
   /// (docs/cuda.md); finalize() refuses it (Error(Unsupported)) on Device::Cuda at stage 3 or
-  /// with Reduction::Reproducible (Adafactor runs on the CPU only: stages 0-3, either
-  /// reduction). Checkpoints do not depend on it: saved in either ownership, they load in
-  /// either (checkpoint.hpp).
+  /// with Reduction::Reproducible (Adafactor: stages 0-3 with either reduction on the CPU,
+  /// stages 0-2 on Device::Cuda like the other rules). Checkpoints do not depend on it: saved
+  /// in either ownership, they load in either (checkpoint.hpp).
   Ownership ownership = Ownership::Flat;
 
   // ---- collective diagnostics (docs/architecture.md, "Errors and collectives") ---------------

@@ -20,27 +20,14 @@ namespace shardopt::rules::adafactor {
 
 namespace {
 
-/// Row chunks of a matrix (the reduction units): at most kMaxChunks, so the column sums'
-/// scratch stays kMaxChunks doubles per column.
-constexpr std::size_t kMaxChunks = 32;
-/// Elements per chunk of an unfactored parameter.
-constexpr std::size_t kVectorChunk = 4096;
-/// Interleaved partial sums of a run (element j into lane j % kLanes): independent chains the
-/// compiler can vectorise, added in one fixed tree.
-constexpr std::size_t kLanes = 8;
+// The chunks, lanes and sums of the header's "fixed reduction order" (kMaxChunks bounds the
+// column sums' scratch to kMaxChunks doubles per column; the lanes are independent chains the
+// compiler can vectorise).
+
 /// Below this many elements one thread runs (a parallel region costs more than it saves).
 constexpr std::size_t kParallelMin = 4096;
 
 using Lanes = double[kLanes];
-
-double combine(const Lanes& a) {
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-
-/// Rows [first, last) of chunk c of n over `rows` rows.
-std::size_t chunk_first(std::size_t c, std::size_t n, std::size_t rows) { return c * rows / n; }
-
-double sq(float x) { return static_cast<double>(x) * static_cast<double>(x); }  // exact
 
 /// Columns per tile of the update loops: u of a tile lives on the stack between its loops.
 /// A multiple of kLanes, so element j of a row goes to lane j % kLanes, tile or not.
@@ -71,26 +58,8 @@ void factored_updates(float* __restrict u, const float* __restrict g, const floa
     u[j] = update_element(factored_variance(r, cv[j], m), g[j], eps1_sq);
 }
 
-/// Python's max(a, b) and min(a, b) on floats: the first argument unless the second compares
-/// greater (less), so a NaN second argument gives the first, as torch's scalars do.
-double py_max(double a, double b) { return b > a ? b : a; }
+/// Python's min(a, b) on floats (as py_max, adafactor.hpp).
 double py_min(double a, double b) { return b < a ? b : a; }
-
-/// The coefficient a of p + a * u from the sums of p^2 and u^2 over n elements (torch:
-/// alpha = max(eps2, ||p|| / sqrt(n)) * rho, denom = max(1, ||u|| / (sqrt(n) d)), the norms
-/// fp32 tensors, the rest Python floats; a = -alpha / denom, negated again under maximize).
-float step_coefficient(const Scalars& s, double sum_p, double sum_u, std::size_t n,
-                       StepStats* stats) {
-  const double root_n = std::sqrt(static_cast<double>(n));
-  const double rms_p = static_cast<double>(static_cast<float>(std::sqrt(sum_p))) / root_n;
-  const double alpha = py_max(s.eps2, rms_p) * s.rho;
-  const double ratio = static_cast<double>(static_cast<float>(std::sqrt(sum_u))) / (root_n * s.d);
-  const double denom = py_max(1.0, ratio);
-  if (stats) *stats = StepStats{sum_p, sum_u, alpha, denom};
-  // maximize negates g: g^2 and RMS(u) are unchanged, u and so the step change sign.
-  const float a = static_cast<float>(-alpha / denom);
-  return s.maximize ? -a : a;
-}
 
 void require_pointers(const float* master, const float* grad, const float* a, const float* b,
                       const char* what) {
@@ -98,8 +67,6 @@ void require_pointers(const float* master, const float* grad, const float* a, co
           std::string("adafactor::") + what + ": a null master, grad or state pointer");
 }
 
-/// The new weights: decay, then p + a * u (torch's mul_, then add_(u, alpha): two roundings,
-/// -ffp-contract=off keeps them two),
 /// An unfactored run: v = lerp(v, g * g, w) (torch's grad * grad, an fp32 product), u from v.
 void variance_updates(float* __restrict v, float* __restrict u, const float* __restrict g, float w,
                       float eps1_sq, std::size_t n) {
@@ -109,14 +76,10 @@ void variance_updates(float* __restrict v, float* __restrict u, const float* __r
   }
 }
 
-/// Over a run, then its replicas.
+/// The new weights over a run (apply_element: decay, then p + a * u), then its replicas.
 void apply_updates(const Scalars& s, float a, float* __restrict p, const float* __restrict u,
                    bf16* __restrict out_bf16, float* __restrict out_f32, std::size_t n) {
-  if (s.apply_decay) {
-    for (std::size_t j = 0; j < n; ++j) p[j] = p[j] * s.decay + a * u[j];
-  } else {
-    for (std::size_t j = 0; j < n; ++j) p[j] = p[j] + a * u[j];
-  }
+  for (std::size_t j = 0; j < n; ++j) p[j] = apply_element(s, a, p[j], u[j]);
   if (out_bf16)
     for (std::size_t j = 0; j < n; ++j) out_bf16[j] = to_bf16(p[j]);
   if (out_f32)

@@ -1,7 +1,8 @@
 // adafactor.hpp: the Adafactor rule's CPU math (issue 32, point 4), torch.optim.Adafactor's.
 //
-// A standalone module: the caller owns a parameter whole (the whole-tensor ownership of issue
-// 32) and passes its master weights, gradient and state; no Rule enumerator calls it yet.
+// The caller owns a parameter whole (the whole-tensor ownership of issue 32) and passes its
+// master weights, gradient and state: the CPU backend runs step() / step_vector(); the CUDA
+// backend runs the same arithmetic and reduction order as device passes (cuda/adafactor_op.hpp).
 //
 // Semantics: PyTorch >= 2.5, torch/optim/_adafactor.py, the single-tensor path. One step t:
 //   g = maximize ? -grad : grad
@@ -91,6 +92,52 @@ struct StepStats {
 /// Checks the configuration (torch's constructor checks) and t >= 1; Error(InvalidArgument).
 Scalars make_scalars(const Config& c, std::int64_t t);
 
+// ---- the fixed reduction order (the CPU loops and the device passes, cuda/adafactor_op.hpp) --
+//
+// Factored: the rows of a matrix fall into reduction_chunks() chunks (chunk_first). A row's
+// sum of g^2 and a chunk's sums of p^2 and of u^2 go through kLanes partial sums (element j of
+// a row into lane j % kLanes, rows in order), added in one tree (combine); a column's sum of
+// g^2 is, per chunk, its rows in order from 0, then the chunks' sums in chunk order; mean(row_var)
+// is the rows in order; sum(p^2) and sum(u^2) are the chunks' combined lanes in chunk order.
+// Unfactored: chunks of kVectorChunk elements, each through kLanes lanes (element j into lane
+// j % kLanes), combined, then the chunks in order. Every sum starts at 0.0 and depends on the
+// shape only: any thread count, on the CPU or the device, gives the same bits.
+
+/// Row chunks of a matrix (the reduction units): at most kMaxChunks.
+inline constexpr std::size_t kMaxChunks = 32;
+/// Elements per chunk of an unfactored parameter.
+inline constexpr std::size_t kVectorChunk = 4096;
+/// Interleaved partial sums of a run, added in one fixed tree (combine).
+inline constexpr std::size_t kLanes = 8;
+static_assert(kVectorChunk % kLanes == 0);
+
+/// The reduction chunks of a rows x cols parameter (factored: of its rows; else of its
+/// rows * cols elements).
+constexpr std::size_t reduction_chunks(std::size_t rows, std::size_t cols, bool factored) {
+  return factored ? (rows < kMaxChunks ? rows : kMaxChunks)
+                  : (rows * cols + kVectorChunk - 1) / kVectorChunk;
+}
+/// The first row of chunk c of n over `rows` rows (chunk c is [chunk_first(c), chunk_first(c + 1))).
+SHARDOPT_HD std::size_t chunk_first(std::size_t c, std::size_t n, std::size_t rows) {
+  return c * rows / n;
+}
+/// x^2 in double: exact (a float's 24-bit significand squared fits in 53 bits).
+SHARDOPT_HD double sq(float x) { return static_cast<double>(x) * static_cast<double>(x); }
+/// The lanes' sum, in one fixed tree.
+SHARDOPT_HD double combine(const double* a) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+static_assert(kLanes == 8, "combine() adds eight lanes");
+
+/// The fp32 workspace the device backend's reduction needs for a rows x cols parameter, at
+/// the start of the rule scratch (before the scaled gradient): the lanes of sum(p^2) and
+/// sum(u^2) per chunk (2 kLanes reduction_chunks() doubles), then mean(row_var) and the step
+/// coefficient (2 floats). rules::scratch_floats counts it on every device (the CPU backend
+/// keeps its partial sums in vectors of its own step and leaves it unused).
+constexpr std::size_t workspace_floats(std::size_t rows, std::size_t cols, bool factored) {
+  return 2 * kLanes * reduction_chunks(rows, cols, factored) * (sizeof(double) / sizeof(float)) + 2;
+}
+
 /// State floats of a parameter: factored, rows + cols (row_var, col_var); unfactored, rows *
 /// cols (variance). The Shape overload: batch * (rows + cols).
 std::size_t state_floats(std::size_t rows, std::size_t cols, bool factored);
@@ -113,7 +160,28 @@ void step(const Config& c, std::int64_t t, std::size_t rows, std::size_t cols, f
 void step_vector(const Config& c, std::int64_t t, std::size_t n, float* master, const float* grad,
                  float* variance, bf16* out_bf16, float* out_f32, StepStats* stats = nullptr);
 
-// ---- the fp32 elementwise arithmetic, shared by the loops (and a future device kernel) -------
+// ---- the fp32 elementwise arithmetic, shared by the CPU loops and the device passes ----------
+
+/// Python's max(a, b) on floats: the first argument unless the second compares greater, so a
+/// NaN second argument gives the first, as torch's scalars do.
+SHARDOPT_HD double py_max(double a, double b) { return b > a ? b : a; }
+
+/// The coefficient a of p + a * u from the sums of p^2 and u^2 over n elements (torch:
+/// alpha = max(eps2, ||p|| / sqrt(n)) * rho, denom = max(1, ||u|| / (sqrt(n) d)), the norms
+/// fp32 tensors, the rest Python floats; a = -alpha / denom, negated again under maximize).
+/// `stats`, when not null, receives the step's measurements.
+SHARDOPT_HD float step_coefficient(const Scalars& s, double sum_p, double sum_u, std::size_t n,
+                                   StepStats* stats) {
+  const double root_n = ::sqrt(static_cast<double>(n));
+  const double rms_p = static_cast<double>(static_cast<float>(::sqrt(sum_p))) / root_n;
+  const double alpha = py_max(s.eps2, rms_p) * s.rho;
+  const double ratio = static_cast<double>(static_cast<float>(::sqrt(sum_u))) / (root_n * s.d);
+  const double denom = py_max(1.0, ratio);
+  if (stats) *stats = StepStats{sum_p, sum_u, alpha, denom};
+  // maximize negates g: g^2 and RMS(u) are unchanged, u and so the step change sign.
+  const float a = static_cast<float>(-alpha / denom);
+  return s.maximize ? -a : a;
+}
 
 /// torch's lerp (aten/src/ATen/native/Lerp.h): the form chosen by the weight keeps the result
 /// exact at both ends (weight 1 gives `end` exactly).
@@ -123,8 +191,8 @@ SHARDOPT_HD float lerp(float self, float end, float weight) {
 
 /// A mean of squares from its double sum, as torch computes it: vector_norm (fp32 tensor),
 /// squared in fp32, divided by the count (a Python int, so an fp32 division).
-inline float mean_square(double sum_sq, std::size_t count) {
-  const float norm = static_cast<float>(std::sqrt(sum_sq));
+SHARDOPT_HD float mean_square(double sum_sq, std::size_t count) {
+  const float norm = static_cast<float>(::sqrt(sum_sq));
   return (norm * norm) / static_cast<float>(count);
 }
 
@@ -138,5 +206,11 @@ SHARDOPT_HD float update_element(float v, float g, float eps1_sq) {
 /// The factored variance estimate r_i * c_j / m, m = max(mean(row_var), eps1) (torch's row_var
 /// @ col_var, then div_).
 SHARDOPT_HD float factored_variance(float r, float c, float m) { return (r * c) / m; }
+
+/// The new weight: decay (only when wd != 0, as torch's mul_), then p + a * u (torch's
+/// add_(u, alpha): two roundings, never fused).
+SHARDOPT_HD float apply_element(const Scalars& s, float a, float p, float u) {
+  return (s.apply_decay ? p * s.decay : p) + a * u;
+}
 
 }  // namespace shardopt::rules::adafactor

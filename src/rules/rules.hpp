@@ -111,7 +111,8 @@ constexpr bool needs_whole(Rule rule) { return rule == Rule::Muon || rule == Rul
 constexpr bool runs_newton_schulz(Rule rule) { return rule == Rule::Muon; }
 /// The fp32 scratch a backend needs to update parameter `p` under `rule` whole: Muon the scaled
 /// gradient and Newton-Schulz's workspace (rows cols + muon::workspace_floats), Adafactor the
-/// scaled gradient (numel); 0 for the element-wise rules. The optimizer allocates the largest
+/// scaled gradient and the device reduction's workspace (numel + adafactor::workspace_floats:
+/// the same on every device, so plan_memory needs no device); 0 for the element-wise rules. The optimizer allocates the largest
 /// over the parameters a rank updates (rules_scratch_floats) at finalize, in the memory
 /// report as Scratch, and passes it to Backend::muon_update / adafactor_update.
 std::size_t scratch_floats(Rule rule, const ParamInfo& p);

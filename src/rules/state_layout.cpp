@@ -1,6 +1,7 @@
 // state_layout.cpp: the rule runs of a rank's local arrays and their slot offsets.
 #include "rules/state_layout.hpp"
 
+#include "rules/adafactor.hpp"
 #include "rules/muon.hpp"
 
 #include <algorithm>
@@ -65,7 +66,9 @@ std::vector<ParamCost> owner_costs(const FlatLayout& layout, std::span<const Gro
 std::size_t scratch_floats(Rule rule, const ParamInfo& p) {
   switch (rule) {
     case Rule::Muon: return p.numel + muon::workspace_floats(p.rows, p.cols);
-    case Rule::Adafactor: return p.numel;
+    case Rule::Adafactor:
+      return p.numel + adafactor::workspace_floats(p.rows, p.cols,
+                                                   factored(Rule::Adafactor, p.rows, p.cols));
     default: return 0;
   }
 }

@@ -128,6 +128,65 @@ void muon_pass(cudaStream_t stream, const MuonPassOp& op, std::size_t n) {
   });
 }
 
+// Each pass declares what it reads and writes (adafactor_op.hpp), so the fake's checks of
+// device memory and of stream order see every buffer the real kernel touches.
+void adafactor_pass(cudaStream_t stream, const AdafactorOp& op) {
+  const std::size_t items = op.items();
+  if (items == 0) return;
+  const std::size_t n = op.rows * op.cols, f = 4, lanes = op.chunks * rules::adafactor::kLanes * 8;
+  std::vector<Access> acc;
+  const auto replica = [&] {
+    if (op.out_bf16) acc.push_back(writes(op.out_bf16, n * 2));
+    if (op.out_f32) acc.push_back(writes(op.out_f32, n * f));
+  };
+  switch (op.pass) {
+    case AdafactorOp::Scale: acc = {reads(op.grad, n * f), writes(op.g, n * f)}; break;
+    case AdafactorOp::Stats:
+      acc = {reads(op.g, n * f), reads(op.master, n * f), writes(op.row_var, op.rows * f),
+             writes(op.col_var, op.cols * f), writes(op.lanes_p, lanes)};
+      break;
+    case AdafactorOp::Mean: acc = {reads(op.row_var, op.rows * f), writes(op.mean, f)}; break;
+    case AdafactorOp::Lanes:
+      acc = {reads(op.g, n * f), reads(op.row_var, op.rows * f), reads(op.col_var, op.cols * f),
+             reads(op.mean, f), writes(op.lanes_u, lanes)};
+      break;
+    case AdafactorOp::Coefficient:
+      acc = {reads(op.lanes_p, lanes), reads(op.lanes_u, lanes), writes(op.coef, f)};
+      break;
+    case AdafactorOp::Apply:
+      acc = {reads(op.g, n * f), reads(op.row_var, op.rows * f), reads(op.col_var, op.cols * f),
+             reads(op.mean, f), reads(op.coef, f), writes(op.master, n * f)};
+      replica();
+      break;
+    case AdafactorOp::VectorLanes:
+      acc = {reads(op.g, n * f), reads(op.master, n * f), writes(op.variance, n * f),
+             writes(op.lanes_p, lanes), writes(op.lanes_u, lanes)};
+      break;
+    case AdafactorOp::VectorApply:
+      acc = {reads(op.g, n * f), reads(op.variance, n * f), reads(op.coef, f),
+             writes(op.master, n * f)};
+      replica();
+      break;
+  }
+  auto lock = fakecuda::lock_device();
+  launch(stream, "adafactor_pass", std::move(acc), [op] {
+    AdafactorOp d = op;
+    d.grad = dev(op.grad);
+    d.g = dev(op.g);
+    d.master = dev(op.master);
+    d.row_var = dev(op.row_var);
+    d.col_var = dev(op.col_var);
+    d.variance = dev(op.variance);
+    d.lanes_p = dev(op.lanes_p);
+    d.lanes_u = dev(op.lanes_u);
+    d.mean = dev(op.mean);
+    d.coef = dev(op.coef);
+    d.out_bf16 = dev(op.out_bf16);
+    d.out_f32 = dev(op.out_f32);
+    fakecuda::omp::adafactor_pass(d);
+  });
+}
+
 // The real kernel runs a 256-thread block per quantization block; the fake runs the same
 // pieces of AdamW8bitOp over each block's elements in a loop (AdamW8bitOp::operator()).
 void adamw8bit_update(cudaStream_t stream, const AdamW8bitOp& op, std::size_t blocks) {

@@ -15,6 +15,7 @@ const auto exec = thrust::omp::par;
 void adam_update(const dv::AdamChunkOp& op) { dv::adam_update(exec, op); }
 void lion_update(const dv::LionOp& op, std::size_t n) { dv::lion_update(exec, op, n); }
 void muon_pass(const dv::MuonPassOp& op, std::size_t n) { dv::muon_pass(exec, op, n); }
+void adafactor_pass(const dv::AdafactorOp& op) { dv::adafactor_pass(exec, op); }
 void adamw8bit_update(const dv::AdamW8bitOp& op, std::size_t blocks) {
   dv::adamw8bit_update(exec, op, blocks);
 }

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <span>
 
+#include "adafactor_op.hpp"
 #include "adam_chunk.hpp"
 #include "adamw8bit_op.hpp"
 #include "lion_op.hpp"
@@ -18,6 +19,7 @@ void adam_update(const shardopt::dev::AdamChunkOp& op);
 void lion_update(const shardopt::dev::LionOp& op, std::size_t n);
 void adamw8bit_update(const shardopt::dev::AdamW8bitOp& op, std::size_t blocks);
 void muon_pass(const shardopt::dev::MuonPassOp& op, std::size_t n);
+void adafactor_pass(const shardopt::dev::AdafactorOp& op);
 void cast_f32_to_bf16(const float* src, shardopt::bf16* dst, std::size_t n);
 void cast_bf16_to_f32(const shardopt::bf16* src, float* dst, std::size_t n);
 void round_through_bf16(float* buf, std::size_t n);

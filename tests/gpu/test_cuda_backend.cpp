@@ -3,6 +3,7 @@
 // grid-stride update against its Thrust twin. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -14,6 +15,7 @@
 
 #include "cuda_backend.hpp"
 #include "gpu_test.hpp"
+#include "rules/adafactor.hpp"
 #include "rules/qmap.hpp"
 #include "shardopt/bf16.hpp"
 #include "shardopt/error.hpp"
@@ -320,6 +322,148 @@ TEST(CudaBackend, MuonRefusesBadArguments) {
     try {
       gpu->muon_update(cfg, rows, cols, 1.0f, d.as<float>(), d.as<float>(), d.as<float>(),
                        nullptr, DType::F32, d.as<float>());
+      ADD_FAILURE() << "expected Error(InvalidArgument)";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
+    }
+  }
+}
+
+// ---- Adafactor ------------------------------------------------------------------------------
+
+// The device's Adafactor (the passes of adafactor_op.hpp) against the CPU's
+// (rules::adafactor::step / step_vector, through the CPU backend), bit for bit: master, state
+// (row_var and col_var, or the variance) and the replica after each of six steps, factored
+// shapes (square, wide, tall, fewer rows than kMaxChunks, more and not a multiple of it, more
+// columns than the CPU's 512-column tile, 1 x n and n x 1) and unfactored lengths (1, 37, one
+// whole kVectorChunk, 4160: a partial second chunk, 15000: four chunks), with grad_scale 0.5, weight decay (and
+// without), maximize, and update clipping (d = 1: the shapes with structured rows clip, and
+// some steps are checked to). The scratch is exactly rules::scratch_floats's (the fake device
+// refuses a pass that runs past its allocation). Gradients are full-precision values times a power
+// of two per row, with an exact zero column (col_var stays zero there). The fp64 sums of p^2 and
+// u^2 are compared too, bit for bit against the CPU step's StepStats; the row and column sums of
+// g^2 only through the fp32 row_var and col_var they round to.
+TEST(CudaBackend, AdafactorMatchesCpuBitwise) {
+  SHARDOPT_REQUIRE_GPUS(1);
+  namespace ada = rules::adafactor;
+  auto cpu = make_cpu_backend();
+  auto gpu = make_cuda_backend();
+  struct Case {
+    std::size_t rows, cols;
+    bool factored;
+  };
+  const std::vector<Case> cases = {{64, 64, true},   {96, 64, true},   {64, 96, true},
+                                   {33, 17, true},   {2, 3, true},     {130, 1030, true},
+                                   {1, 50, true},    {50, 1, true},    {1, 1, false},
+                                   {37, 1, false},   {4096, 1, false}, {64, 65, false},
+                                   {3, 5000, false}};
+  int clipped = 0, unclipped = 0;
+  for (const Case& c : cases)
+    for (int variant = 0; variant < 3; ++variant) {
+      SCOPED_TRACE(std::to_string(c.rows) + " x " + std::to_string(c.cols) +
+                   (c.factored ? " factored" : " unfactored") + " variant " +
+                   std::to_string(variant));
+      ada::Config cfg;
+      cfg.lr = 0.05;
+      cfg.weight_decay = variant == 1 ? 0.0 : 0.1;
+      cfg.maximize = variant == 2;
+      const DType dtype = variant == 1 ? DType::F32 : DType::BF16;
+      const std::size_t n = c.rows * c.cols;
+      const std::size_t state_n = ada::state_floats(c.rows, c.cols, c.factored);
+      const std::size_t scratch_n = n + ada::workspace_floats(c.rows, c.cols, c.factored);
+      struct Run {
+        Allocation p, st, out, scratch;
+      };
+      const std::vector<float> p0 = values(n, 11);
+      const std::vector<float> zero(state_n, 0.0f);
+      const std::vector<unsigned char> out0(n * dtype_size(dtype), 0);
+      Run r[2];
+      Backend* be[2] = {gpu.get(), cpu.get()};
+      for (int k = 0; k < 2; ++k) {
+        r[k].p = upload(*be[k], p0);
+        r[k].st = upload(*be[k], zero);
+        r[k].out = upload(*be[k], out0);
+        r[k].scratch = be[k]->allocate(nullptr, MemCategory::Scratch, scratch_n * sizeof(float));
+      }
+      std::vector<float> p_ref = p0, st_ref(state_n, 0.0f), g_ref(n);
+      for (int t = 1; t <= 6; ++t) {
+        std::vector<float> g(n);
+        for (std::size_t i = 0; i < n; ++i) {
+          const float q = synth(20 + static_cast<std::uint64_t>(t), 3, 4, i);
+          const std::size_t row = i / c.cols, col = i % c.cols;
+          g[i] = c.factored && c.cols > 1 && col == c.cols - 1 ? 0.0f
+                                                               : std::ldexp(q, -static_cast<int>(row % 7));
+        }
+        for (int k = 0; k < 2; ++k) {
+          Allocation dg = upload(*be[k], g);
+          be[k]->adafactor_update(cfg, t, c.rows, c.cols, c.factored, 0.5f, r[k].p.as<float>(),
+                                  dg.as<float>(), r[k].st.as<float>(), r[k].out.data(), dtype,
+                                  r[k].scratch.as<float>());
+          be[k]->synchronize();
+        }
+        // The step's clipping factor, from the CPU's own step on the same data.
+        for (std::size_t i = 0; i < n; ++i) g_ref[i] = g[i] * 0.5f;
+        ada::StepStats stats{};
+        if (c.factored)
+          ada::step(cfg, t, c.rows, c.cols, p_ref.data(), g_ref.data(), st_ref.data(),
+                    st_ref.data() + c.rows, nullptr, nullptr, &stats);
+        else
+          ada::step_vector(cfg, t, n, p_ref.data(), g_ref.data(), st_ref.data(), nullptr,
+                           nullptr, &stats);
+        (stats.denom > 1.0 ? clipped : unclipped) += 1;
+        // The device's fp64 sums behind RMS(p) and RMS(u): its lanes (the start of its
+        // scratch, rules::adafactor::workspace_floats) added as the Coefficient pass adds them,
+        // bit for bit the CPU's. (An fp64 sum in another order would almost never change the
+        // fp32 results below, so the sums themselves are compared.)
+        {
+          const std::size_t chunks = ada::reduction_chunks(c.rows, c.cols, c.factored);
+          const std::vector<double> lanes =
+              download<double>(*gpu, r[0].scratch.data(), 2 * chunks * ada::kLanes);
+          double sum_p = 0.0, sum_u = 0.0;
+          for (std::size_t k = 0; k < chunks; ++k) {
+            sum_p += ada::combine(lanes.data() + k * ada::kLanes);
+            sum_u += ada::combine(lanes.data() + (chunks + k) * ada::kLanes);
+          }
+          ASSERT_EQ(std::bit_cast<std::uint64_t>(sum_p), std::bit_cast<std::uint64_t>(stats.sum_sq_param))
+              << "sum of p^2, step " << t;
+          ASSERT_EQ(std::bit_cast<std::uint64_t>(sum_u), std::bit_cast<std::uint64_t>(stats.sum_sq_update))
+              << "sum of u^2, step " << t;
+        }
+        const std::vector<float> pa = download<float>(*gpu, r[0].p.data(), n);
+        const std::vector<float> pb = download<float>(*cpu, r[1].p.data(), n);
+        const std::vector<float> sa = download<float>(*gpu, r[0].st.data(), state_n);
+        const std::vector<float> sb = download<float>(*cpu, r[1].st.data(), state_n);
+        const auto oa = download<unsigned char>(*gpu, r[0].out.data(), out0.size());
+        const auto ob = download<unsigned char>(*cpu, r[1].out.data(), out0.size());
+        for (std::size_t i = 0; i < n; ++i) {
+          ASSERT_EQ(float_bits(pa[i]), float_bits(pb[i])) << "master " << i << " step " << t;
+          ASSERT_EQ(float_bits(pb[i]), float_bits(p_ref[i])) << "CPU backend vs step, " << i;
+        }
+        for (std::size_t i = 0; i < state_n; ++i)
+          ASSERT_EQ(float_bits(sa[i]), float_bits(sb[i])) << "state " << i << " step " << t;
+        ASSERT_EQ(oa, ob) << "replica, step " << t;
+      }
+    }
+  std::printf("adafactor: %d steps clipped (RMS(u) > d), %d not\n", clipped, unclipped);
+  EXPECT_GT(clipped, 0);
+  EXPECT_GT(unclipped, 0);
+}
+
+// Bad arguments: the CPU's checks (make_scalars: the configuration and t >= 1; empty shapes),
+// Error(InvalidArgument) before anything is queued.
+TEST(CudaBackend, AdafactorRefusesBadArguments) {
+  SHARDOPT_REQUIRE_GPUS(1);
+  auto gpu = make_cuda_backend();
+  Allocation d = upload(*gpu, std::vector<float>(64, 0.0f));
+  rules::adafactor::Config bad;
+  bad.d = 0.5;
+  for (const auto& [cfg, t, rows] :
+       {std::tuple{bad, std::int64_t{1}, std::size_t{4}},
+        std::tuple{rules::adafactor::Config{}, std::int64_t{0}, std::size_t{4}},
+        std::tuple{rules::adafactor::Config{}, std::int64_t{1}, std::size_t{0}}}) {
+    try {
+      gpu->adafactor_update(cfg, t, rows, 4, true, 1.0f, d.as<float>(), d.as<float>(),
+                            d.as<float>(), nullptr, DType::F32, d.as<float>());
       ADD_FAILURE() << "expected Error(InvalidArgument)";
     } catch (const Error& e) {
       EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();

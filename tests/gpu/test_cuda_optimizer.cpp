@@ -53,6 +53,17 @@ void to_device(std::span<float> dst, const std::vector<float>& src) {
             cudaSuccess);
 }
 
+// Parameter j's gradient `g` into `opt` (device memory when `device`), then grad_ready(j).
+void put_grad(ShardedOptimizer& opt, std::size_t j, const std::vector<float>& g, bool device) {
+  const std::span<float> dst = opt.grad(j);
+  if (device) {
+    to_device(dst, g);
+  } else {
+    std::copy(g.begin(), g.end(), dst.begin());
+  }
+  opt.grad_ready(j);
+}
+
 // `in_units`: units {p0 p1} {p2 p3} {p4 p5} {p6} (the same layout at every stage); else one.
 // `rule1`: group 1's update rule (AdamW, Lion or AdamW8bit: group_of()).
 std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Device device,
@@ -92,13 +103,7 @@ void produce_grads(ShardedOptimizer& opt, int rank, int step, bool device,
     if (around) around(j, true);
     std::vector<float> g(kSizes[j]);
     for (std::size_t k = 0; k < g.size(); ++k) g[k] = grad_value(rank, step, j, k);
-    const std::span<float> dst = opt.grad(j);
-    if (device) {
-      to_device(dst, g);
-    } else {
-      std::copy(g.begin(), g.end(), dst.begin());
-    }
-    opt.grad_ready(j);
+    put_grad(opt, j, g, device);
     if (around) around(j, false);
   }
 }
@@ -512,13 +517,7 @@ void expect_muon_close(const std::function<std::shared_ptr<Communicator>()>& gpu
         for (std::size_t j = params; j-- > 0;) {
           std::vector<float> g(opt->layout().param(j).numel);
           for (std::size_t k = 0; k < g.size(); ++k) g[k] = grad_value(rank, step, j, k);
-          const std::span<float> dst = opt->grad(j);
-          if (opt == gpu.get()) {
-            to_device(dst, g);
-          } else {
-            std::copy(g.begin(), g.end(), dst.begin());
-          }
-          opt->grad_ready(j);
+          put_grad(*opt, j, g, opt == gpu.get());
         }
         opt->step();
       }
@@ -554,13 +553,135 @@ TEST(CudaMuon, MatchesCpuOptimizerToRounding) {
   expect_muon_close([] { return test::gpu_world(); }, host_world);
 }
 
-// Rule::Adafactor has no device kernels: finalize() refuses it with Error(Unsupported) on
-// every rank, before anything is allocated (issue 32).
-TEST(CudaDevice, RefusesTheAdafactorRule) {
+// Adafactor on the device in the optimizer (Ownership::Whole: each parameter updated whole by
+// its owner) against the CPU optimizer on the same ranks, bit for bit: factored matrices
+// (square-ish, tall, odd, more columns than rows), unfactored vectors (1-D, and a 1 x n shape)
+// next to AdamW vectors; stages 0-2, bf16 and fp32 replicas, with and without the global
+// gradient clipping (clipped: every rank's gradient is the same multiple of 2^-10 times a power
+// of two per row, so the average and the norm's sums are exact and both optimizers clip by the
+// same coefficient; else each rank's differs), four updates and a skipped step
+// (a NaN on the last rank) between the second and the third. After each step: this rank's
+// master and per-element state, every factored matrix's row_var and col_var, every replica.
+// The memory is the planner's (the rule scratch included: numel + the device reduction's
+// workspace of the largest parameter the rank updates) and the CPU optimizer's.
+void expect_adafactor_bits(const std::function<std::shared_ptr<Communicator>()>& gpu_comm,
+                           const std::function<std::shared_ptr<Communicator>()>& cpu_comm) {
+  struct P {
+    const char* name;
+    std::size_t rows, cols;  // cols 0: 1-D
+    bool adafactor;
+  };
+  const std::vector<P> model = {{"a0", 96, 64, true},  {"b0", 100, 0, false}, {"a1", 33, 17, true},
+                                {"v0", 37, 0, true},   {"a2", 40, 130, true}, {"r0", 1, 50, true},
+                                {"b1", 64, 0, false},  {"v1", 5000, 0, true}};
+  const auto build = [&](std::shared_ptr<Communicator> comm, Device device, Stage stage,
+                         DType dtype, double clip) {
+    OptimizerOptions o;
+    o.device = device;
+    o.stage = stage;
+    o.param_dtype = dtype;
+    o.ownership = Ownership::Whole;
+    o.bucket_elems = 8192;
+    o.adam.lr = 0.02;
+    o.adam.weight_decay = 0.1;
+    o.adam.max_grad_norm = clip;
+    auto opt = std::make_unique<ShardedOptimizer>(std::move(comm), o);
+    GroupOptions ada;
+    ada.rule = Rule::Adafactor;
+    const int g = opt->add_group(ada);
+    for (const P& p : model) {
+      if (p.cols) opt->add_param(p.name, Shape2D{p.rows, p.cols}, p.adafactor ? g : 0);
+      else opt->add_param(p.name, p.rows, p.adafactor ? g : 0);
+    }
+    opt->finalize();
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      std::vector<float> init(opt->layout().param(i).numel);
+      for (std::size_t k = 0; k < init.size(); ++k) init[k] = synth(99, 0, i, k);
+      opt->set_param(i, init);
+    }
+    return opt;
+  };
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+    for (const auto& [dtype, clip] : {std::pair{DType::BF16, 0.0}, std::pair{DType::F32, 0.5}}) {
+      SCOPED_TRACE(std::string(stage_name(stage)) + " " + dtype_name(dtype) +
+                   (clip > 0 ? " clipped" : ""));
+      auto gpu = build(gpu_comm(), Device::Cuda, stage, dtype, clip);
+      auto cpu = build(cpu_comm(), Device::Cpu, stage, dtype, clip);
+      ASSERT_EQ(gpu->layout().fingerprint(), cpu->layout().fingerprint());
+      ASSERT_EQ(gpu->local_size(), cpu->local_size());
+      const int rank = gpu->comm().rank(), world = gpu->comm().size();
+      {
+        PlanConfig pc = plan_config(gpu->options(), world);
+        pc.groups = gpu->groups();
+        pc.rank = rank;
+        FlatLayout unbuilt;
+        for (const ParamInfo& p : gpu->layout().params())
+          unbuilt.add(p.name, p.numel, p.group, p.unit,
+                      p.rows > 1 ? Shape2D{p.rows, p.cols} : Shape2D{});
+        const MemoryPlan plan = plan_memory(unbuilt, pc);
+        const MemoryReport rep = gpu->memory_report(), host = cpu->memory_report();
+        for (MemCategory cat : {MemCategory::Params, MemCategory::Grads, MemCategory::Master,
+                                MemCategory::Moments, MemCategory::Scratch}) {
+          EXPECT_EQ(plan[cat], rep[cat]) << "planned, category " << mem_category_name(cat);
+          EXPECT_EQ(host[cat], rep[cat]) << "the CPU's, category " << mem_category_name(cat);
+        }
+      }
+      for (int step = 1; step <= 5; ++step) {
+        const bool nan_step = step == 3;
+        StepResult res[2];
+        for (ShardedOptimizer* opt : {gpu.get(), cpu.get()}) {
+          for (std::size_t j = model.size(); j-- > 0;) {
+            const std::size_t cols = model[j].cols ? model[j].cols : 1;
+            std::vector<float> g(opt->layout().param(j).numel);
+            for (std::size_t k = 0; k < g.size(); ++k)
+              g[k] = std::ldexp(grad_value(clip > 0 ? 0 : rank, step, j, k),
+                                -static_cast<int>((k / cols) % 5));
+            if (nan_step && rank == world - 1 && j == 2) g[3] = std::nanf("");
+            put_grad(*opt, j, g, opt == gpu.get());
+          }
+          res[opt == gpu.get() ? 0 : 1] = opt->step();
+        }
+        EXPECT_EQ(res[0].skipped, nan_step);
+        EXPECT_EQ(res[1].skipped, nan_step);
+        if (clip > 0 && !nan_step) {
+          EXPECT_EQ(res[0].grad_norm, res[1].grad_norm) << "step " << step;
+        } else if (!nan_step) {
+          EXPECT_NEAR(res[0].grad_norm, res[1].grad_norm, 1e-12 * res[1].grad_norm);
+        }
+        EXPECT_EQ(res[0].clipped, res[1].clipped);
+        if (clip > 0 && !nan_step) EXPECT_TRUE(res[0].clipped) << "step " << step;
+        EXPECT_EQ(gpu->step_count(), cpu->step_count());
+        expect_same_state(*gpu, *cpu, step);
+        for (std::size_t i = 0; i < model.size(); ++i) {
+          ASSERT_EQ(replica_bytes(*gpu, i), replica_bytes(*cpu, i))
+              << "step " << step << " " << model[i].name;
+          const P& p = model[i];
+          if (!p.adafactor || p.rows < 2 || p.cols < 2) continue;
+          std::vector<float> ra(p.rows), ca(p.cols), rb(p.rows), cb(p.cols);
+          gpu->get_factored_state(i, ra, ca);
+          cpu->get_factored_state(i, rb, cb);
+          ASSERT_EQ(std::memcmp(ra.data(), rb.data(), ra.size() * sizeof(float)), 0)
+              << "row_var, step " << step << " " << p.name;
+          ASSERT_EQ(std::memcmp(ca.data(), cb.data(), ca.size() * sizeof(float)), 0)
+              << "col_var, step " << step << " " << p.name;
+          if (step == 1) EXPECT_NE(rb[0], 0.0f) << p.name << ": the statistics moved";
+        }
+      }
+    }
+}
+
+TEST(CudaAdafactor, MatchesCpuOptimizerBitwise) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  expect_adafactor_bits([] { return test::gpu_world(); }, host_world);
+}
+
+// What Adafactor does not run on the device is refused by finalize() with Error(Unsupported)
+// on every rank: stage 3 (Ownership::Whole on Device::Cuda runs stages 0-2).
+TEST(CudaAdafactor, RefusesStage3) {
   SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
   OptimizerOptions o;
   o.device = Device::Cuda;
-  o.stage = Stage::DataParallel;
+  o.stage = Stage::Zero3;
   o.ownership = Ownership::Whole;
   ShardedOptimizer opt(test::gpu_world(), o);
   GroupOptions g;
@@ -569,10 +690,10 @@ TEST(CudaDevice, RefusesTheAdafactorRule) {
   opt.add_param("b", 64, 0);
   try {
     opt.finalize();
-    FAIL() << "finalize() accepted Adafactor on Device::Cuda";
+    FAIL() << "finalize() accepted Adafactor on Device::Cuda at stage 3";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::Unsupported) << e.what();
-    EXPECT_NE(std::string(e.what()).find("Adafactor rule runs on Device::Cpu only"),
+    EXPECT_NE(std::string(e.what()).find("ownership Whole on Device::Cuda: stage 3"),
               std::string::npos)
         << e.what();
   }
