@@ -50,8 +50,12 @@ inline int checked_int(std::size_t n, const char* what) {
   return static_cast<int>(n);
 }
 
-// How many tags point-to-point messages may use: MPI_TAG_UB + 1 (at least 32768).
+// How many tags point-to-point messages may use: MPI_TAG_UB + 1 (at least 32768); INT_MAX
+// before MPI_Init (the communicator refuses to be made then).
 inline int tag_space() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return INT_MAX;
   void* v = nullptr;
   int flag = 0;
   MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &v, &flag);
