@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <cstdlib>
 #include <functional>
@@ -22,6 +23,7 @@
 #include "comm/shm_node.hpp"
 #include "support/forwarding_comm.hpp"
 #include "support/reference.hpp"
+#include "support/same_error.hpp"
 
 using namespace shardopt;
 using shardopt::test::synth;
@@ -143,8 +145,8 @@ TEST_P(ShmCollectives, ReduceScatterIsExactAndMatchesPlainMpi) {
 }
 
 TEST_P(ShmCollectives, ReduceScatterFollowsTheDocumentedOrder) {
-  // One node: ((v0 + v1) + v2) + v3 in fp32, bit for bit; at two ranks that is also what
-  // MPI computes (a + b). Across nodes the order between leaders is MPI's own: checked by
+  // One node: ((v0 + v1) + v2) + v3 in fp32, bit for bit; so does plain MPI's direct
+  // exchange (the default MpiExchange). Across nodes the order between leaders is MPI's own: checked by
   // the exact test above.
   if (GetParam() > 1) GTEST_SKIP() << "single-node order";
   if (const char* nodes = std::getenv("SHARDOPT_TEST_NODES"); nodes && std::atoi(nodes) > 1)
@@ -163,7 +165,7 @@ TEST_P(ShmCollectives, ReduceScatterFollowsTheDocumentedOrder) {
     float sum = any_value(0, start + k, 1);
     for (int r = 1; r < world; ++r) sum += any_value(r, start + k, 1);
     ASSERT_EQ(got[k], sum) << "element " << k;
-    if (world <= 2) ASSERT_EQ(got[k], want[k]) << "element " << k;
+    ASSERT_EQ(got[k], want[k]) << "element " << k;  // plain MPI's direct exchange: same order
   }
 }
 
@@ -441,6 +443,173 @@ TEST(PlainMpiLaunchQueue, BadEnvironmentValueIsRejectedOnEveryRank) {
     EXPECT_NE(std::string(e.what()).find("SHARDOPT_MPI_IN_FLIGHT"), std::string::npos);
   }
   unsetenv("SHARDOPT_MPI_IN_FLIGHT");
+}
+
+// ---- plain MPI's exchange (MpiExchange) --------------------------------------------------------
+
+namespace {
+
+std::shared_ptr<Communicator> plain_comm(MpiExchange exchange, int in_flight = 0) {
+  MpiCommOptions o{MpiCommKind::Plain, 0, in_flight};
+  o.exchange = exchange;
+  return make_mpi_communicator(MPI_COMM_WORLD, o);
+}
+
+std::uint32_t bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// Block counts per rank: equal (one element, odd, several of the direct exchange's chunks of
+// 2^18 elements) and uneven (zeros, odd sizes, one owner over several chunks).
+std::vector<std::vector<std::size_t>> exchange_patterns(int n) {
+  const std::size_t N = static_cast<std::size_t>(n);
+  std::vector<std::vector<std::size_t>> p;
+  for (const std::size_t c : {std::size_t{1}, std::size_t{1001}, std::size_t{300001}})
+    p.push_back(std::vector<std::size_t>(N, c));
+  const std::size_t odd[] = {37, 0, 65, 129};
+  const std::size_t big[] = {300001, 5, 0, 270000};
+  std::vector<std::size_t> a(N), b(N), owner(N, 0);
+  for (std::size_t r = 0; r < N; ++r) a[r] = odd[r % 4], b[r] = big[r % 4];
+  owner[N - 1] = 600000;
+  p.push_back(a);
+  p.push_back(b);
+  p.push_back(owner);
+  return p;
+}
+
+// Runs the reduce-scatter of `counts` (the equal form when all are equal) on buf, filled with
+// any_value(rank, k, salt); returns this rank's block.
+std::vector<float> reduce_scatter_v(Communicator& comm, float* buf,
+                                    const std::vector<std::size_t>& counts, int salt) {
+  const std::size_t me = static_cast<std::size_t>(comm.rank());
+  std::size_t total = 0, start = 0;
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    if (r == me) start = total;
+    total += counts[r];
+  }
+  for (std::size_t k = 0; k < total; ++k) buf[k] = any_value(comm.rank(), k, salt);
+  if (std::all_of(counts.begin(), counts.end(), [&](std::size_t c) { return c == counts[0]; }))
+    comm.reduce_scatter_sum_inplace(buf, counts[0]);
+  else
+    comm.reduce_scatter_sum_v_inplace(buf, counts);
+  return {buf + start, buf + start + counts[me]};
+}
+
+}  // namespace
+
+// The direct exchange sums in rank order ((v0 + v1) + v2) + v3 in fp32 at every chunking
+// (blocks of several chunks), bit for bit, like the shared-memory communicator on one node;
+// MPI's collectives agree with a double reference within fp32 rounding.
+TEST(PlainMpiExchange, DirectSumsInRankOrderAndCollectivesMatchTheReference) {
+  auto direct = plain_comm(MpiExchange::Direct);
+  auto coll = plain_comm(MpiExchange::Collective);
+  auto shm = shm_comm(0);
+  const char* nodes = std::getenv("SHARDOPT_TEST_NODES");
+  const bool one_node = !(nodes && std::atoi(nodes) > 1);  // shm: rank order on one node only
+  const int world = direct->size();
+  const std::size_t me = static_cast<std::size_t>(direct->rank());
+  int salt = 100;
+  for (const std::vector<std::size_t>& counts : exchange_patterns(world)) {
+    std::size_t total = 0, start = 0;
+    for (std::size_t r = 0; r < counts.size(); ++r) {
+      if (r == me) start = total;
+      total += counts[r];
+    }
+    std::vector<float> a(std::max<std::size_t>(total, 1)), b(a.size());
+    Allocation win = shm->allocate_collective_buffer(nullptr, MemCategory::Scratch, 4 * a.size());
+    ASSERT_NE(win.data(), nullptr);
+    for (int rep = 0; rep < 2; ++rep, ++salt) {  // again on the same buffers
+      const auto got = reduce_scatter_v(*direct, a.data(), counts, salt);
+      const auto lib = reduce_scatter_v(*coll, b.data(), counts, salt);
+      const auto node = reduce_scatter_v(*shm, win.as<float>(), counts, salt);
+      ASSERT_EQ(got.size(), counts[me]);
+      for (std::size_t k = 0; k < got.size(); ++k) {
+        float sum = any_value(0, start + k, salt);
+        double ref = sum, mag = std::fabs(ref);
+        for (int r = 1; r < world; ++r) {
+          const float v = any_value(r, start + k, salt);
+          sum += v;
+          ref += v;
+          mag += std::fabs(static_cast<double>(v));
+        }
+        ASSERT_EQ(bits(got[k]), bits(sum)) << "direct, element " << k << " of " << counts[me];
+        if (one_node) ASSERT_EQ(bits(node[k]), bits(got[k])) << "shm, element " << k;
+        ASSERT_NEAR(static_cast<double>(lib[k]), ref, 4 * 0x1p-24 * mag) << "mpi, element " << k;
+      }
+    }
+  }
+}
+
+// Direct requests of several chunks in flight together (mpi_in_flight 3: their chunks are
+// posted as earlier ones complete, in a different order on each rank) never take each other's
+// messages, whatever order they are waited in, with one rank alone driving progress.
+TEST(PlainMpiExchange, DirectRequestsInFlightTogetherKeepTheirMessages) {
+  for (const int limit : {1, 3}) {
+    auto comm = plain_comm(MpiExchange::Direct, limit);
+    const int world = comm->size();
+    const std::size_t me = static_cast<std::size_t>(comm->rank());
+    constexpr int kOps = 4;
+    std::vector<std::vector<std::size_t>> counts(kOps);
+    std::vector<std::vector<float>> bufs(kOps);
+    std::vector<std::unique_ptr<CommRequest>> reqs;
+    for (int op = 0; op < kOps; ++op) {
+      auto& c = counts[static_cast<std::size_t>(op)];
+      for (int r = 0; r < world; ++r)
+        c.push_back(op % 2 == 0 ? 300001 : static_cast<std::size_t>(270000 + 1000 * r + op));
+      std::size_t total = 0;
+      for (std::size_t x : c) total += x;
+      auto& b = bufs[static_cast<std::size_t>(op)];
+      b.resize(total);
+      for (std::size_t k = 0; k < total; ++k) b[k] = any_value(comm->rank(), k, 200 + op);
+      reqs.push_back(op % 2 == 0 ? comm->start_reduce_scatter_sum(b.data(), c[0], CommType::F32)
+                                 : comm->start_reduce_scatter_sum_v(b.data(), c, CommType::F32));
+      if (me == 0)
+        for (auto& r : reqs) r->test();
+    }
+    for (int op = kOps; op-- > 0;) {
+      for (int other = 0; other < op; ++other) reqs[static_cast<std::size_t>(other)]->test();
+      reqs[static_cast<std::size_t>(op)]->wait();
+    }
+    for (int op = 0; op < kOps; ++op) {
+      const auto& c = counts[static_cast<std::size_t>(op)];
+      std::size_t start = 0;
+      for (std::size_t r = 0; r < me; ++r) start += c[r];
+      for (std::size_t k = start; k < start + c[me]; ++k) {
+        float sum = any_value(0, k, 200 + op);
+        for (int r = 1; r < world; ++r) sum += any_value(r, k, 200 + op);
+        ASSERT_EQ(bits(bufs[static_cast<std::size_t>(op)][k]), bits(sum))
+            << "op " << op << " element " << k << " limit " << limit;
+      }
+    }
+  }
+}
+
+// A bad SHARDOPT_MPI_EXCHANGE, or ranks that chose different exchanges, is the same error on
+// every rank (a rank on the other path would wait forever).
+TEST(PlainMpiExchange, BadOrMismatchedChoiceIsAnErrorOnEveryRank) {
+  struct Unset {  // before expect_same_error's own communicator
+    ~Unset() { unsetenv("SHARDOPT_MPI_EXCHANGE"); }
+  };
+  test::expect_same_error(
+      Status::InvalidArgument,
+      [] {
+        setenv("SHARDOPT_MPI_EXCHANGE", "fast", 1);
+        Unset unset;
+        make_mpi_communicator(MPI_COMM_WORLD, {MpiCommKind::Plain, 0});
+      },
+      {"SHARDOPT_MPI_EXCHANGE='fast'"}, "bad value");
+  setenv("SHARDOPT_MPI_EXCHANGE", "mpi", 1);
+  auto coll = make_mpi_communicator(MPI_COMM_WORLD, {MpiCommKind::Plain, 0});
+  unsetenv("SHARDOPT_MPI_EXCHANGE");
+  if (coll->size() == 1) return;
+  test::expect_same_error(
+      Status::InvalidArgument,
+      [&] {
+        plain_comm(coll->rank() == 0 ? MpiExchange::Collective : MpiExchange::Direct);
+      },
+      {"ranks chose different communicators"}, "mismatch");
 }
 
 INSTANTIATE_TEST_SUITE_P(Nodes, ShmCollectives, testing::Values(0, 2),

@@ -1,7 +1,7 @@
 // test_uneven.cpp: the uneven-count collectives (issue 32: start_reduce_scatter_sum_v,
-// start_all_gather_v) on every host communicator at 1-4 ranks (single process, plain MPI,
-// shared memory on one node and on two simulated nodes, inside and outside its windows, the
-// base class's composed default, the checked wrapper) against host references with exact
+// start_all_gather_v) on every host communicator at 1-4 ranks (single process, plain MPI with
+// either exchange, shared memory on one node and on two simulated nodes, inside and outside
+// its windows, the base class's composed default, the checked wrapper) against host references with exact
 // sums (small integers, exact in fp32 and through a bf16 wire); mismatched counts under the
 // checked communicator are the same Error on every rank.
 #include <gtest/gtest.h>
@@ -38,8 +38,14 @@ std::vector<Case> communicators() {
       return make_mpi_communicator(MPI_COMM_WORLD, {MpiCommKind::SharedMemory, nodes});
     };
   };
+  auto plain_collective = [] {  // MPI's collectives instead of the direct exchange
+    MpiCommOptions o{MpiCommKind::Plain, 0};
+    o.exchange = MpiExchange::Collective;
+    return make_mpi_communicator(MPI_COMM_WORLD, o);
+  };
   std::vector<Case> cases{
       {"plain", plain, false},
+      {"plain-collective", plain_collective, false},
       {"shm", shm(0), true},
       {"shm-foreign-buffer", shm(0), false},
       {"shm-2-nodes", shm(2), true},

@@ -30,6 +30,21 @@ enum class MpiWait {
           ///< rank that shares a CPU with another (its peer, or another program) lets it run
 };
 
+/// How plain MPI (and the shared-memory communicator where it hands a collective to plain
+/// MPI) runs the fp32 reduce-scatters, equal and uneven. The bf16 wire, the all-gathers and
+/// the all-reduces use MPI's collectives either way (an all-gather of point-to-point messages
+/// measured no faster than MPICH's; docs/performance.md, "Uneven collectives").
+enum class MpiExchange : int {
+  Auto = 0,        ///< SHARDOPT_MPI_EXCHANGE (direct, mpi or auto) if set; else Direct
+  Direct = 1,      ///< point to point: every rank sends each block to its owner in chunks,
+                   ///< and the owner sums them in rank order ((b_0 + b_1) + b_2) + ..., the
+                   ///< shared-memory communicator's order: deterministic, and equal to it bit
+                   ///< for bit on one node. Faster than MPICH 4.0's reduce-scatters
+                   ///< (docs/performance.md)
+  Collective = 2,  ///< MPI's collectives: MPI_Ireduce_scatter_block, MPI_Ireduce_scatter
+                   ///< (MPI_Ireduce with one owner); summation order is the MPI library's
+};
+
 struct MpiCommOptions {
   MpiCommKind kind = MpiCommKind::Auto;
   /// > 0: split the ranks into this many groups of consecutive ranks and treat each group
@@ -45,6 +60,8 @@ struct MpiCommOptions {
   /// yielding waits do not (docs/performance.md, "Oversubscribed ranks", "Waits on a shared
   /// machine").
   MpiWait wait = MpiWait::Auto;
+  /// How the fp32 reduce-scatters run (MpiExchange).
+  MpiExchange exchange = MpiExchange::Auto;
 };
 
 /// Collective. Duplicates `comm` (so the library's traffic never matches the caller's) and
@@ -59,7 +76,8 @@ struct MpiCommOptions {
 /// inside each node, with MPI collectives between one leader per node; other buffers and
 /// other collectives use plain MPI. Summation order inside a node: node-local ranks 0, 1, ...
 /// (ascending world rank), left to right in fp32, so on one node results are deterministic
-/// and, at two ranks, bitwise equal to plain MPI (a + b). See docs/performance.md.
+/// and bitwise equal to plain MPI's direct exchange (MpiExchange::Direct, the default; at two
+/// ranks also to MPI's collectives: a + b). See docs/performance.md.
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOptions options = {});
 
 }  // namespace shardopt

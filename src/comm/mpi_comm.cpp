@@ -5,12 +5,14 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "../cpu/kernels.hpp"
 #include "mpi_util.hpp"
 #include "mpi_watchdog.hpp"
+#include "shm_kernels.hpp"
 #include "shardopt/bf16.hpp"
 
 namespace shardopt {
@@ -38,6 +40,11 @@ class MpiRequest final : public CommRequest {
   std::vector<float> f32_out;   ///< an uneven reduce-scatter's fp32 result
   std::function<void(MpiRequest&)> launch;  ///< starts the MPI operation(s) into `requests`
   std::function<void()> on_complete;
+  /// A request of several steps (the direct exchange): once the first `step` entries of
+  /// `requests` (all of them when 0) have completed, advance() removes them, may start more,
+  /// and returns whether the request has more to do.
+  std::function<bool(MpiRequest&)> advance;
+  std::size_t step = 0;
 
   MpiRequest(LaunchQueue& queue, std::shared_ptr<Watchdog> dog, const char* name)
       : queue_(queue), dog_(std::move(dog)), ticket_(dog_->enter(name)) {}
@@ -52,6 +59,13 @@ class MpiRequest final : public CommRequest {
   void finish() {
     done_ = true;
     if (on_complete) on_complete();
+  }
+  int front() const {
+    return static_cast<int>(step == 0 ? requests.size() : std::min(step, requests.size()));
+  }
+  // The front step completed: the next one, or the end.
+  void step_done() {
+    if (!advance || !advance(*this)) finish();
   }
   LaunchQueue& queue_;
   std::shared_ptr<Watchdog> dog_;
@@ -150,24 +164,27 @@ void MpiRequest::wait() {
 }
 
 bool MpiRequest::test_started() {
-  if (done_) return true;
-  int flag = 0;
-  SHARDOPT_MPI(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag,
-                           MPI_STATUSES_IGNORE));
-  if (flag) finish();
+  while (!done_) {
+    int flag = 0;
+    SHARDOPT_MPI(MPI_Testall(front(), requests.data(), &flag, MPI_STATUSES_IGNORE));
+    if (!flag) break;
+    step_done();
+  }
   return done_;
 }
 
 void MpiRequest::wait_started() {
-  if (done_) return;
-  dog_->wait(ticket_, static_cast<int>(requests.size()), requests.data());
-  finish();
+  while (!done_) {
+    dog_->wait(ticket_, front(), requests.data());
+    step_done();
+  }
 }
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm parent, std::size_t in_flight, std::shared_ptr<Watchdog> dog)
-      : queue_(in_flight), dog_(std::move(dog)) {
+  MpiCommunicator(MPI_Comm parent, std::size_t in_flight, bool direct,
+                  std::shared_ptr<Watchdog> dog)
+      : queue_(in_flight), dog_(std::move(dog)), direct_(direct) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     require(initialized != 0, Status::InvalidState, "MPI is not initialised");
@@ -176,6 +193,12 @@ class MpiCommunicator final : public Communicator {
     SHARDOPT_MPI(MPI_Comm_rank(comm_, &rank_));
     SHARDOPT_MPI(MPI_Comm_size(comm_, &size_));
     SHARDOPT_MPI(MPI_Op_create(&bf16_sum, 1, &bf16_sum_op_));
+    // The direct exchange's messages get a duplicate of their own (the watchdog's questions
+    // travel point to point on comm_), made whatever the exchange: ranks that chose
+    // differently still make the same collective calls until make_mpi_communicator's check.
+    SHARDOPT_MPI(MPI_Comm_dup(comm_, &data_comm_));
+    SHARDOPT_MPI(MPI_Comm_set_errhandler(data_comm_, MPI_ERRORS_RETURN));
+    tag_space_ = mpi::tag_space();  // make_mpi_communicator keeps in_flight below it
     dog_->attach(comm_);
   }
   ~MpiCommunicator() override {
@@ -183,6 +206,7 @@ class MpiCommunicator final : public Communicator {
     MPI_Finalized(&finalized);
     if (finalized) return;
     MPI_Op_free(&bf16_sum_op_);
+    MPI_Comm_free(&data_comm_);
     MPI_Comm_free(&comm_);
   }
 
@@ -192,15 +216,21 @@ class MpiCommunicator final : public Communicator {
   void set_collective_timeout(double seconds) override { dog_->set_timeout(seconds); }
   std::uint64_t internode_bytes() const override { return internode_; }
 
-  // MPI's in-place reduce-scatter leaves the result at the start of the buffer; it is moved
-  // to the rank's own block when the request completes (NCCL's convention), so no temporary
-  // is needed with an fp32 wire.
+  // An fp32 wire takes the direct exchange unless MpiExchange::Collective chose MPI's. MPI's
+  // in-place reduce-scatter leaves the result at the start of the buffer; it is moved to the
+  // rank's own block when the request completes (NCCL's convention), so no temporary is
+  // needed with an fp32 wire.
   std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
                                                         CommType wire) override {
     const int n = mpi::checked_int(count, "MPI_Ireduce_scatter_block");
     mpi::checked_int(count * static_cast<std::size_t>(size_), "MPI_Ireduce_scatter_block");
     require(wire == CommType::F32 || wire == CommType::BF16, Status::InvalidArgument,
             "reduce_scatter: wire F32 or BF16");
+    if (direct_ && wire == CommType::F32) {
+      count_internode(count, 4);
+      return start_direct_reduce_scatter(
+          buf, std::vector<std::size_t>(static_cast<std::size_t>(size_), count), "reduce_scatter_sum");
+    }
     auto req = std::make_unique<MpiRequest>(queue_, dog_, "reduce_scatter_sum");
     count_internode(count, wire == CommType::BF16 ? 2 : 4);
     float* own = buf + static_cast<std::size_t>(rank_) * count;
@@ -229,7 +259,8 @@ class MpiCommunicator final : public Communicator {
     return req;
   }
 
-  // Uneven reduce-scatter: MPI_Ireduce_scatter with recvcounts, out of place (MPICH 4.0's
+  // Uneven reduce-scatter: an fp32 wire takes the direct exchange unless MpiExchange::
+  // Collective chose MPI's: MPI_Ireduce_scatter with recvcounts, out of place (MPICH 4.0's
   // in-place form corrupts memory for unequal counts) into a result the request owns, copied
   // to this rank's block on completion. Counts (and their sum) above INT_MAX are refused.
   std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(float* buf,
@@ -246,8 +277,11 @@ class MpiCommunicator final : public Communicator {
     const std::size_t mine = counts[me];
     float* own = buf + off[me];
     const bool bf = wire == CommType::BF16;
-    auto req = std::make_unique<MpiRequest>(queue_, dog_, "reduce_scatter_sum_v");
     internode_ += static_cast<std::uint64_t>(off.back() - mine) * (bf ? 2 : 4);
+    if (direct_ && !bf)
+      return start_direct_reduce_scatter(buf, {counts.begin(), counts.end()},
+                                         "reduce_scatter_sum_v");
+    auto req = std::make_unique<MpiRequest>(queue_, dog_, "reduce_scatter_sum_v");
     MpiRequest* rq = req.get();
     const int owner = single_owner(counts);
     if (owner >= 0) {
@@ -320,6 +354,110 @@ class MpiCommunicator final : public Communicator {
       }
       SHARDOPT_MPI(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, icounts.data(),
                                    displ.data(), mpi::datatype(type), comm_, &r.requests[0]));
+    };
+    queue_.submit(req.get());
+    return req;
+  }
+
+  // ---- the direct exchange (MpiExchange::Direct) ------------------------------------------------
+  //
+  // MPICH's reduce-scatter runs at 3.3-3.9x its memory-traffic floor and its irregular forms
+  // slower still (docs/performance.md); sending each block straight to its owner and summing
+  // there moves every byte once. Point to point on data_comm_, with a tag per request (the
+  // requests' call order is the same on every rank, the order their chunks are posted in is
+  // not), so requests in flight together (mpi_in_flight > 1) never match each other's messages;
+  // within one request, chunks between two ranks match in posting order (MPI's non-overtaking
+  // rule).
+
+  static constexpr std::size_t kDirectChunk = std::size_t{1} << 18;  ///< elements per peer
+  static constexpr std::size_t kDirectDepth = 2;  ///< chunks in flight per request
+
+  int next_tag() { return static_cast<int>(direct_seq_++ % static_cast<std::uint64_t>(tag_space_)); }
+
+  // Every rank sends block j (counts[j] elements at offset_j) to rank j in chunks of
+  // kDirectChunk, at most kDirectDepth chunks in flight; the owner sums each chunk when it
+  // has arrived, in rank order (shm::sum_rows: ((block_0 + block_1) + block_2) + ..., the
+  // shared-memory communicator's order), so the result is the same at any chunking, and
+  // equal to the shared-memory communicator's on one node, bit for bit. Work advances in
+  // test() and wait(): each completed chunk is summed and the next one posted.
+  std::unique_ptr<CommRequest> start_direct_reduce_scatter(float* buf,
+                                                           std::vector<std::size_t> counts,
+                                                           const char* name) {
+    struct State {
+      std::vector<std::size_t> counts, off;
+      std::size_t chunks = 0, posted = 0, summed = 0;
+      std::vector<float> scratch;  // kDirectDepth slots of size() * kDirectChunk
+      int tag = 0;
+    };
+    auto st = std::make_shared<State>();
+    const std::size_t P = static_cast<std::size_t>(size_);
+    const std::size_t me = static_cast<std::size_t>(rank_);
+    st->off.assign(P + 1, 0);
+    std::size_t most = 0;
+    for (std::size_t r = 0; r < P; ++r) {
+      st->off[r + 1] = st->off[r] + counts[r];
+      most = std::max(most, counts[r]);
+    }
+    st->counts = std::move(counts);
+    st->chunks = P > 1 ? (most + kDirectChunk - 1) / kDirectChunk : 0;
+    st->tag = next_tag();
+    auto req = std::make_unique<MpiRequest>(queue_, dog_, name);
+    req->step = 2 * (P - 1);
+    const auto part = [st](std::size_t r, std::size_t c) {  // chunk c of block r: elements
+      const std::size_t begin = c * kDirectChunk;
+      return begin < st->counts[r] ? std::min(kDirectChunk, st->counts[r] - begin) : 0;
+    };
+    const auto post = [this, st, buf, P, me, part](MpiRequest& r) {
+      const std::size_t c = st->posted++;
+      float* slot = st->scratch.data() + (c % kDirectDepth) * P * kDirectChunk;
+      const std::size_t base = r.requests.size();
+      r.requests.resize(base + 2 * (P - 1), MPI_REQUEST_NULL);
+      MPI_Request* q = r.requests.data() + base;
+      // Peers in the order me + 1, me + 2, ...: at more than two ranks the senders of one
+      // owner take turns.
+      for (std::size_t d = 1; d < P; ++d) {
+        const std::size_t j = (me + P - d) % P;  // receive from me - d while sending to me + d
+        if (const std::size_t n = part(me, c))
+          SHARDOPT_MPI(MPI_Irecv(slot + j * kDirectChunk, static_cast<int>(n), MPI_FLOAT,
+                                 static_cast<int>(j), st->tag, data_comm_, q + d - 1));
+      }
+      for (std::size_t d = 1; d < P; ++d) {
+        const std::size_t j = (me + d) % P;
+        if (const std::size_t n = part(j, c))
+          SHARDOPT_MPI(MPI_Isend(buf + st->off[j] + c * kDirectChunk, static_cast<int>(n),
+                                 MPI_FLOAT, static_cast<int>(j), st->tag, data_comm_,
+                                 q + P - 1 + d - 1));
+      }
+    };
+    req->launch = [this, st, P, me, post](MpiRequest& r) {
+      if (st->chunks == 0) return;
+      if (st->counts[me] != 0) {
+        std::vector<float> s;
+        if (!scratch_pool_.empty()) {
+          s = std::move(scratch_pool_.back());
+          scratch_pool_.pop_back();
+        }
+        s.resize(kDirectDepth * P * kDirectChunk);
+        st->scratch = std::move(s);
+      }
+      while (st->posted < std::min(st->chunks, kDirectDepth)) post(r);
+    };
+    req->advance = [this, st, buf, P, me, part, post](MpiRequest& r) {
+      if (st->summed == st->chunks) return false;
+      const std::size_t c = st->summed++;
+      if (const std::size_t n = part(me, c)) {
+        float* own = buf + st->off[me] + c * kDirectChunk;
+        const float* slot = st->scratch.data() + (c % kDirectDepth) * P * kDirectChunk;
+        std::vector<const float*> src(P);
+        for (std::size_t j = 0; j < P; ++j) src[j] = j == me ? own : slot + j * kDirectChunk;
+        shm::sum_rows(own, src.data(), static_cast<int>(P), n);
+      }
+      r.requests.erase(r.requests.begin(),
+                       r.requests.begin() + static_cast<std::ptrdiff_t>(r.step));
+      if (st->posted < st->chunks) post(r);
+      if (st->summed < st->chunks) return true;
+      if (!st->scratch.empty()) scratch_pool_.push_back(std::move(st->scratch));
+      return false;
     };
     queue_.submit(req.get());
     return req;
@@ -535,6 +673,11 @@ class MpiCommunicator final : public Communicator {
 
   LaunchQueue queue_;
   std::shared_ptr<Watchdog> dog_;
+  bool direct_ = false;              ///< fp32 reduce-scatters: the direct exchange
+  MPI_Comm data_comm_ = MPI_COMM_NULL;  ///< the direct exchange's messages
+  int tag_space_ = 1;                ///< MPI_TAG_UB + 1: tags of direct requests cycle through it
+  std::uint64_t direct_seq_ = 0;     ///< direct requests made, in call order (the same everywhere)
+  std::vector<std::vector<float>> scratch_pool_;  ///< direct reduce-scatters' chunk buffers
   std::vector<char> combine_scratch_;  ///< reduce_scatter_combine's chunk, reused
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Op bf16_sum_op_ = MPI_OP_NULL;
@@ -546,8 +689,9 @@ class MpiCommunicator final : public Communicator {
 }  // namespace
 
 std::shared_ptr<Communicator> mpi::make_plain_communicator(MPI_Comm comm, std::size_t in_flight,
-                                                           std::shared_ptr<Watchdog> watchdog) {
-  return std::make_shared<MpiCommunicator>(comm, in_flight, std::move(watchdog));
+                                                           std::shared_ptr<Watchdog> watchdog,
+                                                           bool direct) {
+  return std::make_shared<MpiCommunicator>(comm, in_flight, direct, std::move(watchdog));
 }
 
 }  // namespace shardopt

@@ -59,6 +59,23 @@ std::string resolve(MpiCommOptions& o) {
         return "SHARDOPT_MPI_WAIT='" + v + "': expected block, yield or auto";
     }
   }
+  if (o.exchange == MpiExchange::Auto) {
+    o.exchange = MpiExchange::Direct;
+    if (const char* env = std::getenv("SHARDOPT_MPI_EXCHANGE"); env && *env) {
+      const std::string v = env;
+      if (v == "mpi")
+        o.exchange = MpiExchange::Collective;
+      else if (v != "direct" && v != "auto")
+        return "SHARDOPT_MPI_EXCHANGE='" + v + "': expected direct, mpi or auto";
+    }
+  }
+  if (o.exchange != MpiExchange::Direct && o.exchange != MpiExchange::Collective)
+    return "exchange: expected MpiExchange::Auto, Direct or Collective";
+  // The direct exchange tells requests in flight together apart by their tags.
+  if (o.exchange == MpiExchange::Direct && o.mpi_in_flight >= mpi::tag_space())
+    return "mpi_in_flight " + std::to_string(o.mpi_in_flight) +
+           " must stay below MPI_TAG_UB + 1 = " + std::to_string(mpi::tag_space()) +
+           " with MpiExchange::Direct";
   return {};
 }
 
@@ -75,18 +92,22 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOption
   std::string malformed;
   collective_timeout_from_environment(timeout, malformed);
   watchdog->set_timeout(timeout > 0 ? timeout : 0.0);
-  std::shared_ptr<Communicator> plain =
-      mpi::make_plain_communicator(comm, problem.empty() ? options.mpi_in_flight : 1, watchdog);
+  std::shared_ptr<Communicator> plain = mpi::make_plain_communicator(
+      comm, problem.empty() ? options.mpi_in_flight : 1, watchdog,
+      problem.empty() && options.exchange == MpiExchange::Direct);
   agree_or_throw(*plain, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
 
   // A rank that chose differently would wait in other collectives than its peers.
-  const int mine[2] = {static_cast<int>(options.kind), options.simulate_nodes};
-  std::vector<int> all(2 * static_cast<std::size_t>(plain->size()));
+  const int mine[3] = {static_cast<int>(options.kind), options.simulate_nodes,
+                       static_cast<int>(options.exchange)};
+  std::vector<int> all(3 * static_cast<std::size_t>(plain->size()));
   plain->all_gather_bytes(mine, all.data(), sizeof mine);
-  for (std::size_t r = 0; r < all.size(); r += 2)
-    require(all[r] == mine[0] && all[r + 1] == mine[1], Status::InvalidArgument,
-            "make_mpi_communicator: ranks chose different communicators (kind or "
-            "simulated nodes; check SHARDOPT_COMM and SHARDOPT_SIMULATE_NODES)");
+  for (std::size_t r = 0; r < all.size(); r += 3)
+    require(all[r] == mine[0] && all[r + 1] == mine[1] && all[r + 2] == mine[2],
+            Status::InvalidArgument,
+            "make_mpi_communicator: ranks chose different communicators (kind, simulated "
+            "nodes or exchange; check SHARDOPT_COMM, SHARDOPT_SIMULATE_NODES and "
+            "SHARDOPT_MPI_EXCHANGE)");
 
   auto topo = shm::NodeTopology::create(comm, options.simulate_nodes);
   if (topo->num_nodes > 1) watchdog->set_nodes(topo->node_of, topo->host_of);

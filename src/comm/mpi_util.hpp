@@ -50,13 +50,28 @@ inline int checked_int(std::size_t n, const char* what) {
   return static_cast<int>(n);
 }
 
+// How many tags point-to-point messages may use: MPI_TAG_UB + 1 (at least 32768); INT_MAX
+// before MPI_Init (the communicator refuses to be made then).
+inline int tag_space() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return INT_MAX;
+  void* v = nullptr;
+  int flag = 0;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &v, &flag);
+  const int ub = flag ? *static_cast<int*>(v) : 32767;
+  return ub == INT_MAX ? INT_MAX : ub + 1;
+}
+
 class Watchdog;  // mpi_watchdog.hpp
 
 /// The plain communicator: MPI collectives on a duplicate of `comm` (mpi_comm.cpp), at most
 /// `in_flight` non-blocking ones started at once, waiting under `watchdog` (which it attaches
-/// to its duplicate).
+/// to its duplicate). `direct`: fp32 reduce-scatters as the direct exchange
+/// (MpiExchange::Direct; in_flight must then stay below tag_space()).
 std::shared_ptr<Communicator> make_plain_communicator(MPI_Comm comm, std::size_t in_flight,
-                                                      std::shared_ptr<Watchdog> watchdog);
+                                                      std::shared_ptr<Watchdog> watchdog,
+                                                      bool direct = false);
 
 }  // namespace shardopt::mpi
 
