@@ -260,7 +260,7 @@ void BucketSet::start_grad_sync(std::size_t b) {
   const BatchedCollective op = grad_sync_op(b);
   {
     const ScopedSeconds timed(blocked_seconds_);
-    begin_op(b, Op::GradSync, comm_.start(op));
+    begin_op(b, Op::GradSync, comm_.start_collective(op));
   }
   grad_in_flight_.push_back(b);
   next_start_ = b + 1;
@@ -501,7 +501,7 @@ BatchedCollective bucket_gather(const Bucket& bk, void* data, CommType type) {
 
 std::unique_ptr<CommRequest> start_bucket_gather(Communicator& comm, const Bucket& bk, void* data,
                                                  CommType type) {
-  return comm.start(bucket_gather(bk, data, type));
+  return comm.start_collective(bucket_gather(bk, data, type));
 }
 
 void BucketSet::wait_param(std::size_t i) {

@@ -197,7 +197,7 @@ TEST(StartBatch, EqualsOneByOneBitForBit) {
       fill(v, one.ptr, me, salt);
       fill(v, all.ptr, me, salt);
       std::vector<std::unique_ptr<CommRequest>> singles;
-      for (const BatchedCollective& bc : batch_of(v, one.ptr)) singles.push_back(comm->start(bc));
+      for (const BatchedCollective& bc : batch_of(v, one.ptr)) singles.push_back(comm->start_collective(bc));
       for (auto& r : singles) r->wait();
       const std::vector<BatchedCollective> b = batch_of(v, all.ptr);
       std::vector<std::unique_ptr<CommRequest>> batched = comm->start_batch(b);
@@ -223,7 +223,7 @@ TEST(StartBatch, SharedMemoryBatchIsOneBarrierRound) {
   ASSERT_NE(b.win[0].data(), nullptr);
   fill(v, b.ptr, me, 0);
   long before = ibarriers;
-  for (const BatchedCollective& bc : batch_of(v, b.ptr)) comm->start(bc)->wait();
+  for (const BatchedCollective& bc : batch_of(v, b.ptr)) comm->start_collective(bc)->wait();
   EXPECT_EQ(ibarriers - before, 2 * static_cast<long>(v.size()) + 1);  // + the all-reduce's middle
   before = ibarriers;
   std::vector<std::unique_ptr<CommRequest>> r = comm->start_batch(batch_of(v, b.ptr));

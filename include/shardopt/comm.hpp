@@ -132,13 +132,13 @@ class Communicator {
                                                             CommType wire) = 0;
 
   /// Starts `c` alone: the start_ call it names.
-  std::unique_ptr<CommRequest> start(const BatchedCollective& c);
+  std::unique_ptr<CommRequest> start_collective(const BatchedCollective& c);
 
   /// Starts several collectives at once, in the order given, and returns their requests in
   /// that order. Each request completes as the collective started alone would (the same
   /// result, bit for bit); waiting for one may complete others of the batch. The buffers
   /// must not overlap; every rank passes the same list (the same ops and counts, buffers
-  /// obtained the same way). The default starts them one by one (start()); the shared-memory
+  /// obtained the same way). The default starts them one by one (start_collective()); the shared-memory
   /// communicator runs a batch held in its windows on one node as one request, one round of
   /// node barriers per phase for the whole batch instead of one per collective.
   virtual std::vector<std::unique_ptr<CommRequest>> start_batch(

@@ -85,7 +85,7 @@ std::unique_ptr<CommRequest> Communicator::start_all_gather_v(void* buf,
   return completed_request();
 }
 
-std::unique_ptr<CommRequest> Communicator::start(const BatchedCollective& c) {
+std::unique_ptr<CommRequest> Communicator::start_collective(const BatchedCollective& c) {
   using Op = BatchedCollective::Op;
   switch (c.op) {
     case Op::ReduceScatterSum:
@@ -103,7 +103,7 @@ std::vector<std::unique_ptr<CommRequest>> Communicator::start_batch(
     std::span<const BatchedCollective> batch) {
   std::vector<std::unique_ptr<CommRequest>> requests;
   requests.reserve(batch.size());
-  for (const BatchedCollective& c : batch) requests.push_back(start(c));
+  for (const BatchedCollective& c : batch) requests.push_back(start_collective(c));
   return requests;
 }
 

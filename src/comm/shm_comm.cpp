@@ -467,7 +467,7 @@ class ShmCommunicator final : public Communicator {
   // One collective: pending on one node, complete on return on several.
   std::unique_ptr<CommRequest> start_one(const BatchedCollective& c) {
     Work w = work(c);
-    if (w.v.win == nullptr) return plain_->start(c);
+    if (w.v.win == nullptr) return plain_->start_collective(c);
     const mpi::Watchdog::Ticket t = dog_->enter(w.name);
     if (topo_->num_nodes == 1) {
       auto r = std::make_unique<ShmRequest>(queue_, dog_, t,
