@@ -337,8 +337,8 @@ void check_whole_rule_buckets(const FlatLayout& layout, const std::vector<GroupO
 }
 
 // The most buckets one batched start covers (BucketSet::Config::batch): 16 buckets make one
-// shared-memory barrier round instead of 16, while the overlapped gathers still start in
-// groups small enough for the next forward to begin on the first ones.
+// shared-memory barrier round instead of 16, and the overlapped gathers still start as the
+// updates go, 16 buckets at a time.
 constexpr std::size_t kDefaultCommBatch = 16;
 
 // SHARDOPT_COMM_BATCH: the batch size in buckets (1: every bucket's collective alone, as
