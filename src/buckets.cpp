@@ -245,22 +245,51 @@ void BucketSet::start_through(std::size_t end) {
   while (next_start_ < end) start_grad_sync(next_start_);
 }
 
-void BucketSet::start_grad_sync(std::size_t b) {
+BatchedCollective BucketSet::grad_sync_op(std::size_t b) {
+  using C = BatchedCollective::Op;
   const Bucket& bk = layout_.bucket(b);
   finish_op(b);  // the previous step's gather of this bucket, if still outstanding
   float* data = staged() ? slot_for(b) : grads_.as<float>() + bk.flat.begin;
+  if (cfg_.stage == Stage::DataParallel)
+    return {C::AllReduceSum, data, bk.flat.size(), {}, cfg_.wire};
+  if (bk.equal_cut) return {C::ReduceScatterSum, data, bk.slice_elems, {}, cfg_.wire};
+  return {C::ReduceScatterSumV, data, 0, bk.counts, cfg_.wire};  // Whole: ragged ranges
+}
+
+void BucketSet::start_grad_sync(std::size_t b) {
+  const BatchedCollective op = grad_sync_op(b);
   {
     const ScopedSeconds timed(blocked_seconds_);
-    begin_op(b, Op::GradSync,
-             cfg_.stage == Stage::DataParallel
-                 ? comm_.start_all_reduce_sum(data, bk.flat.size(), cfg_.wire)
-             : bk.equal_cut ? comm_.start_reduce_scatter_sum(data, bk.slice_elems, cfg_.wire)
-                            // Whole ownership: the bucket's ragged per-rank ranges
-                            : comm_.start_reduce_scatter_sum_v(data, bk.counts, cfg_.wire));
+    begin_op(b, Op::GradSync, comm_.start_collective(op));
   }
   grad_in_flight_.push_back(b);
   next_start_ = b + 1;
   if (!cfg_.overlap) {
+    while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
+  }
+}
+
+// Without overlap and unstaged, no bucket starts before the step on any rank (grad() and
+// grad_ready() start nothing), so every rank starts the same buckets here and may batch them
+// alike. With overlap, or staged, which buckets are left for the step depends on each rank's
+// calls (a parameter one rank never marks ready): those start one by one, as the same
+// sequence of single collectives on every rank.
+void BucketSet::start_grad_syncs_batched(std::size_t end) {
+  while (next_start_ < end) {
+    const std::size_t first = next_start_;
+    const std::size_t last = std::min(end, first + cfg_.batch);
+    std::vector<BatchedCollective> ops;
+    for (std::size_t b = first; b < last; ++b) ops.push_back(grad_sync_op(b));
+    std::vector<std::unique_ptr<CommRequest>> requests;
+    {
+      const ScopedSeconds timed(blocked_seconds_);
+      requests = comm_.start_batch(ops);
+    }
+    for (std::size_t b = first; b < last; ++b) {
+      begin_op(b, Op::GradSync, std::move(requests[b - first]));
+      grad_in_flight_.push_back(b);
+    }
+    next_start_ = last;
     while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
   }
 }
@@ -315,6 +344,7 @@ void BucketSet::finish_grad_sync() {
     return;
   }
   if (spill_param_ != kNone) flush_spill();
+  if (!cfg_.overlap && !staged() && cfg_.batch > 1) start_grad_syncs_batched(state_.size());
   start_through(state_.size());
   while (!grad_in_flight_.empty()) complete_oldest_grad_sync();
 }
@@ -443,17 +473,35 @@ void BucketSet::zero_grads() {
 // ---- parameters -------------------------------------------------------------------------------
 
 void BucketSet::start_param_sync(std::size_t b) {
-  const Bucket& bk = layout_.bucket(b);
+  const std::size_t one[1] = {b};
+  start_param_syncs(one);
+}
+
+void BucketSet::start_param_syncs(std::span<const std::size_t> buckets) {
   const std::size_t elem = cfg_.param_type == CommType::F32 ? 4 : 2;
-  char* data = replica_ + bk.flat.begin * elem;
-  begin_op(b, Op::ParamSync, start_bucket_gather(comm_, bk, data, cfg_.param_type));
+  for (std::size_t at = 0; at < buckets.size(); at += cfg_.batch) {
+    const std::span<const std::size_t> group =
+        buckets.subspan(at, std::min(cfg_.batch, buckets.size() - at));
+    std::vector<BatchedCollective> ops;
+    for (std::size_t b : group) {
+      const Bucket& bk = layout_.bucket(b);
+      ops.push_back(bucket_gather(bk, replica_ + bk.flat.begin * elem, cfg_.param_type));
+    }
+    std::vector<std::unique_ptr<CommRequest>> requests = comm_.start_batch(ops);
+    for (std::size_t k = 0; k < group.size(); ++k)
+      begin_op(group[k], Op::ParamSync, std::move(requests[k]));
+  }
+}
+
+BatchedCollective bucket_gather(const Bucket& bk, void* data, CommType type) {
+  if (bk.equal_cut) return {BatchedCollective::Op::AllGather, data, bk.slice_elems, {}, type};
+  // Whole ownership: the bucket's ragged per-rank ranges
+  return {BatchedCollective::Op::AllGatherV, data, 0, bk.counts, type};
 }
 
 std::unique_ptr<CommRequest> start_bucket_gather(Communicator& comm, const Bucket& bk, void* data,
                                                  CommType type) {
-  return bk.equal_cut ? comm.start_all_gather(data, bk.slice_elems, type)
-                      // Whole ownership: the bucket's ragged per-rank ranges
-                      : comm.start_all_gather_v(data, bk.counts, type);
+  return comm.start_collective(bucket_gather(bk, data, type));
 }
 
 void BucketSet::wait_param(std::size_t i) {

@@ -31,9 +31,11 @@
 
 namespace shardopt {
 
-/// Starts the in-place all-gather of bucket `bk` in `data` (the bucket's elements, `type` F32
-/// or U16): equal slices, or (Whole ownership) its ragged per-rank ranges. Stages 1-2 gather
-/// into the replica (BucketSet::start_param_sync), stage 3 into a unit buffer (UnitSet).
+/// The in-place all-gather of bucket `bk` in `data` (the bucket's elements, `type` F32 or
+/// U16): equal slices, or (Whole ownership) its ragged per-rank ranges. Stages 1-2 gather
+/// into the replica (BucketSet::start_param_syncs, batched), stage 3 into a unit buffer
+/// (UnitSet, through start_bucket_gather, which starts it alone).
+BatchedCollective bucket_gather(const Bucket& bk, void* data, CommType type);
 std::unique_ptr<CommRequest> start_bucket_gather(Communicator& comm, const Bucket& bk, void* data,
                                                  CommType type);
 
@@ -50,6 +52,10 @@ class BucketSet {
     /// Host memory: each bucket's sum of squares (the norm's part) is taken as soon as its
     /// reduction completes, while the reduced slice is still in cache (norm_sums()).
     bool eager_norm = false;
+    /// The most buckets one batched start covers (Communicator::start_batch; 1: every bucket
+    /// alone). Batched: the step's reductions when nothing can have started them during
+    /// backward (no overlap, unstaged), and the parameter gathers (start_param_syncs).
+    std::size_t batch = 1;
   };
   /// The gradient buffers, allocated by the caller (the constructor allocates nothing, so
   /// that the caller can make the collective allocations first on every rank): plan.grads,
@@ -114,6 +120,11 @@ class BucketSet {
   // ---- parameters ------------------------------------------------------------------------
   /// Starts the all-gather of bucket b's updated slices into the replica.
   void start_param_sync(std::size_t b);
+  /// start_param_sync of every bucket listed, in that order, in batches of at most
+  /// Config::batch buckets (every rank must list the same buckets).
+  void start_param_syncs(std::span<const std::size_t> buckets);
+  /// Config::batch.
+  std::size_t batch() const { return cfg_.batch; }
   /// Finishes the parameter syncs of the buckets holding parameter i.
   void wait_param(std::size_t i);
   /// Finishes every parameter sync.
@@ -136,6 +147,8 @@ class BucketSet {
   void finish_op(std::size_t b);  // waits and completes bucket b's outstanding collective
   void start_through(std::size_t end);  // starts gradient syncs [next_start_, end) in order
   void start_grad_sync(std::size_t b);
+  void start_grad_syncs_batched(std::size_t end);  // finish_grad_sync without overlap, unstaged
+  BatchedCollective grad_sync_op(std::size_t b);   // bucket b's reduction (finished before)
   void complete_oldest_grad_sync();
   float* slot_for(std::size_t b);  // Staged: the bucket's staging slot, acquired if needed
   float* slot_data(int slot) const;

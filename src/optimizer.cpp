@@ -6,6 +6,7 @@
 #include <chrono>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <limits>
@@ -327,6 +328,24 @@ void check_whole_rule_buckets(const FlatLayout& layout, const std::vector<GroupO
   }
 }
 
+// The most buckets one batched start covers (BucketSet::Config::batch): 16 buckets make one
+// shared-memory barrier round instead of 16, and the overlapped gathers still start as the
+// updates go, 16 buckets at a time.
+constexpr std::size_t kDefaultCommBatch = 16;
+
+// SHARDOPT_COMM_BATCH: the batch size in buckets (1: every bucket's collective alone, as
+// before batching; for A/B measurements and the tests). Read inside finalize's agreement, so
+// a bad value is an error on every rank.
+std::size_t comm_batch_from_environment() {
+  const char* env = std::getenv("SHARDOPT_COMM_BATCH");
+  if (env == nullptr || *env == '\0') return kDefaultCommBatch;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  require(*end == '\0' && n >= 1 && n <= 1 << 20, Status::InvalidArgument,
+          std::string("SHARDOPT_COMM_BATCH='") + env + "': expected a count of buckets >= 1");
+  return static_cast<std::size_t>(n);
+}
+
 struct RankSummary {
   std::uint64_t fingerprint;
   std::uint64_t num_params;
@@ -340,8 +359,10 @@ struct RankSummary {
 void ShardedOptimizer::finalize() {
   const CallScope call("finalize");
   FlatLayout layout = layout_;
+  std::size_t batch = kDefaultCommBatch;
   collective(*comm_, "finalize", [&] {
     require_registering("finalize");
+    batch = comm_batch_from_environment();
     check_whole_rule_params(layout, groups_, options_);
     // Whole-tensor ownership (ownership.hpp) runs every stage and reduction on the CPU (the
     // collectives, unit gathers and exact sums take each bucket's ragged per-rank ranges) and
@@ -364,7 +385,10 @@ void ShardedOptimizer::finalize() {
   });
 
   // Every rank compares everyone's fingerprint, so all of them detect a mismatch.
-  const RankSummary mine{configuration_fingerprint(layout, options_, groups_),
+  // The batches must be the same on every rank (a shared-memory batch is one barrier round).
+  const std::uint64_t batch64 = batch;
+  const RankSummary mine{fnv1a64(&batch64, sizeof batch64,
+                                 configuration_fingerprint(layout, options_, groups_)),
                          layout.num_params(), layout.unpadded_size(),
                          static_cast<std::int32_t>(options_.stage),
                          static_cast<std::int32_t>(options_.param_dtype)};
@@ -375,7 +399,7 @@ void ShardedOptimizer::finalize() {
   if (!same) {
     std::ostringstream os;
     os << "finalize: parameter layout or options differ across ranks (names, sizes, order, "
-          "groups, dtype, stage and hyperparameters must match):";
+          "groups, dtype, stage, hyperparameters and SHARDOPT_COMM_BATCH must match):";
     for (std::size_t r = 0; r < all.size(); ++r)
       os << " rank " << r << ": " << all[r].num_params << " params, " << all[r].elements
          << " elements, " << stage_name(static_cast<Stage>(all[r].stage)) << ", "
@@ -436,7 +460,8 @@ void ShardedOptimizer::finalize() {
                         f32 ? CommType::F32 : CommType::U16, options_.overlap,
                         options_.reduction == Reduction::Reproducible,
                         options_.device == Device::Cpu &&
-                            options_.reduction != Reduction::Reproducible},
+                            options_.reduction != Reduction::Reproducible,
+                        batch},
       std::move(grads), b.replica.data());
   if (zero3)
     units_ = std::make_unique<UnitSet>(*comm_, be, layout_, plan, options_.param_dtype,
@@ -851,14 +876,17 @@ void ShardedOptimizer::all_gather_replica() {
   if (options_.stage == Stage::DataParallel || options_.stage == Stage::Zero3 ||
       comm_->size() == 1)
     return;  // stage 3: the next acquires gather
-  for (std::size_t b = layout_.num_buckets(); b-- > 0;) buckets_->start_param_sync(b);
+  std::vector<std::size_t> order;
+  for (std::size_t b = layout_.num_buckets(); b-- > 0;) order.push_back(b);
+  buckets_->start_param_syncs(order);
   buckets_->wait_params();
 }
 
 // Updates this rank's window of every bucket, in forward (flat) order, and gathers the
 // replica; sets the seconds (wall and process CPU) spent updating. With gather_per_bucket
-// each bucket's all-gather starts right after its update, and the next forward waits only for
-// the buckets it reads (param()).
+// the all-gathers start as the updates go, in batches of BucketSet::batch() buckets (each
+// batch once its last bucket is updated), and the next forward waits only for the batches
+// holding the buckets it reads (param()).
 void ShardedOptimizer::update_and_gather(const StepHyper& h, double grad_scale,
                                          bool gather_per_bucket, StepTimings& timings) {
   Buffers& b = *buf_;
@@ -868,6 +896,7 @@ void ShardedOptimizer::update_and_gather(const StepHyper& h, double grad_scale,
   double update_seconds = 0.0, update_cpu = 0.0;
   const std::array<void*, rules::kNumSlots> slots = b.slot_data();
   const rules::StepInputs in{&groups_, h, grad_scale, b.rule_scratch.as<float>()};
+  std::vector<std::size_t> updated;  // gather_per_bucket: updated, gather not started
   for (std::size_t k = layout_.num_buckets(); k-- > 0;) {
     const double cpu_start = process_cpu_seconds();
     const Clock::time_point start = Clock::now();
@@ -878,7 +907,13 @@ void ShardedOptimizer::update_and_gather(const StepHyper& h, double grad_scale,
                                        options_.param_dtype});
     update_seconds += seconds(Clock::now() - start);
     update_cpu += process_cpu_seconds() - cpu_start;
-    if (gathers && gather_per_bucket) buckets_->start_param_sync(k);
+    if (gathers && gather_per_bucket) {
+      updated.push_back(k);
+      if (updated.size() == buckets_->batch() || k == 0) {
+        buckets_->start_param_syncs(updated);
+        updated.clear();
+      }
+    }
   }
   if (!gather_per_bucket) all_gather_replica();
   timings.update = update_seconds;

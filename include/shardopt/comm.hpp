@@ -56,6 +56,23 @@ class CommRequest {
   virtual void wait() = 0;
 };
 
+/// One collective of a batch (Communicator::start_batch): the arguments of one of the
+/// Communicator's start_ calls.
+struct BatchedCollective {
+  enum class Op : unsigned char {
+    ReduceScatterSum,   ///< start_reduce_scatter_sum(buf, count, type)
+    ReduceScatterSumV,  ///< start_reduce_scatter_sum_v(buf, counts, type)
+    AllGather,          ///< start_all_gather(buf, count, type)
+    AllGatherV,         ///< start_all_gather_v(buf, counts, type)
+    AllReduceSum,       ///< start_all_reduce_sum(buf, count, type)
+  };
+  Op op = Op::AllGather;
+  void* buf = nullptr;
+  std::size_t count = 0;                ///< per rank (equal forms) or in all (all-reduce)
+  std::span<const std::size_t> counts;  ///< the uneven forms' per-rank counts
+  CommType type = CommType::F32;        ///< the wire (reductions) or element type (gathers)
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -113,6 +130,19 @@ class Communicator {
   /// Starts an in-place sum over all ranks of `count` fp32 values; `wire` is F32 or BF16.
   virtual std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
                                                             CommType wire) = 0;
+
+  /// Starts `c` alone: the start_ call it names.
+  std::unique_ptr<CommRequest> start_collective(const BatchedCollective& c);
+
+  /// Starts several collectives at once, in the order given, and returns their requests in
+  /// that order. Each request completes as the collective started alone would (the same
+  /// result, bit for bit); waiting for one may complete others of the batch. The buffers
+  /// must not overlap; every rank passes the same list (the same ops and counts, buffers
+  /// obtained the same way). The default starts them one by one (start_collective()); the shared-memory
+  /// communicator runs a batch held in its windows on one node as one request, one round of
+  /// node barriers per phase for the whole batch instead of one per collective.
+  virtual std::vector<std::unique_ptr<CommRequest>> start_batch(
+      std::span<const BatchedCollective> batch);
 
   /// In-place sum over all ranks, blocking. CommType F32 or F64.
   virtual void all_reduce_sum(void* buf, std::size_t count, CommType type) = 0;

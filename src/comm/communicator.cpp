@@ -85,6 +85,28 @@ std::unique_ptr<CommRequest> Communicator::start_all_gather_v(void* buf,
   return completed_request();
 }
 
+std::unique_ptr<CommRequest> Communicator::start_collective(const BatchedCollective& c) {
+  using Op = BatchedCollective::Op;
+  switch (c.op) {
+    case Op::ReduceScatterSum:
+      return start_reduce_scatter_sum(static_cast<float*>(c.buf), c.count, c.type);
+    case Op::ReduceScatterSumV:
+      return start_reduce_scatter_sum_v(static_cast<float*>(c.buf), c.counts, c.type);
+    case Op::AllGather: return start_all_gather(c.buf, c.count, c.type);
+    case Op::AllGatherV: return start_all_gather_v(c.buf, c.counts, c.type);
+    case Op::AllReduceSum: return start_all_reduce_sum(static_cast<float*>(c.buf), c.count, c.type);
+  }
+  throw Error(Status::InvalidArgument, "start: unknown collective");
+}
+
+std::vector<std::unique_ptr<CommRequest>> Communicator::start_batch(
+    std::span<const BatchedCollective> batch) {
+  std::vector<std::unique_ptr<CommRequest>> requests;
+  requests.reserve(batch.size());
+  for (const BatchedCollective& c : batch) requests.push_back(start_collective(c));
+  return requests;
+}
+
 CallScope::CallScope(std::string_view name) noexcept {
   if (call_name.depth++ > 0) return;
   const std::size_t n = std::min(name.size(), sizeof call_name.name - 1);

@@ -24,6 +24,10 @@
 // keep the blocking form. SHARDOPT_SHM_BLOCKING=1 makes every start wait for its request
 // (the behaviour before 2026-11-26), to measure what the non-blocking form hides.
 //
+// Batches (start_batch, issue 29): on one node, collectives of disjoint buffers in the windows
+// started together are one ShmRequest, whose step k runs step k of each of them: one round of
+// node barriers for the batch instead of one per collective, the same sums and copies.
+//
 // Summation order: within a node, node ranks 0, 1, 2, ... left to right in fp32 (node ranks
 // follow world ranks). Across nodes, the node sums are combined by MPI_Reduce_scatter on the
 // leaders (MPI's own order).
@@ -85,13 +89,15 @@ class ShmQueue {
   std::deque<ShmRequest*> pending_;
 };
 
-// One node collective in flight: steps of local work, each after a node barrier, and a last
-// barrier after them (barrier, step 0, barrier, step 1, ..., barrier).
+// One node collective in flight (or a batch of them, start_batch): steps of local work, each
+// after a node barrier, and a last barrier after them (barrier, step 0, barrier, step 1, ...,
+// barrier). The barriers order the stores to every window the steps touch.
 class ShmRequest final : public CommRequest {
  public:
   ShmRequest(ShmQueue& queue, std::shared_ptr<mpi::Watchdog> dog, mpi::Watchdog::Ticket ticket,
-             std::shared_ptr<const ShmWindow> win, std::vector<std::function<void()>> steps)
-      : queue_(queue), dog_(std::move(dog)), ticket_(ticket), win_(std::move(win)),
+             std::vector<std::shared_ptr<const ShmWindow>> wins,
+             std::vector<std::function<void()>> steps)
+      : queue_(queue), dog_(std::move(dog)), ticket_(ticket), wins_(std::move(wins)),
         steps_(std::move(steps)) {
     queue_.push(this);
   }
@@ -113,7 +119,7 @@ class ShmRequest final : public CommRequest {
   void start() {
     if (started_) return;
     started_ = true;
-    win_->start_sync(&barrier_);
+    start_barrier();
   }
   /// Runs the steps whose barriers have completed (all of them with `block`, waiting under
   /// the watchdog: timeouts and yielding as for every other wait). Returns whether done.
@@ -128,28 +134,46 @@ class ShmRequest final : public CommRequest {
         SHARDOPT_MPI(MPI_Test(&barrier_, &flag, MPI_STATUS_IGNORE));
         if (flag == 0) return false;
       }
-      win_->finish_sync();
+      for (const auto& w : wins_) w->finish_sync();
       if (next_ == steps_.size()) {
         done_ = true;
         break;
       }
       steps_[next_++]();
-      win_->start_sync(&barrier_);
+      start_barrier();
     }
     return true;
   }
   bool done() const { return done_; }
 
  private:
+  // This rank's stores to every window made visible (finish_sync is MPI_Win_sync alone), then
+  // one node barrier for all of them.
+  void start_barrier() {
+    for (std::size_t k = 1; k < wins_.size(); ++k) wins_[k]->finish_sync();
+    wins_[0]->start_sync(&barrier_);
+  }
+
   ShmQueue& queue_;
   std::shared_ptr<mpi::Watchdog> dog_;
   mpi::Watchdog::Ticket ticket_;
-  std::shared_ptr<const ShmWindow> win_;
+  std::vector<std::shared_ptr<const ShmWindow>> wins_;  ///< distinct, at least one
   std::vector<std::function<void()>> steps_;
   std::size_t next_ = 0;  ///< steps run
   MPI_Request barrier_ = MPI_REQUEST_NULL;
   bool started_ = false;
   bool done_ = false;
+};
+
+// One collective's request inside a batch (start_batch): the batch completes as a whole.
+class BatchPart final : public CommRequest {
+ public:
+  explicit BatchPart(std::shared_ptr<ShmRequest> batch) : batch_(std::move(batch)) {}
+  bool test() override { return batch_->test(); }
+  void wait() override { batch_->wait(); }
+
+ private:
+  std::shared_ptr<ShmRequest> batch_;  ///< the last part going away completes it
 };
 
 void ShmQueue::push(ShmRequest* r) {
@@ -300,91 +324,175 @@ class ShmCommunicator final : public Communicator {
   // On one node the shared-memory collectives return a pending ShmRequest; on several they
   // complete before they return (node barriers and leader collectives inside). Everything
   // else is the plain MPI communicator's.
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
-                                                        CommType wire) override {
-    const std::vector<std::size_t> start = offsets(count, 1);
-    const WindowView v = find(buf, start.back() * sizeof(float));
-    if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32)
-      return plain_->start_reduce_scatter_sum(buf, count, wire);
-    const mpi::Watchdog::Ticket t = dog_->enter("reduce_scatter_sum (shared memory)");
-    if (topo_->num_nodes == 1) return pending(t, v, {node_reduce_scatter_step(v, count, start)});
-    queue_.drain();
-    reduce_scatter(v, count, start);
-    return completed_request();
-  }
-
-  std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count,
-                                                CommType type) override {
-    const std::vector<std::size_t> start = offsets(count, mpi::type_size(type));  // bytes
-    const WindowView v = find(buf, start.back());
-    if (v.win == nullptr || !hierarchy_usable()) return plain_->start_all_gather(buf, count, type);
-    const mpi::Watchdog::Ticket t = dog_->enter("all_gather (shared memory)");
-    if (topo_->num_nodes == 1) return pending(t, v, {node_all_gather_step(v, start)});
-    queue_.drain();
-    all_gather(v, start);
-    return completed_request();
-  }
-
+  //
   // The uneven forms take the same paths with per-rank block offsets: on one node every
   // block is summed by all node ranks together (a single-owner bucket is split between them
   // like an equal one); on several, the leaders' reduce-scatter and all-gather are uneven
   // already. A bf16 wire or a buffer outside the windows takes plain MPI's form.
-  std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(float* buf,
-                                                          std::span<const std::size_t> counts,
-                                                          CommType wire) override {
-    const std::vector<std::size_t> start = uneven_offsets(counts, size(), "reduce_scatter_sum_v");
-    const WindowView v = find(buf, start.back() * sizeof(float));
-    if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32)
-      return plain_->start_reduce_scatter_sum_v(buf, counts, wire);
-    const mpi::Watchdog::Ticket t = dog_->enter("reduce_scatter_sum_v (shared memory)");
-    std::vector<std::size_t> c(counts.begin(), counts.end());
-    if (topo_->num_nodes == 1) return pending(t, v, {node_reduce_scatter_v_step(v, std::move(c), start)});
-    queue_.drain();
-    hierarchical_reduce_scatter(v, c, start);
-    return completed_request();
-  }
-
-  std::unique_ptr<CommRequest> start_all_gather_v(void* buf, std::span<const std::size_t> counts,
-                                                  CommType type) override {
-    std::vector<std::size_t> start = uneven_offsets(counts, size(), "all_gather_v");
-    require(type == CommType::F32 || type == CommType::U16, Status::InvalidArgument,
-            "all_gather_v: type F32 or U16");
-    for (std::size_t& s : start) s *= mpi::type_size(type);  // bytes
-    const WindowView v = find(buf, start.back());
-    if (v.win == nullptr || !hierarchy_usable()) return plain_->start_all_gather_v(buf, counts, type);
-    const mpi::Watchdog::Ticket t = dog_->enter("all_gather_v (shared memory)");
-    if (topo_->num_nodes == 1) return pending(t, v, {node_all_gather_v_step(v, start)});
-    queue_.drain();
-    all_gather(v, start);
-    return completed_request();
-  }
-
+  //
   // Inside a window, an all-reduce is the reduce-scatter followed by the all-gather (each
   // rank sums 1/N of the buffer, then copies the other N-1 parts): 2 (N-1)/N of the buffer
   // read from peers, as a ring all-reduce moves, without MPI's out-of-place temporaries.
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum(float* buf, std::size_t count,
+                                                        CommType wire) override {
+    return start_one({BatchedCollective::Op::ReduceScatterSum, buf, count, {}, wire});
+  }
+  std::unique_ptr<CommRequest> start_all_gather(void* buf, std::size_t count,
+                                                CommType type) override {
+    return start_one({BatchedCollective::Op::AllGather, buf, count, {}, type});
+  }
+  std::unique_ptr<CommRequest> start_reduce_scatter_sum_v(float* buf,
+                                                          std::span<const std::size_t> counts,
+                                                          CommType wire) override {
+    return start_one({BatchedCollective::Op::ReduceScatterSumV, buf, 0, counts, wire});
+  }
+  std::unique_ptr<CommRequest> start_all_gather_v(void* buf, std::span<const std::size_t> counts,
+                                                  CommType type) override {
+    return start_one({BatchedCollective::Op::AllGatherV, buf, 0, counts, type});
+  }
   std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
                                                     CommType wire) override {
-    const std::size_t n = static_cast<std::size_t>(size());
-    const WindowView v = find(buf, count * sizeof(float));
-    if (v.win == nullptr || !hierarchy_usable() || wire != CommType::F32 || count % n != 0)
-      return plain_->start_all_reduce_sum(buf, count, wire);
-    const mpi::Watchdog::Ticket t = dog_->enter("all_reduce_sum (shared memory)");
-    if (topo_->num_nodes == 1)
-      return pending(t, v,
-                     {node_reduce_scatter_step(v, count / n, offsets(count / n, 1)),
-                      node_all_gather_step(v, offsets(count / n, sizeof(float)))});
-    queue_.drain();
-    reduce_scatter(v, count / n, offsets(count / n, 1));
-    all_gather(v, offsets(count / n, sizeof(float)));
-    return completed_request();
+    return start_one({BatchedCollective::Op::AllReduceSum, buf, count, {}, wire});
+  }
+
+  // A batch on one node, every buffer in the windows: one ShmRequest whose step k runs step k
+  // of every collective of the batch (the same work, so the same bits), with one round of
+  // node barriers per step for the whole batch. The collectives' buffers are disjoint, so
+  // their steps do not race with each other. Otherwise one by one.
+  std::vector<std::unique_ptr<CommRequest>> start_batch(
+      std::span<const BatchedCollective> batch) override {
+    if (topo_->num_nodes != 1 || batch.size() < 2) return Communicator::start_batch(batch);
+    std::vector<Work> works;
+    works.reserve(batch.size());
+    std::size_t phases = 0;
+    std::vector<std::shared_ptr<const ShmWindow>> wins;
+    for (const BatchedCollective& c : batch) {
+      works.push_back(work(c));
+      const Work& w = works.back();
+      if (w.v.win == nullptr) return Communicator::start_batch(batch);  // alike on every rank
+      phases = std::max(phases, w.steps.size());
+      if (std::find(wins.begin(), wins.end(), w.v.keep) == wins.end()) wins.push_back(w.v.keep);
+    }
+    const mpi::Watchdog::Ticket t = dog_->enter("batch of collectives (shared memory)");
+    std::vector<std::function<void()>> steps;
+    for (std::size_t k = 0; k < phases; ++k) {
+      std::vector<std::function<void()>> parts;
+      for (Work& w : works)
+        if (k < w.steps.size()) parts.push_back(std::move(w.steps[k]));
+      steps.push_back([parts = std::move(parts)] {
+        for (const std::function<void()>& f : parts) f();
+      });
+    }
+    auto r = std::make_shared<ShmRequest>(queue_, dog_, t, std::move(wins), std::move(steps));
+    if (blocking_) r->wait();
+    std::vector<std::unique_ptr<CommRequest>> requests;
+    requests.reserve(batch.size());
+    for (std::size_t k = 0; k < batch.size(); ++k) requests.push_back(std::make_unique<BatchPart>(r));
+    return requests;
   }
 
  private:
-  std::unique_ptr<CommRequest> pending(const mpi::Watchdog::Ticket& t, const WindowView& v,
-                                       std::vector<std::function<void()>> steps) {
-    auto r = std::make_unique<ShmRequest>(queue_, dog_, t, v.keep, std::move(steps));
-    if (blocking_) r->wait();
-    return r;
+  // What collective c does here: its window, its blocks' offsets (elements for the
+  // reductions, bytes for the gathers) and counts, and on one node its steps between node
+  // barriers. v.win == nullptr: plain MPI's (a buffer outside the windows, a bf16 wire, an
+  // all-reduce not cut in equal blocks, nodes of non-consecutive ranks).
+  struct Work {
+    WindowView v;
+    std::vector<std::size_t> start;
+    std::vector<std::size_t> counts;  ///< the reduce-scatters' (several nodes)
+    std::vector<std::function<void()>> steps;
+    const char* name = "";
+  };
+  Work work(const BatchedCollective& c) const {
+    using Op = BatchedCollective::Op;
+    const std::size_t n = static_cast<std::size_t>(size());
+    const bool reduction = c.op == Op::ReduceScatterSum || c.op == Op::ReduceScatterSumV ||
+                           c.op == Op::AllReduceSum;
+    Work w;
+    std::size_t bytes = 0;
+    switch (c.op) {
+      case Op::ReduceScatterSum:
+        w.name = "reduce_scatter_sum (shared memory)";
+        w.start = offsets(c.count, 1);
+        w.counts.assign(n, c.count);
+        bytes = w.start.back() * sizeof(float);
+        break;
+      case Op::ReduceScatterSumV:
+        w.name = "reduce_scatter_sum_v (shared memory)";
+        w.start = uneven_offsets(c.counts, size(), "reduce_scatter_sum_v");
+        w.counts.assign(c.counts.begin(), c.counts.end());
+        bytes = w.start.back() * sizeof(float);
+        break;
+      case Op::AllGather:
+        w.name = "all_gather (shared memory)";
+        w.start = offsets(c.count, mpi::type_size(c.type));  // bytes
+        bytes = w.start.back();
+        break;
+      case Op::AllGatherV:
+        w.name = "all_gather_v (shared memory)";
+        w.start = uneven_offsets(c.counts, size(), "all_gather_v");
+        require(c.type == CommType::F32 || c.type == CommType::U16, Status::InvalidArgument,
+                "all_gather_v: type F32 or U16");
+        for (std::size_t& s : w.start) s *= mpi::type_size(c.type);  // bytes
+        bytes = w.start.back();
+        break;
+      case Op::AllReduceSum:
+        w.name = "all_reduce_sum (shared memory)";
+        if (c.count % n != 0) return w;
+        w.start = offsets(c.count / n, 1);
+        w.counts.assign(n, c.count / n);
+        bytes = c.count * sizeof(float);
+        break;
+    }
+    if (reduction && c.type != CommType::F32) return w;
+    w.v = find(c.buf, bytes);
+    if (w.v.win == nullptr || !hierarchy_usable()) {
+      w.v = {};
+      return w;
+    }
+    if (topo_->num_nodes != 1) return w;
+    switch (c.op) {
+      case Op::ReduceScatterSum: w.steps = {node_reduce_scatter_step(w.v, c.count, w.start)}; break;
+      case Op::ReduceScatterSumV: w.steps = {node_reduce_scatter_v_step(w.v, w.counts, w.start)}; break;
+      case Op::AllGather: w.steps = {node_all_gather_step(w.v, w.start)}; break;
+      case Op::AllGatherV: w.steps = {node_all_gather_v_step(w.v, w.start)}; break;
+      case Op::AllReduceSum:
+        w.steps = {node_reduce_scatter_step(w.v, c.count / n, w.start),
+                   node_all_gather_step(w.v, offsets(c.count / n, sizeof(float)))};
+        break;
+    }
+    return w;
+  }
+
+  // One collective: pending on one node, complete on return on several.
+  std::unique_ptr<CommRequest> start_one(const BatchedCollective& c) {
+    Work w = work(c);
+    if (w.v.win == nullptr) return plain_->start_collective(c);
+    const mpi::Watchdog::Ticket t = dog_->enter(w.name);
+    if (topo_->num_nodes == 1) {
+      auto r = std::make_unique<ShmRequest>(queue_, dog_, t,
+                                            std::vector<std::shared_ptr<const ShmWindow>>{w.v.keep},
+                                            std::move(w.steps));
+      if (blocking_) r->wait();
+      return r;
+    }
+    queue_.drain();
+    using Op = BatchedCollective::Op;
+    switch (c.op) {
+      case Op::ReduceScatterSum:
+      case Op::ReduceScatterSumV:
+        hierarchical_reduce_scatter(w.v, w.counts, w.start);
+        break;
+      case Op::AllGather:
+      case Op::AllGatherV:
+        hierarchical_all_gather(w.v, w.start);
+        break;
+      case Op::AllReduceSum:
+        hierarchical_reduce_scatter(w.v, w.counts, w.start);
+        hierarchical_all_gather(w.v, offsets(c.count / static_cast<std::size_t>(size()), sizeof(float)));
+        break;
+    }
+    return completed_request();
   }
 
   // Non-consecutive placements would need a permutation between the node and leader
@@ -464,15 +572,6 @@ class ShmCommunicator final : public Communicator {
     std::vector<std::size_t> off(static_cast<std::size_t>(size()) + 1, 0);
     for (std::size_t r = 1; r < off.size(); ++r) off[r] = off[r - 1] + count * unit;
     return off;
-  }
-
-  // Several nodes (the one-node forms are the ShmRequest steps below).
-  void reduce_scatter(const WindowView& v, std::size_t count, const std::vector<std::size_t>& start) {
-    const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), count);
-    hierarchical_reduce_scatter(v, counts, start);
-  }
-  void all_gather(const WindowView& v, const std::vector<std::size_t>& start) {
-    hierarchical_all_gather(v, start);
   }
 
   // One node: every block k is summed by all node ranks together, each rank one part of it,

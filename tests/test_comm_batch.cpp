@@ -1,0 +1,412 @@
+// test_comm_batch.cpp: batched collectives (issue 29). Communicator::start_batch against the
+// same collectives started one by one, bit for bit, on plain MPI and shared memory (one node,
+// two simulated nodes), buffers in one window, in two, and outside the windows; on one node
+// the shared-memory batch is one request with one round of node barriers per phase (node
+// barriers counted through MPI's profiling interface). Then the optimizer with
+// SHARDOPT_COMM_BATCH=1 (every bucket alone) against batches of 3 and the default, bit for
+// bit: stages 0-3, Flat and Whole ownership (ragged buckets: the uneven collectives), overlap
+// on and off, 1 and 3 micro-batches, both communicators, buckets of uneven sizes; and the
+// variable's refusals (a bad value, or values that differ between ranks: the same error on
+// every rank).
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardopt/mpi_comm.hpp"
+#include "shardopt/optimizer.hpp"
+#include "support/reference.hpp"
+#include "support/same_error.hpp"
+#include "support/world.hpp"
+
+using namespace shardopt;
+
+// Node barriers started by the library (the shared-memory requests' MPI_Ibarrier), counted.
+namespace {
+long ibarriers = 0;
+}
+extern "C" int MPI_Ibarrier(MPI_Comm comm, MPI_Request* request) {
+  ++ibarriers;
+  return PMPI_Ibarrier(comm, request);
+}
+
+namespace {
+
+using Op = BatchedCollective::Op;
+
+std::shared_ptr<Communicator> comm_of(MpiCommKind kind, int simulated_nodes = 0) {
+  return make_mpi_communicator(MPI_COMM_WORLD, {kind, simulated_nodes});
+}
+
+// One collective of the test batch, placed at `offset` bytes of buffer `which`.
+struct Item {
+  Op op;
+  std::size_t count;                 // per rank, or in all (all-reduce)
+  std::vector<std::size_t> counts;   // uneven forms
+  CommType type;
+  int which = 0;
+  std::size_t offset = 0;
+  std::size_t bytes = 0;
+};
+
+std::size_t elem_bytes(const Item& it) {
+  return it.type == CommType::U16 ? 2 : 4;  // the reductions: fp32 values whatever the wire
+}
+
+std::size_t elements(const Item& it, int n) {
+  if (it.op == Op::AllReduceSum) return it.count;
+  if (!it.counts.empty()) {
+    std::size_t t = 0;
+    for (std::size_t c : it.counts) t += c;
+    return t;
+  }
+  return it.count * static_cast<std::size_t>(n);
+}
+
+// Every kind of collective, uneven counts with empty blocks; the last ones in buffer 1 when
+// `two_buffers`.
+std::vector<Item> items(int n, bool two_buffers) {
+  std::vector<std::size_t> ragged(static_cast<std::size_t>(n)), ragged2(ragged.size());
+  for (int r = 0; r < n; ++r) {
+    ragged[static_cast<std::size_t>(r)] = r == 1 ? 0 : 13 + 7 * static_cast<std::size_t>(r);
+    ragged2[static_cast<std::size_t>(r)] = r == 0 ? 0 : 9 * static_cast<std::size_t>(r) + 1;
+  }
+  if (n == 1) ragged2[0] = 5;
+  std::vector<Item> v = {
+      {Op::ReduceScatterSum, 37, {}, CommType::F32},
+      {Op::AllGather, 5, {}, CommType::F32},
+      {Op::ReduceScatterSumV, 0, ragged, CommType::F32},
+      {Op::AllGatherV, 0, ragged2, CommType::U16},
+      {Op::AllReduceSum, 8 * static_cast<std::size_t>(n), {}, CommType::F32},
+      {Op::AllGather, 300, {}, CommType::U16},
+      {Op::ReduceScatterSum, 1001, {}, CommType::F32},
+  };
+  std::size_t at[2] = {0, 0};
+  for (std::size_t k = 0; k < v.size(); ++k) {
+    Item& it = v[k];
+    it.which = two_buffers && k >= 4 ? 1 : 0;
+    it.bytes = elements(it, n) * elem_bytes(it);
+    it.offset = at[it.which];
+    at[it.which] += (it.bytes + 63) / 64 * 64;
+  }
+  return v;
+}
+
+std::size_t buffer_bytes(const std::vector<Item>& v, int which) {
+  std::size_t end = 64;
+  for (const Item& it : v)
+    if (it.which == which) end = std::max(end, it.offset + (it.bytes + 63) / 64 * 64);
+  return end;
+}
+
+// This rank's input: fp32 values whose sums round (the order shows), or 16-bit patterns.
+void fill(const std::vector<Item>& v, char* const* buf, int rank, int salt) {
+  for (std::size_t k = 0; k < v.size(); ++k) {
+    const Item& it = v[k];
+    char* p = buf[it.which] + it.offset;
+    const std::size_t n = it.bytes / elem_bytes(it);
+    for (std::size_t e = 0; e < n; ++e) {
+      const float x = test::synth(static_cast<std::uint64_t>(rank), 31 + k,
+                                  static_cast<std::uint64_t>(salt), e) * 3.3f;
+      if (it.type == CommType::U16) {
+        std::uint16_t u;
+        std::memcpy(&u, &x, sizeof u);
+        std::memcpy(p + e * 2, &u, 2);
+      } else {
+        std::memcpy(p + e * 4, &x, 4);
+      }
+    }
+  }
+}
+
+// What the collective defines on this rank: its own block (reduce-scatters) or everything.
+std::vector<char> defined(const Item& it, const char* const* buf, int rank, int n) {
+  const char* p = buf[it.which] + it.offset;
+  if (it.op == Op::ReduceScatterSum)
+    return {p + it.count * 4 * static_cast<std::size_t>(rank),
+            p + it.count * 4 * static_cast<std::size_t>(rank + 1)};
+  if (it.op == Op::ReduceScatterSumV) {
+    const std::vector<std::size_t> off = uneven_offsets(it.counts, n, "test");
+    return {p + off[static_cast<std::size_t>(rank)] * 4,
+            p + off[static_cast<std::size_t>(rank) + 1] * 4};
+  }
+  return {p, p + it.bytes};
+}
+
+struct Buffers {
+  Allocation win[2];
+  std::vector<char> local[2];
+  char* ptr[2] = {nullptr, nullptr};
+};
+
+// `in_windows`: the communicator's collective buffers (windows on shared memory).
+Buffers buffers(Communicator& c, const std::vector<Item>& v, bool in_windows) {
+  Buffers b;
+  for (int w = 0; w < 2; ++w) {
+    const std::size_t bytes = buffer_bytes(v, w);
+    if (in_windows) b.win[w] = c.allocate_collective_buffer(nullptr, MemCategory::Grads, bytes);
+    if (b.win[w].data() != nullptr) {
+      b.ptr[w] = b.win[w].as<char>();
+    } else {
+      b.local[w].assign(bytes, 0);
+      b.ptr[w] = b.local[w].data();
+    }
+  }
+  return b;
+}
+
+std::vector<BatchedCollective> batch_of(const std::vector<Item>& v, char* const* buf) {
+  std::vector<BatchedCollective> out;
+  for (const Item& it : v)
+    out.push_back({it.op, buf[it.which] + it.offset, it.count, it.counts, it.type});
+  return out;
+}
+
+struct BatchCase {
+  MpiCommKind kind;
+  int nodes;         // simulated
+  bool in_windows;
+  bool two_buffers;
+};
+
+std::string name_of(const BatchCase& c) {
+  return std::string(c.kind == MpiCommKind::Plain ? "mpi" : "shm") +
+         (c.nodes > 0 ? " two simulated nodes" : "") + (c.in_windows ? " windows" : " local") +
+         (c.two_buffers ? " two buffers" : " one buffer");
+}
+
+}  // namespace
+
+// The batch gives every collective's result bit for bit as starting it alone does, whatever
+// order the requests are waited in.
+TEST(StartBatch, EqualsOneByOneBitForBit) {
+  for (const BatchCase& c :
+       {BatchCase{MpiCommKind::Plain, 0, true, false}, BatchCase{MpiCommKind::SharedMemory, 0, true, false},
+        BatchCase{MpiCommKind::SharedMemory, 0, true, true},
+        BatchCase{MpiCommKind::SharedMemory, 0, false, true},
+        BatchCase{MpiCommKind::SharedMemory, 2, true, true}}) {
+    auto comm = comm_of(c.kind, c.nodes);
+    const int n = comm->size(), me = comm->rank();
+    const std::vector<Item> v = items(n, c.two_buffers);
+    Buffers one = buffers(*comm, v, c.in_windows), all = buffers(*comm, v, c.in_windows);
+    for (int salt = 0; salt < 2; ++salt) {
+      fill(v, one.ptr, me, salt);
+      fill(v, all.ptr, me, salt);
+      std::vector<std::unique_ptr<CommRequest>> singles;
+      for (const BatchedCollective& bc : batch_of(v, one.ptr)) singles.push_back(comm->start_collective(bc));
+      for (auto& r : singles) r->wait();
+      const std::vector<BatchedCollective> b = batch_of(v, all.ptr);
+      std::vector<std::unique_ptr<CommRequest>> batched = comm->start_batch(b);
+      ASSERT_EQ(batched.size(), v.size());
+      for (std::size_t k = batched.size(); k-- > 0;) batched[k]->wait();  // last first
+      for (std::size_t k = 0; k < v.size(); ++k)
+        ASSERT_EQ(defined(v[k], one.ptr, me, n), defined(v[k], all.ptr, me, n))
+            << name_of(c) << ": collective " << k << ", salt " << salt;
+    }
+  }
+}
+
+// On one node, a batch in the windows is one request: one node barrier before its sums or
+// copies and one after (an all-reduce in it adds the one between its two phases), where the
+// same collectives one by one start two each; waiting for any request of the batch completes
+// all of them.
+TEST(StartBatch, SharedMemoryBatchIsOneBarrierRound) {
+  auto comm = comm_of(MpiCommKind::SharedMemory);
+  if (comm->name() != "mpi-shm") GTEST_SKIP() << comm->name();
+  const int n = comm->size(), me = comm->rank();
+  std::vector<Item> v = items(n, true);
+  Buffers b = buffers(*comm, v, true);
+  ASSERT_NE(b.win[0].data(), nullptr);
+  fill(v, b.ptr, me, 0);
+  long before = ibarriers;
+  for (const BatchedCollective& bc : batch_of(v, b.ptr)) comm->start_collective(bc)->wait();
+  EXPECT_EQ(ibarriers - before, 2 * static_cast<long>(v.size()) + 1);  // + the all-reduce's middle
+  before = ibarriers;
+  std::vector<std::unique_ptr<CommRequest>> r = comm->start_batch(batch_of(v, b.ptr));
+  r[2]->wait();
+  for (auto& q : r) EXPECT_TRUE(q->test());
+  EXPECT_EQ(ibarriers - before, 3);
+  // Without the all-reduce: two.
+  std::erase_if(v, [](const Item& it) { return it.op == Op::AllReduceSum; });
+  before = ibarriers;
+  for (auto& q : comm->start_batch(batch_of(v, b.ptr))) q->wait();
+  EXPECT_EQ(ibarriers - before, 2);
+}
+
+// ---- the optimizer: batched against every bucket alone ----------------------------------------
+
+namespace {
+
+// Uneven sizes: some below a bucket, one across several buckets of 300.
+const std::vector<std::size_t> kSizes = {1, 7, 300, 5000, 65, 129, 3, 1000, 600, 2048, 40};
+
+struct RunSpec {
+  Stage stage;
+  Ownership ownership;
+  bool overlap;
+  int micro;
+  MpiCommKind kind;
+};
+
+std::string describe(const RunSpec& r) {
+  return std::string(stage_name(r.stage)) +
+         (r.ownership == Ownership::Whole ? " whole" : " flat") +
+         (r.overlap ? " overlap" : " no overlap") + " micro " + std::to_string(r.micro) +
+         (r.kind == MpiCommKind::Plain ? " mpi" : " shm");
+}
+
+struct Trained {
+  std::vector<std::vector<float>> master, replica, m, v;
+  std::vector<double> norms;
+  long barriers = 0;  ///< node barriers the steps started
+};
+
+// Three steps with SHARDOPT_COMM_BATCH = `batch` ("" : unset, the default).
+Trained train(const RunSpec& r, std::shared_ptr<Communicator> comm, const char* batch) {
+  if (*batch != '\0') setenv("SHARDOPT_COMM_BATCH", batch, 1);
+  else unsetenv("SHARDOPT_COMM_BATCH");
+  OptimizerOptions o;
+  o.stage = r.stage;
+  o.ownership = r.ownership;
+  o.overlap = r.overlap;
+  o.bucket_elems = 300;
+  o.adam.lr = 1e-2;
+  o.adam.weight_decay = 0.1;
+  o.adam.max_grad_norm = 1.0;
+  ShardedOptimizer opt(std::move(comm), o);
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    if (r.stage == Stage::Zero3 && i > 0 && i % 4 == 0) opt.begin_unit();
+    opt.add_param("p" + std::to_string(i), kSizes[i]);
+  }
+  opt.finalize();
+  unsetenv("SHARDOPT_COMM_BATCH");
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    std::vector<float> init(kSizes[i]);
+    for (std::size_t k = 0; k < init.size(); ++k) init[k] = test::synth(5, 0, i, k);
+    opt.set_param(i, init);
+  }
+  const int me = opt.comm().rank();
+  const bool zero3 = r.stage == Stage::Zero3;
+  Trained t;
+  t.replica.resize(kSizes.size());
+  const auto forward = [&] {
+    const FlatLayout& l = opt.layout();
+    for (std::size_t u = 0; u < l.num_units(); ++u) {
+      if (zero3) opt.acquire(u);
+      for (std::size_t i = l.unit(u).params.begin; i < l.unit(u).params.end; ++i) {
+        const std::span<bf16> p = opt.param<bf16>(i);
+        t.replica[i].resize(p.size());
+        for (std::size_t k = 0; k < p.size(); ++k) t.replica[i][k] = to_float(p[k]);
+      }
+      if (zero3) opt.release(u);
+    }
+  };
+  const long barriers_before = ibarriers;
+  for (int s = 0; s < 3; ++s) {
+    forward();
+    for (int mb = 0; mb < r.micro; ++mb) {
+      opt.begin_backward(mb + 1 == r.micro);
+      for (std::size_t i = kSizes.size(); i-- > 0;) {  // backward order
+        const std::span<float> g = opt.grad(i);
+        for (std::size_t k = 0; k < g.size(); ++k)  // sums that round: the order shows
+          g[k] += test::synth(static_cast<std::uint64_t>(me) + 11,
+                              static_cast<std::uint64_t>(s * 8 + mb), i, k) * 1.7f;
+        opt.grad_ready(i);
+      }
+    }
+    t.norms.push_back(opt.step().grad_norm);
+  }
+  forward();
+  t.barriers = ibarriers - barriers_before;
+  for (std::size_t i = 0; i < kSizes.size(); ++i) {
+    std::vector<float> x(kSizes[i]);
+    opt.get_master(i, x);
+    t.master.push_back(x);
+    opt.get_state(StateArray::ExpAvg, i, x);
+    t.m.push_back(x);
+    opt.get_state(StateArray::ExpAvgSq, i, x);
+    t.v.push_back(x);
+  }
+  return t;
+}
+
+bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() ||
+        (!a[i].empty() && std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0))
+      return false;
+  return true;
+}
+
+class BatchedStep : public testing::TestWithParam<Stage> {};
+
+}  // namespace
+
+TEST_P(BatchedStep, EqualsEveryBucketAloneBitForBit) {
+  const std::shared_ptr<Communicator> comms[2] = {comm_of(MpiCommKind::Plain),
+                                                  comm_of(MpiCommKind::SharedMemory)};
+  for (Ownership own : {Ownership::Flat, Ownership::Whole})
+    for (bool overlap : {false, true})
+      for (int micro : {1, 3})
+        for (int c = 0; c < 2; ++c) {
+          const RunSpec r{GetParam(), own, overlap, micro,
+                          c == 0 ? MpiCommKind::Plain : MpiCommKind::SharedMemory};
+          const Trained alone = train(r, comms[c], "1");
+          for (const char* batch : {"3", ""}) {
+            const Trained b = train(r, comms[c], batch);
+            const std::string what = describe(r) + ", SHARDOPT_COMM_BATCH='" + batch + "'";
+            ASSERT_EQ(std::memcmp(alone.norms.data(), b.norms.data(), alone.norms.size() * sizeof(double)), 0)
+                << what << ": grad norms";
+            EXPECT_TRUE(same_bits(alone.master, b.master)) << what << ": master";
+            EXPECT_TRUE(same_bits(alone.replica, b.replica)) << what << ": replica";
+            EXPECT_TRUE(same_bits(alone.m, b.m)) << what << ": exp_avg";
+            EXPECT_TRUE(same_bits(alone.v, b.v)) << what << ": exp_avg_sq";
+            // Batches start fewer node barriers where the step has several buckets to start
+            // together: the gathers of stages 1-2, the reductions without overlap (unstaged).
+            const bool shm = comms[c]->name() == "mpi-shm" && comms[c]->size() > 1;
+            const bool gathers = r.stage == Stage::Zero1 || r.stage == Stage::Zero2;
+            const bool reductions = !overlap && (r.stage == Stage::DataParallel || r.stage == Stage::Zero1);
+            if (shm && (gathers || reductions)) EXPECT_LT(b.barriers, alone.barriers) << what;
+            else if (shm) EXPECT_EQ(b.barriers, alone.barriers) << what;
+          }
+        }
+}
+
+std::string stage_case(const testing::TestParamInfo<Stage>& i) {
+  return "Stage" + std::to_string(static_cast<int>(i.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, BatchedStep,
+                         testing::Values(Stage::DataParallel, Stage::Zero1, Stage::Zero2,
+                                         Stage::Zero3),
+                         stage_case);
+
+// A bad value, and values that differ between ranks, fail finalize() on every rank alike.
+TEST(BatchedStep, EnvironmentRefusals) {
+  const auto finalize_with = [](const char* value, bool rank0_only) {
+    return [=] {
+      auto comm = test::world();
+      if (!rank0_only || comm->rank() == 0) setenv("SHARDOPT_COMM_BATCH", value, 1);
+      ShardedOptimizer opt(comm, OptimizerOptions{});
+      opt.add_param("w", 1000);
+      try {
+        opt.finalize();
+      } catch (...) {
+        unsetenv("SHARDOPT_COMM_BATCH");
+        throw;
+      }
+      unsetenv("SHARDOPT_COMM_BATCH");
+    };
+  };
+  for (const char* bad : {"0", "-2", "4x", "many"})
+    test::expect_same_error(Status::InvalidArgument, finalize_with(bad, false),
+                            {"SHARDOPT_COMM_BATCH='" + std::string(bad) + "'"}, bad);
+  if (test::world_size() > 1)
+    test::expect_same_error(Status::LayoutMismatch, finalize_with("1", true),
+                            {"SHARDOPT_COMM_BATCH"}, "rank 0 alone");
+}
