@@ -394,7 +394,8 @@ typedef enum {
                             shardopt_add_param_2d (rows > 1, cols > 1) and the config's
                             ownership must be SHARDOPT_OWNERSHIP_WHOLE; finalize refuses
                             anything else (SHARDOPT_ERROR_INVALID_ARGUMENT, naming the
-                            parameter). CPU only */
+                            parameter). CPU (stages 0-3) and CUDA (stages 0-2,
+                            Newton-Schulz through cuBLAS) */
   SHARDOPT_RULE_ADAFACTOR = 4 /* Adafactor (torch.optim.Adafactor's semantics, PyTorch >= 2.5;
                                  since 0.6.0): rho = min(lr, 1 / sqrt(t)), alpha =
                                  max(eps2, RMS(p)) rho; p *= 1 - lr wd; a parameter registered
@@ -405,7 +406,8 @@ typedef enum {
                                  eps1^2)); p -= alpha / max(1, RMS(u) / d) u. RMS(p) and RMS(u)
                                  are whole-tensor statistics, so the config's ownership must be
                                  SHARDOPT_OWNERSHIP_WHOLE; finalize refuses otherwise
-                                 (SHARDOPT_ERROR_INVALID_ARGUMENT). Stages 0-3; CPU only.
+                                 (SHARDOPT_ERROR_INVALID_ARGUMENT). CPU stages 0-3, CUDA
+                                 stages 0-2.
                                  torch's defaults: lr 1e-2, weight_decay 0 (set them in the
                                  config or the group) */
 } shardopt_rule_t;
