@@ -1155,7 +1155,10 @@ std::shared_ptr<Communicator> zeroing_world() {
   return comm;
 }
 
-enum class Zeroing { None, Optimizer, ModuleSetToNone, ModuleDefault, EachGradZero, AssignNew };
+// BaseOptimizer: a trainer written against torch::optim::Optimizer& calls the base class's
+// zero_grad() (not virtual; LibTorch 1.13: detach_() and zero_() on each defined .grad(),
+// never set_to_none), which ShardedAdamW::zero_grad() hides.
+enum class Zeroing { None, Optimizer, ModuleSetToNone, ModuleDefault, EachGradZero, AssignNew, BaseOptimizer };
 enum class Shape { Params, Middle, Alone };
 
 const char* zeroing_name(Zeroing z) {
@@ -1166,6 +1169,7 @@ const char* zeroing_name(Zeroing z) {
     case Zeroing::ModuleDefault: return "ModuleZeroGradDefault";
     case Zeroing::EachGradZero: return "EachGradZero";
     case Zeroing::AssignNew: return "AssignNewGrad";
+    case Zeroing::BaseOptimizer: return "TorchOptimizerZeroGrad";
   }
   return "?";
 }
@@ -1239,6 +1243,7 @@ void zero_the_way(Zeroing z, ShardedAdamW& opt, GainNet& n) {
     case Zeroing::AssignNew:
       for (auto& p : n.parameters()) p.mutable_grad() = torch::zeros_like(p);
       break;
+    case Zeroing::BaseOptimizer: static_cast<torch::optim::Optimizer&>(opt).zero_grad(); break;
   }
 }
 
@@ -1492,7 +1497,8 @@ TEST_P(AdapterZeroing, UnderMuonAndAdafactor) {
 INSTANTIATE_TEST_SUITE_P(
     Idioms, AdapterZeroing,
     testing::Values(Zeroing::None, Zeroing::Optimizer, Zeroing::ModuleSetToNone,
-                    Zeroing::ModuleDefault, Zeroing::EachGradZero, Zeroing::AssignNew),
+                    Zeroing::ModuleDefault, Zeroing::EachGradZero, Zeroing::AssignNew,
+                    Zeroing::BaseOptimizer),
     [](const testing::TestParamInfo<Zeroing>& i) { return std::string(zeroing_name(i.param)); });
 
 // Reproducible mode with micro-batches: each backward pass opens with begin_backward, which
