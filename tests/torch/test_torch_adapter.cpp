@@ -785,17 +785,22 @@ TEST(AdapterZero3, AUnitWithAnUnusedParameter) {
 }
 
 // A stage-3 checkpoint loads at stage 2 and a stage-2 one at stage 3: the same state, and the
-// next steps stay equal bit for bit.
+// next steps stay equal bit for bit. Under AdamW, and with every parameter in a group flagged
+// Muon (the weights; the biases in its AdamW companion) or Adafactor (the weights factored)
+// under Ownership::Whole (issue 32): the momentum and the factored statistics go through.
 TEST(AdapterZero3, CheckpointsMoveBetweenStages2And3) {
   auto world = test::world();
   const test::SharedDir dir(*world);
   struct Run {
     std::shared_ptr<Net> net = make_net();
     std::unique_ptr<ShardedAdamW> opt;
-    explicit Run(Stage stage) {
-      opt = std::make_unique<ShardedAdamW>(
-          ShardedAdamW::units_of({net->fc1.ptr(), net->fc2.ptr(), net->fc3.ptr()}), adamw(),
-          test::world(), shard_options(stage));
+    Run(Stage stage, Rule rule) {
+      const auto units = ShardedAdamW::units_of({net->fc1.ptr(), net->fc2.ptr(), net->fc3.ptr()});
+      if (rule == Rule::AdamW)
+        opt = std::make_unique<ShardedAdamW>(units, adamw(), test::world(), shard_options(stage));
+      else
+        opt = std::make_unique<ShardedAdamW>(units, shardopt::libtorch::RuleOptions(adamw()).rule(rule),
+                                             test::world(), shard_options(stage, rule));
     }
     void step(int s) {
       opt->zero_grad();
@@ -804,21 +809,27 @@ TEST(AdapterZero3, CheckpointsMoveBetweenStages2And3) {
       opt->step();
     }
   };
-  for (Stage from : {Stage::Zero3, Stage::Zero2}) {
-    const Stage to = from == Stage::Zero3 ? Stage::Zero2 : Stage::Zero3;
-    Run a(from);
-    for (int s = 0; s < 3; ++s) a.step(s);
-    a.opt->save(dir.path() / stage_name(from));
-    Run b(to);
-    b.opt->load(dir.path() / stage_name(from));
-    EXPECT_TRUE(test::gather_state(b.opt->core()) == test::gather_state(a.opt->core()));
-    for (int s = 3; s < 5; ++s) {
-      a.step(s);
-      b.step(s);
+  for (Rule rule : {Rule::AdamW, Rule::Muon, Rule::Adafactor})
+    for (Stage from : {Stage::Zero3, Stage::Zero2}) {
+      const Stage to = from == Stage::Zero3 ? Stage::Zero2 : Stage::Zero3;
+      const std::string name = std::string(rule_name(rule)) + "_" + stage_name(from);
+      SCOPED_TRACE(name);
+      Run a(from, rule);
+      EXPECT_EQ(a.opt->core().rule_of(0), rule);  // fc1.weight
+      for (int s = 0; s < 3; ++s) a.step(s);
+      a.opt->save(dir.path() / name);
+      Run b(to, rule);
+      b.opt->load(dir.path() / name);
+      EXPECT_TRUE(test::gather_state(b.opt->core()) == test::gather_state(a.opt->core()));
+      for (int s = 3; s < 5; ++s) {
+        a.step(s);
+        b.step(s);
+      }
+      const test::FullState sa = test::gather_state(a.opt->core());
+      EXPECT_TRUE(test::gather_state(b.opt->core()) == sa)
+          << stage_name(from) << " to " << stage_name(to);
+      EXPECT_EQ(sa.factors.empty(), rule != Rule::Adafactor);
     }
-    EXPECT_TRUE(test::gather_state(b.opt->core()) == test::gather_state(a.opt->core()))
-        << stage_name(from) << " to " << stage_name(to);
-  }
 }
 
 // A checkpoint saved by an optimizer built from named_parameters() (names "fc1.weight", ...)
