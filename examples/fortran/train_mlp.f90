@@ -10,7 +10,7 @@
 !                              [--params-out FILE] [--save-dir DIR --save-at K]
 !                              [--resume DIR] [--loss-out FILE] [--check-loss FILE]
 !                              [--rule adamw|lion|adamw8bit] [--min-8bit-numel N]
-!                              [--muon | --adafactor]
+!                              [--muon | --adafactor] [--zero-grad]
 !
 ! --rule and --min-8bit-numel as in the C++ trainer: both groups' update rule (group 1 through
 ! shardopt_set_group's rule=, group 2 through shardopt_add_group's) and AdamW8bit's threshold.
@@ -24,6 +24,10 @@
 ! --adafactor as in the C++ trainer: the same hidden layer, fch.weight (rows=, cols=: factored
 ! row_var/col_var) and fch.bias (a per-element variance) in a SHARDOPT_RULE_ADAFACTOR group
 ! with its defaults and no weight decay (torch.optim.Adafactor's); whole ownership as --muon.
+!
+! --zero-grad as in the C trainer: shardopt_zero_grad before each step's backward, as a
+! trainer used to torch's optimizer.zero_grad() would; the step already leaves the gradients
+! zero, so the weights stay the C++ trainer's bit for bit (ctest).
 !
 ! Each layer is a unit (shardopt_begin_unit before its parameters, at every stage, so that all
 ! stages share one layout), and the step runs layer by layer as in examples/c/train_mlp.c:
@@ -52,6 +56,7 @@ program train_mlp_f
   integer(c_int) :: dtype, rule
   integer(c_int64_t) :: min_8bit_numel
   logical :: muon, adafactor, hidden  ! hidden: a hidden layer (--muon or --adafactor)
+  logical :: zero_grad
   character(len=:), allocatable :: params_out, save_dir, resume, loss_out, check_loss
   character(len=512) :: msg
 
@@ -109,6 +114,7 @@ contains
     min_8bit_numel = 4096
     muon = .false.
     adafactor = .false.
+    zero_grad = .false.
     i = 1
     do while (i <= command_argument_count())
       call get_command_argument(i, flag)
@@ -119,6 +125,11 @@ contains
           write (error_unit, '(a)') 'train_mlp_f: --muon and --adafactor exclude each other'
           error stop 2
         end if
+        i = i + 1
+        cycle
+      end if
+      if (trim(flag) == '--zero-grad') then
+        zero_grad = .true.
         i = i + 1
         cycle
       end if
@@ -461,6 +472,10 @@ contains
       end if
       call shardopt_set_lr(opt, lr, status, msg)
       call check(status, msg)
+      if (zero_grad) then  ! redundant: the step zeroed them
+        call shardopt_zero_grad(opt, status, msg)
+        call check(status, msg)
+      end if
       gw1 = 0
       gb1 = 0
       gwh = 0

@@ -53,12 +53,14 @@
 //   works in place), so the next step's gradient is the sum of the backward passes since the
 //   previous step (a second step() with no backward in between is an error on every rank,
 //   where torch::optim::AdamW would apply the same gradient again) whichever way the trainer
-//   zeroes: optimizer.zero_grad(), module->zero_grad()
+//   zeroes: optimizer.zero_grad() (or torch::optim::Optimizer::zero_grad() through a base
+//   class reference), module->zero_grad()
 //   (either set_to_none), p.grad().zero_(), a new tensor assigned to p.mutable_grad(), or not
 //   at all (plain LibTorch would then add the old gradient; here it is gone). Whatever the
 //   trainer writes into .grad() before backward is part of the gradient. A backward pass
 //   opens on the pre-hook of the first gradient accumulator autograd runs, before that
-//   gradient lands. Tested: AdapterZeroing.* (every idiom, stages 0-3, fp32/bf16). Clip with
+//   gradient lands. Tested: AdapterZeroing.* (every idiom, stages 0-3, fp32/bf16; every
+//   rule, Muon and Adafactor at stages 0-3). Clip with
 //   OptimizerOptions::adam.max_grad_norm (global norm over all ranks), not with
 //   torch::nn::utils::clip_grad_norm_ on local gradients.
 // - Stage 3 (parameters sharded too): construct from Units (each typically one layer's
