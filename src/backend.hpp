@@ -61,13 +61,6 @@ class Backend {
   }
   /// dst[i] += src[i], src fp32 or bf16.
   virtual void accumulate(float* dst, const void* src, DType src_dtype, std::size_t n) = 0;
-  /// dst += src (fp32), then src = 0: bit for bit accumulate() then fill_zero() of src. The
-  /// CPU backend does both in one pass (stage 2's staging slot drained into the owned
-  /// gradient while its chunks are in cache).
-  virtual void accumulate_and_clear(float* dst, float* src, std::size_t n) {
-    accumulate(dst, src, DType::F32, n);
-    fill_zero(src, n * sizeof(float));
-  }
   /// Casts fp32 to the replica dtype (a copy for fp32).
   virtual void cast_from_f32(const float* src, void* dst, DType dst_dtype, std::size_t n) = 0;
 

@@ -92,16 +92,13 @@ void BucketSet::finish_op(std::size_t b) {
     // the bucket's until release_slot() (complete_oldest_grad_sync), so that every rank hands
     // slots out in the same order: the shared-memory collectives read a peer's slot at this
     // rank's offset, and when a reduction completes differs between ranks.
-    // The slice is added and cleared in one pass (its chunks still in cache), then the
-    // blocks before and after it, which went to their owners, are cleared.
     const Bucket& bk = layout_.bucket(b);
     float* slot = slot_data(s.slot);
     const int me = comm_.rank();
-    const std::size_t off = bk.slice(me).begin - bk.flat.begin, n = bk.slice_size(me);
-    backend_.accumulate_and_clear(grads_.as<float>() + bk.local_begin_of(me), slot + off, n);
-    if (off != 0) backend_.fill_zero(slot, off * sizeof(float));
-    if (off + n < bk.flat.size())
-      backend_.fill_zero(slot + off + n, (bk.flat.size() - off - n) * sizeof(float));
+    backend_.accumulate(grads_.as<float>() + bk.local_begin_of(me),
+                        slot + (bk.slice(me).begin - bk.flat.begin), DType::F32,
+                        bk.slice_size(me));
+    backend_.fill_zero(slot, bk.flat.size() * sizeof(float));
   }
   // The norm's part now, while the slice just written is in cache; a later reduction of the
   // same bucket (stage 2's next synchronised micro-batch) takes it again.
@@ -333,8 +330,9 @@ float* BucketSet::slot_for(std::size_t b) {
     if (accumulate_.data() != nullptr) {
       // Earlier micro-batches accumulated this bucket locally: it joins the reduction.
       const Range r = layout_.bucket(b).flat;
-      backend_.accumulate_and_clear(slot_data(s.slot), accumulate_.as<float>() + r.begin,
-                                    r.size());
+      backend_.accumulate(slot_data(s.slot), accumulate_.as<float>() + r.begin, DType::F32,
+                          r.size());
+      backend_.fill_zero(accumulate_.as<float>() + r.begin, r.size() * sizeof(float));
     }
   }
   return slot_data(s.slot);

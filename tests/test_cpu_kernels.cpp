@@ -150,7 +150,6 @@ struct Outputs {
   std::vector<bf16> cast_down;          // special -> bf16
   std::vector<float> cast_up;           // half -> f32
   std::vector<float> acc_f32, acc_bf16;  // acc + special, acc + half
-  std::vector<float> acc_clear, acc_cleared;  // accumulate_and_clear: acc + special; special after
   std::vector<float> scaled;            // special * 0.37
   std::vector<float> zeroed;            // 1.5, special zeroed, 2.5: fill_zero and its bounds
   double sumsq_finite = 0, sumsq_special = 0;
@@ -208,14 +207,6 @@ Outputs run_kernels(const Inputs& in) {
     acc = place(sg, in.acc, off + 1);
     accumulate(acc, hsrc, n);
     out.acc_bf16 = to_vec(acc, n);
-    {  // the fused pass, at other alignments than accumulate's
-      std::vector<float> sd, ss;
-      float* d = place(sd, in.acc, off + 1);
-      float* from = place(ss, in.special, off + 2);
-      accumulate_and_clear(d, from, n);
-      out.acc_clear = to_vec(d, n);
-      out.acc_cleared = to_vec(from, n);
-    }
     float* x = place(sm, in.special, off + 3);
     scale(x, n, 0.37f);
     out.scaled = to_vec(x, n);
@@ -362,16 +353,6 @@ void expect_identical(const Outputs& a, const Outputs& b, const std::string& wha
   same(a.cast_up, b.cast_up, "cast bf16->f32");
   same(a.acc_f32, b.acc_f32, "accumulate f32");
   same(a.acc_bf16, b.acc_bf16, "accumulate bf16");
-  same(a.acc_clear, b.acc_clear, "accumulate_and_clear");
-  // accumulate_and_clear is accumulate then fill_zero of the source, bit for bit, in every
-  // configuration (the same kernel in the same operand order: NaN payloads included).
-  for (const Outputs* o : {&a, &b}) {
-    ASSERT_EQ(o->acc_clear.size(), o->acc_f32.size());
-    for (std::size_t i = 0; i < o->acc_clear.size(); ++i) {
-      ASSERT_TRUE(same_bits(o->acc_clear[i], o->acc_f32[i])) << what << ": accumulate_and_clear at " << i;
-      ASSERT_EQ(float_bits(o->acc_cleared[i]), 0u) << what << ": source not cleared at " << i;
-    }
-  }
   same(a.scaled, b.scaled, "scale");
   same(a.zeroed, b.zeroed, "fill_zero");
   EXPECT_EQ(float_bits(static_cast<float>(a.sumsq_finite)),

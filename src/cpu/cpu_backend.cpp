@@ -39,9 +39,6 @@ class CpuBackend final : public Backend {
       cpu::accumulate(dst, static_cast<const bf16*>(src), n);
     }
   }
-  void accumulate_and_clear(float* dst, float* src, std::size_t n) override {
-    cpu::accumulate_and_clear(dst, src, n);
-  }
   void cast_from_f32(const float* src, void* dst, DType t, std::size_t n) override {
     if (t == DType::F32) {
       if (dst != src && n) std::memcpy(dst, src, n * sizeof(float));

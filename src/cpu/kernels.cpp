@@ -91,14 +91,6 @@ void accumulate(float* dst, const float* src, std::size_t n) {
   parallel_chunks(n, [&](std::size_t b, std::size_t e) { k.accumulate_f32(dst + b, src + b, e - b); });
 }
 
-void accumulate_and_clear(float* dst, float* src, std::size_t n) {
-  const RangeKernels& k = active_kernels();
-  parallel_chunks(n, [&](std::size_t b, std::size_t e) {
-    k.accumulate_f32(dst + b, src + b, e - b);
-    k.fill_zero(src + b, e - b, false);  // cached stores: the chunk was just read
-  });
-}
-
 void accumulate(float* dst, const bf16* src, std::size_t n) {
   const RangeKernels& k = active_kernels();
   parallel_chunks(n, [&](std::size_t b, std::size_t e) { k.accumulate_bf16(dst + b, src + b, e - b); });

@@ -35,9 +35,6 @@ void cast_bf16_to_f32(const bf16* src, float* dst, std::size_t n);
 /// dst[i] += src[i] (one fp32 rounding).
 void accumulate(float* dst, const float* src, std::size_t n);
 void accumulate(float* dst, const bf16* src, std::size_t n);
-/// dst[i] += src[i], then src[i] = 0: bit for bit accumulate(dst, src, n) followed by
-/// fill_zero(src, n), in one pass (each chunk of src is cleared while it is in cache).
-void accumulate_and_clear(float* dst, float* src, std::size_t n);
 
 /// Sum of squares in double. The order is fixed: blocks of kSumBlock elements; inside a block
 /// element k goes to lane k % kSumLanes, lanes are folded pairwise (lane j += lane j + w for
