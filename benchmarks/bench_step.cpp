@@ -6,7 +6,7 @@
 //
 //   OMP_NUM_THREADS=1 mpiexec -n 2 bench_step [--psi 64M] [--tensor-elems 1M]
 //        [--bucket-elems 1M] [--steps 5] [--stages dp,1,2] [--no-overlap]
-//        [--reductions default,reproducible] [--micro-batches K]
+//        [--reductions default,reproducible] [--micro-batches K] [--buckets-in-flight K]
 // Reproducible mode (--reductions reproducible) adds its exact accumulation and 9 wire bytes
 // per element instead of 4; its floor column is the default's, so step/floor shows its cost.
 //   SHARDOPT_COMM=mpi selects plain MPI instead of shared memory.
@@ -50,6 +50,7 @@ struct Args {
   std::vector<Stage> stages{Stage::DataParallel, Stage::Zero1, Stage::Zero2};
   std::vector<Reduction> reductions{Reduction::Default};
   int micro_batches = 1;
+  int buckets_in_flight = OptimizerOptions{}.buckets_in_flight;  ///< stage-2 staging slots
 };
 
 // The command line: the exit code after --help, --version or bad input, or -1 to run.
@@ -79,6 +80,9 @@ int parse(int argc, char** argv, bool print, Args& a) {
                  "micro-batches per step (each writes every gradient; all but the last "
                  "without synchronisation)")
       ->check(CLI::Range(1, 1 << 10))->capture_default_str();
+  app.add_option("--buckets-in-flight", a.buckets_in_flight,
+                 "stage-2 staging slots (OptimizerOptions::buckets_in_flight)")
+      ->check(CLI::Range(1, 1 << 16))->capture_default_str();
   bool no_overlap = false;
   app.add_flag("--no-overlap", no_overlap, "issue every collective inside step()");
   const int rc = cli::parse(app, argc, argv, print);
@@ -130,6 +134,7 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
   o.bucket_elems = a.bucket_elems;
   o.overlap = a.overlap;
   o.reduction = reduction;
+  o.buckets_in_flight = a.buckets_in_flight;
   ShardedOptimizer opt(comm, o);
   const FlatLayout model = uniform_layout(a.psi, a.tensor_elems);
   for (const ParamInfo& p : model.params()) opt.add_param(p.name, p.numel, p.group);
