@@ -209,7 +209,8 @@ struct OptimizerOptions {
   /// rounded to bf16: about 3 significant digits; see docs/architecture.md).
   DType reduce_dtype = DType::F32;
   LossScaling loss_scaling;
-  /// Default, or Reproducible (see Reduction; needs reduce_dtype F32 and Device::Cpu).
+  /// Default, or Reproducible (see Reduction; needs reduce_dtype F32; on Device::Cuda, stages
+  /// 0-2 with ownership Flat: the constructor refuses the rest with Error(InvalidArgument)).
   Reduction reduction = Reduction::Default;
   /// Flat (equal slices of every bucket), or Whole (every parameter on one rank:
   /// ownership.hpp). Rule::Muon and Rule::Adafactor need Whole. Whole runs stages 0-3 on the
