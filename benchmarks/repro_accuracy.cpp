@@ -16,6 +16,7 @@
 #include <memory>
 #include <vector>
 
+#include "backend.hpp"
 #include "cli.hpp"
 #include "exact_sum.hpp"
 #include "shardopt/comm.hpp"
@@ -106,9 +107,10 @@ int main(int argc, char** argv) {
   }
   // Reproducible: the same bits at any rank count (test_reproducible), so one process.
   auto comm = make_single_process_communicator();
+  const std::unique_ptr<Backend> cpu = make_cpu_backend();
   const std::size_t bytes = exact::grads_bytes(n, n);
   auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
-  exact::ExactGrads acc(Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n, n);
+  exact::ExactGrads acc(*cpu, Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n, n);
   for (int k = 0; k + 1 < m; ++k) acc.deposit(g[static_cast<std::size_t>(k)].data(), n);
   std::vector<float> out = g[static_cast<std::size_t>(m - 1)];
   Bucket bk;

@@ -9,7 +9,8 @@
 #   - the AdamW8bit kernel (over AdamW8bitOp) or the Adafactor kernel (over AdafactorOp) is
 #     missing or has a contractable mul/add/sub of f32 or f64 (Adafactor's fp64 sums must round
 #     as the CPU's) or an approximate operation (approx, rsqrt, div.full: the CPU's division
-#     and square roots are correctly rounded);
+#     and square roots are correctly rounded); likewise reproducible mode's kernels (over
+#     ExactOp, and the reduction over SquareToDigits);
 #   - an update kernel lacks 128-bit global loads (4: master, grad, m, v) or stores (3:
 #     master, m, v) of fp32;
 #   - ptxas reports spill stores or loads in any kernel.
@@ -70,6 +71,10 @@ rule_kernels() {
 }
 rule_kernels AdamW8bitOp AdamW8bit
 rule_kernels AdafactorOp Adafactor
+# Reproducible mode's exact passes and squares (exact_op.hpp): their fp64 products and sums are
+# exact only as written (round_to_integer's shift, the split into bins).
+rule_kernels ExactOp "reproducible exact pass"
+rule_kernels SquareToDigits "exact squares"
 [ "$updates" -ge 2 ] || fail "found $updates update kernels in the PTX (want the Thrust one and the grid-stride one)"
 
 spills=$(grep -E '[1-9][0-9]* bytes spill (stores|loads)' "$tmp/ptxas.log" || true)

@@ -14,6 +14,10 @@
 //
 // Adafactor (adafactor_update): the passes of adafactor_op.hpp, every sum in the CPU's fixed
 // order (one work item per chain), so the result is the CPU's bit for bit; no host wait.
+//
+// Reproducible mode (exact_*): the two-phase method's passes of exact_op.hpp, the element math
+// of src/exact_element.hpp that the CPU's kernels run too; the exact sum of squares is an
+// integer reduction (any order, the same digits) read back to the host.
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -28,6 +32,7 @@
 #include "cuda_backend.hpp"
 #include "cuda_check.hpp"
 #include "cuda_ops.hpp"
+#include "cpu/kernels.hpp"
 #include "host_wait.hpp"
 #include "rules/adafactor.hpp"
 #include "rules/adamw8bit.hpp"
@@ -228,6 +233,66 @@ class CudaBackend final : public Backend {
     dev::adam_update(stream_, kernel_, op);
   }
 
+  void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
+                     std::uint8_t* level) override {
+    dev::ExactOp op;
+    op.pass = dev::ExactOp::Deposit;
+    op.g = g;
+    op.top = top;
+    op.low = low;
+    op.level = level;
+    dev::exact_pass(stream_, op, n);
+  }
+  void exact_levels(const float* g, std::size_t n, std::uint8_t* level) override {
+    dev::ExactOp op;
+    op.pass = dev::ExactOp::Levels;
+    op.g = g;
+    op.level = level;
+    dev::exact_pass(stream_, op, n);
+  }
+  void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* level,
+                             std::int64_t* out) override {
+    dev::ExactOp op;
+    op.pass = dev::ExactOp::RoundToLevels;
+    op.g = g;
+    op.level = const_cast<std::uint8_t*>(level);  // read only in this pass
+    op.top = out;
+    dev::exact_pass(stream_, op, n);
+  }
+  void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
+                  const std::int64_t* low, std::size_t n) override {
+    dev::ExactOp op;
+    op.pass = dev::ExactOp::Lift;
+    op.mine = mine;
+    op.level = const_cast<std::uint8_t*>(level);  // read only in this pass
+    op.top = top;
+    op.low = const_cast<std::int64_t*>(low);      // read only in this pass
+    dev::exact_pass(stream_, op, n);
+  }
+  void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst,
+                           std::size_t n) override {
+    dev::ExactOp op;
+    op.pass = dev::ExactOp::SumsToFloat;
+    op.top = const_cast<std::int64_t*>(sum);      // read only in this pass
+    op.level = const_cast<std::uint8_t*>(level);  // read only in this pass
+    op.dst = dst;
+    dev::exact_pass(stream_, op, n);
+  }
+  void exact_square_add(const float* x, std::size_t n, cpu::SquareDigits& squares) override {
+    static_assert(dev::ExactDigits::kDigits == cpu::SquareDigits::kDigits &&
+                      cpu::SquareDigits::kBase == exact::elem::kDigitBase,
+                  "the device's digits are the CPU's");
+    for (std::size_t b = 0; b < n; b += dev::ExactDigits::kMaxValues) {
+      const dev::ExactDigits d =
+          dev::exact_square_digits(stream_, x + b, std::min(dev::ExactDigits::kMaxValues, n - b));
+      cpu::SquareDigits part;
+      for (int k = 0; k < dev::ExactDigits::kDigits; ++k)
+        part.digit[static_cast<std::size_t>(k)] = d.digit[k];
+      part.nans = static_cast<double>(d.nans);
+      part.infs = static_cast<double>(d.infs);
+      squares.merge(part);  // normalises both: digits below 2^63 before the sum
+    }
+  }
   void lion_update(std::span<const LionSegment> segments, float* master, const float* grad,
                    float* m, void* replica, DType replica_dtype) override {
     // Groups are few: one launch per segment, its scalars by value (no upload).

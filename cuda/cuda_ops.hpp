@@ -10,6 +10,7 @@
 #include "adafactor_op.hpp"
 #include "adam_chunk.hpp"
 #include "adamw8bit_op.hpp"
+#include "exact_op.hpp"
 #include "lion_op.hpp"
 #include "muon_op.hpp"
 #include "shardopt/bf16.hpp"
@@ -57,6 +58,11 @@ DevicePartials sum_squares_partials(cudaStream_t stream, const float* x, std::si
 /// sizes (and, by the fake device, for what the kernels read and write).
 void sum_squares_slices(cudaStream_t stream, const NormPlan& plan, const NormLevelEntry* entries,
                         const NormSliceLast* last, double* results);
+
+/// One pass of reproducible mode's two-phase method over n elements (exact_op.hpp).
+void exact_pass(cudaStream_t stream, const ExactOp& op, std::size_t n);
+/// Waits for the stream; the exact squares of x[0, n) (n <= ExactDigits::kMaxValues).
+ExactDigits exact_square_digits(cudaStream_t stream, const float* x, std::size_t n);
 
 /// Waits for the stream; true when no element is NaN or Inf.
 bool all_finite(cudaStream_t stream, const float* x, std::size_t n);

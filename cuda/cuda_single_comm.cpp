@@ -42,6 +42,9 @@ class CudaSingleProcessCommunicator final : public Communicator {
     return completed_request();
   }
   void all_reduce_sum(void*, std::size_t, CommType) override {}
+  // The integer reductions of one rank: the buffer is the result.
+  void reduce_scatter_int(void*, std::size_t, IntOp) override {}
+  void all_reduce_int(void*, std::size_t, IntOp) override {}
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     host_->all_reduce_sum_host(buf, count);
   }

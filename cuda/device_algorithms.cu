@@ -165,6 +165,16 @@ void sum_squares_slices(cudaStream_t stream, const NormPlan& plan, const NormLev
   });
 }
 
+void exact_pass(cudaStream_t stream, const ExactOp& op, std::size_t n) {
+  guarded("thrust::for_each_n (reproducible exact pass)", [&] { exact_pass(on(stream), op, n); });
+  SHARDOPT_CUDA_CHECK(cudaGetLastError());
+}
+
+ExactDigits exact_square_digits(cudaStream_t stream, const float* x, std::size_t n) {
+  return guarded("thrust::transform_reduce (exact sum of squares)",
+                 [&] { return exact_square_digits(thrust::cuda::par.on(stream), x, n); });
+}
+
 bool all_finite(cudaStream_t stream, const float* x, std::size_t n) {
   return guarded("thrust::transform_reduce (non-finite flag)",
                  [&] { return all_finite(thrust::cuda::par.on(stream), x, n); });

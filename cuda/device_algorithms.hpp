@@ -21,6 +21,7 @@
 #include "adafactor_op.hpp"
 #include "adam_chunk.hpp"
 #include "adamw8bit_op.hpp"
+#include "exact_op.hpp"
 #include "lion_op.hpp"
 #include "muon_op.hpp"
 #include "shardopt/element_ops.hpp"
@@ -124,6 +125,20 @@ void sum_squares_slices(Policy&& exec, const NormLevelEntry* entries,
   for (const NormLevelLaunch& l : levels)
     if (l.items) thrust::for_each_n(exec, Index(0), l.items, NormLevelItem{entries + l.first_entry, l.num_entries});
   if (slices) thrust::for_each_n(exec, Index(0), slices, NormCombine{last, results});
+}
+
+/// One pass of reproducible mode's two-phase method over n elements (exact_op.hpp).
+template <class Policy>
+void exact_pass(Policy&& exec, const ExactOp& op, std::size_t n) {
+  if (n) thrust::for_each_n(exec, Index(0), n, op);
+}
+
+/// The exact squares of x[0, n) as digits (n <= ExactDigits::kMaxValues): an integer
+/// reduction, the same digits in any order.
+template <class Policy>
+ExactDigits exact_square_digits(Policy&& exec, const float* x, std::size_t n) {
+  if (n == 0) return ExactDigits{};
+  return thrust::transform_reduce(exec, x, x + n, SquareToDigits{}, ExactDigits{}, AddDigits{});
 }
 
 /// True when no element is NaN or Inf (an integer max, so exact in any order).

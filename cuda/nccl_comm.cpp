@@ -57,6 +57,9 @@ double since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+ncclDataType_t int_type(IntOp op) { return op == IntOp::SumI64 ? ncclInt64 : ncclUint8; }
+ncclRedOp_t int_op(IntOp op) { return op == IntOp::SumI64 ? ncclSum : ncclMax; }
+
 ncclDataType_t nccl_type(CommType t) {
   switch (t) {
     case CommType::F32: return ncclFloat32;
@@ -207,6 +210,24 @@ class NcclCommunicator final : public Communicator, public dev::Watchdog {
             "all_reduce_sum: NCCL sums fp32 or fp64 only");
     const std::shared_ptr<Pending> p = enqueue("ncclAllReduce", [&] {
       nccl("ncclAllReduce", ncclAllReduce(buf, buf, count, nccl_type(type), ncclSum, comm_, stream_));
+    });
+    dev::host_wait(p->done);
+  }
+
+  // The integer reductions of reproducible mode's two-phase method, on device buffers:
+  // ncclInt64 sums and ncclUint8 maxima are exact in any order NCCL chooses.
+  void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
+    const std::shared_ptr<Pending> p = enqueue("ncclAllReduce (integer)", [&] {
+      nccl("ncclAllReduce", ncclAllReduce(buf, buf, count, int_type(op), int_op(op), comm_, stream_));
+    });
+    dev::host_wait(p->done);
+  }
+  void reduce_scatter_int(void* buf, std::size_t count, IntOp op) override {
+    char* b = static_cast<char*>(buf);
+    const std::size_t own = static_cast<std::size_t>(rank()) * count * (op == IntOp::SumI64 ? 8 : 1);
+    const std::shared_ptr<Pending> p = enqueue("ncclReduceScatter (integer)", [&] {
+      nccl("ncclReduceScatter",
+           ncclReduceScatter(b, b + own, count, int_type(op), int_op(op), comm_, stream_));
     });
     dev::host_wait(p->done);
   }

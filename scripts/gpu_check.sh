@@ -14,7 +14,8 @@
 #   test.*     every GPU test (test_cuda_backend, test_cuda_optimizer_single/_nccl at one rank,
 #              test_cuda_nccl_comm: collectives, asynchronous error, collective timeout)
 #   bitwise.*  GPU == CPU bit for bit (master, m, v, replica; AdamW8bit's codes and scales;
-#              Ownership::Whole; the uneven collectives; Adafactor's state and weights),
+#              Ownership::Whole; the uneven collectives; Adafactor's state and weights;
+#              Reduction::Reproducible's two-phase exact sums),
 #              from the tests above
 #   muon.*     Muon with cuBLAS's Newton-Schulz vs the CPU's, to rounding (the tests above)
 #   adamw.*    the fused update at 2^24, 2^26, 2^28 elements against a device-to-device copy,
@@ -418,6 +419,8 @@ bitwise_item bitwise.uneven_collectives "NCCL's uneven reduce-scatter and all-ga
   NcclComm.UnevenReduceScatterAndAllGather
 bitwise_item bitwise.adafactor "Adafactor on the device (fixed-order fp64 statistics) vs the CPU: master, row_var and col_var or the variance, replica (bf16, fp32) after six steps, factored and unfactored shapes, update clipping, weight decay, maximize; in the optimizer (Whole, stages 0-2) next to AdamW with gradient clipping and a skipped step" \
   CudaBackend.AdafactorMatchesCpuBitwise CudaBackend.AdafactorRefusesBadArguments CudaAdafactor.MatchesCpuOptimizerBitwise
+bitwise_item bitwise.reproducible "Reduction::Reproducible on the device: its passes (deposit, levels, rounding to levels, lift, rounding to fp32, exact squares) vs the CPU backend's on every level's edges, Inf and NaN; the optimizer (the two-phase exact sums: uint8 level maxima and int64 sums over the device communicator, deposits of several micro-batches, the norm's exact squares) vs the CPU's Reproducible optimizer: master, m, v, every replica and the norm, stages 0-2, bf16 and fp32 replicas, 1 and 3 micro-batches, clipping, a NaN step skipped (one process, and NCCL vs MPI at one rank); stage 3 and Whole refused" \
+  CudaBackend.ExactPassesMatchCpuBitwise CudaReproducible.MatchesCpuReproducibleBitwise CudaReproducible.RefusesStage3AndWhole
 # Muon: cuBLAS's fp32 GEMMs sum in an order of their own, so these compare to a tolerance
 # (the momentum and the AdamW parameters bit for bit); GPU-model and cuBLAS specific.
 bitwise_item muon.cublas "Muon on the device (cuBLAS Newton-Schulz) vs the CPU: one step's O within 4e-6 relative Frobenius of the float64 model's and 8e-6 of the CPU's, ten steps' moves within 1e-4, momentum bit for bit; in the optimizer (Whole, stages 0-2) next to AdamW" \

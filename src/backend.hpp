@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 
@@ -22,6 +23,9 @@
 namespace shardopt {
 
 class Communicator;
+namespace cpu {
+struct SquareDigits;
+}
 
 /// Test-only: consulted by every host buffer allocation (allocate_host) with its category
 /// and size; returning true makes that allocation fail with Error(OutOfMemory) as a real
@@ -115,6 +119,24 @@ class Backend {
     throw Error(Status::Unsupported,
                 std::string("the Adafactor rule is not implemented on the ") + name() + " backend");
   }
+
+  // ---- reproducible mode's two-phase exact sums (exact_sum.hpp), on this backend's memory --
+  // One pass each over n elements, the element math of exact_element.hpp (the same bits on
+  // every backend): the deposit of a micro-batch into the levels and bins, the levels of a
+  // micro-batch, its values rounded to the low bin of agreed levels, the bins lifted to
+  // agreed levels and packed, the exact sums rounded once to fp32 (cpu::exact_* in
+  // cpu/kernels.hpp say the same in detail). The default throws Error(Unsupported).
+  virtual void exact_deposit(const float* g, std::size_t n, std::int64_t* top,
+                             std::int64_t* low, std::uint8_t* level);
+  virtual void exact_levels(const float* g, std::size_t n, std::uint8_t* level);
+  virtual void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* level,
+                                     std::int64_t* out);
+  virtual void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
+                          const std::int64_t* low, std::size_t n);
+  virtual void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level,
+                                   float* dst, std::size_t n);
+  /// The exact squares of x[0, n) join `squares` (host memory; device backends wait for it).
+  virtual void exact_square_add(const float* x, std::size_t n, cpu::SquareDigits& squares);
 
   /// Waits for queued work (device backends); a no-op on the CPU.
   virtual void synchronize() {}

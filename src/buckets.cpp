@@ -35,7 +35,7 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
       staging_(std::move(storage.staging)), exact_wire_(std::move(storage.exact_wire)),
       spill_param_(kNone) {
   if (storage.exact.data() != nullptr) {  // ragged buckets: every step needs it
-    exact_ = exact::ExactGrads(std::move(storage.exact), layout_.padded_size(), max_bucket());
+    exact_ = exact::ExactGrads(backend_, std::move(storage.exact), layout_.padded_size(), max_bucket());
     exact_allocated_ = true;
   }
   state_.resize(layout_.num_buckets());
@@ -357,7 +357,7 @@ std::size_t BucketSet::max_bucket() const {
 
 void BucketSet::ensure_exact() {
   if (exact_allocated_) return;
-  exact_ = exact::ExactGrads(backend_.allocate(&tracker_, plan_.exact.category, plan_.exact.bytes),
+  exact_ = exact::ExactGrads(backend_, backend_.allocate(&tracker_, plan_.exact.category, plan_.exact.bytes),
                              layout_.padded_size(), max_bucket());
   exact_allocated_ = true;
 }
@@ -372,7 +372,10 @@ void BucketSet::reduce_exactly() {
   // states the slowest method it needs, and counts its micro-batches (the average divides
   // by the step's total: counts may differ between ranks).
   ExactMethod need = exact_floor_;
-  if (micro_batches_ > cpu::kPackedMaxMicroBatches) need = ExactMethod::TwoPhase;
+  // A device backend has the two-phase method only (its integer reductions are the device
+  // communicator's; the exchanges combine raw values in host memory).
+  if (comm_.device_buffers()) need = ExactMethod::TwoPhase;
+  else if (micro_batches_ > cpu::kPackedMaxMicroBatches) need = ExactMethod::TwoPhase;
   else if (exact_.deposited() && need == ExactMethod::Direct) need = ExactMethod::Packed;
   double agreed[3] = {need != ExactMethod::Direct ? 1.0 : 0.0, need == ExactMethod::TwoPhase ? 1.0 : 0.0,
                       static_cast<double>(micro_batches_)};
@@ -415,7 +418,7 @@ void BucketSet::reduce_exactly() {
     }
     exact_.reduce(comm_, bk, whole, grads);
     const Backend::Slice slice = norm_slice(b);
-    exact_squares_.add(slice.data, slice.n);
+    backend_.exact_square_add(slice.data, slice.n, exact_squares_.digits());
   }
   next_start_ = state_.size();
 }

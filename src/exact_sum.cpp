@@ -4,6 +4,8 @@
 // rounds.
 #include "exact_sum.hpp"
 
+#include "backend.hpp"
+
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -16,8 +18,9 @@ std::size_t grads_bytes(std::size_t padded, std::size_t max_bucket) {
   return padded * (2 * sizeof(std::int64_t) + 1) + max_bucket;
 }
 
-ExactGrads::ExactGrads(Allocation storage, std::size_t padded, std::size_t max_bucket)
-    : storage_(std::move(storage)), n_(padded) {
+ExactGrads::ExactGrads(Backend& backend, Allocation storage, std::size_t padded,
+                       std::size_t max_bucket)
+    : backend_(&backend), storage_(std::move(storage)), n_(padded) {
   require(storage_.bytes() >= grads_bytes(padded, max_bucket), Status::Internal,
           "ExactGrads: storage too small");
   char* p = storage_.as<char>();
@@ -29,7 +32,8 @@ ExactGrads::ExactGrads(Allocation storage, std::size_t padded, std::size_t max_b
 }
 
 void ExactGrads::clear() {
-  if (level_ != nullptr) std::memset(level_, kEmpty, n_);
+  static_assert(kEmpty == 0, "cleared levels are zero bytes");
+  if (level_ != nullptr) backend_->fill_zero(level_, n_);
   deposited_ = false;
 }
 
@@ -42,7 +46,7 @@ void ExactGrads::deposit(const float* g, std::size_t n) {
 void ExactGrads::deposit_range(const float* g, std::size_t begin, std::size_t n) {
   static_assert(kEmpty == 0 && kNonFinite == 127 && kBinBits == 24 && kBase == -150,
                 "cpu::exact_deposit's encoding");
-  cpu::exact_deposit(g + begin, n, top_ + begin, low_ + begin, level_ + begin);
+  backend_->exact_deposit(g + begin, n, top_ + begin, low_ + begin, level_ + begin);
 }
 
 void ExactGrads::pack(std::size_t begin, std::size_t n, std::uint64_t* out) const {
@@ -61,15 +65,15 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
     // the highest on any rank; each rank lifts its bins to it and packs them into one int64
     // (in the top bin's place).
     deposit_range(grads, b, n);
-    std::memcpy(scratch_, level, n);
+    backend_->copy(scratch_, level, n);
     comm.all_reduce_int(level, n, IntOp::MaxU8);
-    cpu::exact_lift(scratch_, level, top, low, n);
+    backend_->exact_lift(scratch_, level, top, low, n);
   } else {
     // 1'. One micro-batch: its levels, their maximum, and each value rounded to the low bin
     // of that level (0 when the level is 2 or more above its own: below half a unit).
-    cpu::exact_levels(last, n, level);
+    backend_->exact_levels(last, n, level);
     comm.all_reduce_int(level, n, IntOp::MaxU8);
-    cpu::exact_round_to_levels(last, n, level, top);
+    backend_->exact_round_to_levels(last, n, level, top);
   }
   // 2. Integer sums (associative on every transport), then one rounding to fp32 of the
   // elements this rank keeps: the bucket (whole), or its slice, equal or (whole-tensor
@@ -83,7 +87,7 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
   float* dst = grads + b + first;
   const std::int64_t* sum = top + first;
   const std::uint8_t* lv = level + first;
-  cpu::exact_sums_to_float(sum, lv, dst, mine.size());
+  backend_->exact_sums_to_float(sum, lv, dst, mine.size());
 }
 
 namespace {
@@ -179,3 +183,31 @@ double SquareSum::value() const {
 }
 
 }  // namespace shardopt::exact
+
+namespace shardopt {
+namespace {
+
+[[noreturn]] void no_exact_sums(const Backend& b) {
+  throw Error(Status::Unsupported, std::string("reproducible mode's exact sums are not implemented on the ") +
+                                       b.name() + " backend");
+}
+
+}  // namespace
+
+void Backend::exact_deposit(const float*, std::size_t, std::int64_t*, std::int64_t*, std::uint8_t*) {
+  no_exact_sums(*this);
+}
+void Backend::exact_levels(const float*, std::size_t, std::uint8_t*) { no_exact_sums(*this); }
+void Backend::exact_round_to_levels(const float*, std::size_t, const std::uint8_t*, std::int64_t*) {
+  no_exact_sums(*this);
+}
+void Backend::exact_lift(const std::uint8_t*, const std::uint8_t*, std::int64_t*, const std::int64_t*,
+                         std::size_t) {
+  no_exact_sums(*this);
+}
+void Backend::exact_sums_to_float(const std::int64_t*, const std::uint8_t*, float*, std::size_t) {
+  no_exact_sums(*this);
+}
+void Backend::exact_square_add(const float*, std::size_t, cpu::SquareDigits&) { no_exact_sums(*this); }
+
+}  // namespace shardopt

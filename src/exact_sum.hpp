@@ -34,6 +34,10 @@
 #include "shardopt/layout.hpp"
 #include "shardopt/memory.hpp"
 
+namespace shardopt {
+class Backend;
+}
+
 namespace shardopt::exact {
 
 inline constexpr int kBinBits = 24;
@@ -92,12 +96,16 @@ class SquareSum {
   cpu::SquareDigits d_;
 };
 
-/// Reproducible mode's gradient accumulator over the whole flat buffer (host memory).
+/// Reproducible mode's gradient accumulator over the whole flat buffer, in the memory of a
+/// backend: deposit() and reduce() run the backend's exact passes (Backend::exact_*: the CPU's
+/// kernels, or a device's over device memory with the communicator's integer reductions on
+/// it); the exchanges reduce_direct() and reduce_packed() and pack() are host memory only.
 class ExactGrads {
  public:
   ExactGrads() = default;
-  /// storage: grads_bytes(padded, max_bucket) bytes.
-  ExactGrads(Allocation storage, std::size_t padded_elems, std::size_t max_bucket_elems);
+  /// storage: grads_bytes(padded, max_bucket) bytes of `backend`'s memory (kept by reference).
+  ExactGrads(Backend& backend, Allocation storage, std::size_t padded_elems,
+             std::size_t max_bucket_elems);
 
   /// Adds one micro-batch's fp32 gradients of flat elements [0, n).
   void deposit(const float* grads, std::size_t n);
@@ -141,6 +149,7 @@ class ExactGrads {
 
  private:
   void deposit_range(const float* grads, std::size_t begin, std::size_t n);
+  Backend* backend_ = nullptr;
   Allocation storage_;
   std::size_t n_ = 0;
   std::int64_t* top_ = nullptr;

@@ -87,8 +87,10 @@ std::string options_problem(const OptimizerOptions& o) {
   if (o.reduction == Reduction::Reproducible && o.reduce_dtype != DType::F32)
     return "reduction Reproducible sums exactly and needs reduce_dtype F32 (a bf16 wire "
            "rounds every partial sum)";
-  if (o.reduction == Reduction::Reproducible && o.device != Device::Cpu)
-    return "reduction Reproducible runs on Device::Cpu only (its CUDA kernels are not written)";
+  if (o.reduction == Reduction::Reproducible && o.device != Device::Cpu &&
+      (o.stage == Stage::Zero3 || o.ownership != Ownership::Flat))
+    return "reduction Reproducible on Device::Cuda runs at stages 0-2 with ownership Flat "
+           "only (stage 3 and ownership Whole are not written for the device; use the CPU)";
   if (o.ownership != Ownership::Flat && o.ownership != Ownership::Whole)
     return "invalid ownership " + std::to_string(static_cast<int>(o.ownership));
   if (std::isnan(o.collective_timeout_s))
@@ -366,8 +368,8 @@ void ShardedOptimizer::finalize() {
     check_whole_rule_params(layout, groups_, options_);
     // Whole-tensor ownership (ownership.hpp) runs every stage and reduction on the CPU (the
     // collectives, unit gathers and exact sums take each bucket's ragged per-rank ranges) and
-    // stages 0-2 on CUDA (NCCL's uneven collectives; reproducible mode is CPU-only anyway:
-    // the constructor refuses it there).
+    // stages 0-2 on CUDA (NCCL's uneven collectives; reproducible mode under Whole is
+    // CPU-only: the constructor refuses it on the device).
     if (options_.ownership == Ownership::Whole) {
       require(options_.device == Device::Cpu || options_.stage != Stage::Zero3,
               Status::Unsupported,
@@ -442,7 +444,10 @@ void ShardedOptimizer::finalize() {
   collective(*comm_, "finalize", [&] {
     if (zero3) b.replica = local_buffer(plan.replica);
     if (staged) grads.grads = local_buffer(plan.grads);
-    if (plan.exact.bytes > 0 && !plan.exact.on_demand) grads.exact = local_buffer(plan.exact);
+    // A device's reproducible reduction (the two-phase method) needs the accumulator at
+    // every step: it is allocated here, as the planner counts it.
+    if (plan.exact.bytes > 0 && (!plan.exact.on_demand || options_.device != Device::Cpu))
+      grads.exact = local_buffer(plan.exact);
     if (plan.master.bytes > 0) b.master = local_buffer(plan.master);
     for (std::size_t k = 0; k < b.slots.size(); ++k) b.slots[k] = local_buffer(plan.state[k]);
     if (plan.rule_scratch.bytes > 0) b.rule_scratch = local_buffer(plan.rule_scratch);

@@ -106,6 +106,10 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
             "plan_memory: ownership Whole on Device::Cuda: stage 3 and Reduction::Reproducible "
             "are not supported yet");
   }
+  require(config.device == Device::Cpu || config.reduction == Reduction::Default ||
+              config.stage != Stage::Zero3,
+          Status::Unsupported,
+          "plan_memory: Reduction::Reproducible on Device::Cuda: stage 3 is not supported yet");
   FlatLayout built = layout;
   if (built.built()) {
     require(built.world_size() == config.world_size, Status::InvalidArgument,
@@ -144,6 +148,10 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   MemoryPlan plan;
   plan.reduce_bytes = b.reduce_bytes;
   plan.reduce_bytes_accumulated = b.reduce_bytes_accumulated;
+  if (config.reduction == Reduction::Reproducible && config.device != Device::Cpu)
+    // The device takes the two-phase method at every step: 9 bytes per padded element
+    // (reproducible mode's reduce_bytes are 4 per padded element).
+    plan.reduce_bytes = plan.reduce_bytes_accumulated = b.reduce_bytes / 4 * 9;
   plan.unpadded_elems = built.unpadded_size();
   plan.padded_elems = built.padded_size();
   plan.owned_elems = b.local_elems;
@@ -171,7 +179,8 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
     if (!s.on_demand) plan.bytes[static_cast<int>(s.category)] += s.bytes;
   if (config.accumulate_without_sync && plan.staged)
     plan.bytes[static_cast<int>(b.accumulate.category)] += b.accumulate.bytes;
-  if (config.accumulate_without_sync && b.exact.on_demand)
+  // On the device the two-phase method needs the accumulator at every step: from finalize.
+  if ((config.accumulate_without_sync || config.device != Device::Cpu) && b.exact.on_demand)
     plan.bytes[static_cast<int>(b.exact.category)] += b.exact.bytes;
   if (config.grad_views_across_buckets && plan.staged)
     plan.bytes[static_cast<int>(b.spill.category)] += b.spill.bytes;

@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "backend.hpp"
 #include "cpu/kernels.hpp"
 #include "exact_sum.hpp"
 
@@ -71,13 +72,19 @@ float oracle_one(const PerRank& vals, std::size_t i) {
   return cpu::exact_to_float(sum, g);
 }
 
+// The CPU backend whose exact passes the accumulators below run.
+Backend& cpu_backend() {
+  static const std::unique_ptr<Backend> b = make_cpu_backend();
+  return *b;
+}
+
 // The accumulator of today's reproducible mode on one process: ranks 0..R-2 deposited as
 // micro-batches, the last one in the gradient buffer, then the reduction.
 std::vector<float> oracle_binned(const PerRank& vals) {
   const std::size_t n = vals[0].size();
   const std::size_t bytes = exact::grads_bytes(n, n);
   auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
-  exact::ExactGrads acc(Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n, n);
+  exact::ExactGrads acc(cpu_backend(), Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n, n);
   for (std::size_t r = 0; r + 1 < vals.size(); ++r) acc.deposit(vals[r].data(), n);
   std::vector<float> out = vals.back();
   Bucket bk;
@@ -412,7 +419,7 @@ std::vector<std::vector<std::uint64_t>> packed_states(const PerRank& rows, int r
   for (int r = 0; r < ranks; ++r) {
     const std::size_t bytes = exact::grads_bytes(n, n);
     auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
-    exact::ExactGrads acc(Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n, n);
+    exact::ExactGrads acc(cpu_backend(), Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n, n);
     for (std::size_t k = static_cast<std::size_t>(r); k < rows.size(); k += static_cast<std::size_t>(ranks))
       acc.deposit(rows[k].data(), n);
     std::vector<std::uint64_t> words(n);

@@ -448,3 +448,33 @@ TEST(Planner, InternodeBytesPerNodeAndStep) {
   c.nodes = 3;
   EXPECT_THROW(plan_memory(layout, c), Error) << "3 nodes do not divide 4 ranks";
 }
+
+// Reproducible mode on Device::Cuda takes the two-phase method at every step: its exact
+// accumulator is planned from finalize (the CPU plans it only with accumulate_without_sync,
+// allocating it at the first step that needs it) and both wire figures are 9 bytes per padded
+// element (a level maximum and an int64 sum); stage 3 is refused, as the optimizer refuses it.
+TEST(Planner, ReproducibleOnTheDevice) {
+  FlatLayout layout;
+  layout.add("a", 1000, 0);
+  layout.add("b", 3001, 0);
+  PlanConfig c;
+  c.world_size = 2;
+  c.bucket_elems = 1024;
+  c.stage = Stage::Zero1;
+  c.reduction = Reduction::Reproducible;
+  const MemoryPlan cpu = plan_memory(layout, c);
+  c.accumulate_without_sync = true;
+  const MemoryPlan cpu_accumulating = plan_memory(layout, c);
+  c.accumulate_without_sync = false;
+  c.device = Device::Cuda;
+  const MemoryPlan gpu = plan_memory(layout, c);
+  EXPECT_GT(cpu_accumulating[MemCategory::Grads], cpu[MemCategory::Grads]);
+  EXPECT_EQ(gpu[MemCategory::Grads], cpu_accumulating[MemCategory::Grads]);
+  EXPECT_EQ(cpu.reduce_bytes, 4 * gpu.padded_elems);
+  EXPECT_EQ(gpu.reduce_bytes, 9 * gpu.padded_elems);
+  EXPECT_EQ(gpu.reduce_bytes_accumulated, gpu.reduce_bytes);
+  c.stage = Stage::Zero3;
+  EXPECT_THROW(plan_memory(layout, c), Error);
+  c.device = Device::Cpu;
+  EXPECT_NO_THROW(plan_memory(layout, c));
+}

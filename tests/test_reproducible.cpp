@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "exact_sum.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/mpi_comm.hpp"
@@ -612,13 +613,14 @@ TEST(ExactSum, OrderFreeAndWithinTheBound) {
     }
   }
   auto comm = make_single_process_communicator();
+  const std::unique_ptr<Backend> cpu = make_cpu_backend();
   Bucket bk;
   bk.flat = Range{0, kN};
   bk.slice_elems = kN;
   auto run = [&](const std::vector<int>& order) {
     const std::size_t bytes = exact::grads_bytes(kN, kN);
     auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
-    exact::ExactGrads acc(Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), kN, kN);
+    exact::ExactGrads acc(*cpu, Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), kN, kN);
     for (int k : order) acc.deposit(vals[static_cast<std::size_t>(k)].data(), kN);
     std::vector<float> out(kN);
     acc.reduce(*comm, bk, false, out.data());
@@ -637,11 +639,11 @@ TEST(ExactSum, OrderFreeAndWithinTheBound) {
   {
     const std::size_t bytes = exact::grads_bytes(kN, kN);
     auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
-    exact::ExactGrads fast(Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), kN, kN);
+    exact::ExactGrads fast(*cpu, Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), kN, kN);
     std::vector<float> g = vals[3];
     fast.reduce(*comm, bk, false, g.data());
     auto mem2 = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
-    exact::ExactGrads binned(Allocation(mem2->data(), bytes, mem2, nullptr, MemCategory::Grads), kN, kN);
+    exact::ExactGrads binned(*cpu, Allocation(mem2->data(), bytes, mem2, nullptr, MemCategory::Grads), kN, kN);
     binned.deposit(vals[3].data(), kN);
     std::vector<float> zeros(kN, 0.0f);
     binned.reduce(*comm, bk, false, zeros.data());

@@ -32,7 +32,9 @@ enum class Reduction : int {
   /// and communicator. One micro-batch per rank moves 4 wire bytes per element (the direct
   /// exchange of raw values) and needs no memory beyond the full fp32 gradient; several on
   /// some rank, 8 (the packed exchange; 9 past 63 per rank) and an exact accumulator of 17
-  /// bytes per element. CPU only; the reduction runs inside step(), not during backward.
+  /// bytes per element. On the CPU; on Device::Cuda at stages 0-2 with Ownership::Flat
+  /// (the two-phase method at every step: 9 wire bytes per element, the accumulator from
+  /// finalize; bit for bit the CPU's). The reduction runs inside step(), not during backward.
   Reproducible = 1,
 };
 const char* reduction_name(Reduction r) noexcept;
@@ -209,7 +211,8 @@ struct OptimizerOptions {
   /// rounded to bf16: about 3 significant digits; see docs/architecture.md).
   DType reduce_dtype = DType::F32;
   LossScaling loss_scaling;
-  /// Default, or Reproducible (see Reduction; needs reduce_dtype F32 and Device::Cpu).
+  /// Default, or Reproducible (see Reduction; needs reduce_dtype F32; on Device::Cuda, stages
+  /// 0-2 with ownership Flat: the constructor refuses the rest with Error(InvalidArgument)).
   Reduction reduction = Reduction::Default;
   /// Flat (equal slices of every bucket), or Whole (every parameter on one rank:
   /// ownership.hpp). Rule::Muon and Rule::Adafactor need Whole. Whole runs stages 0-3 on the

@@ -59,8 +59,9 @@ struct PlanConfig {
   /// Reduction::Reproducible keeps a full fp32 gradient at every stage (and, with
   /// accumulate_without_sync, an exact accumulator of 17 bytes per element, allocated at the
   /// first step that needs it; always, from finalize, under Whole ownership at stages 1-3
-  /// when some bucket is ragged), and sends 4 bytes per element (8 with several micro-batches
-  /// per rank).
+  /// when some bucket is ragged, and on Device::Cuda, whose two-phase method needs it at
+  /// every step), and sends 4 bytes per element (8 with several micro-batches per rank; 9 on
+  /// Device::Cuda: MemoryPlan::reduce_bytes_accumulated).
   Reduction reduction = Reduction::Default;
   DType reduce_dtype = DType::F32;  ///< the wire of the default reduction: F32 or BF16
   /// Nodes the ranks run on, world_size / nodes consecutive ranks each (MemoryPlan::
@@ -115,7 +116,8 @@ struct MemoryPlan {
   /// 63 per rank): the packed exchange, 8 per padded element (a level and two 30-bit bins).
   /// More micro-batches on a rank, or a communicator that cannot exchange raw values
   /// (Communicator::reduce_scatter_combine), take the two-phase method: 9 (a 1-byte level
-  /// maximum and an int64 sum). Otherwise reduce_bytes.
+  /// maximum and an int64 sum). Otherwise reduce_bytes. On Device::Cuda, which has the
+  /// two-phase method only, both are 9 per padded element.
   std::size_t reduce_bytes_accumulated = 0;
   /// Bytes that cross between nodes for one node in one step (one micro-batch, the default
   /// reduction), as a ring between the `nodes` moves them: per bucket, its gradient
@@ -135,7 +137,8 @@ struct MemoryPlan {
 /// units as they are (one unit if it declares none: see unit_per_tensor()). Throws Error(InvalidArgument)
 /// for an invalid configuration or a layout built for another world size, and
 /// Error(Unsupported) for a gradient dtype other than F32, and for ownership Whole with what
-/// finalize() refuses it with (stage 3, Reduction::Reproducible, Device::Cuda).
+/// finalize() refuses it with (stage 3, Reduction::Reproducible, Device::Cuda), and for
+/// Reduction::Reproducible at stage 3 on Device::Cuda (refused by the optimizer too).
 MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config);
 
 /// The owner plan of whole-tensor ownership (ownership.hpp) and the figures shardopt-plan

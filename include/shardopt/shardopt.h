@@ -155,7 +155,8 @@ typedef enum shardopt_comm_kind {
 typedef enum shardopt_reduction {
   SHARDOPT_REDUCTION_DEFAULT = 0,      /* fp32 (or bf16-wire) sums in the collectives' order */
   SHARDOPT_REDUCTION_REPRODUCIBLE = 1, /* exact sums: the same step, bit for bit, at any number
-                                          of ranks, bucket size and communicator (CPU only) */
+                                          of ranks, bucket size and communicator (CPU;
+                                          CUDA at stages 0-2 with Flat ownership) */
   SHARDOPT_REDUCTION_MIN_ENUM = -0x7FFFFFFF - 1,
   SHARDOPT_REDUCTION_MAX_ENUM = 0x7FFFFFFF
 } shardopt_reduction_t;

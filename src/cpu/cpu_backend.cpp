@@ -53,6 +53,28 @@ class CpuBackend final : public Backend {
     float* out_f32 = replica && replica_dtype == DType::F32 ? static_cast<float*>(replica) : nullptr;
     cpu::adam_update(s, segments, master, grad, m, v, out_bf16, out_f32);
   }
+  void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
+                     std::uint8_t* level) override {
+    cpu::exact_deposit(g, n, top, low, level);
+  }
+  void exact_levels(const float* g, std::size_t n, std::uint8_t* level) override {
+    cpu::exact_levels(g, n, level);
+  }
+  void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* level,
+                             std::int64_t* out) override {
+    cpu::exact_round_to_levels(g, n, level, out);
+  }
+  void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
+                  const std::int64_t* low, std::size_t n) override {
+    cpu::exact_lift(mine, level, top, low, n);
+  }
+  void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst,
+                           std::size_t n) override {
+    cpu::exact_sums_to_float(sum, level, dst, n);
+  }
+  void exact_square_add(const float* x, std::size_t n, cpu::SquareDigits& squares) override {
+    cpu::exact_square_add(x, n, squares);
+  }
   void lion_update(std::span<const LionSegment> segments, float* master, const float* grad,
                    float* m, void* replica, DType replica_dtype) override {
     bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;

@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "../exact_element.hpp"
 #include "kernel_table.hpp"
 #include "kernels.hpp"
 
@@ -21,25 +22,17 @@ static_assert(exact_grid_exponent(0) == -150 && exact_grid_exponent(23) == -150 
 // ---- SquareDigits -------------------------------------------------------------------------
 
 void SquareDigits::add(float v) {
-  const std::uint32_t vb = std::bit_cast<std::uint32_t>(v) & 0x7fffffffu;
-  if (vb == 0) return;
-  if (vb >= 0x7f800000u) {  // Inf or NaN
-    (vb == 0x7f800000u ? infs : nans) += 1;
-    return;
+  static_assert(kBase == exact::elem::kDigitBase, "the shared digit decomposition");
+  exact::elem::SquareParts p;
+  switch (exact::elem::square_parts(v, p)) {
+    case 0: return;
+    case 2: infs += 1; return;
+    case 3: nans += 1; return;
+    default: break;
   }
-  const double sq = static_cast<double>(v) * static_cast<double>(v);  // exact: 48 bits
-  // Squares of fp32 values are normal doubles: sq = m * 2^(E - 1075), m = 1.fraction (53 bits).
-  const std::uint64_t bits = std::bit_cast<std::uint64_t>(sq);
-  const std::uint64_t m = (bits & ((std::uint64_t{1} << 52) - 1)) | (std::uint64_t{1} << 52);
-  const int s = static_cast<int>((bits >> 52) & 0x7ff) - 1075 - kBase;  // m's lowest bit, >= 2
-  const auto at = static_cast<std::size_t>(s / 32);
-  const int o = s % 32;
-  // m * 2^o (up to 84 bits) added as three digits: each addend below 2^33.
-  const std::uint64_t lo = (m & 0xffffffffu) << o;  // < 2^63
-  const std::uint64_t hi = (m >> 32) << o;           // < 2^53
-  digit[at] += lo & 0xffffffffu;
-  digit[at + 1] += (lo >> 32) + (hi & 0xffffffffu);
-  digit[at + 2] += hi >> 32;
+  digit[p.at] += p.d0;
+  digit[p.at + 1] += p.d1;
+  digit[p.at + 2] += p.d2;
   if (++pending == (std::uint64_t{1} << 29)) normalize();  // digits stay below 2^63
 }
 
@@ -77,32 +70,10 @@ void SquareDigits::merge(SquareDigits& other) {
   normalize();
 }
 
-namespace {
+using exact::elem::pow2;
+using exact::elem::round_to_integer;
 
-// x rounded to the nearest integer, ties to even (|x| <= 2^51; the default rounding mode):
-// adding 1.5 * 2^52 leaves no fraction bits. Exact; never -0.
-inline double round_to_integer(double x) {
-  constexpr double kShift = 6755399441055744.0;  // 1.5 * 2^52
-  return (x + kShift) - kShift;
-}
-
-inline double pow2(int e) {  // 2^e for -1022 <= e <= 1023
-  return std::bit_cast<double>(static_cast<std::uint64_t>(1023 + e) << 52);
-}
-
-}  // namespace
-
-// Below 2^50 in magnitude n is exact in a double, and so is n * 2^e; the conversion to fp32
-// rounds once. Above, n is first rounded to odd at 2^13 (floor plus a sticky bit), which
-// keeps that one rounding to 24 bits correct (the double then holds 37 to 50 bits).
-float exact_to_float(std::int64_t n, int e) {
-  const bool wide = n >= (std::int64_t{1} << 50) || n < -(std::int64_t{1} << 50);
-  if (wide) {
-    const std::int64_t t = (n >> 13) | ((n & 0x1fff) != 0 ? 1 : 0);
-    return static_cast<float>(static_cast<double>(t) * pow2(13 + e));
-  }
-  return static_cast<float>(static_cast<double>(n) * pow2(e));
-}
+float exact_to_float(std::int64_t n, int e) { return exact::elem::to_float(n, e); }
 
 // ---- the portable range kernels (the reference) --------------------------------------------
 
@@ -165,37 +136,6 @@ void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst
 
 namespace {
 
-// One element of exact_deposit.
-inline void deposit_one(float v, std::int64_t& top, std::int64_t& low, std::uint8_t& level) {
-  if (v == 0.0f) return;
-  std::uint8_t l = level;
-  if (l == 127) return;  // non-finite already
-  const std::uint32_t e = (std::bit_cast<std::uint32_t>(v) >> 23) & 0xffu;
-  if (e == 0xffu) {
-    level = 127;
-    return;
-  }
-  const std::uint8_t want = static_cast<std::uint8_t>((e + 24) / 24);
-  if (want > l) {
-    if (l == 0 || want - l >= 2) {
-      top = 0;
-      low = 0;
-    } else {
-      low = top;
-      top = 0;
-    }
-    l = want;
-    level = l;
-  }
-  const int b = 24 * l - 150;  // b(l); the low bin's is b - 24
-  const double d = v;
-  const double hi = round_to_integer(d * pow2(-b));         // |hi| <= 2^23
-  const double rest = d - hi * pow2(b);                     // exact: |rest| <= 2^(b-1)
-  const double lo = round_to_integer(rest * pow2(24 - b));  // |lo| <= 2^23; below is dropped
-  top += static_cast<std::int64_t>(hi);
-  low += static_cast<std::int64_t>(lo);
-}
-
 inline std::uint64_t pack_one(std::uint8_t l, std::int64_t top, std::int64_t low) {
   // An empty element's bins are stale (reset on first use); a non-finite one's unused.
   return l == 0     ? 0
@@ -208,7 +148,7 @@ inline std::uint64_t pack_one(std::uint8_t l, std::int64_t top, std::int64_t low
 
 void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
                    std::uint8_t* level) {
-  for (std::size_t j = 0; j < n; ++j) deposit_one(g[j], top[j], low[j], level[j]);
+  for (std::size_t j = 0; j < n; ++j) exact::elem::deposit(g[j], top[j], low[j], level[j]);
 }
 
 void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
@@ -216,7 +156,7 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
   for (std::size_t j = 0; j < n; ++j) {
     std::int64_t t = top[j], lo = low[j];
     std::uint8_t l = level[j];
-    deposit_one(g[j], t, lo, l);
+    exact::elem::deposit(g[j], t, lo, l);
     out[j] = pack_one(l, t, lo);
   }
 }
@@ -224,42 +164,20 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
 // ---- the two-phase method's passes (exact::ExactGrads::reduce) ----
 
 void exact_levels(const float* g, std::size_t n, std::uint8_t* level) {
-  for (std::size_t j = 0; j < n; ++j) {
-    const std::uint32_t u = std::bit_cast<std::uint32_t>(g[j]) & 0x7fffffffu;
-    const std::uint32_t e = u >> 23;
-    level[j] = u == 0 ? 0 : e == 0xffu ? 127 : static_cast<std::uint8_t>((e + 24) / 24);
-  }
+  for (std::size_t j = 0; j < n; ++j) level[j] = exact::elem::level_of(g[j]);
 }
 
 void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* level, std::int64_t* out) {
-  for (std::size_t j = 0; j < n; ++j) {
-    const std::uint8_t l = level[j];
-    out[j] = l == 0 || l == 127
-                 ? 0
-                 : static_cast<std::int64_t>(round_to_integer(static_cast<double>(g[j]) * pow2(174 - 24 * l)));
-  }
+  for (std::size_t j = 0; j < n; ++j) out[j] = exact::elem::round_to_level(g[j], level[j]);
 }
 
 void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
                 const std::int64_t* low, std::size_t n) {
-  for (std::size_t j = 0; j < n; ++j) {
-    const std::uint8_t local = mine[j], global = level[j];
-    if (local == 0 || global == 127) {
-      top[j] = 0;
-      continue;
-    }
-    const int lift = global - local;
-    top[j] = lift == 0 ? top[j] * (std::int64_t{1} << 24) + low[j] : lift == 1 ? top[j] : 0;
-  }
+  for (std::size_t j = 0; j < n; ++j) top[j] = exact::elem::lift(mine[j], level[j], top[j], low[j]);
 }
 
 void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst, std::size_t n) {
-  for (std::size_t j = 0; j < n; ++j) {
-    const std::uint8_t l = level[j];
-    dst[j] = l == 0     ? 0.0f
-             : l == 127 ? std::numeric_limits<float>::quiet_NaN()
-                        : exact_to_float(sum[j], 24 * static_cast<int>(l) - 174);
-  }
+  for (std::size_t j = 0; j < n; ++j) dst[j] = exact::elem::sum_to_float(sum[j], level[j]);
 }
 
 std::uint32_t max_exponent_field(const std::uint32_t* lanes, int nlanes, const float* x, std::size_t n) {

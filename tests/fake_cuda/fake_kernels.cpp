@@ -304,4 +304,42 @@ bool all_finite(cudaStream_t stream, const float* x, std::size_t n) {
   return fakecuda::omp::all_finite(dev(x), n);
 }
 
+void exact_pass(cudaStream_t stream, const ExactOp& op, std::size_t n) {
+  if (n == 0) return;
+  std::vector<Access> acc;
+  switch (op.pass) {
+    case ExactOp::Deposit:
+      acc = {reads(op.g, n * 4), writes(op.top, n * 8), writes(op.low, n * 8), writes(op.level, n)};
+      break;
+    case ExactOp::Levels: acc = {reads(op.g, n * 4), writes(op.level, n)}; break;
+    case ExactOp::RoundToLevels:
+      acc = {reads(op.g, n * 4), reads(op.level, n), writes(op.top, n * 8)};
+      break;
+    case ExactOp::Lift:
+      acc = {reads(op.mine, n), reads(op.level, n), writes(op.top, n * 8), reads(op.low, n * 8)};
+      break;
+    case ExactOp::SumsToFloat:
+      acc = {reads(op.top, n * 8), reads(op.level, n), writes(op.dst, n * 4)};
+      break;
+  }
+  auto lock = fakecuda::lock_device();
+  launch(stream, "exact_pass", std::move(acc), [op, n] {
+    ExactOp d = op;
+    d.g = dev(op.g);
+    d.dst = dev(op.dst);
+    d.top = dev(op.top);
+    d.low = dev(op.low);
+    d.level = dev(op.level);
+    d.mine = dev(op.mine);
+    fakecuda::omp::exact_pass(d, n);
+  });
+}
+
+ExactDigits exact_square_digits(cudaStream_t stream, const float* x, std::size_t n) {
+  if (n == 0) return ExactDigits{};
+  if (cudaStreamSynchronize(stream) != cudaSuccess) throw Error(Status::Cuda, "exact_square_digits: stream");
+  if (!fakecuda::is_device(x, n * 4)) fakecuda::problem("exact_square_digits: not device memory");
+  return fakecuda::omp::exact_square_digits(dev(x), n);
+}
+
 }  // namespace shardopt::dev

@@ -157,6 +157,15 @@ class MpiTransfer final : public Transfer {
         std::memcpy(&b, x + 4 * i, 4);
         a += b;
         std::memcpy(acc + 4 * i, &a, 4);
+      } else if (type_ == ncclInt64) {  // integers: exact in any order
+        std::int64_t a, b;
+        std::memcpy(&a, acc + 8 * i, 8);
+        std::memcpy(&b, x + 8 * i, 8);
+        a = static_cast<std::int64_t>(static_cast<std::uint64_t>(a) + static_cast<std::uint64_t>(b));
+        std::memcpy(acc + 8 * i, &a, 8);
+      } else if (type_ == ncclUint8) {  // ncclMax, the only uint8 reduction accepted
+        const auto a = static_cast<unsigned char>(acc[i]), b = static_cast<unsigned char>(x[i]);
+        acc[i] = static_cast<char>(a > b ? a : b);
       } else if (type_ == ncclFloat64) {
         double a, b;
         std::memcpy(&a, acc + 8 * i, 8);
@@ -216,9 +225,13 @@ ncclResult_t collective(const char* name, Kind kind, const void* send, void* rec
   const bool rooted = kind == Kind::Reduce || kind == Kind::Broadcast;
   if (rooted && (root < 0 || root >= comm->size))
     return misuse(comm, ncclInvalidArgument, std::string(name) + ": root out of range");
-  if (kind != Kind::AllGather && kind != Kind::Broadcast &&
-      (op != ncclSum || !(type == ncclFloat32 || type == ncclFloat64 || type == ncclBfloat16)))
-    return misuse(comm, ncclInvalidArgument, std::string(name) + ": the fake sums fp32, fp64, bf16");
+  // Reductions: sums of fp32, fp64, bf16 and int64, maxima of uint8 (what shardopt uses).
+  const bool sums = op == ncclSum && (type == ncclFloat32 || type == ncclFloat64 ||
+                                      type == ncclBfloat16 || type == ncclInt64);
+  const bool maxima = op == ncclMax && type == ncclUint8;
+  if (kind != Kind::AllGather && kind != Kind::Broadcast && !sums && !maxima)
+    return misuse(comm, ncclInvalidArgument,
+                  std::string(name) + ": the fake sums fp32, fp64, bf16, int64 and takes maxima of uint8");
   if (!valid_stream(stream))
     return misuse(comm, ncclInvalidArgument, std::string(name) + ": invalid stream");
   const std::size_t es = dtype_size(type), n = static_cast<std::size_t>(comm->size);

@@ -38,5 +38,9 @@ void sum_squares_slices(const dv::NormLevelEntry* entries, std::span<const dv::N
   dv::sum_squares_slices(exec, entries, levels, last, slices, results);
 }
 bool all_finite(const float* x, std::size_t n) { return dv::all_finite(exec, x, n); }
+void exact_pass(const dv::ExactOp& op, std::size_t n) { dv::exact_pass(exec, op, n); }
+dv::ExactDigits exact_square_digits(const float* x, std::size_t n) {
+  return dv::exact_square_digits(exec, x, n);
+}
 
 }  // namespace fakecuda::omp

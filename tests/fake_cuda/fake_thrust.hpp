@@ -9,6 +9,7 @@
 #include "adafactor_op.hpp"
 #include "adam_chunk.hpp"
 #include "adamw8bit_op.hpp"
+#include "exact_op.hpp"
 #include "lion_op.hpp"
 #include "muon_op.hpp"
 #include "shardopt/bf16.hpp"
@@ -31,4 +32,6 @@ void sum_squares_slices(const shardopt::dev::NormLevelEntry* entries,
                         const shardopt::dev::NormSliceLast* last, std::size_t slices,
                         double* results);
 bool all_finite(const float* x, std::size_t n);
+void exact_pass(const shardopt::dev::ExactOp& op, std::size_t n);
+shardopt::dev::ExactDigits exact_square_digits(const float* x, std::size_t n);
 }  // namespace fakecuda::omp

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/kernels.hpp"
 #include "cuda_backend.hpp"
 #include "gpu_test.hpp"
 #include "rules/adafactor.hpp"
@@ -502,6 +503,93 @@ TEST(CudaBackend, AdamW8bitRefusesPartialBlocks) {
     } catch (const Error& e) {
       EXPECT_EQ(e.status(), Status::Internal);
     }
+  }
+}
+
+// Reproducible mode's passes (Backend::exact_*) on the device equal the CPU backend's bit for
+// bit, element by element, on values that reach every level and its edges: zeros, the
+// smallest subnormal and the largest finite value, both sides of every level boundary, Inf
+// and NaN, with levels that rise by one and by two between micro-batches. Three micro-batches
+// are deposited; the fourth takes the one-micro-batch path (levels, rounding to levels); the
+// bins are lifted to the larger levels, summed on the host and rounded to fp32; the exact
+// squares of the results and of the raw values (Inf and NaN counted) are the same digits.
+TEST(CudaBackend, ExactPassesMatchCpuBitwise) {
+  SHARDOPT_REQUIRE_GPUS(1);
+  auto cpu = make_cpu_backend();
+  auto gpu = make_cuda_backend();
+  const std::size_t n = 100003;
+  std::vector<std::vector<float>> mb(4, std::vector<float>(n));
+  for (std::size_t q = 0; q < mb.size(); ++q)
+    for (std::size_t i = 0; i < n; ++i) {
+      const float u = synth(q, 77, 5, i);
+      const std::size_t h = (i * 2654435761u + q * 40503u) % 64;
+      float v;
+      if (h == 0) v = 0.0f;
+      else if (h == 1) v = std::numeric_limits<float>::denorm_min();
+      else if (h == 2) v = -std::numeric_limits<float>::max();
+      else if (h == 3 && q == 1 && i % 7 == 0) v = std::numeric_limits<float>::infinity();
+      else if (h == 4 && q == 2 && i % 5 == 0) v = std::numeric_limits<float>::quiet_NaN();
+      else if (h < 20) v = std::ldexp(u >= 0 ? 1.0f : -1.0f, 24 * static_cast<int>(h % 11) - 127 + static_cast<int>(h % 3) - 1);
+      else v = std::ldexp(u, static_cast<int>((i + 31 * q) % 250) - 149);
+      mb[q][i] = v;
+    }
+  std::vector<std::int64_t> zeros64(n, 0);
+  std::vector<std::uint8_t> zeros8(n, 0);
+  // Deposits on the host and the device.
+  std::vector<std::int64_t> top = zeros64, low = zeros64;
+  std::vector<std::uint8_t> level = zeros8;
+  Allocation dtop = upload(*gpu, zeros64), dlow = upload(*gpu, zeros64), dlevel = upload(*gpu, zeros8);
+  for (std::size_t q = 0; q < 3; ++q) {
+    cpu->exact_deposit(mb[q].data(), n, top.data(), low.data(), level.data());
+    Allocation dg = upload(*gpu, mb[q]);
+    gpu->exact_deposit(dg.as<float>(), n, dtop.as<std::int64_t>(), dlow.as<std::int64_t>(),
+                       dlevel.as<std::uint8_t>());
+  }
+  ASSERT_EQ(download<std::uint8_t>(*gpu, dlevel.data(), n), level);
+  ASSERT_EQ(download<std::int64_t>(*gpu, dtop.data(), n), top);
+  ASSERT_EQ(download<std::int64_t>(*gpu, dlow.data(), n), low);
+  // The fourth micro-batch's levels, and the larger of both (the "all-reduce").
+  std::vector<std::uint8_t> level4(n);
+  cpu->exact_levels(mb[3].data(), n, level4.data());
+  Allocation dg4 = upload(*gpu, mb[3]), dlevel4 = upload(*gpu, zeros8);
+  gpu->exact_levels(dg4.as<float>(), n, dlevel4.as<std::uint8_t>());
+  ASSERT_EQ(download<std::uint8_t>(*gpu, dlevel4.data(), n), level4);
+  std::vector<std::uint8_t> agreed(n);
+  for (std::size_t i = 0; i < n; ++i) agreed[i] = std::max(level[i], level4[i]);
+  int rises = 0;
+  for (std::size_t i = 0; i < n; ++i) rises += agreed[i] > level[i] && level[i] != 0 && agreed[i] != 127;
+  EXPECT_GT(rises, 1000) << "the corpus lifts bins";
+  Allocation dagreed = upload(*gpu, agreed);
+  // Rounded to the agreed levels, and the deposits lifted to them.
+  std::vector<std::int64_t> rounded(n);
+  cpu->exact_round_to_levels(mb[3].data(), n, agreed.data(), rounded.data());
+  Allocation drounded = upload(*gpu, zeros64);
+  gpu->exact_round_to_levels(dg4.as<float>(), n, dagreed.as<std::uint8_t>(), drounded.as<std::int64_t>());
+  ASSERT_EQ(download<std::int64_t>(*gpu, drounded.data(), n), rounded);
+  cpu->exact_lift(level.data(), agreed.data(), top.data(), low.data(), n);
+  gpu->exact_lift(dlevel.as<std::uint8_t>(), dagreed.as<std::uint8_t>(), dtop.as<std::int64_t>(),
+                  dlow.as<std::int64_t>(), n);
+  ASSERT_EQ(download<std::int64_t>(*gpu, dtop.data(), n), top);
+  // The sums (the "int64 reduction") rounded once to fp32.
+  std::vector<std::int64_t> sum(n);
+  for (std::size_t i = 0; i < n; ++i) sum[i] = top[i] + rounded[i];
+  std::vector<float> out(n);
+  cpu->exact_sums_to_float(sum.data(), agreed.data(), out.data(), n);
+  Allocation dsum = upload(*gpu, sum), dout = upload(*gpu, std::vector<float>(n));
+  gpu->exact_sums_to_float(dsum.as<std::int64_t>(), dagreed.as<std::uint8_t>(), dout.as<float>(), n);
+  const std::vector<float> out_gpu = download<float>(*gpu, dout.data(), n);
+  for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(float_bits(out_gpu[i]), float_bits(out[i])) << i;
+  // The exact squares: of the results, and of the raw values (Inf and NaN counted).
+  for (const std::vector<float>* x : {&out, &mb[1], &mb[2]}) {
+    cpu::SquareDigits a, b;
+    cpu->exact_square_add(x->data(), n, a);
+    Allocation dx = upload(*gpu, *x);
+    gpu->exact_square_add(dx.as<float>(), n, b);
+    a.normalize();
+    b.normalize();
+    EXPECT_EQ(a.digit, b.digit);
+    EXPECT_EQ(a.nans, b.nans);
+    EXPECT_EQ(a.infs, b.infs);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <initializer_list>
+#include <limits>
 #include <ostream>
 #include <string>
 #include <utility>
@@ -69,9 +70,11 @@ void put_grad(ShardedOptimizer& opt, std::size_t j, const std::vector<float>& g,
 std::unique_ptr<ShardedOptimizer> make(std::shared_ptr<Communicator> comm, Device device,
                                        Stage stage, DType dtype, const AdamConfig& cfg,
                                        bool in_units = false, Rule rule1 = Rule::AdamW,
-                                       Ownership ownership = Ownership::Flat) {
+                                       Ownership ownership = Ownership::Flat,
+                                       Reduction reduction = Reduction::Default) {
   OptimizerOptions o;
   o.ownership = ownership;
+  o.reduction = reduction;
   o.device = device;
   o.stage = stage;
   o.param_dtype = dtype;
@@ -361,8 +364,9 @@ TEST(CudaWhole, MatchesCpuWholeAndFlatBitwise) {
 }
 
 // What Whole does not run on the device yet (stage 3) is refused by finalize() with
-// Error(Unsupported), and so is its plan (reproducible mode is refused on the device by the
-// constructor, whatever the ownership; the planner refuses it for Whole too).
+// Error(Unsupported), and so is its plan (reproducible mode under Whole is refused on the
+// device by the constructor, CudaReproducible.RefusesStage3AndWhole; the planner refuses it
+// for Whole too).
 TEST(CudaWhole, RefusesStage3) {
   SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
   OptimizerOptions o;
@@ -387,6 +391,119 @@ TEST(CudaWhole, RefusesStage3) {
   c.stage = Stage::Zero1;
   c.reduction = Reduction::Reproducible;
   EXPECT_THROW(plan_memory(l, c), Error);
+}
+
+// ---- reproducible mode --------------------------------------------------------------------
+
+// Micro-batch q of `rank` at `step`, parameter `param`, element k: full 24-bit mantissas over
+// 2^-31 .. 2^9 (their sums over ranks and micro-batches round, so the exact sum decides the
+// bits), exact zeros, subnormals, and on step kReproNanStep one NaN (rank 0's first
+// micro-batch: the step is skipped everywhere).
+constexpr int kReproNanStep = 3;
+float repro_grad(int rank, int q, int step, std::size_t param, std::size_t k) {
+  if (step == kReproNanStep && rank == 0 && q == 0 && param == 3 && k == 17)
+    return std::numeric_limits<float>::quiet_NaN();
+  const float u = synth(static_cast<std::uint64_t>(rank) * 64 + static_cast<std::uint64_t>(q),
+                        static_cast<std::uint64_t>(step) + 1000, param, k);
+  const std::size_t h = param * 7 + k * 13 + static_cast<std::size_t>(step) * 5 + static_cast<std::size_t>(q);
+  if (h % 11 == 0) return 0.0f;
+  if (h % 17 == 0) return std::ldexp(u, -130);  // subnormal
+  return std::ldexp(u, static_cast<int>(h % 41) - 31);
+}
+
+// One step of `micro` micro-batches of each of `ranks` ranks into `opt`, every one through
+// begin_backward (the last with sync): `ranks` 1 writes this rank's, more writes them all,
+// rank by rank (one process holding the whole world's micro-batches).
+StepResult repro_step(ShardedOptimizer& opt, int rank, int ranks, int micro, int step, bool device) {
+  for (int r = 0; r < ranks; ++r)
+    for (int q = 0; q < micro; ++q) {
+      opt.begin_backward(r + 1 == ranks && q + 1 == micro);
+      for (std::size_t j = kSizes.size(); j-- > 0;) {
+        std::vector<float> g(kSizes[j]);
+        for (std::size_t k = 0; k < g.size(); ++k)
+          g[k] = repro_grad(ranks == 1 ? rank : r, q, step, j, k);
+        put_grad(opt, j, g, device);
+      }
+    }
+  return opt.step();
+}
+
+// Reduction::Reproducible on the device (the two-phase method over the device communicator's
+// integer reductions; deposits, levels, rounding and the norm's exact squares on the device)
+// equals the CPU's Reproducible optimizer bit for bit: this rank's master, m and v against the
+// CPU's on the same ranks (which takes the direct or packed exchange there), every replica
+// and the norm against one CPU process that receives every rank's micro-batches (the same
+// bits at any rank count). Stages 0-2, bf16 and fp32 replicas, 1 and 3 micro-batches per
+// rank, clipping on every step (max_grad_norm 1 against norms far larger), a NaN step
+// skipped on every rank, uneven parameter sizes over 700-element buckets.
+TEST(CudaReproducible, MatchesCpuReproducibleBitwise) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  AdamConfig cfg;
+  cfg.lr = 1e-2;
+  cfg.max_grad_norm = 1.0;
+  const int world = test::gpu_world_size();
+  for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
+    for (DType dtype : {DType::BF16, DType::F32})
+      for (int micro : {1, 3}) {
+        SCOPED_TRACE(std::string(stage_name(stage)) + " " + dtype_name(dtype) + " " +
+                     std::to_string(micro) + " micro-batches");
+        const auto mk = [&](std::shared_ptr<Communicator> comm, Device device) {
+          return make(std::move(comm), device, stage, dtype, cfg, false, Rule::AdamW,
+                      Ownership::Flat, Reduction::Reproducible);
+        };
+        auto gpu = mk(test::gpu_world(), Device::Cuda);
+        auto cpu = mk(host_world(), Device::Cpu);
+        auto one = mk(make_single_process_communicator(), Device::Cpu);
+        const int rank = gpu->comm().rank();
+        for (int step = 1; step <= 4; ++step) {
+          const StepResult a = repro_step(*gpu, rank, 1, micro, step, true);
+          const StepResult b = repro_step(*cpu, rank, 1, micro, step, false);
+          const StepResult c = repro_step(*one, rank, world, micro, step, false);
+          if (step == 1) expect_planned_memory(*gpu);
+          EXPECT_EQ(a.skipped, step == kReproNanStep) << "step " << step;
+          EXPECT_EQ(b.skipped, a.skipped) << "step " << step;
+          EXPECT_EQ(c.skipped, a.skipped) << "step " << step;
+          if (!a.skipped) {
+            EXPECT_TRUE(a.clipped) << "step " << step;
+            EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << step;
+            EXPECT_EQ(a.grad_norm, c.grad_norm) << "step " << step;
+          }
+          expect_same_state(*gpu, *cpu, step);
+          for (std::size_t i = 0; i < kSizes.size(); ++i) {
+            const std::vector<unsigned char> mine = replica_bytes(*gpu, i);
+            ASSERT_EQ(mine, replica_bytes(*cpu, i)) << "step " << step << " p" << i << " (CPU, same ranks)";
+            ASSERT_EQ(mine, replica_bytes(*one, i)) << "step " << step << " p" << i << " (CPU, one process)";
+          }
+        }
+      }
+}
+
+// What reproducible mode does not run on the device is refused by the constructor on every
+// rank with Error(InvalidArgument): stage 3 and ownership Whole; the planner refuses both too.
+TEST(CudaReproducible, RefusesStage3AndWhole) {
+  SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
+  for (const auto& [stage, ownership] : {std::pair{Stage::Zero3, Ownership::Flat},
+                                         std::pair{Stage::Zero1, Ownership::Whole}}) {
+    OptimizerOptions o;
+    o.device = Device::Cuda;
+    o.reduction = Reduction::Reproducible;
+    o.stage = stage;
+    o.ownership = ownership;
+    try {
+      ShardedOptimizer opt(test::gpu_world(), o);
+      FAIL() << "the constructor accepted Reproducible on Device::Cuda at " << stage_name(stage);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::InvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("reduction Reproducible on Device::Cuda runs at stages 0-2 "
+                                           "with ownership Flat only"),
+                std::string::npos)
+          << e.what();
+    }
+    FlatLayout l;
+    l.add("w", 1000, 0);
+    const PlanConfig c = plan_config(o, 1);
+    EXPECT_THROW(plan_memory(l, c), Error) << stage_name(stage);
+  }
 }
 
 // ---- stage 3 -------------------------------------------------------------------------------
