@@ -34,10 +34,15 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
       cfg_(config), replica_(static_cast<char*>(replica)), grads_(std::move(storage.grads)),
       staging_(std::move(storage.staging)), exact_wire_(std::move(storage.exact_wire)),
       spill_param_(kNone) {
-  if (storage.exact.data() != nullptr) {  // ragged buckets: every step needs it
+  if (storage.exact.data() != nullptr && sharded()) {  // the owned elements' bins
+    exact_ = exact::ExactGrads(backend_, std::move(storage.exact), plan_.local_elems, 0);
+    exact_allocated_ = true;
+  } else if (storage.exact.data() != nullptr) {  // ragged buckets: every step needs it
     exact_ = exact::ExactGrads(backend_, std::move(storage.exact), layout_.padded_size(), max_bucket());
     exact_allocated_ = true;
   }
+  require(!sharded() || exact_allocated_, Status::Internal,
+          "BucketSet: the sharded exact accumulation needs its bins from finalize");
   state_.resize(layout_.num_buckets());
   if (cfg_.eager_norm) norm_sums_.assign(layout_.num_buckets(), 0.0);
   param_ready_.assign(layout_.num_params(), 0);
@@ -111,6 +116,18 @@ void BucketSet::finish_op(std::size_t b) {
 // ---- gradients ------------------------------------------------------------------------------
 
 void BucketSet::begin_backward(bool sync) {
+  if (sharded()) {
+    // Every micro-batch is exchanged (sync is ignored: accumulating locally would need the
+    // full-size buffer this path avoids); the previous one's remaining buckets go now.
+    require(!reduced_, Status::InvalidState,
+            "begin_backward: gradients of this step were already reduced; call step() first");
+    if (micro_batches_ > 0) exchange_round(true);
+    ++micro_batches_;
+    sync_ = true;
+    for (State& s : state_) s.ready = 0;
+    std::fill(param_ready_.begin(), param_ready_.end(), 0);
+    return;
+  }
   if (cfg_.reproducible) {
     // The previous micro-batch's gradients join the exact sums; the buffer starts empty.
     require(next_start_ == 0, Status::InvalidState,
@@ -221,7 +238,7 @@ void BucketSet::grad_ready(std::size_t i) {
   const ParamInfo& p = layout_.param(i);
   require(param_ready_[i] == 0, Status::InvalidState,
           "grad_ready: parameter '" + p.name + "' was already marked ready in this micro-batch");
-  if (!sync_ || cfg_.reproducible) {  // nothing starts before the step
+  if (!sync_ || (cfg_.reproducible && !sharded())) {  // nothing starts before the step
     param_ready_[i] = 1;
     return;
   }
@@ -257,6 +274,10 @@ BatchedCollective BucketSet::grad_sync_op(std::size_t b) {
 }
 
 void BucketSet::start_grad_sync(std::size_t b) {
+  if (sharded()) {
+    exchange_deposit(b);
+    return;
+  }
   const BatchedCollective op = grad_sync_op(b);
   {
     const ScopedSeconds timed(blocked_seconds_);
@@ -338,7 +359,68 @@ float* BucketSet::slot_for(std::size_t b) {
   return slot_data(s.slot);
 }
 
+void BucketSet::exchange_deposit(std::size_t b) {
+  finish_op(b);  // the previous step's gather of this bucket, if still outstanding
+  float* slot = slot_for(b);
+  const Bucket& bk = layout_.bucket(b);
+  {
+    const ScopedSeconds timed(blocked_seconds_);
+    require(exact_.exchange_deposit(comm_, bk, slot, bk.local_begin_of(comm_.rank())),
+            Status::Unsupported,
+            "reproducible mode at stage 2: this communicator cannot exchange raw values "
+            "(reduce_scatter_combine); set SHARDOPT_REPRO_EXCHANGE=two-phase for the "
+            "full-buffer path");
+  }
+  // Exchanged synchronously: the slot is free again at once, on every rank in the same
+  // order (one slot in use at a time), so the shared-memory exchange finds every rank's
+  // bucket at the same offset.
+  State& s = state_[b];
+  backend_.fill_zero(slot, bk.flat.size() * sizeof(float));
+  free_slots_.push_back(s.slot);
+  s.slot = -1;
+  next_start_ = b + 1;
+}
+
+bool BucketSet::exchange_round(bool more) {
+  if (spill_param_ != kNone) flush_spill();
+  start_through(state_.size());
+  next_start_ = 0;
+  double flags[2] = {more ? 1.0 : 0.0, static_cast<double>(micro_batches_)};
+  comm_.all_reduce_sum_host(flags, 2);
+  if (flags[0] == 0) total_micro_batches_ = static_cast<std::int64_t>(flags[1]);
+  return flags[0] > 0;
+}
+
 void BucketSet::finish_grad_sync() {
+  if (sharded()) {
+    if (reduced_) return;  // reduced already in this step
+    // (No agreement that every rank is here: a rank with more micro-batches meets this one in
+    // begin_backward's round, which is the same sequence of collectives.)
+    // This rank's last micro-batch (or, with none, zeros), then empty rounds while another
+    // rank still has micro-batches: every rank takes part in every exchange, none hangs.
+    while (exchange_round(false)) {
+    }
+    const std::int64_t values = std::max<std::int64_t>(total_micro_batches_, comm_.size());
+    require(values <= exact::kMaxContributions, Status::InvalidArgument,
+            "reproducible reduction: " + std::to_string(total_micro_batches_) + " micro-batches on " +
+                std::to_string(comm_.size()) + " ranks make " + std::to_string(values) +
+                " gradients per element; the exact int64 sum holds at most " +
+                std::to_string(exact::kMaxContributions));
+    // The owner rounds its slices once; their exact squares are the norm's part.
+    const ScopedSeconds timed(blocked_seconds_);
+    exact_squares_ = exact::SquareSum();
+    const int me = comm_.rank();
+    for (std::size_t b = 0; b < state_.size(); ++b) {
+      const Bucket& bk = layout_.bucket(b);
+      const std::size_t at = bk.local_begin_of(me);
+      exact_.round_to(at, bk.slice_size(me), grads_.as<float>() + at);
+      const Backend::Slice slice = norm_slice(b);
+      backend_.exact_square_add(slice.data, slice.n, exact_squares_.digits());
+    }
+    next_start_ = state_.size();
+    reduced_ = true;
+    return;
+  }
   if (cfg_.reproducible) {
     reduce_exactly();
     return;
@@ -465,6 +547,7 @@ void BucketSet::zero_grads() {
     spill_param_ = kNone;
   }
   next_start_ = 0;
+  reduced_ = false;
   micro_batches_ = 0;
   total_micro_batches_ = 0;
   sync_ = true;

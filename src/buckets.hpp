@@ -156,6 +156,15 @@ class BucketSet {
   void require_open(std::size_t i, bool writing) const;
   bool staged() const { return plan_.grads_scheme == GradScheme::Staged; }
   void reduce_exactly();  // reproducible: deposits the last micro-batch, reduces every bucket
+  /// Sharded exact accumulation (plan_.exact_sharded): the direct exchange of bucket b's
+  /// slot, deposited by the owners, then the slot is cleared and released.
+  void exchange_deposit(std::size_t b);
+  /// Sharded exact accumulation: exchanges every bucket not exchanged yet in this round (a
+  /// rank without a micro-batch sends zeros), then every rank states whether it has more
+  /// micro-batches; returns whether some rank has. One round per micro-batch of the rank
+  /// with the most.
+  bool exchange_round(bool more);
+  bool sharded() const { return plan_.exact_sharded; }
   void ensure_exact();    // reproducible: allocates the exact accumulator (plan_.exact) once
   std::size_t max_bucket() const;  // the largest bucket's elements
   void retire_completed_grad_syncs();  // finishes (not releases) those test() completes, in order
@@ -181,6 +190,7 @@ class BucketSet {
   ExactMethod exact_floor_ = ExactMethod::Direct;  ///< SHARDOPT_REPRO_EXCHANGE: the fastest allowed
   ExactMethod exact_method_ = ExactMethod::Direct;  ///< this step's (agreed in reduce_exactly)
   std::int64_t total_micro_batches_ = 0;  ///< reproducible: over all ranks, at the reduction
+  bool reduced_ = false;  ///< sharded exact accumulation: finish_grad_sync ran in this step
   std::size_t spill_param_;
   std::vector<int> free_slots_;
 

@@ -11,7 +11,8 @@ namespace shardopt {
 
 BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype,
                         int buckets_in_flight, int units_in_flight, Reduction reduction,
-                        DType reduce_dtype, std::span<const GroupOptions> groups, int rank) {
+                        DType reduce_dtype, std::span<const GroupOptions> groups, int rank,
+                        Device device) {
   constexpr std::size_t f32 = sizeof(float);
   const std::size_t padded = layout.padded_size();
   BufferPlan p;
@@ -28,7 +29,8 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
   }
 
   const bool reproducible = reduction == Reduction::Reproducible;
-  if ((stage == Stage::Zero2 || zero3) && !reproducible) {
+  const bool sharded = reproducible && exact::sharded_stage2(layout, stage, device);
+  if ((stage == Stage::Zero2 || zero3) && (!reproducible || sharded)) {
     // Slots hold the largest buckets that can be in flight at once; at most as many as there
     // are buckets.
     std::vector<std::size_t> sizes;
@@ -48,7 +50,8 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
       p.slots = static_cast<int>(slots);
       p.slot_elems = sizes.front();
       p.staging = {MemCategory::Scratch, staging * f32, false};
-      if (!zero3) p.accumulate = {MemCategory::Grads, padded * f32, true};
+      // (The sharded exact accumulation exchanges every micro-batch: it never accumulates.)
+      if (!zero3 && !sharded) p.accumulate = {MemCategory::Grads, padded * f32, true};
       std::size_t spill = 0;
       for (const ParamInfo& q : layout.params())
         if (q.buckets.size() > 1) spill = std::max(spill, q.numel);
@@ -57,7 +60,12 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
   }
   p.grads = {MemCategory::Grads,
              (p.grads_scheme == GradScheme::Staged ? p.local_elems : padded) * f32, false};
-  if (reproducible) {
+  if (reproducible && p.grads_scheme == GradScheme::Staged) {
+    // The sharded exact accumulation: bins of the owned elements, from finalize (every step
+    // deposits into them); no wire buffer; 4 bytes per element and micro-batch on the wire.
+    p.exact_sharded = true;
+    p.exact = {MemCategory::Grads, exact::grads_bytes(p.local_elems, 0), false};
+  } else if (reproducible) {
     std::size_t max_bucket = 0;
     for (const Bucket& b : layout.buckets()) max_bucket = std::max(max_bucket, b.flat.size());
     // On demand, unless ragged buckets (whole-tensor ownership, stages 1-3) take the
@@ -67,7 +75,7 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
     p.exact_wire = {MemCategory::Scratch, max_bucket * sizeof(std::uint64_t), false};
   }
   p.reduce_bytes = padded * (reduce_dtype == DType::BF16 && !reproducible ? 2 : 4);
-  p.reduce_bytes_accumulated = reproducible ? padded * 8 : p.reduce_bytes;
+  p.reduce_bytes_accumulated = reproducible && !p.exact_sharded ? padded * 8 : p.reduce_bytes;
   if (param_dtype != DType::F32) p.master = {MemCategory::Master, p.local_elems * f32, false};
   p.rule_scratch = {MemCategory::Scratch,
                     rules::rules_scratch_floats(layout, groups, stage, rank) * f32, false};

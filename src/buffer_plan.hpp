@@ -35,6 +35,11 @@ struct BufferSpec {
 
 struct BufferPlan {
   GradScheme grads_scheme = GradScheme::Full;
+  /// Reduction::Reproducible at stage 2 on the CPU with equal slices (exact::sharded_stage2):
+  /// the staged scheme; every micro-batch's bucket goes by the direct exchange to its owners,
+  /// which deposit every rank's raw values into bins of their owned elements only (`exact`:
+  /// exact::grads_bytes(local_elems, 0)), rounded once at the step. No full-size buffer.
+  bool exact_sharded = false;
   std::size_t local_elems = 0;      ///< length of the local arrays (master, m, v)
   std::size_t slot_elems = 0;       ///< Staged: one staging slot (the largest bucket)
   int slots = 0;                    ///< Staged: staging slots
@@ -98,6 +103,7 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
                         int buckets_in_flight, int units_in_flight,
                         Reduction reduction = Reduction::Default,
                         DType reduce_dtype = DType::F32,
-                        std::span<const GroupOptions> groups = {}, int rank = 0);
+                        std::span<const GroupOptions> groups = {}, int rank = 0,
+                        Device device = Device::Cpu);
 
 }  // namespace shardopt

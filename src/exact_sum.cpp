@@ -8,11 +8,21 @@
 
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <vector>
 
 namespace shardopt::exact {
+
+bool sharded_stage2(const FlatLayout& layout, Stage stage, Device device) {
+  if (stage != Stage::Zero2 || device != Device::Cpu || layout.world_size() < 2) return false;
+  if (ragged_buckets(layout, false)) return false;
+  const char* env = std::getenv("SHARDOPT_REPRO_EXCHANGE");
+  if (env != nullptr && std::string(env) != "auto" && std::string(env) != "direct") return false;
+  return true;
+}
 
 std::size_t grads_bytes(std::size_t padded, std::size_t max_bucket) {
   return padded * (2 * sizeof(std::int64_t) + 1) + max_bucket;
@@ -123,7 +133,49 @@ class PackedCombiner final : public BlockCombiner {
   std::vector<const std::uint64_t*> at_;
 };
 
+// Stage 2's sharded deposit: every rank's raw values of this rank's slice go into its bins
+// (the owner combines its whole block: dst lies in its own block of `out`, at the offset of
+// the elements). Nothing is written to dst.
+class DepositCombiner final : public BlockCombiner {
+ public:
+  DepositCombiner(Backend& backend, const float* block, std::int64_t* top, std::int64_t* low,
+                  std::uint8_t* level)
+      : backend_(backend), block_(block), top_(top), low_(low), level_(level) {}
+  bool at_owner() const override { return true; }
+  void combine(float* dst, const void* const* src, int nsrc, std::size_t n) override {
+    const std::size_t at = static_cast<std::size_t>(dst - block_);
+    for (int r = 0; r < nsrc; ++r)
+      backend_.exact_deposit(static_cast<const float*>(src[r]), n, top_ + at, low_ + at, level_ + at);
+  }
+
+ private:
+  Backend& backend_;
+  const float* block_;
+  std::int64_t* top_;
+  std::int64_t* low_;
+  std::uint8_t* level_;
+};
+
 }  // namespace
+
+bool ExactGrads::exchange_deposit(Communicator& comm, const Bucket& bk, const float* data,
+                                  std::size_t local) {
+  const std::size_t n = bk.slice_elems;
+  require(local + n <= n_, Status::Internal, "ExactGrads::exchange_deposit: slice outside the bins");
+  float* out = const_cast<float*>(data);  // the combiner writes nothing
+  DepositCombiner op(*backend_, out + static_cast<std::size_t>(comm.rank()) * n, top_ + local,
+                     low_ + local, level_ + local);
+  if (!comm.reduce_scatter_combine(data, sizeof(float), out, n, op)) return false;
+  deposited_ = true;
+  return true;
+}
+
+void ExactGrads::round_to(std::size_t begin, std::size_t n, float* dst) {
+  require(begin + n <= n_, Status::Internal, "ExactGrads::round_to: range outside the bins");
+  // Lifting to its own level packs each element's bins into one int64 (in the top bin).
+  backend_->exact_lift(level_ + begin, level_ + begin, top_ + begin, low_ + begin, n);
+  backend_->exact_sums_to_float(top_ + begin, level_ + begin, dst, n);
+}
 
 bool ExactGrads::reduce_direct(Communicator& comm, const Bucket& bk, bool whole, float* grads,
                                SquareSum& squares) {

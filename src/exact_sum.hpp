@@ -33,6 +33,7 @@
 #include "shardopt/comm.hpp"
 #include "shardopt/layout.hpp"
 #include "shardopt/memory.hpp"
+#include "shardopt/options.hpp"
 
 namespace shardopt {
 class Backend;
@@ -73,6 +74,14 @@ inline bool ragged_buckets(const FlatLayout& layout, bool whole) {
     if (!exchanges(bk, whole)) return true;
   return false;
 }
+
+/// Whether reproducible mode takes the sharded exact accumulation at stage 2
+/// (BufferPlan::exact_sharded; docs/architecture.md, "Reproducible mode"): stage 2, the CPU,
+/// more than one rank, every bucket cut in equal slices (Flat ownership), and
+/// SHARDOPT_REPRO_EXCHANGE unset, "auto" or "direct" (the explicit switch back to the
+/// full-buffer path: "packed" or "two-phase"). The staging must also pay off
+/// (plan_buffers: shard + staging below the full buffer), else the full-buffer path runs.
+bool sharded_stage2(const FlatLayout& layout, Stage stage, Device device);
 
 /// Host bytes of the gradient accumulator of a layout: levels, two bins and a scratch copy
 /// of the largest bucket's levels.
@@ -139,6 +148,20 @@ class ExactGrads {
   /// when the communicator cannot exchange (reduce() then does the bucket).
   bool reduce_packed(Communicator& comm, const Bucket& bk, bool whole, float* grads,
                      std::uint64_t* wire, SquareSum& squares);
+  /// Stage 2's sharded accumulation (BufferPlan::exact_sharded): the accumulator then covers
+  /// only this rank's owned elements (its local arrays' coordinates, grads_bytes(owned, 0)).
+  /// Collective: the direct exchange (Communicator::reduce_scatter_combine, 4 bytes per
+  /// element) of bucket `bk`'s raw fp32 values of one micro-batch in `data` (the bucket's
+  /// elements, every rank's; left as they are), and this rank deposits every rank's values of
+  /// its slice into its bins from local element `local` on. The deposit is order- and
+  /// grouping-free, so after any number of these the bins are what one process depositing
+  /// every value gets; a zero contributes nothing (a rank without a micro-batch sends zeros).
+  /// Returns false, having done nothing, when the communicator cannot exchange raw values
+  /// (the same answer on every rank).
+  bool exchange_deposit(Communicator& comm, const Bucket& bk, const float* data, std::size_t local);
+  /// Stage 2's sharded accumulation: rounds local elements [begin, begin + n) of the bins
+  /// once to fp32 into dst (NaN where a NaN/Inf was deposited). The bins are consumed.
+  void round_to(std::size_t begin, std::size_t n, float* dst);
   /// The packed state (cpu::exact_pack) of flat elements [begin, begin + n): level and bins
   /// as deposited so far. Exact while at most cpu::kPackedMaxMicroBatches were deposited.
   void pack(std::size_t begin, std::size_t n, std::uint64_t* out) const;

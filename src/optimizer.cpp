@@ -421,7 +421,7 @@ void ShardedOptimizer::finalize() {
   const BufferPlan plan =
       plan_buffers(layout, options_.stage, options_.param_dtype, options_.buckets_in_flight,
                    options_.units_in_flight, options_.reduction, options_.reduce_dtype,
-                   groups_, comm_->rank());
+                   groups_, comm_->rank(), options_.device);
   Backend& be = *backend_;
   const auto shared_buffer = [&](const BufferSpec& spec) {
     return collective(*comm_, "finalize", [&] {

@@ -144,7 +144,7 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   const BufferPlan b =
       plan_buffers(built, config.stage, config.param_dtype, config.buckets_in_flight,
                    config.units_in_flight, config.reduction, config.reduce_dtype,
-                   config.groups, config.rank);
+                   config.groups, config.rank, config.device);
   MemoryPlan plan;
   plan.reduce_bytes = b.reduce_bytes;
   plan.reduce_bytes_accumulated = b.reduce_bytes_accumulated;

@@ -401,6 +401,101 @@ TEST(Reproducible, UnevenMicroBatchCountsIncludingNone) {
   }
 }
 
+// Stage 2's sharded exact accumulation (BufferPlan::exact_sharded: the staged scheme, each
+// micro-batch's buckets exchanged raw to their owners, which deposit into bins of their slice
+// only): 1, 2 and 4 micro-batches per rank and uneven counts (ranks with none send zeros in
+// every round) give the bits of one process, on plain MPI and shared memory, with 4 bytes per
+// element per round (one round per micro-batch of the rank with the most) and no integer
+// reductions.
+TEST(Reproducible, Stage2ShardedEachMicroBatchMatchesOneProcess) {
+  auto w = mpi(MpiCommKind::Plain);
+  const int world = w->size();
+  std::vector<std::vector<int>> splits;
+  for (int per : {1, 2, 4}) splits.push_back(std::vector<int>(static_cast<std::size_t>(world), per));
+  if (world == 2) splits.insert(splits.end(), {{1, 0}, {0, 3}, {2, 5}});
+  if (world == 3) splits.insert(splits.end(), {{1, 0, 1}, {0, 4, 1}, {2, 0, 0}});
+  if (world == 4) splits.insert(splits.end(), {{0, 1, 1, 1}, {3, 0, 2, 1}, {0, 0, 0, 0}});
+  for (const std::vector<int>& split : splits) {
+    int total = 0, most = 0;
+    std::string what = "split";
+    for (int c : split) {
+      total += c;
+      most = std::max(most, c);
+      what += " " + std::to_string(c);
+    }
+    const Trained one = train_split(make_single_process_communicator(), Stage::Zero1, {total});
+    for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory}) {
+      const std::string at = what + (kind == MpiCommKind::Plain ? " mpi" : " shm");
+      auto counting = std::make_shared<CountingComm>(mpi(kind));
+      MemoryPlan plan;
+      expect_same(train_split(counting, Stage::Zero2, split, &plan), one, at);
+      if (HasFatalFailure()) return;
+      if (world == 1) continue;  // one rank keeps the full buffer: the full-buffer path
+      EXPECT_TRUE(plan.staged) << at << ": the sharded path must run";
+      EXPECT_EQ(counting->int_bytes, 0u) << at;
+      EXPECT_EQ(counting->combine_bytes,
+                2 * static_cast<std::size_t>(std::max(most, 1)) * plan.reduce_bytes) << at;
+    }
+  }
+}
+
+// The sharded exact accumulation's gradient memory is the staged default's plus 17 bytes per
+// owned element, from finalize, equal to the plan before and after steps of several
+// micro-batches, and below the full-buffer path's (SHARDOPT_REPRO_EXCHANGE=two-phase) with
+// its accumulator.
+TEST(Reproducible, Stage2ShardedMemoryEqualsThePlanAndIsBelowTheFullBuffer) {
+  auto w = mpi(MpiCommKind::SharedMemory);
+  const int world = w->size();
+  if (world == 1) GTEST_SKIP() << "one rank keeps the full buffer";
+  const auto make = [&](Reduction reduction) {
+    OptimizerOptions o = options(Stage::Zero2, 1024);
+    o.reduction = reduction;
+    auto opt = std::make_unique<ShardedOptimizer>(w, o);
+    build(*opt);
+    return opt;
+  };
+  std::unique_ptr<ShardedOptimizer> sharded = make(Reduction::Reproducible);
+  std::unique_ptr<ShardedOptimizer> def = make(Reduction::Default);
+  const MemoryPlan ps = plan_memory(sharded->layout(), plan_config(sharded->options(), world));
+  const MemoryPlan pd = plan_memory(def->layout(), plan_config(def->options(), world));
+  ASSERT_TRUE(ps.staged);
+  EXPECT_EQ(ps[MemCategory::Grads], pd[MemCategory::Grads] + 17 * ps.owned_elems);
+  EXPECT_EQ(ps[MemCategory::Scratch], pd[MemCategory::Scratch]);  // the staging slots
+  for (MemCategory c : {MemCategory::Grads, MemCategory::Scratch})
+    EXPECT_EQ(sharded->memory_report()[c], ps[c]);
+  // Steps of three micro-batches (accumulated without sync) allocate nothing more than the
+  // planner adds for the spill buffer (grad() views of parameter 2, across buckets).
+  for (int step = 0; step < 2; ++step) {
+    for (int k = 0; k < 3; ++k) {
+      sharded->begin_backward(false);
+      for (std::size_t i = std::size(kSizes); i-- > 0;) {
+        std::span<float> g = sharded->grad(i);
+        for (std::size_t j = 0; j < g.size(); ++j) g[j] = grad_value(step, k, i, j, -1);
+        sharded->grad_ready(i);
+      }
+    }
+    sharded->step();
+  }
+  PlanConfig ca = plan_config(sharded->options(), world);
+  ca.accumulate_without_sync = true;  // the sharded path never accumulates locally
+  ca.grad_views_across_buckets = true;
+  const MemoryPlan psa = plan_memory(sharded->layout(), ca);
+  EXPECT_EQ(psa[MemCategory::Grads], ps[MemCategory::Grads]);
+  EXPECT_GT(psa[MemCategory::Scratch], ps[MemCategory::Scratch]);
+  for (MemCategory c : {MemCategory::Grads, MemCategory::Scratch})
+    EXPECT_EQ(sharded->memory_report()[c], psa[c]);
+  // The full-buffer path, selected explicitly: the fp32 buffer and the 17-byte accumulator.
+  const EnvScope env("SHARDOPT_REPRO_EXCHANGE", "two-phase");
+  std::unique_ptr<ShardedOptimizer> full = make(Reduction::Reproducible);
+  PlanConfig cf = plan_config(full->options(), world);
+  cf.accumulate_without_sync = true;
+  const MemoryPlan pf = plan_memory(full->layout(), cf);
+  EXPECT_FALSE(pf.staged);
+  EXPECT_EQ(full->memory_report()[MemCategory::Grads], plan_memory(full->layout(), plan_config(full->options(), world))[MemCategory::Grads]);
+  EXPECT_LT(ps[MemCategory::Grads] + ps[MemCategory::Scratch], pf[MemCategory::Grads] + pf[MemCategory::Scratch]);
+  EXPECT_LT(ps[MemCategory::Grads], pf[MemCategory::Grads]);
+}
+
 // The default reduction is not reproducible across rank counts on these gradients: the check
 // above would catch a reproducible mode that quietly used fp32 sums (one rank: nothing to
 // compare, the launch at 1 rank skips).

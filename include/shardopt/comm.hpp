@@ -40,6 +40,11 @@ class BlockCombiner {
  public:
   virtual ~BlockCombiner() = default;
   virtual void combine(float* dst, const void* const* src, int nsrc, std::size_t n) = 0;
+  /// Whether the block's owner must do all of its block's combining, with dst inside its own
+  /// `out` (out + rank * count + offset): a combiner that keeps the owner's state (reproducible
+  /// mode's stage-2 deposit into the owner's bins). Otherwise a communicator may split a block
+  /// between ranks (the shared-memory one does) and write through a peer's mapping.
+  virtual bool at_owner() const { return false; }
 };
 
 /// A collective that was started and may still be running. Every started collective must be

@@ -259,7 +259,13 @@ class ShmCommunicator final : public Communicator {
     vin.win->sync();
     if (vout.win != vin.win) vout.win->sync();
     const Range part = split_part(count, topo_->node_size, topo_->node_rank);
-    if (!part.empty()) {
+    if (op.at_owner()) {  // this rank combines its own block whole, into its own `out`
+      const std::size_t first = static_cast<std::size_t>(topo_->node_rank) * count;
+      std::vector<const void*> src(n);
+      for (int p = 0; p < topo_->node_size; ++p)
+        src[static_cast<std::size_t>(p)] = vin.at(p) + first * elem_bytes;
+      if (count != 0) op.combine(out + first, src.data(), topo_->node_size, count);
+    } else if (!part.empty()) {
       std::vector<const void*> src(n);
       for (std::size_t k = 0; k < n; ++k) {
         const std::size_t first = k * count + part.begin;
