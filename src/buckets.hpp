@@ -47,7 +47,9 @@ class BucketSet {
     CommType param_type;  ///< replica: F32 or U16 (bf16 bits)
     bool overlap;
     /// Reduction::Reproducible: micro-batches are deposited into exact bins (exact_sum.hpp)
-    /// and every bucket is reduced exactly inside finish_grad_sync(), none during backward.
+    /// and every bucket is reduced exactly inside finish_grad_sync(), none during backward;
+    /// except on the sharded stage-2 path (BufferPlan::exact_sharded), where each
+    /// micro-batch's buckets are exchanged to their owners' bins during backward.
     bool reproducible = false;
     /// Host memory: each bucket's sum of squares (the norm's part) is taken as soon as its
     /// reduction completes, while the reduced slice is still in cache (norm_sums()).

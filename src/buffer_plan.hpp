@@ -71,7 +71,8 @@ struct BufferPlan {
   /// micro-batch on this rank, or a step that takes the two-phase method; with ragged buckets
   /// (whole-tensor ownership at stages 1-3, exact::ragged_buckets) every step takes it for
   /// them, and finalize() allocates it (not on demand). The mode keeps the
-  /// full fp32 gradient buffer (GradScheme::Full) at every stage.
+  /// full fp32 gradient buffer (GradScheme::Full), except on the sharded stage-2 path
+  /// (exact_sharded: bins of the owned elements only, from finalize).
   BufferSpec exact;
   /// Reduction::Reproducible: the packed exchange's wire buffer (8 bytes per element of the
   /// largest bucket), allocated collectively at finalize (a shared-memory window on one node).

@@ -439,6 +439,30 @@ TEST(Reproducible, Stage2ShardedEachMicroBatchMatchesOneProcess) {
   }
 }
 
+// A communicator that cannot exchange raw values: the sharded stage 2 refuses with the same
+// error on every rank (none hangs); SHARDOPT_REPRO_EXCHANGE=two-phase selects the
+// full-buffer path, which gives the bits of one process.
+TEST(Reproducible, Stage2ShardedRefusesWithoutTheRawExchange) {
+  auto w = mpi(MpiCommKind::Plain);
+  const int world = w->size();
+  if (world == 1) GTEST_SKIP() << "one rank keeps the full buffer";
+  auto counting = std::make_shared<CountingComm>(mpi(MpiCommKind::Plain));
+  counting->refuse_combine = true;
+  const std::vector<int> split(static_cast<std::size_t>(world), 2);
+  try {
+    train_split(counting, Stage::Zero2, split);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Unsupported) << e.what();
+  }
+  const EnvScope env("SHARDOPT_REPRO_EXCHANGE", "two-phase");
+  auto again = std::make_shared<CountingComm>(mpi(MpiCommKind::Plain));
+  again->refuse_combine = true;
+  expect_same(train_split(again, Stage::Zero2, split),
+              train_split(make_single_process_communicator(), Stage::Zero1, {2 * world}),
+              "two-phase, no raw exchange");
+}
+
 // The sharded exact accumulation's gradient memory is the staged default's plus 17 bytes per
 // owned element, from finalize, equal to the plan before and after steps of several
 // micro-batches, and below the full-buffer path's (SHARDOPT_REPRO_EXCHANGE=two-phase) with
