@@ -463,6 +463,27 @@ TEST(Reproducible, Stage2ShardedRefusesWithoutTheRawExchange) {
               "two-phase, no raw exchange");
 }
 
+// The sharded stage 2 stages its gradients: forward order is refused like the default's
+// staged stage 2 (the same error on every rank; backward order: the other tests).
+TEST(Reproducible, Stage2ShardedFollowsTheBackwardOrderContract) {
+  auto w = mpi(MpiCommKind::Plain);
+  if (w->size() == 1) GTEST_SKIP() << "one rank keeps the full buffer";
+  ShardedOptimizer opt(w, options(Stage::Zero2, 1024));
+  build(opt);
+  ASSERT_TRUE(plan_memory(opt.layout(), plan_config(opt.options(), w->size())).staged);
+  opt.begin_backward(true);
+  const std::size_t last = std::size(kSizes) - 1;
+  // The last parameter lies in the first bucket (buckets follow backward order).
+  ASSERT_GT(opt.layout().param(0).buckets.begin, opt.layout().param(last).buckets.end - 1);
+  opt.grad(0)[0] = 1.0f;  // forward order: every earlier bucket is exchanged now
+  try {
+    opt.grad(last)[0] = 1.0f;  // its bucket was exchanged when parameter 0's was written
+    ADD_FAILURE() << "forward order accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::InvalidState) << e.what();
+  }
+}
+
 // The sharded exact accumulation's gradient memory is the staged default's plus 17 bytes per
 // owned element, from finalize, equal to the plan before and after steps of several
 // micro-batches, and below the full-buffer path's (SHARDOPT_REPRO_EXCHANGE=two-phase) with
