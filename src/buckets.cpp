@@ -50,13 +50,15 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
     for (int s = plan_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
   if (cfg_.reproducible) {
     // The method switch, for A/B measurements and tests: the fastest method allowed ("auto"
-    // or "direct": any; "packed": the packed exchange or two-phase; "two-phase": only it).
+    // or "direct": any; "packed": the packed exchange or two-phase; "two-phase": only it;
+    // "sharded": as "auto", and stage 2 takes the sharded accumulation, exact::sharded_stage2).
     // The slowest any rank allows is what every rank uses (reduce_exactly agrees).
     if (const char* env = std::getenv("SHARDOPT_REPRO_EXCHANGE")) {
       const std::string m = env;
-      require(m == "auto" || m == "direct" || m == "packed" || m == "two-phase",
+      require(m == "auto" || m == "direct" || m == "packed" || m == "two-phase" || m == "sharded",
               Status::InvalidArgument,
-              "SHARDOPT_REPRO_EXCHANGE: '" + m + "' is none of auto, direct, packed, two-phase");
+              "SHARDOPT_REPRO_EXCHANGE: '" + m +
+                  "' is none of auto, direct, packed, two-phase, sharded");
       exact_floor_ = m == "packed"      ? ExactMethod::Packed
                      : m == "two-phase" ? ExactMethod::TwoPhase
                                         : ExactMethod::Direct;

@@ -20,8 +20,7 @@ bool sharded_stage2(const FlatLayout& layout, Stage stage, Device device) {
   if (stage != Stage::Zero2 || device != Device::Cpu || layout.world_size() < 2) return false;
   if (layout.ownership() != Ownership::Flat || ragged_buckets(layout, false)) return false;
   const char* env = std::getenv("SHARDOPT_REPRO_EXCHANGE");
-  if (env != nullptr && std::string(env) != "auto" && std::string(env) != "direct") return false;
-  return true;
+  return env != nullptr && std::string(env) == "sharded";
 }
 
 std::size_t grads_bytes(std::size_t padded, std::size_t max_bucket) {

@@ -77,9 +77,10 @@ inline bool ragged_buckets(const FlatLayout& layout, bool whole) {
 
 /// Whether reproducible mode takes the sharded exact accumulation at stage 2
 /// (BufferPlan::exact_sharded; docs/architecture.md, "Reproducible mode"): stage 2, the CPU,
-/// more than one rank, every bucket cut in equal slices (Flat ownership), and
-/// SHARDOPT_REPRO_EXCHANGE unset, "auto" or "direct" (the explicit switch back to the
-/// full-buffer path: "packed" or "two-phase"). The staging must also pay off
+/// more than one rank, every bucket cut in equal slices (Flat ownership), and opted into with
+/// SHARDOPT_REPRO_EXCHANGE=sharded (the same on every rank). Opt-in because with one
+/// micro-batch per rank the full-buffer path needs less memory (4 bytes per element against
+/// 21 per owned element) and accepts gradients in any order. The staging must also pay off
 /// (plan_buffers: shard + staging below the full buffer), else the full-buffer path runs.
 bool sharded_stage2(const FlatLayout& layout, Stage stage, Device device);
 

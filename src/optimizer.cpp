@@ -389,8 +389,17 @@ void ShardedOptimizer::finalize() {
   // Every rank compares everyone's fingerprint, so all of them detect a mismatch.
   // The batches must be the same on every rank (a shared-memory batch is one barrier round).
   const std::uint64_t batch64 = batch;
-  const RankSummary mine{fnv1a64(&batch64, sizeof batch64,
-                                 configuration_fingerprint(layout, options_, groups_)),
+  std::uint64_t fingerprint =
+      fnv1a64(&batch64, sizeof batch64, configuration_fingerprint(layout, options_, groups_));
+  // So must reproducible mode's opt-in sharded stage 2 (SHARDOPT_REPRO_EXCHANGE=sharded): it
+  // stages the gradients on the ranks that take it. Hashed only when taken, so the other
+  // configurations' fingerprints stay as they were.
+  if (options_.reduction == Reduction::Reproducible &&
+      exact::sharded_stage2(layout, options_.stage, options_.device)) {
+    const char tag[] = "repro-sharded-stage2";
+    fingerprint = fnv1a64(tag, sizeof tag, fingerprint);
+  }
+  const RankSummary mine{fingerprint,
                          layout.num_params(), layout.unpadded_size(),
                          static_cast<std::int32_t>(options_.stage),
                          static_cast<std::int32_t>(options_.param_dtype)};

@@ -1,13 +1,11 @@
 // test_overlap.cpp: bucketed, overlapped reduction and gathering, gradient accumulation and
 // the bf16 wire, at whatever rank count the binary runs with; and the order gradients may
 // arrive in at each stage (docs/c_api.md, "Gradient order").
-#include <cstdlib>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -320,19 +318,15 @@ TEST(GradientOrderOneBucket, Stage2AcceptsForwardOrderBitForBit) {
   expect_forward_equals_backward(o, test::make_model(), "one bucket, stage 2");
 }
 
-// Reproducible reduction's full-buffer path keeps a full gradient and reduces at the step:
-// any order at stages 2 and 3 and any rank count, bit for bit. (At stage 2 the sharded path,
-// staged, follows the backward-order contract like the default: SHARDOPT_REPRO_EXCHANGE
-// other than auto/direct selects the full-buffer path there.)
+// Reproducible reduction keeps a full gradient at every stage and reduces at the step: any
+// order at stages 2 and 3 and any rank count, bit for bit.
 TEST(GradientOrderReproducible, Stages2And3AcceptForwardOrderBitForBit) {
-  setenv("SHARDOPT_REPRO_EXCHANGE", "packed", 1);
   for (Stage stage : {Stage::Zero2, Stage::Zero3}) {
     OptimizerOptions o = options(stage, true);
     o.reduction = Reduction::Reproducible;
     ASSERT_FALSE(staged(*Harness(o, order_model(stage)).opt));
     expect_forward_equals_backward(o, order_model(stage), "reproducible");
   }
-  unsetenv("SHARDOPT_REPRO_EXCHANGE");
 }
 
 INSTANTIATE_TEST_SUITE_P(AllStages, GradientOrder,

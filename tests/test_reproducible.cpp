@@ -281,11 +281,23 @@ namespace {
 // method's integer collectives (int_bytes).
 using test::CountingComm;
 
-// Sets an environment variable for one scope (the same on every rank).
+// Sets an environment variable for one scope (the same on every rank); restores the value
+// it had (scopes nest).
 struct EnvScope {
   std::string name;
-  EnvScope(const char* n, const char* value) : name(n) { setenv(n, value, 1); }
-  ~EnvScope() { unsetenv(name.c_str()); }
+  bool had = false;
+  std::string old;
+  EnvScope(const char* n, const char* value) : name(n) {
+    if (const char* v = std::getenv(n)) {
+      had = true;
+      old = v;
+    }
+    setenv(n, value, 1);
+  }
+  ~EnvScope() {
+    if (had) setenv(name.c_str(), old.c_str(), 1);
+    else unsetenv(name.c_str());
+  }
 };
 
 // Trains two steps in which rank r runs the micro-batches counts[r] .. of the global list
@@ -408,6 +420,7 @@ TEST(Reproducible, UnevenMicroBatchCountsIncludingNone) {
 // element per round (one round per micro-batch of the rank with the most) and no integer
 // reductions.
 TEST(Reproducible, Stage2ShardedEachMicroBatchMatchesOneProcess) {
+  const EnvScope opt_in("SHARDOPT_REPRO_EXCHANGE", "sharded");
   auto w = mpi(MpiCommKind::Plain);
   const int world = w->size();
   std::vector<std::vector<int>> splits;
@@ -443,6 +456,7 @@ TEST(Reproducible, Stage2ShardedEachMicroBatchMatchesOneProcess) {
 // error on every rank (none hangs); SHARDOPT_REPRO_EXCHANGE=two-phase selects the
 // full-buffer path, which gives the bits of one process.
 TEST(Reproducible, Stage2ShardedRefusesWithoutTheRawExchange) {
+  const EnvScope opt_in("SHARDOPT_REPRO_EXCHANGE", "sharded");
   auto w = mpi(MpiCommKind::Plain);
   const int world = w->size();
   if (world == 1) GTEST_SKIP() << "one rank keeps the full buffer";
@@ -466,6 +480,7 @@ TEST(Reproducible, Stage2ShardedRefusesWithoutTheRawExchange) {
 // The sharded stage 2 stages its gradients: forward order is refused like the default's
 // staged stage 2 (the same error on every rank; backward order: the other tests).
 TEST(Reproducible, Stage2ShardedFollowsTheBackwardOrderContract) {
+  const EnvScope opt_in("SHARDOPT_REPRO_EXCHANGE", "sharded");
   auto w = mpi(MpiCommKind::Plain);
   if (w->size() == 1) GTEST_SKIP() << "one rank keeps the full buffer";
   ShardedOptimizer opt(w, options(Stage::Zero2, 1024));
@@ -484,11 +499,34 @@ TEST(Reproducible, Stage2ShardedFollowsTheBackwardOrderContract) {
   }
 }
 
+// The sharded stage 2 is opt-in: without SHARDOPT_REPRO_EXCHANGE=sharded stage 2 keeps the
+// full buffer (not staged, forward order accepted: test_overlap's GradientOrderReproducible);
+// one rank opting in alone is finalize's error on every rank, not a hang.
+TEST(Reproducible, Stage2ShardedIsOptInAndAgreed) {
+  auto w = mpi(MpiCommKind::Plain);
+  {
+    ShardedOptimizer opt(w, options(Stage::Zero2, 1024));
+    build(opt);
+    EXPECT_EQ(plan_memory(opt.layout(), plan_config(opt.options(), w->size())).staged, false);
+  }
+  if (w->size() == 1) return;
+  const EnvScope one(w->rank() == 0 ? "SHARDOPT_REPRO_EXCHANGE" : "SHARDOPT_UNUSED_FOR_THIS_TEST",
+                     "sharded");
+  ShardedOptimizer opt(w, options(Stage::Zero2, 1024));
+  try {
+    build(opt);
+    ADD_FAILURE() << "ranks disagreeing on SHARDOPT_REPRO_EXCHANGE=sharded were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("finalize"), std::string::npos) << e.what();
+  }
+}
+
 // The sharded exact accumulation's gradient memory is the staged default's plus 17 bytes per
 // owned element, from finalize, equal to the plan before and after steps of several
 // micro-batches, and below the full-buffer path's (SHARDOPT_REPRO_EXCHANGE=two-phase) with
 // its accumulator.
 TEST(Reproducible, Stage2ShardedMemoryEqualsThePlanAndIsBelowTheFullBuffer) {
+  const EnvScope opt_in("SHARDOPT_REPRO_EXCHANGE", "sharded");
   auto w = mpi(MpiCommKind::SharedMemory);
   const int world = w->size();
   if (world == 1) GTEST_SKIP() << "one rank keeps the full buffer";
