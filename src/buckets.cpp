@@ -25,6 +25,18 @@ class ScopedSeconds {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
+// Reproducible mode: the values summed per element (every micro-batch of every rank, at least
+// one per rank) must fit the exact int64 sum. Called with agreed figures, so every rank
+// throws the same error or none does.
+void require_exact_headroom(std::int64_t micro_batches, int ranks) {
+  const std::int64_t values = std::max<std::int64_t>(micro_batches, ranks);
+  require(values <= exact::kMaxContributions, Status::InvalidArgument,
+          "reproducible reduction: " + std::to_string(micro_batches) + " micro-batches on " +
+              std::to_string(ranks) + " ranks make " + std::to_string(values) +
+              " gradients per element; the exact int64 sum holds at most " +
+              std::to_string(exact::kMaxContributions));
+}
+
 }  // namespace
 
 BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracker,
@@ -402,12 +414,7 @@ void BucketSet::finish_grad_sync() {
     // rank still has micro-batches: every rank takes part in every exchange, none hangs.
     while (exchange_round(false)) {
     }
-    const std::int64_t values = std::max<std::int64_t>(total_micro_batches_, comm_.size());
-    require(values <= exact::kMaxContributions, Status::InvalidArgument,
-            "reproducible reduction: " + std::to_string(total_micro_batches_) + " micro-batches on " +
-                std::to_string(comm_.size()) + " ranks make " + std::to_string(values) +
-                " gradients per element; the exact int64 sum holds at most " +
-                std::to_string(exact::kMaxContributions));
+    require_exact_headroom(total_micro_batches_, comm_.size());
     // The owner rounds its slices once; their exact squares are the norm's part.
     const ScopedSeconds timed(blocked_seconds_);
     exact_squares_ = exact::SquareSum();
@@ -469,12 +476,7 @@ void BucketSet::reduce_exactly() {
                                   : ExactMethod::Direct;
   total_micro_batches_ = static_cast<std::int64_t>(agreed[2]);
   // The same figures on every rank: the same error on every rank.
-  const std::int64_t values = std::max<std::int64_t>(total_micro_batches_, comm_.size());
-  require(values <= exact::kMaxContributions, Status::InvalidArgument,
-          "reproducible reduction: " + std::to_string(total_micro_batches_) + " micro-batches on " +
-              std::to_string(comm_.size()) + " ranks make " + std::to_string(values) +
-              " gradients per element; the exact int64 sum holds at most " +
-              std::to_string(exact::kMaxContributions));
+  require_exact_headroom(total_micro_batches_, comm_.size());
   // Whole-tensor ownership's ragged buckets (not whole, not equal slices) take the two-phase
   // method whatever this step's method is: the exchanges deliver equal blocks.
   const bool whole = cfg_.stage == Stage::DataParallel;
