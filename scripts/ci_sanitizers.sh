@@ -19,7 +19,9 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" \
   -DSHARDOPT_CUDA=OFF -DSHARDOPT_NCCL=OFF -DSHARDOPT_TORCH=OFF \
   -DSHARDOPT_BUILD_BENCHMARKS=OFF -DSHARDOPT_BUILD_EXAMPLES=OFF >/dev/null
+start=$SECONDS
 cmake --build "$build" -j "$jobs"
+echo "ci_sanitizers: build took $((SECONDS - start)) s"
 
 common="halt_on_error=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"

@@ -5,8 +5,12 @@
 # installed for it; MPICH stays the MPI of the build). Ends with ctest's summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
 bash scripts/setup.sh libtorch-dev libgloo-dev
+echo "test.sh: set-up took $((SECONDS - start)) s"
+start=$SECONDS
 bash scripts/build.sh
+echo "test.sh: build took $((SECONDS - start)) s"
 build=${SHARDOPT_BUILD_DIR:-build}
 cd "$build"
 ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)" "$@"
