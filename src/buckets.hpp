@@ -33,11 +33,9 @@ namespace shardopt {
 
 /// The in-place all-gather of bucket `bk` in `data` (the bucket's elements, `type` F32 or
 /// U16): equal slices, or (Whole ownership) its ragged per-rank ranges. Stages 1-2 gather
-/// into the replica (BucketSet::start_param_syncs, batched), stage 3 into a unit buffer
-/// (UnitSet, through start_bucket_gather, which starts it alone).
+/// into the replica (BucketSet::start_param_syncs), stage 3 into a unit buffer (UnitSet::prefetch),
+/// both in batches of Config::batch buckets.
 BatchedCollective bucket_gather(const Bucket& bk, void* data, CommType type);
-std::unique_ptr<CommRequest> start_bucket_gather(Communicator& comm, const Bucket& bk, void* data,
-                                                 CommType type);
 
 class BucketSet {
  public:

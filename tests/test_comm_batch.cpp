@@ -4,8 +4,10 @@
 // the shared-memory batch is one request with one round of node barriers per phase (node
 // barriers counted through MPI's profiling interface). Then the optimizer with
 // SHARDOPT_COMM_BATCH=1 (every bucket alone) against batches of 3 and the default, bit for
-// bit: stages 0-3, Flat and Whole ownership (ragged buckets: the uneven collectives), overlap
-// on and off, 1 and 3 micro-batches, both communicators, buckets of uneven sizes; and the
+// bit: stages 0-3 (stage 3 acquiring each unit and prefetching the next), Flat and Whole
+// ownership (ragged buckets: the uneven collectives), overlap on and off, 1 and 3
+// micro-batches, both communicators, buckets of uneven sizes; stage 3's unit gathers, one
+// round of node barriers per batch of a unit's buckets; and the
 // variable's refusals (a bad value, or values that differ between ranks: the same error on
 // every rank).
 #include <gtest/gtest.h>
@@ -297,6 +299,8 @@ Trained train(const RunSpec& r, std::shared_ptr<Communicator> comm, const char* 
     const FlatLayout& l = opt.layout();
     for (std::size_t u = 0; u < l.num_units(); ++u) {
       if (zero3) opt.acquire(u);
+      // The next unit's gather runs while this one is read (units_in_flight 2).
+      if (zero3 && u + 1 < l.num_units()) opt.prefetch(u + 1);
       for (std::size_t i = l.unit(u).params.begin; i < l.unit(u).params.end; ++i) {
         const std::span<bf16> p = opt.param<bf16>(i);
         t.replica[i].resize(p.size());
@@ -366,10 +370,11 @@ TEST_P(BatchedStep, EqualsEveryBucketAloneBitForBit) {
             EXPECT_TRUE(same_bits(alone.replica, b.replica)) << what << ": replica";
             EXPECT_TRUE(same_bits(alone.m, b.m)) << what << ": exp_avg";
             EXPECT_TRUE(same_bits(alone.v, b.v)) << what << ": exp_avg_sq";
-            // Batches start fewer node barriers where the step has several buckets to start
-            // together: the gathers of stages 1-2, the reductions without overlap (unstaged).
+            // Batches start fewer node barriers where several buckets start together: the
+            // gathers of stages 1-2 after the update, stage 3's unit gathers (a unit holds
+            // several buckets of 300 here), the reductions without overlap (unstaged).
             const bool shm = comms[c]->name() == "mpi-shm" && comms[c]->size() > 1;
-            const bool gathers = r.stage == Stage::Zero1 || r.stage == Stage::Zero2;
+            const bool gathers = r.stage != Stage::DataParallel;
             const bool reductions = !overlap && (r.stage == Stage::DataParallel || r.stage == Stage::Zero1);
             if (shm && (gathers || reductions)) EXPECT_LT(b.barriers, alone.barriers) << what;
             else if (shm) EXPECT_EQ(b.barriers, alone.barriers) << what;
@@ -385,6 +390,73 @@ INSTANTIATE_TEST_SUITE_P(Stages, BatchedStep,
                          testing::Values(Stage::DataParallel, Stage::Zero1, Stage::Zero2,
                                          Stage::Zero3),
                          stage_case);
+
+// Stage 3: acquiring a unit of K buckets starts ceil(K / batch) batches of gathers, each one
+// round of two node barriers on one node's shared memory (2 K barriers one by one), and
+// gives the same parameters bit for bit; prefetch likewise, and its gathers complete at the
+// acquire that follows. Flat and Whole ownership.
+TEST(BatchedUnits, AUnitGathersInBatchesOfItsBuckets) {
+  auto comm = comm_of(MpiCommKind::SharedMemory);
+  const bool shm = comm->name() == "mpi-shm" && comm->size() > 1;
+  for (Ownership own : {Ownership::Flat, Ownership::Whole}) {
+    struct Seen {
+      std::vector<std::vector<float>> params;
+      std::vector<long> barriers;  // acquire(0), prefetch(1) + acquire(1)
+      std::size_t buckets[2] = {0, 0};
+    };
+    const auto run = [&](const char* batch) {
+      setenv("SHARDOPT_COMM_BATCH", batch, 1);
+      OptimizerOptions o;
+      o.stage = Stage::Zero3;
+      o.ownership = own;
+      o.param_dtype = DType::F32;
+      o.bucket_elems = 256;
+      ShardedOptimizer opt(comm, o);
+      for (std::size_t i = 0; i < 6; ++i) {  // two units of 3 parameters, many buckets each
+        if (i == 3) opt.begin_unit();
+        opt.add_param("p" + std::to_string(i), 700 + 333 * i);
+      }
+      opt.finalize();
+      unsetenv("SHARDOPT_COMM_BATCH");
+      for (std::size_t i = 0; i < 6; ++i) {
+        std::vector<float> init(700 + 333 * i);
+        for (std::size_t k = 0; k < init.size(); ++k) init[k] = test::synth(9, 1, i, k);
+        opt.set_param(i, init);
+      }
+      Seen seen;
+      for (std::size_t u = 0; u < 2; ++u) seen.buckets[u] = opt.layout().unit(u).buckets.size();
+      long before = ibarriers;
+      opt.acquire(0);
+      seen.barriers.push_back(ibarriers - before);
+      before = ibarriers;
+      opt.prefetch(1);
+      for (std::size_t i = 0; i < 3; ++i) {
+        const std::span<float> p = opt.param<float>(i);
+        seen.params.emplace_back(p.begin(), p.end());
+      }
+      opt.acquire(1);
+      seen.barriers.push_back(ibarriers - before);
+      for (std::size_t i = 3; i < 6; ++i) {
+        const std::span<float> p = opt.param<float>(i);
+        seen.params.emplace_back(p.begin(), p.end());
+      }
+      opt.release(0);
+      opt.release(1);
+      return seen;
+    };
+    const Seen alone = run("1"), batched = run("4");
+    const std::string what = own == Ownership::Whole ? "whole" : "flat";
+    EXPECT_TRUE(same_bits(alone.params, batched.params)) << what;
+    ASSERT_GT(alone.buckets[0], 4u) << what;  // several batches of 4
+    ASSERT_GT(alone.buckets[1], 4u) << what;
+    if (!shm) continue;
+    for (std::size_t u = 0; u < 2; ++u) {
+      const long k = static_cast<long>(alone.buckets[u]);
+      EXPECT_EQ(alone.barriers[u], 2 * k) << what << ": unit " << u << " bucket by bucket";
+      EXPECT_EQ(batched.barriers[u], 2 * ((k + 3) / 4)) << what << ": unit " << u << " in batches of 4";
+    }
+  }
+}
 
 // A bad value, and values that differ between ranks, fail finalize() on every rank alike.
 TEST(BatchedStep, EnvironmentRefusals) {
