@@ -54,7 +54,8 @@ class BucketSet {
     bool eager_norm = false;
     /// The most buckets one batched start covers (Communicator::start_batch; 1: every bucket
     /// alone). Batched: the step's reductions when nothing can have started them during
-    /// backward (no overlap, unstaged), and the parameter gathers (start_param_syncs).
+    /// backward (no overlap, unstaged), and the parameter gathers (start_param_syncs; stage
+    /// 3's unit gathers take the same size, UnitSet).
     std::size_t batch = 1;
   };
   /// The gradient buffers, allocated by the caller (the constructor allocates nothing, so

@@ -6,8 +6,9 @@
 // SHARDOPT_COMM_BATCH=1 (every bucket alone) against batches of 3 and the default, bit for
 // bit: stages 0-3 (stage 3 acquiring each unit and prefetching the next), Flat and Whole
 // ownership (ragged buckets: the uneven collectives), overlap on and off, 1 and 3
-// micro-batches, both communicators, buckets of uneven sizes; stage 3's unit gathers, one
-// round of node barriers per batch of a unit's buckets; and the
+// micro-batches, both communicators, buckets of uneven sizes, and with rank 0 never marking a
+// parameter ready (the reductions left for the step differ between ranks and stay single);
+// stage 3's unit gathers, one round of node barriers per batch of a unit's buckets; and the
 // variable's refusals (a bad value, or values that differ between ranks: the same error on
 // every rank).
 #include <gtest/gtest.h>
