@@ -18,12 +18,15 @@
 // prefetch), then each compute/gather ratio: the compute alone (no unit calls), the forward
 // without prefetch, and the forward that prefetches unit u + 1 right after acquiring unit u.
 // hidden = (T_no_prefetch - T_prefetch) / T_gather: the fraction of the gather time that
-// prefetch takes off the forward.
+// prefetch takes off the forward. The gathers alone are also timed in turns against a second
+// optimizer finalized with SHARDOPT_COMM_BATCH=1 (every bucket's gather alone), for the
+// batched collectives' A/B in one run.
 #include <mpi.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -172,6 +175,21 @@ void prefetch_table(const Args& a, int rank, int world) {
     return bench::time_ops(ops, a.iterations);
   };
   const double gather = time_forwards(0.0, {Forward::NoPrefetch})[0];
+  // The same gathers with every bucket alone (SHARDOPT_COMM_BATCH=1, issue 29), the two
+  // optimizers taking turns within each iteration.
+  const char* env = std::getenv("SHARDOPT_COMM_BATCH");
+  const std::string batch = env != nullptr && *env != '\0' ? env : "default";
+  std::vector<double> turns;
+  {
+    setenv("SHARDOPT_COMM_BATCH", "1", 1);
+    const auto alone = make(a, true);
+    if (batch == "default") unsetenv("SHARDOPT_COMM_BATCH");
+    else setenv("SHARDOPT_COMM_BATCH", batch.c_str(), 1);
+    turns = bench::time_ops(
+        {{[] {}, [&] { forward(*opt, a, 0.0, Forward::NoPrefetch); }},
+         {[] {}, [&] { forward(*alone, a, 0.0, Forward::NoPrefetch); }}},
+        a.iterations);
+  }
   const double units = static_cast<double>(opt->layout().num_units());
   if (rank == 0) {
     std::printf("# %d ranks, %s, %zu units x %zu bf16 params, %zu buckets, compute=%s\n", world,
@@ -179,6 +197,9 @@ void prefetch_table(const Args& a, int rank, int world) {
                 opt->layout().num_buckets(), a.compute.c_str());
     std::printf("# gathers alone (acquire + release of every unit, no prefetch): %.2f ms per "
                 "forward\n", gather * 1e3);
+    std::printf("# the same in turns: SHARDOPT_COMM_BATCH=%s %.2f ms, =1 (every bucket alone) "
+                "%.2f ms, ratio %.2f\n", batch.c_str(), turns[0] * 1e3, turns[1] * 1e3,
+                turns[1] / turns[0]);
     std::printf("%-14s %12s %14s %14s %12s %10s\n", "compute/gather", "compute ms",
                 "alone ms", "no prefetch ms", "prefetch ms", "hidden");
   }

@@ -589,11 +589,6 @@ BatchedCollective bucket_gather(const Bucket& bk, void* data, CommType type) {
   return {BatchedCollective::Op::AllGatherV, data, 0, bk.counts, type};
 }
 
-std::unique_ptr<CommRequest> start_bucket_gather(Communicator& comm, const Bucket& bk, void* data,
-                                                 CommType type) {
-  return comm.start_collective(bucket_gather(bk, data, type));
-}
-
 void BucketSet::wait_param(std::size_t i) {
   const Range bs = layout_.param(i).buckets;
   for (std::size_t b = bs.begin; b < bs.end; ++b)

@@ -33,11 +33,9 @@ namespace shardopt {
 
 /// The in-place all-gather of bucket `bk` in `data` (the bucket's elements, `type` F32 or
 /// U16): equal slices, or (Whole ownership) its ragged per-rank ranges. Stages 1-2 gather
-/// into the replica (BucketSet::start_param_syncs, batched), stage 3 into a unit buffer
-/// (UnitSet, through start_bucket_gather, which starts it alone).
+/// into the replica (BucketSet::start_param_syncs), stage 3 into a unit buffer (UnitSet::prefetch),
+/// both in batches of Config::batch buckets.
 BatchedCollective bucket_gather(const Bucket& bk, void* data, CommType type);
-std::unique_ptr<CommRequest> start_bucket_gather(Communicator& comm, const Bucket& bk, void* data,
-                                                 CommType type);
 
 class BucketSet {
  public:
@@ -56,7 +54,8 @@ class BucketSet {
     bool eager_norm = false;
     /// The most buckets one batched start covers (Communicator::start_batch; 1: every bucket
     /// alone). Batched: the step's reductions when nothing can have started them during
-    /// backward (no overlap, unstaged), and the parameter gathers (start_param_syncs).
+    /// backward (no overlap, unstaged), and the parameter gathers (start_param_syncs; stage
+    /// 3's unit gathers take the same size, UnitSet).
     std::size_t batch = 1;
   };
   /// The gradient buffers, allocated by the caller (the constructor allocates nothing, so

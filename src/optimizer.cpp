@@ -479,7 +479,7 @@ void ShardedOptimizer::finalize() {
       std::move(grads), b.replica.data());
   if (zero3)
     units_ = std::make_unique<UnitSet>(*comm_, be, layout_, plan, options_.param_dtype,
-                                       std::move(unit_pool), b.replica.data());
+                                       std::move(unit_pool), b.replica.data(), batch);
   *buf_ = std::move(b);
   finalized_ = true;
 }

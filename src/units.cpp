@@ -1,6 +1,8 @@
 // units.cpp: stage 3's pool of gathered units.
 #include "units.hpp"
 
+#include <algorithm>
+#include <span>
 #include <string>
 
 #include "buckets.hpp"
@@ -9,9 +11,10 @@ namespace shardopt {
 
 UnitSet::UnitSet(Communicator& comm, Backend& backend, const FlatLayout& layout,
                  const BufferPlan& plan, DType param_dtype,
-                 Allocation pool, const void* replica)
+                 Allocation pool, const void* replica, std::size_t batch)
     : comm_(comm), backend_(backend), layout_(layout), plan_(plan), dtype_(param_dtype),
-      replica_(static_cast<const char*>(replica)), pool_(std::move(pool)) {
+      batch_(std::max<std::size_t>(batch, 1)), replica_(static_cast<const char*>(replica)),
+      pool_(std::move(pool)) {
   for (int b = plan_.unit_buffers - 1; b >= 0; --b) free_buffers_.push_back(b);
   state_.resize(layout_.num_units());
 }
@@ -59,6 +62,7 @@ void UnitSet::prefetch(std::size_t u) {
   char* buf = pool_.as<char>() + static_cast<std::size_t>(s.buffer) * plan_.unit_elems * elem;
   const CommType type = dtype_ == DType::F32 ? CommType::F32 : CommType::U16;
   const int rank = comm_.rank();
+  std::vector<BatchedCollective> ops;
   for (std::size_t b = unit.buckets.begin; b < unit.buckets.end; ++b) {
     const Bucket& bk = layout_.bucket(b);
     char* bucket = buf + (bk.flat.begin - unit.flat.begin) * elem;
@@ -67,7 +71,14 @@ void UnitSet::prefetch(std::size_t u) {
     if (const std::size_t mine = bk.slice_size(rank); mine > 0)
       backend_.copy(bucket + (bk.slice(rank).begin - bk.flat.begin) * elem,
                     replica_ + bk.local_begin_of(rank) * elem, mine * elem);
-    s.gathers.push_back(start_bucket_gather(comm_, bk, bucket, type));
+    ops.push_back(bucket_gather(bk, bucket, type));
+  }
+  // The unit's buckets in batches of batch_ (every rank gathers the same unit here: the
+  // prefetch and acquire calls are agreed, see units.hpp), in bucket order.
+  for (std::size_t at = 0; at < ops.size(); at += batch_) {
+    const std::span<const BatchedCollective> group(ops.data() + at,
+                                                   std::min(batch_, ops.size() - at));
+    for (auto& r : comm_.start_batch(group)) s.gathers.push_back(std::move(r));
   }
 }
 

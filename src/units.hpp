@@ -5,9 +5,10 @@
 //
 // A gather copies this rank's slice of each of the unit's buckets into its block of the
 // buffer and starts one in-place all-gather per bucket, in bucket order: equal counts, or
-// under whole-tensor ownership the bucket's ragged per-rank counts (start_bucket_gather;
-// each rank keeps only its owned ranges, some of them empty). The
-// gathers are collectives: every rank must make the same prefetch/acquire/release calls in
+// under whole-tensor ownership the bucket's ragged per-rank counts (bucket_gather; each rank
+// keeps only its owned ranges, some of them empty), in batches of at most `batch` buckets
+// (Communicator::start_batch, SHARDOPT_COMM_BATCH; on one node's shared memory one round of
+// node barriers per batch). The gathers are collectives: every rank must make the same prefetch/acquire/release calls in
 // the same order. The checks are local (check_prefetch, check_acquire) and made before any
 // collective starts; ShardedOptimizer agrees on their outcome across ranks first, so a bad
 // call on one rank is an error on every rank and none is left waiting.
@@ -27,9 +28,10 @@ namespace shardopt {
 class UnitSet {
  public:
   /// `replica` is this rank's local replica (plan.replica: its slices, param dtype); `pool`
-  /// the unit buffers (plan.units), allocated collectively by the caller.
+  /// the unit buffers (plan.units), allocated collectively by the caller; `batch` the most
+  /// buckets of a unit one start_batch covers (BucketSet::Config::batch, the same on every rank).
   UnitSet(Communicator& comm, Backend& backend, const FlatLayout& layout, const BufferPlan& plan,
-          DType param_dtype, Allocation pool, const void* replica);
+          DType param_dtype, Allocation pool, const void* replica, std::size_t batch);
   ~UnitSet();  // completes gathers still in flight (they are collective)
   UnitSet(const UnitSet&) = delete;
   UnitSet& operator=(const UnitSet&) = delete;
@@ -68,6 +70,7 @@ class UnitSet {
   const FlatLayout& layout_;
   BufferPlan plan_;
   DType dtype_;
+  std::size_t batch_;
   const char* replica_;
   Allocation pool_;
   std::vector<int> free_buffers_;

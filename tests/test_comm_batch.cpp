@@ -4,8 +4,11 @@
 // the shared-memory batch is one request with one round of node barriers per phase (node
 // barriers counted through MPI's profiling interface). Then the optimizer with
 // SHARDOPT_COMM_BATCH=1 (every bucket alone) against batches of 3 and the default, bit for
-// bit: stages 0-3, Flat and Whole ownership (ragged buckets: the uneven collectives), overlap
-// on and off, 1 and 3 micro-batches, both communicators, buckets of uneven sizes; and the
+// bit: stages 0-3 (stage 3 acquiring each unit and prefetching the next), Flat and Whole
+// ownership (ragged buckets: the uneven collectives), overlap on and off, 1 and 3
+// micro-batches, both communicators, buckets of uneven sizes, and with rank 0 never marking a
+// parameter ready (the reductions left for the step differ between ranks and stay single);
+// stage 3's unit gathers, one round of node barriers per batch of a unit's buckets; and the
 // variable's refusals (a bad value, or values that differ between ranks: the same error on
 // every rank).
 #include <gtest/gtest.h>
@@ -250,13 +253,19 @@ struct RunSpec {
   bool overlap;
   int micro;
   MpiCommKind kind;
+  /// Rank 0 never marks parameter kSkipped ready: with overlap its bucket and every later one
+  /// are left for the step on rank 0 while the other ranks start them during backward.
+  bool skip_ready = false;
 };
+
+constexpr std::size_t kSkipped = 5;
 
 std::string describe(const RunSpec& r) {
   return std::string(stage_name(r.stage)) +
          (r.ownership == Ownership::Whole ? " whole" : " flat") +
          (r.overlap ? " overlap" : " no overlap") + " micro " + std::to_string(r.micro) +
-         (r.kind == MpiCommKind::Plain ? " mpi" : " shm");
+         (r.kind == MpiCommKind::Plain ? " mpi" : " shm") +
+         (r.skip_ready ? " rank 0 skips a grad_ready" : "");
 }
 
 struct Trained {
@@ -297,6 +306,8 @@ Trained train(const RunSpec& r, std::shared_ptr<Communicator> comm, const char* 
     const FlatLayout& l = opt.layout();
     for (std::size_t u = 0; u < l.num_units(); ++u) {
       if (zero3) opt.acquire(u);
+      // The next unit's gather runs while this one is read (units_in_flight 2).
+      if (zero3 && u + 1 < l.num_units()) opt.prefetch(u + 1);
       for (std::size_t i = l.unit(u).params.begin; i < l.unit(u).params.end; ++i) {
         const std::span<bf16> p = opt.param<bf16>(i);
         t.replica[i].resize(p.size());
@@ -315,7 +326,7 @@ Trained train(const RunSpec& r, std::shared_ptr<Communicator> comm, const char* 
         for (std::size_t k = 0; k < g.size(); ++k)  // sums that round: the order shows
           g[k] += test::synth(static_cast<std::uint64_t>(me) + 11,
                               static_cast<std::uint64_t>(s * 8 + mb), i, k) * 1.7f;
-        opt.grad_ready(i);
+        if (!r.skip_ready || me != 0 || i != kSkipped) opt.grad_ready(i);
       }
     }
     t.norms.push_back(opt.step().grad_norm);
@@ -350,31 +361,39 @@ class BatchedStep : public testing::TestWithParam<Stage> {};
 TEST_P(BatchedStep, EqualsEveryBucketAloneBitForBit) {
   const std::shared_ptr<Communicator> comms[2] = {comm_of(MpiCommKind::Plain),
                                                   comm_of(MpiCommKind::SharedMemory)};
+  std::vector<RunSpec> runs;
   for (Ownership own : {Ownership::Flat, Ownership::Whole})
     for (bool overlap : {false, true})
       for (int micro : {1, 3})
-        for (int c = 0; c < 2; ++c) {
-          const RunSpec r{GetParam(), own, overlap, micro,
-                          c == 0 ? MpiCommKind::Plain : MpiCommKind::SharedMemory};
-          const Trained alone = train(r, comms[c], "1");
-          for (const char* batch : {"3", ""}) {
-            const Trained b = train(r, comms[c], batch);
-            const std::string what = describe(r) + ", SHARDOPT_COMM_BATCH='" + batch + "'";
-            ASSERT_EQ(std::memcmp(alone.norms.data(), b.norms.data(), alone.norms.size() * sizeof(double)), 0)
-                << what << ": grad norms";
-            EXPECT_TRUE(same_bits(alone.master, b.master)) << what << ": master";
-            EXPECT_TRUE(same_bits(alone.replica, b.replica)) << what << ": replica";
-            EXPECT_TRUE(same_bits(alone.m, b.m)) << what << ": exp_avg";
-            EXPECT_TRUE(same_bits(alone.v, b.v)) << what << ": exp_avg_sq";
-            // Batches start fewer node barriers where the step has several buckets to start
-            // together: the gathers of stages 1-2, the reductions without overlap (unstaged).
-            const bool shm = comms[c]->name() == "mpi-shm" && comms[c]->size() > 1;
-            const bool gathers = r.stage == Stage::Zero1 || r.stage == Stage::Zero2;
-            const bool reductions = !overlap && (r.stage == Stage::DataParallel || r.stage == Stage::Zero1);
-            if (shm && (gathers || reductions)) EXPECT_LT(b.barriers, alone.barriers) << what;
-            else if (shm) EXPECT_EQ(b.barriers, alone.barriers) << what;
-          }
-        }
+        for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
+          runs.push_back({GetParam(), own, overlap, micro, kind});
+  // The reductions left for the step differ between ranks: they start one by one, the same
+  // sequence on every rank (docs/performance.md, "Batched collectives").
+  for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
+    runs.push_back({GetParam(), Ownership::Flat, true, 1, kind, true});
+  for (const RunSpec& r : runs) {
+    const int c = r.kind == MpiCommKind::Plain ? 0 : 1;
+    const bool overlap = r.overlap;
+    const Trained alone = train(r, comms[c], "1");
+    for (const char* batch : {"3", ""}) {
+      const Trained b = train(r, comms[c], batch);
+      const std::string what = describe(r) + ", SHARDOPT_COMM_BATCH='" + batch + "'";
+      ASSERT_EQ(std::memcmp(alone.norms.data(), b.norms.data(), alone.norms.size() * sizeof(double)), 0)
+          << what << ": grad norms";
+      EXPECT_TRUE(same_bits(alone.master, b.master)) << what << ": master";
+      EXPECT_TRUE(same_bits(alone.replica, b.replica)) << what << ": replica";
+      EXPECT_TRUE(same_bits(alone.m, b.m)) << what << ": exp_avg";
+      EXPECT_TRUE(same_bits(alone.v, b.v)) << what << ": exp_avg_sq";
+      // Batches start fewer node barriers where several buckets start together: the
+      // gathers of stages 1-2 after the update, stage 3's unit gathers (a unit holds
+      // several buckets of 300 here), the reductions without overlap (unstaged).
+      const bool shm = comms[c]->name() == "mpi-shm" && comms[c]->size() > 1;
+      const bool gathers = r.stage != Stage::DataParallel;
+      const bool reductions = !overlap && (r.stage == Stage::DataParallel || r.stage == Stage::Zero1);
+      if (shm && (gathers || reductions)) EXPECT_LT(b.barriers, alone.barriers) << what;
+      else if (shm) EXPECT_EQ(b.barriers, alone.barriers) << what;
+    }
+  }
 }
 
 std::string stage_case(const testing::TestParamInfo<Stage>& i) {
@@ -385,6 +404,73 @@ INSTANTIATE_TEST_SUITE_P(Stages, BatchedStep,
                          testing::Values(Stage::DataParallel, Stage::Zero1, Stage::Zero2,
                                          Stage::Zero3),
                          stage_case);
+
+// Stage 3: acquiring a unit of K buckets starts ceil(K / batch) batches of gathers, each one
+// round of two node barriers on one node's shared memory (2 K barriers one by one), and
+// gives the same parameters bit for bit; prefetch likewise, and its gathers complete at the
+// acquire that follows. Flat and Whole ownership.
+TEST(BatchedUnits, AUnitGathersInBatchesOfItsBuckets) {
+  auto comm = comm_of(MpiCommKind::SharedMemory);
+  const bool shm = comm->name() == "mpi-shm" && comm->size() > 1;
+  for (Ownership own : {Ownership::Flat, Ownership::Whole}) {
+    struct Seen {
+      std::vector<std::vector<float>> params;
+      std::vector<long> barriers;  // acquire(0), prefetch(1) + acquire(1)
+      std::size_t buckets[2] = {0, 0};
+    };
+    const auto run = [&](const char* batch) {
+      setenv("SHARDOPT_COMM_BATCH", batch, 1);
+      OptimizerOptions o;
+      o.stage = Stage::Zero3;
+      o.ownership = own;
+      o.param_dtype = DType::F32;
+      o.bucket_elems = 256;
+      ShardedOptimizer opt(comm, o);
+      for (std::size_t i = 0; i < 6; ++i) {  // two units of 3 parameters, many buckets each
+        if (i == 3) opt.begin_unit();
+        opt.add_param("p" + std::to_string(i), 700 + 333 * i);
+      }
+      opt.finalize();
+      unsetenv("SHARDOPT_COMM_BATCH");
+      for (std::size_t i = 0; i < 6; ++i) {
+        std::vector<float> init(700 + 333 * i);
+        for (std::size_t k = 0; k < init.size(); ++k) init[k] = test::synth(9, 1, i, k);
+        opt.set_param(i, init);
+      }
+      Seen seen;
+      for (std::size_t u = 0; u < 2; ++u) seen.buckets[u] = opt.layout().unit(u).buckets.size();
+      long before = ibarriers;
+      opt.acquire(0);
+      seen.barriers.push_back(ibarriers - before);
+      before = ibarriers;
+      opt.prefetch(1);
+      for (std::size_t i = 0; i < 3; ++i) {
+        const std::span<float> p = opt.param<float>(i);
+        seen.params.emplace_back(p.begin(), p.end());
+      }
+      opt.acquire(1);
+      seen.barriers.push_back(ibarriers - before);
+      for (std::size_t i = 3; i < 6; ++i) {
+        const std::span<float> p = opt.param<float>(i);
+        seen.params.emplace_back(p.begin(), p.end());
+      }
+      opt.release(0);
+      opt.release(1);
+      return seen;
+    };
+    const Seen alone = run("1"), batched = run("4");
+    const std::string what = own == Ownership::Whole ? "whole" : "flat";
+    EXPECT_TRUE(same_bits(alone.params, batched.params)) << what;
+    ASSERT_GT(alone.buckets[0], 4u) << what;  // several batches of 4
+    ASSERT_GT(alone.buckets[1], 4u) << what;
+    if (!shm) continue;
+    for (std::size_t u = 0; u < 2; ++u) {
+      const long k = static_cast<long>(alone.buckets[u]);
+      EXPECT_EQ(alone.barriers[u], 2 * k) << what << ": unit " << u << " bucket by bucket";
+      EXPECT_EQ(batched.barriers[u], 2 * ((k + 3) / 4)) << what << ": unit " << u << " in batches of 4";
+    }
+  }
+}
 
 // A bad value, and values that differ between ranks, fail finalize() on every rank alike.
 TEST(BatchedStep, EnvironmentRefusals) {
