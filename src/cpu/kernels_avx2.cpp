@@ -685,6 +685,79 @@ void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, flo
   }
   portable::exact_sums_to_float(sum + i, level + i, dst + i, n - i);
 }
+
+// exact_deposit_packed, 4 words at a time, operation for operation the portable loop
+// (exact::elem::deposit between unpacking and packing, as kernels_avx512.cpp's deposit8):
+// the level rise by masks, the two parts by exact double arithmetic, the integers to int64
+// by the 1.5 * 2^52 bit trick (|part| <= 2^23). AVX2 has no 64-bit arithmetic shift: the
+// 30-bit bins are sign-extended by a logical shift with the sign's bits put back on top.
+// Levels and exponent fields are small, so the signed 64-bit compares are exact.
+__m256i deposit_packed4(__m128 v4, __m256i w) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i fifteen = _mm256_set1_epi64x(15);
+  const __m256i ff = _mm256_set1_epi64x(0xff);
+  const __m256d magic = _mm256_set1_pd(0x1.8p52);
+  const __m256i magic_bits = _mm256_castpd_si256(magic);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  // Unpack: level 0-11 or 15 (non-finite), top bits 4-33, low bits 34-63.
+  __m256i l = _mm256_and_si256(w, fifteen);
+  const __m256i t30 = _mm256_slli_epi64(w, 30);
+  __m256i top = _mm256_or_si256(_mm256_srli_epi64(t30, 34), _mm256_slli_epi64(_mm256_cmpgt_epi64(zero, t30), 30));
+  __m256i low = _mm256_or_si256(_mm256_srli_epi64(w, 34), _mm256_slli_epi64(_mm256_cmpgt_epi64(zero, w), 30));
+  // The value's bits and exponent field in 64-bit lanes.
+  const __m256i u = _mm256_cvtepu32_epi64(_mm_castps_si128(v4));
+  const __m256i nonzero = _mm256_xor_si256(
+      _mm256_cmpeq_epi64(_mm256_and_si256(u, _mm256_set1_epi64x(0x7fffffff)), zero), _mm256_set1_epi64x(-1));
+  const __m256i active = _mm256_andnot_si256(_mm256_cmpeq_epi64(l, fifteen), nonzero);
+  const __m256i e = _mm256_and_si256(_mm256_srli_epi64(u, 23), ff);
+  const __m256i becomes_nonfinite = _mm256_and_si256(active, _mm256_cmpeq_epi64(e, ff));
+  const __m256i finite = _mm256_andnot_si256(becomes_nonfinite, active);
+  // want = (e + 24) / 24 = ((e + 24) * 2731) >> 16 for e below 300.
+  const __m256i want = _mm256_srli_epi64(
+      _mm256_mul_epu32(_mm256_add_epi64(e, _mm256_set1_epi64x(24)), _mm256_set1_epi64x(2731)), 16);
+  const __m256i raise = _mm256_and_si256(finite, _mm256_cmpgt_epi64(want, l));
+  const __m256i clear = _mm256_and_si256(
+      raise, _mm256_or_si256(_mm256_cmpeq_epi64(l, zero),
+                             _mm256_cmpgt_epi64(_mm256_sub_epi64(want, l), _mm256_set1_epi64x(1))));
+  const __m256i down_one = _mm256_andnot_si256(clear, raise);
+  low = _mm256_blendv_epi8(low, top, down_one);
+  low = _mm256_andnot_si256(clear, low);
+  top = _mm256_andnot_si256(raise, top);
+  l = _mm256_blendv_epi8(l, want, raise);
+  l = _mm256_blendv_epi8(l, fifteen, becomes_nonfinite);
+  // 2^-b, 2^b and 2^(24 - b) for b = 24 L - 150 (meaningless in lanes not finite: unused).
+  const __m256i l24 = times24(l);
+  const __m256d down = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_sub_epi64(_mm256_set1_epi64x(1173), l24), 52));
+  const __m256d up = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(_mm256_set1_epi64x(873), l24), 52));
+  const __m256d down_low = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_sub_epi64(_mm256_set1_epi64x(1197), l24), 52));
+  const __m256d d = _mm256_cvtps_pd(v4);
+  const __m256d hi = _mm256_round_pd(_mm256_mul_pd(d, down), kRound);
+  const __m256d rest = _mm256_sub_pd(d, _mm256_mul_pd(hi, up));
+  const __m256d part = _mm256_round_pd(_mm256_mul_pd(rest, down_low), kRound);
+  top = _mm256_add_epi64(top, _mm256_and_si256(finite, _mm256_sub_epi64(_mm256_castpd_si256(_mm256_add_pd(hi, magic)), magic_bits)));
+  low = _mm256_add_epi64(low, _mm256_and_si256(finite, _mm256_sub_epi64(_mm256_castpd_si256(_mm256_add_pd(part, magic)), magic_bits)));
+  // Pack: empty 0, non-finite 15, else level | top << 4 | low << 34.
+  const __m256i word = _mm256_or_si256(
+      _mm256_or_si256(l, _mm256_slli_epi64(_mm256_and_si256(top, _mm256_set1_epi64x(0x3fffffff)), 4)),
+      _mm256_slli_epi64(low, 34));
+  const __m256i empty = _mm256_cmpeq_epi64(l, zero);
+  return _mm256_blendv_epi8(_mm256_andnot_si256(empty, word), fifteen, _mm256_cmpeq_epi64(l, fifteen));
+}
+
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+  std::size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m128 v4 = _mm_loadu_ps(g + i);
+    const __m256i w = in == nullptr ? _mm256_setzero_si256()
+                                    : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+    if (_mm_testz_si128(_mm_castps_si128(v4), _mm_set1_epi32(0x7fffffff))) {  // all zero
+      if (in != out) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), w);
+      continue;
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), deposit_packed4(v4, w));
+  }
+  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i);
+}
 }  // namespace
 }  // namespace shardopt::cpu::avx2
 
@@ -714,6 +787,7 @@ const RangeKernels kAvx2Kernels = {
     avx2::exact_round_to_levels,
     avx2::exact_lift,
     avx2::exact_sums_to_float,
+    avx2::exact_deposit_packed,
 };
 
 }  // namespace shardopt::cpu

@@ -653,6 +653,28 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
   portable::exact_deposit_pack(g + i, n - i, top + i, low + i, level + i, out + i);
 }
 
+// exact_deposit_packed, 8 words at a time: unpack (level 15 -> 127, the bins sign-extended
+// from their 30-bit fields), deposit8, pack8; a run of 8 zeros leaves the words as they are
+// (stored only when out is not in).
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+  const __m512i fifteen = _mm512_set1_epi64(15);
+  const __m512i nonfinite_level = _mm512_set1_epi64(127);
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v8 = _mm256_loadu_ps(g + i);
+    const __m512i w = in == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(in + i);
+    if (_mm256_testz_si256(_mm256_castps_si256(v8), _mm256_set1_epi32(0x7fffffff))) {  // all zero
+      if (in != out) _mm512_storeu_si512(out + i, w);
+      continue;
+    }
+    const __m512i l = _mm512_and_si512(w, fifteen);
+    const Bins8 b{_mm512_srai_epi64(_mm512_slli_epi64(w, 30), 34), _mm512_srai_epi64(w, 34),
+                  _mm512_mask_mov_epi64(l, _mm512_cmpeq_epi64_mask(l, fifteen), nonfinite_level)};
+    _mm512_storeu_si512(out + i, pack8(deposit8(v8, b)));
+  }
+  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i);
+}
+
 // ---- the two-phase method's passes (exact::ExactGrads::reduce) ----
 
 // exact_levels, 16 at a time: (e + 24) / 24 = ((e + 24) * 2731) >> 16 for e below 300 (as
@@ -825,6 +847,7 @@ const RangeKernels kAvx512Kernels = {
     avx512::exact_round_to_levels,
     avx512::exact_lift,
     avx512::exact_sums_to_float,
+    avx512::exact_deposit_packed,
 };
 
 }  // namespace shardopt::cpu
