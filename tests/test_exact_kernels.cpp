@@ -677,7 +677,8 @@ TEST(ExactKernels, CompactAccumulatorEqualsTheBins) {
     const PerRank rows(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(m));
     const std::vector<float> want = oracle_binned(rows);
     const std::string what = std::to_string(m) + " micro-batches";
-    auto words = std::make_shared<std::vector<std::uint64_t>>(n);
+    // Words as a previous step leaves them: clear() writes nothing, the first deposit must.
+    auto words = std::make_shared<std::vector<std::uint64_t>>(n, 0x123456789abcdef1ull);
     exact::ExactGrads acc = exact::ExactGrads::compact(
         cpu_backend(), Allocation(words->data(), exact::packed_bytes(n), words, nullptr, MemCategory::Grads), n);
     const std::size_t bytes = exact::grads_bytes(n, n);

@@ -689,8 +689,10 @@ void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, flo
 // exact_deposit_packed, 4 words at a time, operation for operation the portable loop
 // (exact::elem::deposit between unpacking and packing, as kernels_avx512.cpp's deposit8):
 // the level rise by masks, the two parts by exact double arithmetic, the integers to int64
-// by the 1.5 * 2^52 bit trick (|part| <= 2^23). AVX2 has no 64-bit arithmetic shift: the
-// 30-bit bins are sign-extended by a logical shift with the sign's bits put back on top.
+// by the 1.5 * 2^52 bit trick (|part| <= 2^23). The bins are taken from their 30-bit fields
+// without sign extension: the word keeps only their low 30 bits, and the deposit adds to
+// them, moves top into low and clears them, all of which commute with reduction modulo 2^30
+// (the bins themselves stay within 30 signed bits: at most kPackedMaxMicroBatches values).
 // Levels and exponent fields are small, so the signed 64-bit compares are exact.
 __m256i deposit_packed4(__m128 v4, __m256i w) {
   const __m256i zero = _mm256_setzero_si256();
@@ -701,9 +703,8 @@ __m256i deposit_packed4(__m128 v4, __m256i w) {
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   // Unpack: level 0-11 or 15 (non-finite), top bits 4-33, low bits 34-63.
   __m256i l = _mm256_and_si256(w, fifteen);
-  const __m256i t30 = _mm256_slli_epi64(w, 30);
-  __m256i top = _mm256_or_si256(_mm256_srli_epi64(t30, 34), _mm256_slli_epi64(_mm256_cmpgt_epi64(zero, t30), 30));
-  __m256i low = _mm256_or_si256(_mm256_srli_epi64(w, 34), _mm256_slli_epi64(_mm256_cmpgt_epi64(zero, w), 30));
+  __m256i top = _mm256_srli_epi64(_mm256_slli_epi64(w, 30), 34);
+  __m256i low = _mm256_srli_epi64(w, 34);
   // The value's bits and exponent field in 64-bit lanes.
   const __m256i u = _mm256_cvtepu32_epi64(_mm_castps_si128(v4));
   const __m256i nonzero = _mm256_xor_si256(

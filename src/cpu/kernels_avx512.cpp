@@ -654,8 +654,9 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
 }
 
 // exact_deposit_packed, 8 words at a time: unpack (level 15 -> 127, the bins sign-extended
-// from their 30-bit fields), deposit8, pack8; a run of 8 zeros leaves the words as they are
-// (stored only when out is not in).
+// from their 30-bit fields; pack8 keeps their low 30 bits only, so the arithmetic is in fact
+// modulo 2^30 per field, as kernels_avx2.cpp's deposit_packed4 uses), deposit8, pack8; a run
+// of 8 zeros leaves the words as they are (stored only when out is not in).
 void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
   const __m512i fifteen = _mm512_set1_epi64(15);
   const __m512i nonfinite_level = _mm512_set1_epi64(127);
