@@ -228,6 +228,20 @@ std::vector<Kernel> kernels() {
     return 0.0;
   };
 
+  // Reproducible mode's deposit of a micro-batch (g) into the accumulator: the bins (levels
+  // and two int64 bins: 4 + 17 read + 17 written per element) and the compact form's packed
+  // words in place (4 + 8 read + 8 written). Run after run the same levels: no lifts.
+  auto deposit_bins = [](Buffers& b) {
+    exact_buffers(b);
+    cpu::exact_deposit(b.g.get(), b.n, b.sums.get(), b.low.get(), b.level.get());
+    return 0.0;
+  };
+  auto deposit_packed = [](Buffers& b) {
+    auto* words = reinterpret_cast<std::uint64_t*>(exact_buffers(b).sums.get());
+    cpu::exact_deposit_packed(b.g.get(), b.n, words, words);
+    return 0.0;
+  };
+
   struct Entry {
     const char* name;
     double bytes;
@@ -344,6 +358,9 @@ std::vector<Kernel> kernels() {
       {"exact_round_to_levels", 13, round_levels, false, nullptr, true},
       {"exact_sums_to_float", 13, sums_to_float, false, nullptr, true},
       {"exact_lift", 26, lift, false, nullptr, true},
+      // The portable paths are the scalar per-element deposit (exact::elem::deposit).
+      {"exact_deposit_bins", 38, deposit_bins, false, nullptr, true},
+      {"exact_deposit_packed", 20, deposit_packed, false, nullptr, true},
       {"all_finite", 4, finite, false,
        [](Buffers& b) {
          const float* x = b.g.get();

@@ -148,6 +148,7 @@ void BucketSet::begin_backward(bool sync) {
             "begin_backward: gradients of this step were already reduced; call step() first");
     if (micro_batches_ > 0) {
       ensure_exact();  // local: an OutOfMemory here is this rank's, before any collective
+      if (exact_.full()) ensure_bins();  // past the packed words' limit: local as well
       exact_.deposit(grads_.as<float>(), layout_.padded_size());
       backend_.fill_zero(grads_.data(), grads_.bytes());
     }
@@ -448,9 +449,24 @@ std::size_t BucketSet::max_bucket() const {
 
 void BucketSet::ensure_exact() {
   if (exact_allocated_) return;
-  exact_ = exact::ExactGrads(backend_, backend_.allocate(&tracker_, plan_.exact.category, plan_.exact.bytes),
-                             layout_.padded_size(), max_bucket());
+  Allocation storage = backend_.allocate(&tracker_, plan_.exact.category, plan_.exact.bytes);
+  exact_ = plan_.exact_compact
+               ? exact::ExactGrads::compact(backend_, std::move(storage), layout_.padded_size())
+               : exact::ExactGrads(backend_, std::move(storage), layout_.padded_size(), max_bucket());
   exact_allocated_ = true;
+}
+
+void BucketSet::ensure_bins() {
+  if (exact_allocated_ && !exact_.is_compact()) return;
+  // The compact form's bins are plan_.exact_wide; allocated before the words go (widen).
+  const BufferSpec& spec = plan_.exact_compact ? plan_.exact_wide : plan_.exact;
+  Allocation storage = backend_.allocate(&tracker_, spec.category, spec.bytes);
+  if (exact_allocated_) {
+    exact_.widen(std::move(storage), max_bucket());
+  } else {
+    exact_ = exact::ExactGrads(backend_, std::move(storage), layout_.padded_size(), max_bucket());
+    exact_allocated_ = true;
+  }
 }
 
 void BucketSet::reduce_exactly() {
@@ -480,9 +496,13 @@ void BucketSet::reduce_exactly() {
   // Whole-tensor ownership's ragged buckets (not whole, not equal slices) take the two-phase
   // method whatever this step's method is: the exchanges deliver equal blocks.
   const bool whole = cfg_.stage == Stage::DataParallel;
-  // Both exchanges of bins need them on every rank (this rank may have none yet); with
-  // ragged buckets they were allocated at finalize.
-  if (exact_method_ != ExactMethod::Direct)
+  // The two-phase method needs the bins on every rank (this rank may have none yet, or the
+  // compact form's words: widened); so does the packed exchange of the bins. The compact
+  // form's packed exchange needs nothing on a rank that deposited nothing (all empty). With
+  // ragged buckets the bins were allocated at finalize.
+  if (exact_method_ == ExactMethod::TwoPhase)
+    collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_bins(); });
+  else if (exact_method_ == ExactMethod::Packed && !plan_.exact_compact)
     collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_exact(); });
   const ScopedSeconds timed(blocked_seconds_);
   exact_squares_ = exact::SquareSum();
@@ -495,11 +515,12 @@ void BucketSet::reduce_exactly() {
       // the two-phase method below, for this bucket only
     } else if (exact_method_ == ExactMethod::Direct) {
       if (exact_.reduce_direct(comm_, bk, whole, grads, exact_squares_)) continue;
-      collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_exact(); });
+      collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_bins(); });
       exact_method_ = ExactMethod::TwoPhase;
     } else if (exact_method_ == ExactMethod::Packed) {
       if (exact_.reduce_packed(comm_, bk, whole, grads, exact_wire_.as<std::uint64_t>(), exact_squares_))
         continue;
+      collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_bins(); });
       exact_method_ = ExactMethod::TwoPhase;
     }
     exact_.reduce(comm_, bk, whole, grads);

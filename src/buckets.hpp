@@ -167,6 +167,9 @@ class BucketSet {
   bool exchange_round(bool more);
   bool sharded() const { return plan_.exact_sharded; }
   void ensure_exact();    // reproducible: allocates the exact accumulator (plan_.exact) once
+  /// Reproducible: the bins form of the accumulator (the two-phase method, or past the packed
+  /// words' limit): allocates plan_.exact (bins) or widens the compact form (plan_.exact_wide).
+  void ensure_bins();
   std::size_t max_bucket() const;  // the largest bucket's elements
   void retire_completed_grad_syncs();  // finishes (not releases) those test() completes, in order
 

@@ -69,9 +69,16 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
     std::size_t max_bucket = 0;
     for (const Bucket& b : layout.buckets()) max_bucket = std::max(max_bucket, b.flat.size());
     // On demand, unless ragged buckets (whole-tensor ownership, stages 1-3) take the
-    // two-phase method at every step: then finalize allocates it.
-    p.exact = {MemCategory::Grads, exact::grads_bytes(padded, max_bucket),
-               !exact::ragged_buckets(layout, stage == Stage::DataParallel)};
+    // two-phase method at every step: then finalize allocates the bins. The CPU otherwise
+    // accumulates in the packed words, widened into the bins when needed.
+    const bool ragged = exact::ragged_buckets(layout, stage == Stage::DataParallel);
+    p.exact_compact = device == Device::Cpu && !ragged;
+    if (p.exact_compact) {
+      p.exact = {MemCategory::Grads, exact::packed_bytes(padded), true};
+      p.exact_wide = {MemCategory::Grads, exact::grads_bytes(padded, max_bucket), true};
+    } else {
+      p.exact = {MemCategory::Grads, exact::grads_bytes(padded, max_bucket), !ragged};
+    }
     p.exact_wire = {MemCategory::Scratch, max_bucket * sizeof(std::uint64_t), false};
   }
   p.reduce_bytes = padded * (reduce_dtype == DType::BF16 && !reproducible ? 2 : 4);

@@ -65,15 +65,23 @@ struct BufferPlan {
   BufferSpec accumulate;
   /// Staged, on demand: a grad(i) view of a parameter that spans several buckets (its size).
   BufferSpec spill;
-  /// Reduction::Reproducible, on demand: the exact accumulator (exact::grads_bytes: 17 bytes
-  /// per flat element and one byte per element of the largest bucket), accounted as Grads,
-  /// allocated (local memory) by the first micro-batch or step that needs it: a second
-  /// micro-batch on this rank, or a step that takes the two-phase method; with ragged buckets
-  /// (whole-tensor ownership at stages 1-3, exact::ragged_buckets) every step takes it for
-  /// them, and finalize() allocates it (not on demand). The mode keeps the
+  /// Reduction::Reproducible, on demand: the exact accumulator, accounted as Grads, allocated
+  /// (local memory) by the first micro-batch or step that needs it. On the CPU without ragged
+  /// buckets (exact_compact) it is the compact form (exact::packed_bytes: 8 bytes per flat
+  /// element), needed by a second micro-batch on this rank; otherwise the bins
+  /// (exact::grads_bytes: 17 bytes per flat element and one byte per element of the largest
+  /// bucket), needed by a second micro-batch or a step that takes the two-phase method; with
+  /// ragged buckets (whole-tensor ownership at stages 1-3, exact::ragged_buckets) every step
+  /// takes it for them, and finalize() allocates it (not on demand). The mode keeps the
   /// full fp32 gradient buffer (GradScheme::Full), except on the sharded stage-2 path
   /// (exact_sharded: bins of the owned elements only, from finalize).
   BufferSpec exact;
+  /// exact is the compact form (ExactGrads::compact): the CPU, no ragged bucket, not sharded.
+  bool exact_compact = false;
+  /// exact_compact, on demand: the bins (exact::grads_bytes) that the compact form widens into
+  /// past cpu::kPackedMaxMicroBatches micro-batches on this rank, or for a step that takes
+  /// the two-phase method; the words are then released and the bins kept.
+  BufferSpec exact_wide;
   /// Reduction::Reproducible: the packed exchange's wire buffer (8 bytes per element of the
   /// largest bucket), allocated collectively at finalize (a shared-memory window on one node).
   BufferSpec exact_wire;
@@ -91,7 +99,7 @@ struct BufferPlan {
     std::vector<BufferSpec> out = {replica, units, grads, staging, master};
     out.insert(out.end(), state.begin(), state.end());
     out.push_back(rule_scratch);
-    for (const BufferSpec& b : {accumulate, spill, exact, exact_wire}) out.push_back(b);
+    for (const BufferSpec& b : {accumulate, spill, exact, exact_wide, exact_wire}) out.push_back(b);
     return out;
   }
 };

@@ -27,28 +27,63 @@ std::size_t grads_bytes(std::size_t padded, std::size_t max_bucket) {
   return padded * (2 * sizeof(std::int64_t) + 1) + max_bucket;
 }
 
+std::size_t packed_bytes(std::size_t padded) { return padded * sizeof(std::uint64_t); }
+
 ExactGrads::ExactGrads(Backend& backend, Allocation storage, std::size_t padded,
                        std::size_t max_bucket)
     : backend_(&backend), storage_(std::move(storage)), n_(padded) {
-  require(storage_.bytes() >= grads_bytes(padded, max_bucket), Status::Internal,
+  set_bins(max_bucket);
+  clear();
+}
+
+ExactGrads ExactGrads::compact(Backend& backend, Allocation words, std::size_t padded) {
+  require(words.bytes() >= packed_bytes(padded), Status::Internal, "ExactGrads: storage too small");
+  ExactGrads g;
+  g.backend_ = &backend;
+  g.n_ = padded;
+  g.words_storage_ = std::move(words);
+  g.words_ = g.words_storage_.as<std::uint64_t>();
+  return g;
+}
+
+void ExactGrads::set_bins(std::size_t max_bucket) {
+  require(storage_.bytes() >= grads_bytes(n_, max_bucket), Status::Internal,
           "ExactGrads: storage too small");
   char* p = storage_.as<char>();
   top_ = reinterpret_cast<std::int64_t*>(p);
-  low_ = top_ + padded;
-  level_ = reinterpret_cast<std::uint8_t*>(low_ + padded);
-  scratch_ = level_ + padded;
-  clear();
+  low_ = top_ + n_;
+  level_ = reinterpret_cast<std::uint8_t*>(low_ + n_);
+  scratch_ = level_ + n_;
+}
+
+void ExactGrads::widen(Allocation storage, std::size_t max_bucket) {
+  require(is_compact(), Status::Internal, "ExactGrads::widen: not the compact form");
+  storage_ = std::move(storage);
+  set_bins(max_bucket);
+  if (deposits_ > 0) cpu::exact_unpack(words_, n_, level_, top_, low_);
+  else backend_->fill_zero(level_, n_);
+  words_ = nullptr;
+  words_storage_ = Allocation();  // released: the bins hold the state from now on
 }
 
 void ExactGrads::clear() {
   static_assert(kEmpty == 0, "cleared levels are zero bytes");
   if (level_ != nullptr) backend_->fill_zero(level_, n_);
-  deposited_ = false;
+  deposits_ = 0;
 }
 
 void ExactGrads::deposit(const float* g, std::size_t n) {
   require(n <= n_, Status::Internal, "ExactGrads::deposit: range outside the buffer");
-  deposited_ = true;
+  if (is_compact()) {
+    require(!full(), Status::Internal, "ExactGrads::deposit: the packed words are full (widen first)");
+    // The first deposit of a step writes the words (nothing to read: clear() wrote nothing),
+    // and the elements past n are empty.
+    cpu::exact_deposit_packed(g, n, deposits_ > 0 ? words_ : nullptr, words_);
+    if (deposits_ == 0) std::memset(words_ + n, 0, (n_ - n) * sizeof(std::uint64_t));
+    ++deposits_;
+    return;
+  }
+  if (deposits_ < std::numeric_limits<int>::max()) ++deposits_;
   deposit_range(g, 0, n);
 }
 
@@ -59,6 +94,11 @@ void ExactGrads::deposit_range(const float* g, std::size_t begin, std::size_t n)
 }
 
 void ExactGrads::pack(std::size_t begin, std::size_t n, std::uint64_t* out) const {
+  if (is_compact()) {
+    if (deposits_ > 0) std::memcpy(out, words_ + begin, n * sizeof(std::uint64_t));
+    else std::memset(out, 0, n * sizeof(std::uint64_t));
+    return;
+  }
   cpu::exact_pack(level_ + begin, top_ + begin, low_ + begin, out, n);
 }
 
@@ -69,7 +109,8 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
   std::int64_t* top = top_ + b;
   const std::int64_t* low = low_ + b;
   std::uint8_t* level = level_ + b;
-  if (deposited_) {
+  require(!is_compact(), Status::Internal, "ExactGrads::reduce: the compact form (widen first)");
+  if (deposited()) {
     // 1. The last micro-batch joins the bins; the level of every element of the bucket is
     // the highest on any rank; each rank lifts its bins to it and packs them into one int64
     // (in the top bin's place).
@@ -165,7 +206,7 @@ bool ExactGrads::exchange_deposit(Communicator& comm, const Bucket& bk, const fl
   DepositCombiner op(*backend_, out + static_cast<std::size_t>(comm.rank()) * n, top_ + local,
                      low_ + local, level_ + local);
   if (!comm.reduce_scatter_combine(data, sizeof(float), out, n, op)) return false;
-  deposited_ = true;
+  if (deposits_ < std::numeric_limits<int>::max()) ++deposits_;
   return true;
 }
 
@@ -189,9 +230,12 @@ bool ExactGrads::reduce_packed(Communicator& comm, const Bucket& bk, bool whole,
                                std::uint64_t* wire, SquareSum& squares) {
   const std::size_t b = bk.flat.begin;
   const std::size_t n = bk.flat.size();
-  // The state with the last micro-batch deposited, straight into the wire buffer (the bins
-  // stay as they were: a refusal leaves reduce() everything to do).
-  cpu::exact_deposit_pack(grads + b, n, top_ + b, low_ + b, level_ + b, wire);
+  // The state with the last micro-batch deposited, straight into the wire buffer (the state
+  // stays as it was: a refusal leaves reduce() everything to do).
+  if (is_compact() || level_ == nullptr)  // the words, or nothing deposited on this rank
+    cpu::exact_deposit_packed(grads + b, n, deposits_ > 0 ? words_ + b : nullptr, wire);
+  else
+    cpu::exact_deposit_pack(grads + b, n, top_ + b, low_ + b, level_ + b, wire);
   PackedCombiner op(squares.digits());
   if (!comm.reduce_scatter_combine(wire, sizeof(std::uint64_t), grads + b, bk.slice_elems, op)) return false;
   if (whole) comm.all_gather_inplace(grads + b, bk.slice_elems, CommType::F32);

@@ -87,6 +87,8 @@ bool sharded_stage2(const FlatLayout& layout, Stage stage, Device device);
 /// Host bytes of the gradient accumulator of a layout: levels, two bins and a scratch copy
 /// of the largest bucket's levels.
 std::size_t grads_bytes(std::size_t padded_elems, std::size_t max_bucket_elems);
+/// Host bytes of the compact accumulator (ExactGrads::compact): one packed word per element.
+std::size_t packed_bytes(std::size_t padded_elems);
 
 /// The exact sum of the squares of fp32 values (the digits are cpu::SquareDigits; the SIMD
 /// kernels add them, exact_kernels.cpp).
@@ -107,17 +109,38 @@ class SquareSum {
 };
 
 /// Reproducible mode's gradient accumulator over the whole flat buffer, in the memory of a
-/// backend: deposit() and reduce() run the backend's exact passes (Backend::exact_*: the CPU's
-/// kernels, or a device's over device memory with the communicator's integer reductions on
-/// it); the exchanges reduce_direct() and reduce_packed() and pack() are host memory only.
+/// backend, in one of two forms:
+///   - the bins (the constructor; 17 bytes per element, grads_bytes): level, top and low bin
+///     per element. deposit() and reduce() run the backend's exact passes (Backend::exact_*:
+///     the CPU's kernels, or a device's over device memory with the communicator's integer
+///     reductions on it);
+///   - the compact form (compact(); CPU only, 8 bytes per element, packed_bytes): the packed
+///     word of cpu::exact_pack is the accumulator itself, each micro-batch deposited into it in
+///     place (cpu::exact_deposit_packed), exact while every element received at most
+///     cpu::kPackedMaxMicroBatches values; reduce_packed() sends it as it is, the last
+///     micro-batch deposited on the way into the wire buffer. Before a deposit past that
+///     limit, or for the two-phase method (reduce()), the owner widens it (widen(): the bins,
+///     unpacked from the words, which are released).
+/// The exchanges reduce_direct() and reduce_packed() and pack() are host memory only.
 class ExactGrads {
  public:
   ExactGrads() = default;
-  /// storage: grads_bytes(padded, max_bucket) bytes of `backend`'s memory (kept by reference).
+  /// The bins. storage: grads_bytes(padded, max_bucket) bytes of `backend`'s memory (kept by
+  /// reference).
   ExactGrads(Backend& backend, Allocation storage, std::size_t padded_elems,
              std::size_t max_bucket_elems);
+  /// The compact form. words: packed_bytes(padded) bytes of host memory.
+  static ExactGrads compact(Backend& backend, Allocation words, std::size_t padded_elems);
+  /// Whether the state is packed words (compact(), not widened).
+  bool is_compact() const { return words_ != nullptr; }
+  /// Compact form: whether the next deposit() needs widen() first (every element may have
+  /// received cpu::kPackedMaxMicroBatches values since clear()).
+  bool full() const { return is_compact() && deposits_ >= cpu::kPackedMaxMicroBatches; }
+  /// Compact form: the bins from now on. storage as for the constructor; the words' state is
+  /// unpacked into it and the words are released. The bins stay for later steps.
+  void widen(Allocation storage, std::size_t max_bucket_elems);
 
-  /// Adds one micro-batch's fp32 gradients of flat elements [0, n).
+  /// Adds one micro-batch's fp32 gradients of flat elements [0, n) (compact form: not full()).
   void deposit(const float* grads, std::size_t n);
   /// Collective: reduces bucket `bk` exactly over the group. `grads` is the full gradient
   /// buffer (flat coordinates): on entry it holds the last micro-batch, not deposited yet; on
@@ -142,11 +165,13 @@ class ExactGrads {
   /// Collective, when some rank accumulated several micro-batches (each at most
   /// cpu::kPackedMaxMicroBatches): the same result as reduce(), by the packed exchange. The
   /// bucket's state with the last micro-batch (in `grads`) deposited is packed into `wire`
-  /// (the bucket's size, 8 bytes per element, a buffer the communicator moves fast) and
+  /// (the bucket's size, 8 bytes per element, a buffer the communicator moves fast; from the
+  /// compact form's words in one pass, cpu::exact_deposit_packed, or from the bins,
+  /// cpu::exact_deposit_pack; a default-constructed accumulator is all empty) and
   /// every owner combines all ranks' states (Communicator::reduce_scatter_combine, 8 bytes
   /// per element, cpu::exact_combine_packed) into its slice of `grads`, taking the exact
-  /// squares of the result into `squares`. Returns false, the bins and `grads` untouched,
-  /// when the communicator cannot exchange (reduce() then does the bucket).
+  /// squares of the result into `squares`. Returns false, the state and `grads` untouched,
+  /// when the communicator cannot exchange (reduce() then does the bucket, after widen()).
   bool reduce_packed(Communicator& comm, const Bucket& bk, bool whole, float* grads,
                      std::uint64_t* wire, SquareSum& squares);
   /// Stage 2's sharded accumulation (BufferPlan::exact_sharded): the accumulator then covers
@@ -167,12 +192,14 @@ class ExactGrads {
   /// as deposited so far. Exact while at most cpu::kPackedMaxMicroBatches were deposited.
   void pack(std::size_t begin, std::size_t n, std::uint64_t* out) const;
   /// Whether deposit() was called since clear() (several micro-batches on this rank).
-  bool deposited() const { return deposited_; }
-  /// Forgets everything deposited (clears the levels; bins are reset on first use).
+  bool deposited() const { return deposits_ > 0; }
+  /// Forgets everything deposited (the bins: clears the levels, bins are reset on first use;
+  /// the compact form: nothing to write, the next deposit overwrites the words).
   void clear();
 
  private:
   void deposit_range(const float* grads, std::size_t begin, std::size_t n);
+  void set_bins(std::size_t max_bucket_elems);
   Backend* backend_ = nullptr;
   Allocation storage_;
   std::size_t n_ = 0;
@@ -180,7 +207,9 @@ class ExactGrads {
   std::int64_t* low_ = nullptr;
   std::uint8_t* level_ = nullptr;
   std::uint8_t* scratch_ = nullptr;
-  bool deposited_ = false;  ///< deposit() was called since clear()
+  Allocation words_storage_;          ///< the compact form's words (until widen())
+  std::uint64_t* words_ = nullptr;    ///< the compact form: packed_bytes(n_)
+  int deposits_ = 0;  ///< deposit() calls since clear() (saturates: only 0, >0 and the limit count)
 };
 
 }  // namespace shardopt::exact

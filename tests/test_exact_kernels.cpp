@@ -213,6 +213,18 @@ void expect_same_digits(cpu::SquareDigits a, cpu::SquareDigits b, const std::str
   EXPECT_EQ(a.infs, b.infs) << what;
 }
 
+template <class T>
+void expect_same(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      ASSERT_EQ(bits(got[i]), bits(want[i])) << what << ", element " << i << ": " << got[i] << " vs " << want[i];
+    } else {
+      ASSERT_EQ(got[i], want[i]) << what << ", element " << i;
+    }
+  }
+}
+
 cpu::SquareDigits squares_one_by_one(const float* x, std::size_t n) {
   cpu::SquareDigits d;
   for (std::size_t i = 0; i < n; ++i) d.add(x[i]);
@@ -547,6 +559,164 @@ TEST(ExactKernels, DepositEqualsThePortableDeposit) {
   }
 }
 
+// ---- the compact accumulation (the packed word as the accumulator) ---------------------------
+
+namespace {
+
+// Micro-batches for the packed deposit: the boundary corpus (its element patterns run across
+// the rows: level edges, lifts, ties, subnormals, FLT_MAX, NaN and Inf, -0, cancellation),
+// then elements that grow the bins to the packed word's limit (63 values near the top of a
+// level: |top| up to 63 (2^23 - 1)), that climb a level every few rows (lifts by one) or jump
+// by several, that cancel, and heavy-tailed random rows.
+PerRank packed_rows(std::size_t rows, std::size_t n, std::uint64_t seed) {
+  PerRank v = corpus(static_cast<int>(rows), n, seed);
+  std::mt19937_64 rng(seed * 7 + 1);
+  for (std::size_t i = 0; i < n; ++i) {
+    switch (i % 11) {
+      case 0:  // the top of level 5 (exponent field 119), same sign: the widest bins
+        for (std::size_t k = 0; k < rows; ++k) v[k][i] = std::bit_cast<float>(0x3bffff00u | static_cast<std::uint32_t>(k & 0xff));
+        break;
+      case 1:  // the top of level 8 (field 191), negative: the sign of the 30-bit fields
+        for (std::size_t k = 0; k < rows; ++k) v[k][i] = -std::bit_cast<float>(0x5fffffffu - static_cast<std::uint32_t>(k));
+        break;
+      case 2:  // a lift by one every few rows (exponent fields 20, 44, 68, ...: the top bin moves down)
+        for (std::size_t k = 0; k < rows; ++k)
+          v[k][i] = with_exponent(rng, std::min(254, 20 + 24 * static_cast<int>(k / 4) + static_cast<int>(rng() % 4)));
+        break;
+      case 3:  // small values, then a jump by several levels, then small ones again
+        for (std::size_t k = 0; k < rows; ++k)
+          v[k][i] = with_exponent(rng, k == rows / 2 ? 200 : 1 + static_cast<int>(rng() % 40));
+        break;
+      case 4:  // cancellation to zero (row pairs), then -0
+        for (std::size_t k = 0; k < rows; ++k) {
+          const float x = std::bit_cast<float>(0x4b000000u + static_cast<std::uint32_t>(i % 1000));
+          v[k][i] = k + 1 == rows && rows % 2 == 1 ? -0.0f : (k % 2 == 0 ? x : -x);
+        }
+        break;
+      case 5:  // heavy-tailed random
+        for (std::size_t k = 0; k < rows; ++k) v[k][i] = random_value(rng);
+        break;
+      default:  // the corpus's patterns
+        break;
+    }
+  }
+  return v;
+}
+
+// One process's bins after each micro-batch, packed (the oracle: the portable deposit, the
+// scalar code of the 17-byte accumulator, then exact_pack).
+std::vector<std::vector<std::uint64_t>> packed_after_each(const PerRank& rows, std::size_t offset) {
+  const IsaScope restore;
+  cpu::set_isa(cpu::Isa::Portable);
+  const std::size_t n = rows[0].size() - offset;
+  std::vector<std::int64_t> top(n, 0), low(n, 0);
+  std::vector<std::uint8_t> level(n, 0);
+  std::vector<std::vector<std::uint64_t>> out;
+  for (const auto& row : rows) {
+    cpu::exact_deposit(row.data() + offset, n, top.data(), low.data(), level.data());
+    std::vector<std::uint64_t> w(n);
+    cpu::exact_pack(level.data(), top.data(), low.data(), w.data(), n);
+    out.push_back(std::move(w));
+  }
+  return out;
+}
+
+}  // namespace
+
+// The deposit straight into the packed words (in place, and into another buffer) on every ISA
+// gives after each of 63 micro-batches what the bins give deposited by the portable code and
+// packed: the corpus of packed_rows, aligned and unaligned starts, ragged ends. Unpacked, the
+// words are the bins again (levels, and bins where the level is 1-11).
+TEST(ExactKernels, PackedDepositEqualsDepositThenPack) {
+  const IsaScope restore;
+  const std::size_t n = 10007;
+  const std::size_t m = static_cast<std::size_t>(cpu::kPackedMaxMicroBatches);
+  const PerRank rows = packed_rows(m, n, 4242);
+  for (std::size_t offset : {std::size_t{0}, std::size_t{5}}) {
+    const auto want = packed_after_each(rows, offset);
+    const std::size_t len = n - offset;
+    // The limit is reached: some words hold bins close to 2^29 in magnitude.
+    std::int64_t widest = 0;
+    for (std::uint64_t w : want.back()) widest = std::max(widest, std::abs(static_cast<std::int64_t>(w << 30) >> 34));
+    EXPECT_GT(widest, std::int64_t{1} << 28) << "offset " << offset;
+    for (cpu::Isa isa : isas()) {
+      cpu::set_isa(isa);
+      const std::string what = std::string(cpu::isa_name(isa)) + ", offset " + std::to_string(offset);
+      std::vector<std::uint64_t> words(len, 0xdeadbeefdeadbeefull);  // the first deposit writes every word
+      for (std::size_t k = 0; k < m; ++k) {
+        // Into another buffer (the wire) from the state before, then in place.
+        std::vector<std::uint64_t> wire(len, 0x5555555555555555ull);
+        cpu::exact_deposit_packed(rows[k].data() + offset, len, k == 0 ? nullptr : words.data(), wire.data());
+        expect_same(wire, want[k], what + ", into the wire after micro-batch " + std::to_string(k));
+        cpu::exact_deposit_packed(rows[k].data() + offset, len, k == 0 ? nullptr : words.data(), words.data());
+        expect_same(words, want[k], what + ", in place after micro-batch " + std::to_string(k));
+        if (HasFatalFailure()) return;
+      }
+      std::vector<std::uint8_t> level(len);
+      std::vector<std::int64_t> top(len), low(len);
+      cpu::exact_unpack(words.data(), len, level.data(), top.data(), low.data());
+      std::vector<std::uint64_t> again(len);
+      cpu::exact_pack(level.data(), top.data(), low.data(), again.data(), len);
+      expect_same(again, words, what + ", unpacked and packed again");
+    }
+  }
+}
+
+// The compact accumulator (ExactGrads::compact) against the bins: its state after each
+// micro-batch, the packed exchange's result (one process), and past the limit the widened
+// bins' two-phase result, all equal the bins' result bit for bit: 1, 2, 5, 63 and 64
+// micro-batches (the last one in the gradient buffer).
+TEST(ExactKernels, CompactAccumulatorEqualsTheBins) {
+  const std::size_t n = 4099;
+  const PerRank all = packed_rows(64, n, 99);
+  auto comm = make_single_process_communicator();
+  Bucket bk;
+  bk.flat = Range{0, n};
+  bk.slice_elems = n;
+  for (std::size_t m : {std::size_t{1}, std::size_t{2}, std::size_t{5}, std::size_t{63}, std::size_t{64}}) {
+    const PerRank rows(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(m));
+    const std::vector<float> want = oracle_binned(rows);
+    const std::string what = std::to_string(m) + " micro-batches";
+    // Words as a previous step leaves them: clear() writes nothing, the first deposit must.
+    auto words = std::make_shared<std::vector<std::uint64_t>>(n, 0x123456789abcdef1ull);
+    exact::ExactGrads acc = exact::ExactGrads::compact(
+        cpu_backend(), Allocation(words->data(), exact::packed_bytes(n), words, nullptr, MemCategory::Grads), n);
+    const std::size_t bytes = exact::grads_bytes(n, n);
+    auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
+    exact::ExactGrads bins(cpu_backend(), Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n, n);
+    for (std::size_t k = 0; k + 1 < m; ++k) {
+      ASSERT_FALSE(acc.full()) << what;
+      acc.deposit(rows[k].data(), n);
+      bins.deposit(rows[k].data(), n);
+      std::vector<std::uint64_t> a(n), b(n);
+      acc.pack(0, n, a.data());
+      bins.pack(0, n, b.data());
+      expect_same(a, b, what + ", state after micro-batch " + std::to_string(k));
+    }
+    EXPECT_EQ(acc.deposited(), m > 1) << what;
+    EXPECT_EQ(acc.full(), m - 1 == static_cast<std::size_t>(cpu::kPackedMaxMicroBatches)) << what;
+    std::vector<float> out = rows.back();
+    if (m <= static_cast<std::size_t>(cpu::kPackedMaxMicroBatches)) {
+      // The packed exchange: the words with the last micro-batch go to the wire; the state
+      // stays (a refusal could still widen it).
+      std::vector<std::uint64_t> before(n), after(n), wire(n);
+      acc.pack(0, n, before.data());
+      exact::SquareSum squares;
+      ASSERT_TRUE(acc.reduce_packed(*comm, bk, false, out.data(), wire.data(), squares)) << what;
+      acc.pack(0, n, after.data());
+      expect_same(after, before, what + ", state after the exchange");
+      expect_same(out, want, what + ", the packed exchange");
+    }
+    // The two-phase method from the widened bins (what happens past 63, and on a refusal).
+    auto wide = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
+    acc.widen(Allocation(wide->data(), bytes, wide, nullptr, MemCategory::Grads), n);
+    EXPECT_FALSE(acc.is_compact());
+    out = rows.back();
+    acc.reduce(*comm, bk, false, out.data());
+    expect_same(out, want, what + ", widened, two-phase");
+  }
+}
+
 // ---- the two-phase method's passes (exact::ExactGrads::reduce) --------------------------------
 
 namespace {
@@ -601,18 +771,6 @@ TwoPhase two_phase(const PerRank& rows, int ranks, std::size_t offset = 0) {
 }
 
 std::vector<float> two_phase_sum(const PerRank& vals) { return two_phase(vals, static_cast<int>(vals.size())).out; }
-
-template <class T>
-void expect_same(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    if constexpr (std::is_same_v<T, float>) {
-      ASSERT_EQ(bits(got[i]), bits(want[i])) << what << ", element " << i << ": " << got[i] << " vs " << want[i];
-    } else {
-      ASSERT_EQ(got[i], want[i]) << what << ", element " << i;
-    }
-  }
-}
 
 }  // namespace
 

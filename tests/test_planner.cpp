@@ -450,8 +450,8 @@ TEST(Planner, InternodeBytesPerNodeAndStep) {
 }
 
 // Reproducible mode on Device::Cuda takes the two-phase method at every step: its exact
-// accumulator is planned from finalize (the CPU plans it only with accumulate_without_sync,
-// allocating it at the first step that needs it) and both wire figures are 9 bytes per padded
+// accumulator (the bins) is planned from finalize (the CPU plans its packed words only with
+// accumulate_without_sync, allocating them at the first step that needs them) and both wire figures are 9 bytes per padded
 // element (a level maximum and an int64 sum); stage 3 is refused, as the optimizer refuses it.
 TEST(Planner, ReproducibleOnTheDevice) {
   FlatLayout layout;
@@ -468,8 +468,10 @@ TEST(Planner, ReproducibleOnTheDevice) {
   c.accumulate_without_sync = false;
   c.device = Device::Cuda;
   const MemoryPlan gpu = plan_memory(layout, c);
-  EXPECT_GT(cpu_accumulating[MemCategory::Grads], cpu[MemCategory::Grads]);
-  EXPECT_EQ(gpu[MemCategory::Grads], cpu_accumulating[MemCategory::Grads]);
+  // The device's accumulator is the bins (17 bytes per element and one per element of the
+  // largest bucket); the CPU's the packed words (8 bytes per element, the compact form).
+  EXPECT_EQ(cpu_accumulating[MemCategory::Grads], cpu[MemCategory::Grads] + 8 * cpu.padded_elems);
+  EXPECT_EQ(gpu[MemCategory::Grads], cpu[MemCategory::Grads] + 17 * gpu.padded_elems + gpu.bucket_elems);
   EXPECT_EQ(cpu.reduce_bytes, 4 * gpu.padded_elems);
   EXPECT_EQ(gpu.reduce_bytes, 9 * gpu.padded_elems);
   EXPECT_EQ(gpu.reduce_bytes_accumulated, gpu.reduce_bytes);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "buffer_plan.hpp"
 #include "exact_sum.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/mpi_comm.hpp"
@@ -413,6 +414,48 @@ TEST(Reproducible, UnevenMicroBatchCountsIncludingNone) {
   }
 }
 
+// The compact accumulation (issue 30 item 3: the packed words are the accumulator) and its
+// limit: up to 63 micro-batches on every rank stay in the packed words and take the packed
+// exchange (8 bytes per element on the wire, no integer reductions); 64 or more on some rank
+// widen that rank's words into the bins and every rank takes the two-phase method (9 bytes).
+// Uneven counts, ranks with none, every stage, both communicators: the bits of one process
+// that deposits all of them (itself packed up to 63, widened past).
+TEST(Reproducible, CompactAccumulationUpToAndPastTheLimit) {
+  auto w = mpi(MpiCommKind::Plain);
+  const int world = w->size();
+  std::vector<std::vector<int>> splits;
+  if (world == 1) splits = {{2}, {63}, {64}, {65}};
+  if (world == 2) splits = {{63, 0}, {63, 64}, {2, 3}, {1, 65}};
+  if (world == 3) splits = {{63, 1, 0}, {64, 2, 63}, {0, 2, 5}};
+  if (world == 4) splits = {{2, 0, 63, 1}, {1, 64, 0, 2}, {3, 3, 3, 3}};
+  for (const std::vector<int>& split : splits) {
+    int total = 0, most = 0;
+    std::string what = "split";
+    for (int c : split) {
+      total += c;
+      most = std::max(most, c);
+      what += " " + std::to_string(c);
+    }
+    const Trained one = train_split(make_single_process_communicator(), Stage::Zero1, {total});
+    for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
+      for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
+        const std::string at = what + (kind == MpiCommKind::Plain ? " mpi " : " shm ") + stage_name(stage);
+        auto counting = std::make_shared<CountingComm>(mpi(kind));
+        MemoryPlan plan;
+        expect_same(train_split(counting, stage, split, &plan), one, at);
+        if (HasFatalFailure()) return;
+        // Two steps of the method the counts call for.
+        if (most > cpu::kPackedMaxMicroBatches) {
+          EXPECT_EQ(counting->combine_bytes, 0u) << at;
+          if (stage != Stage::DataParallel) EXPECT_EQ(counting->int_bytes, 2 * 9 * plan.padded_elems) << at;
+        } else {
+          EXPECT_EQ(counting->int_bytes, 0u) << at;
+          EXPECT_EQ(counting->combine_bytes, 2 * plan.reduce_bytes_accumulated) << at;
+        }
+      }
+  }
+}
+
 // Stage 2's sharded exact accumulation (BufferPlan::exact_sharded: the staged scheme, each
 // micro-batch's buckets exchanged raw to their owners, which deposit into bins of their slice
 // only): 1, 2 and 4 micro-batches per rank and uneven counts (ranks with none send zeros in
@@ -705,7 +748,8 @@ TEST(Reproducible, PlannerCountsTheAccumulatorAndTheWire) {
   EXPECT_EQ(r[MemCategory::Grads], r.padded_elems * 4);
   c.accumulate_without_sync = true;
   const MemoryPlan ra = plan_memory(l, c);
-  EXPECT_EQ(ra[MemCategory::Grads], ra.padded_elems * (4 + 17) + ra.bucket_elems);
+  // The compact accumulator: the packed words, 8 bytes per element.
+  EXPECT_EQ(ra[MemCategory::Grads], ra.padded_elems * (4 + 8));
   // What finalize allocates is what the planner says.
   auto w = make_single_process_communicator();
   OptimizerOptions o = options(Stage::Zero2, 4096);
@@ -728,7 +772,27 @@ TEST(Reproducible, PlannerCountsTheAccumulatorAndTheWire) {
   opt.step();
   PlanConfig ca = plan_config(o, 1);
   ca.accumulate_without_sync = true;
-  EXPECT_EQ(opt.memory_report()[MemCategory::Grads], plan_memory(opt.layout(), ca)[MemCategory::Grads]);
+  const MemoryPlan pa = plan_memory(opt.layout(), ca);
+  EXPECT_EQ(opt.memory_report()[MemCategory::Grads], pa[MemCategory::Grads]);
+  EXPECT_EQ(pa[MemCategory::Grads], p1[MemCategory::Grads] + exact::packed_bytes(pa.padded_elems));
+  // Up to 63 micro-batches the words suffice; the 64th widens them into the bins
+  // (BufferPlan::exact_wide), and the words are released: exactly the bins' bytes remain.
+  for (int m : {63, 64}) {
+    for (int k = 0; k < m; ++k) {
+      opt.begin_backward(false);
+      opt.grad(0)[0] = 1.0f;
+    }
+    opt.step();
+    const std::size_t accumulator =
+        m <= cpu::kPackedMaxMicroBatches ? exact::packed_bytes(pa.padded_elems)
+                                         : exact::grads_bytes(pa.padded_elems, pa.bucket_elems);
+    EXPECT_EQ(opt.memory_report()[MemCategory::Grads], p1[MemCategory::Grads] + accumulator) << m;
+    const BufferPlan bp = plan_buffers(opt.layout(), o.stage, o.param_dtype, o.buckets_in_flight,
+                                       o.units_in_flight, o.reduction);
+    EXPECT_TRUE(bp.exact_compact);
+    EXPECT_EQ(bp.exact.bytes, exact::packed_bytes(pa.padded_elems));
+    EXPECT_EQ(bp.exact_wide.bytes, exact::grads_bytes(pa.padded_elems, pa.bucket_elems));
+  }
 }
 
 // ---- the primitives --------------------------------------------------------------------

@@ -50,18 +50,22 @@ struct PlanConfig {
   int units_in_flight = OptimizerOptions{}.units_in_flight;  ///< stage-3 gathered-unit buffers
   /// Stage 2 with micro-batches that accumulate without synchronising (begin_backward(false))
   /// keeps a full-size local fp32 accumulation buffer; reproducible mode with several
-  /// micro-batches on a rank in one step (or on any rank: the two-phase method) keeps its
-  /// exact accumulator (17 bytes per element).
+  /// micro-batches on a rank in one step keeps its exact accumulator (on the CPU the packed
+  /// words, 8 bytes per element; see `reduction`).
   bool accumulate_without_sync = false;
   /// Stage 2 with grad() views of parameters that span several buckets (a buffer of the
   /// largest such parameter); accumulate_grad() needs none.
   bool grad_views_across_buckets = false;
   /// Reduction::Reproducible keeps a full fp32 gradient at every stage (and, with
-  /// accumulate_without_sync, an exact accumulator of 17 bytes per element, allocated at the
-  /// first step that needs it; always, from finalize, under Whole ownership at stages 1-3
-  /// when some bucket is ragged, and on Device::Cuda, whose two-phase method needs it at
-  /// every step), and sends 4 bytes per element (8 with several micro-batches per rank; 9 on
-  /// Device::Cuda: MemoryPlan::reduce_bytes_accumulated).
+  /// accumulate_without_sync, an exact accumulator allocated at the first step that needs it:
+  /// on the CPU the packed words, 8 bytes per element; the bins, 17 bytes per element and
+  /// one per element of the largest bucket, always, from finalize, under Whole ownership at
+  /// stages 1-3 when some bucket is ragged, and on Device::Cuda, whose two-phase method needs
+  /// them at every step), and sends 4 bytes per element (8 with several micro-batches per
+  /// rank; 9 on Device::Cuda: MemoryPlan::reduce_bytes_accumulated). Not planned here: past 63
+  /// micro-batches on a rank, or when the step takes the two-phase method on the CPU, the
+  /// packed words are widened into the bins (17 bytes per element and one per element of the
+  /// largest bucket, replacing the 8; both for the moment of the widening).
   Reduction reduction = Reduction::Default;
   DType reduce_dtype = DType::F32;  ///< the wire of the default reduction: F32 or BF16
   /// Nodes the ranks run on, world_size / nodes consecutive ranks each (MemoryPlan::

@@ -146,9 +146,27 @@ inline std::uint64_t pack_one(std::uint8_t l, std::int64_t top, std::int64_t low
 
 }  // namespace
 
+// The bins a packed word holds (0 for empty and non-finite elements).
+inline void unpack_one(std::uint64_t w, std::uint8_t& l, std::int64_t& top, std::int64_t& low) {
+  const std::uint64_t f = w & 15u;
+  l = f == kPackedNonFinite ? exact::elem::kNonFiniteLevel : static_cast<std::uint8_t>(f);
+  top = static_cast<std::int64_t>(w << 30) >> 34;
+  low = static_cast<std::int64_t>(w) >> 34;
+}
+
 void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
                    std::uint8_t* level) {
   for (std::size_t j = 0; j < n; ++j) exact::elem::deposit(g[j], top[j], low[j], level[j]);
+}
+
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+  for (std::size_t j = 0; j < n; ++j) {
+    std::uint8_t l = 0;
+    std::int64_t t = 0, lo = 0;
+    if (in != nullptr) unpack_one(in[j], l, t, lo);
+    exact::elem::deposit(g[j], t, lo, l);
+    out[j] = pack_one(l, t, lo);
+  }
 }
 
 void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
@@ -288,6 +306,20 @@ void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::i
   for (std::ptrdiff_t i = 0; i < count; ++i) {
     out[i] = portable::pack_one(level[i], top[i], low[i]);
   }
+}
+
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+  const RangeKernels& k = active_kernels();
+  for_grains(n, [&](std::size_t b, std::size_t len) {
+    k.exact_deposit_packed(g + b, len, in == nullptr ? nullptr : in + b, out + b);
+  });
+}
+
+void exact_unpack(const std::uint64_t* words, std::size_t n, std::uint8_t* level, std::int64_t* top,
+                  std::int64_t* low) {
+  for_grains(n, [&](std::size_t b, std::size_t len) {
+    for (std::size_t i = b; i < b + len; ++i) portable::unpack_one(words[i], level[i], top[i], low[i]);
+  });
 }
 
 void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n,

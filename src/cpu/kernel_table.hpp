@@ -91,6 +91,8 @@ struct RangeKernels {
                      const std::int64_t* low, std::size_t n);
   void (*exact_sums_to_float)(const std::int64_t* sum, const std::uint8_t* level, float* dst,
                               std::size_t n);
+  /// exact_deposit_packed (kernels.hpp) on one range.
+  void (*exact_deposit_packed)(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
 };
 
 /// Values per fixed-point window of the SIMD exact_square_add: each lane adds at most
@@ -140,6 +142,7 @@ void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* le
 void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
                 const std::int64_t* low, std::size_t n);
 void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst, std::size_t n);
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
 }  // namespace portable
 
 /// Blocks per call of a SIMD table's interleaved sum of squares (and the OpenMP unit).

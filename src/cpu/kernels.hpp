@@ -119,6 +119,19 @@ inline constexpr int kPackedMaxMicroBatches = 63;
 /// top[i], low[i].
 void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::int64_t* low,
                 std::uint64_t* out, std::size_t n);
+/// Reproducible mode's compact accumulation (exact::ExactGrads's packed form: the packed
+/// word is the accumulator while every element received at most kPackedMaxMicroBatches
+/// values): out[i] = the packed word of the state in[i] (all empty when in is null) with g[i]
+/// deposited, bit for bit exact_pack of what exact_deposit of g leaves in the bins that in[i]
+/// packs. `in` may be `out` (the deposit in place: 4 bytes read and 8 read and written per
+/// element) or another buffer (the last micro-batch into the exchange's wire buffer); the
+/// words of `in` must hold fewer than kPackedMaxMicroBatches values each.
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
+/// The packed words' bins unpacked (the two-phase method's form, past kPackedMaxMicroBatches):
+/// level[i] 0, 1-11 or 127 (non-finite), top[i] and low[i] the bins (0 for empty and
+/// non-finite elements). The inverse of exact_pack.
+void exact_unpack(const std::uint64_t* words, std::size_t n, std::uint8_t* level, std::int64_t* top,
+                  std::int64_t* low);
 /// The two-phase result from every rank's packed state: for each i, with G the largest level
 /// among src[.][i], dst[i] = RNE32(2^b(G-1) * sum over r of the state lifted to G: top * 2^24 +
 /// low at level G, top at G - 1, nothing below), +0 when every state is empty, the quiet NaN

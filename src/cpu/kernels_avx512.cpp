@@ -653,6 +653,110 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
   portable::exact_deposit_pack(g + i, n - i, top + i, low + i, level + i, out + i);
 }
 
+// exact_deposit_packed, 16 values (two vectors of 8 words) at a time, in fp32 and on the
+// words' fields in place. The arithmetic is the portable deposit's, rearranged where that is
+// exact:
+//   - the level wanted by v is a table on its exponent field e >> 3 ((e + 24) / 24 =
+//     ((e >> 3) + 3) / 3, as exact_combine's grid); the level L after the deposit is the
+//     larger of it and the word's (masks: rise, and on a rise clear or move top to low);
+//   - s = v * 2^-b(L) by vscalefps: exact, |s| < 2^23, except where s is below 2^-126 (a
+//     subnormal result, rounded), and then both parts are 0 either way; hi = RNE(s)
+//     (vrndscaleps), r = s - hi (exact: |r| <= 1/2 and r is a multiple of s's unit, or hi
+//     is 0 or +-1 with s in [1/2, 2]), lo = RNE(r * 2^24) (exact product, one conversion):
+//     the portable loop's RNE(v / 2^b) and RNE((v - hi 2^b) / 2^(b - 24)), which are exact
+//     in double;
+//   - hi and lo are added to their 30-bit fields modulo 2^30 (the word keeps only the low 30
+//     bits of each bin, and the bins stay within 30 signed bits): hi << 4 is added to the word
+//     and only the top field's bits taken from the sum (vpternlogq), lo << 34 is added
+//     (carries past bit 63 are the modulo).
+// A run of 16 zeros leaves the words as they are (stored only when out is not in).
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+  alignas(64) std::int32_t want_table[32];
+  alignas(64) float down_table[16];  // -b(L) for L = 1..11 (0 elsewhere: those lanes add nothing)
+  alignas(64) std::int32_t even[16], lo_half[16], hi_half[16];
+  for (int j = 0; j < 32; ++j) want_table[j] = (j + 3) / 3;
+  for (int l = 0; l < 16; ++l) down_table[l] = l >= 1 && l <= 11 ? static_cast<float>(150 - 24 * l) : 0.0f;
+  for (int k = 0; k < 16; ++k) {
+    even[k] = 2 * k;                                    // the low dword of each word of (w0, w1)
+    lo_half[k] = k % 2 == 0 ? k / 2 : 16 + k / 2;       // (a[0], b[0], a[1], b[1], ...): words 0-7
+    hi_half[k] = k % 2 == 0 ? 8 + k / 2 : 24 + k / 2;   // words 8-15
+  }
+  const __m512i want_lo = _mm512_load_si512(want_table), want_hi = _mm512_load_si512(want_table + 16);
+  const __m512 down_t = _mm512_load_ps(down_table);
+  const __m512i even_idx = _mm512_load_si512(even);
+  const __m512i lo_idx = _mm512_load_si512(lo_half), hi_idx = _mm512_load_si512(hi_half);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i inf_bits = _mm512_set1_epi32(0x7f800000);
+  const __m512i fifteen32 = _mm512_set1_epi32(15);
+  const __m512i one32 = _mm512_set1_epi32(1);
+  const __m512i three32 = _mm512_set1_epi32(3);
+  const __m512i top_field = _mm512_set1_epi64(std::int64_t{0x3fffffff} << 4);
+  const __m512i nonfinite_word = _mm512_set1_epi64(15);
+  const __m512 two24 = _mm512_set1_ps(0x1p24f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  std::size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(g + i);
+    const __m512i a = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
+    const __mmask16 nonzero = _mm512_test_epi32_mask(a, a);
+    __m512i w0 = in == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(in + i);
+    __m512i w1 = in == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(in + i + 8);
+    if (nonzero == 0) {
+      if (in != out) {
+        _mm512_storeu_si512(out + i, w0);
+        _mm512_storeu_si512(out + i + 8, w1);
+      }
+      continue;
+    }
+    // The words' levels (the low 4 bits of each word's low dword), 16 in one vector.
+    const __m512i l = _mm512_and_si512(_mm512_permutex2var_epi32(w0, even_idx, w1), fifteen32);
+    const __mmask16 active = nonzero & static_cast<__mmask16>(~_mm512_cmpeq_epi32_mask(l, fifteen32));
+    const __mmask16 bad = active & _mm512_cmpge_epu32_mask(a, inf_bits);  // NaN or Inf
+    const __mmask16 fin = active & static_cast<__mmask16>(~bad);
+    const __m512i want = _mm512_permutex2var_epi32(want_lo, _mm512_srli_epi32(a, 26), want_hi);
+    const __mmask16 rise = fin & _mm512_cmpgt_epu32_mask(want, l);
+    const __m512i level = _mm512_mask_mov_epi32(l, rise, want);
+    if ((rise | bad) != 0) {  // rare after the first micro-batch
+      // A rise by one: the top field becomes the low one (the top and level fields
+      // cleared); by more, or from empty: an empty word; then the new level.
+      const __mmask16 clear =
+          rise & (_mm512_cmpeq_epi32_mask(l, _mm512_setzero_si512()) | _mm512_cmpgt_epu32_mask(want, _mm512_add_epi32(l, one32)));
+      const __mmask16 down = rise & static_cast<__mmask16>(~clear);
+      for (int h = 0; h < 2; ++h) {
+        __m512i& w = h == 0 ? w0 : w1;
+        const auto m8 = [h](__mmask16 m) { return static_cast<__mmask8>(m >> (8 * h)); };
+        const __m256i half_level = h == 0 ? _mm512_castsi512_si256(level) : _mm512_extracti64x4_epi64(level, 1);
+        w = _mm512_mask_mov_epi64(w, m8(down), _mm512_slli_epi64(_mm512_srli_epi64(_mm512_slli_epi64(w, 30), 34), 34));
+        w = _mm512_mask_mov_epi64(w, m8(clear), _mm512_setzero_si512());
+        w = _mm512_mask_or_epi64(w, m8(rise), w, _mm512_cvtepu32_epi64(half_level));
+        w = _mm512_mask_mov_epi64(w, m8(bad), nonfinite_word);
+      }
+    }
+    // The two parts at the level's grids.
+    const __m512 sv = _mm512_scalef_ps(v, _mm512_permutexvar_ps(level, down_t));
+    const __m512 hi = _mm512_roundscale_ps(sv, kRound);
+    const __m512i hi32 = _mm512_cvt_roundps_epi32(hi, kRound);
+    const __m512i lo32 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_sub_ps(sv, hi), two24), kRound);
+    // Each element's parts as a word: hi's low 30 bits at bit 4 (the word's low dword holds
+    // hi's bits 0-27, the high dword its bits 28-29), lo's at bit 34.
+    const __m512i part_lo = _mm512_slli_epi32(hi32, 4);
+    const __m512i part_hi = _mm512_ternarylogic_epi32(_mm512_slli_epi32(lo32, 2), _mm512_srli_epi32(hi32, 28), three32,
+                                                      0xf8);  // a | (b & c)
+    const __m512i p0 = _mm512_permutex2var_epi32(part_lo, lo_idx, part_hi);
+    const __m512i p1 = _mm512_permutex2var_epi32(part_lo, hi_idx, part_hi);
+    // Field by field (modulo 2^30 each): the top field from w + p, the low field from w + p
+    // without the top field's carry (w + (p without its top field)).
+    const __mmask8 f0 = static_cast<__mmask8>(fin), f1 = static_cast<__mmask8>(fin >> 8);
+    w0 = _mm512_mask_mov_epi64(w0, f0, _mm512_ternarylogic_epi64(top_field, _mm512_add_epi64(w0, p0),
+                                                                 _mm512_add_epi64(w0, _mm512_andnot_si512(top_field, p0)), 0xca));
+    w1 = _mm512_mask_mov_epi64(w1, f1, _mm512_ternarylogic_epi64(top_field, _mm512_add_epi64(w1, p1),
+                                                                 _mm512_add_epi64(w1, _mm512_andnot_si512(top_field, p1)), 0xca));
+    _mm512_storeu_si512(out + i, w0);
+    _mm512_storeu_si512(out + i + 8, w1);
+  }
+  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i);
+}
+
 // ---- the two-phase method's passes (exact::ExactGrads::reduce) ----
 
 // exact_levels, 16 at a time: (e + 24) / 24 = ((e + 24) * 2731) >> 16 for e below 300 (as
@@ -825,6 +929,7 @@ const RangeKernels kAvx512Kernels = {
     avx512::exact_round_to_levels,
     avx512::exact_lift,
     avx512::exact_sums_to_float,
+    avx512::exact_deposit_packed,
 };
 
 }  // namespace shardopt::cpu

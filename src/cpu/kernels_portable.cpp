@@ -115,6 +115,7 @@ const RangeKernels kPortableKernels = {
     portable::exact_round_to_levels,
     portable::exact_lift,
     portable::exact_sums_to_float,
+    portable::exact_deposit_packed,
 };
 
 }  // namespace shardopt::cpu
