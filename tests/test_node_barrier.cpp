@@ -50,7 +50,7 @@ struct Node {
   explicit Node(int simulated_nodes) {
     MPI_Comm_dup(MPI_COMM_WORLD, &questions);
     dog->attach(questions);
-    dog->set_timeout(120);
+    dog->set_timeout(30);
     dog->set_yield(true);
     topo = shm::NodeTopology::create(MPI_COMM_WORLD, simulated_nodes);
     dog->enter("test_node_barrier");
