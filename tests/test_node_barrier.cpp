@@ -107,8 +107,8 @@ TEST_P(NodeBarrier, AnEarlyArrivalAtTheNextBarrierDoesNotCompleteTheCurrentOne) 
   const int me = node.topo->node_rank, n = node.topo->node_size;
   if (n < 2) GTEST_SKIP() << "one rank per node";
   node.win->sync();
-  for (int round = 0; round < 20; ++round) {
-    if (me != 0) usleep(50000);
+  for (int round = 0; round < 8; ++round) {
+    if (me != 0) usleep(200000);
     *node.slot(me) = static_cast<std::uint64_t>(round);
     const shm::ShmWindow::Barrier first = node.win->start_sync();
     if (me == 0) EXPECT_FALSE(node.win->arrived(first)) << "complete before the sleeping peers arrived";
@@ -117,7 +117,7 @@ TEST_P(NodeBarrier, AnEarlyArrivalAtTheNextBarrierDoesNotCompleteTheCurrentOne) 
     for (int p = 0; p < n; ++p) ASSERT_EQ(*node.slot(p), static_cast<std::uint64_t>(round));
     // The peers sleep before their second arrival: rank 0's own second arrival (with the
     // counter past the first barrier) must not complete it.
-    if (me != 0) usleep(50000);
+    if (me != 0) usleep(200000);
     const shm::ShmWindow::Barrier second = node.win->start_sync();
     if (me == 0) EXPECT_FALSE(node.win->arrived(second)) << "round " << round;
     node.win->wait(second, node.dog->current());
