@@ -2,7 +2,7 @@
 // same collectives started one by one, bit for bit, on plain MPI and shared memory (one node,
 // two simulated nodes), buffers in one window, in two, and outside the windows; on one node
 // the shared-memory batch is one request with one round of node barriers per phase (node
-// barriers counted through MPI's profiling interface). Then the optimizer with
+// barriers counted by the shared-memory window). Then the optimizer with
 // SHARDOPT_COMM_BATCH=1 (every bucket alone) against batches of 3 and the default, bit for
 // bit: stages 0-3 (stage 3 acquiring each unit and prefetching the next), Flat and Whole
 // ownership (ragged buckets: the uneven collectives), overlap on and off, 1 and 3
@@ -25,16 +25,16 @@
 #include "support/reference.hpp"
 #include "support/same_error.hpp"
 #include "support/world.hpp"
+#include "comm/shm_window.hpp"
 
 using namespace shardopt;
 
-// Node barriers started by the library (the shared-memory requests' MPI_Ibarrier), counted.
+// Node barriers started by the library so far: the shared-memory windows' own (no MPI call),
+// counted by ShmWindow; reads as a long.
 namespace {
-long ibarriers = 0;
-}
-extern "C" int MPI_Ibarrier(MPI_Comm comm, MPI_Request* request) {
-  ++ibarriers;
-  return PMPI_Ibarrier(comm, request);
+const struct {
+  operator long() const { return static_cast<long>(shm::ShmWindow::barriers_started()); }
+} ibarriers;
 }
 
 namespace {

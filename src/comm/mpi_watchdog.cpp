@@ -39,6 +39,16 @@ std::string call_text(const char* call, std::size_t size) {
   return c.empty() ? "(no shardopt call named)" : c;
 }
 
+// The spin-wait hint (PAUSE on x86): a spinning poll of shared memory leaves the core's
+// other hardware thread its resources and does not flood the memory bus.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -71,19 +81,45 @@ void Watchdog::wait(const Ticket& t, int n, MPI_Request* requests) {
     SHARDOPT_MPI(MPI_Waitall(n, requests, MPI_STATUSES_IGNORE));
     return;
   }
+  poll(
+      t,
+      [&] {
+        int done = 0;
+        SHARDOPT_MPI(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE));
+        return done != 0;
+      },
+      false);
+}
+
+void Watchdog::wait_until(const Ticket& t, const std::function<bool()>& done) {
+  throw_if_failed();
+  if (!active()) {
+    while (!done()) cpu_relax();  // MpiWait::Block: spins, as MPI's blocking calls do
+    return;
+  }
+  poll(t, done, true);
+}
+
+void Watchdog::poll(const Ticket& t, const std::function<bool()>& done, bool progress) {
   const Clock::time_point start = Clock::now();
   double sleep = 20e-6;
   for (;;) {
-    int done = 0;
-    SHARDOPT_MPI(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE));
-    if (done) return;
+    if (done()) return;
     if (interrupt_) interrupt_();
     const double waited = since(start);
     if (timeout_ > 0 && waited > timeout_) give_up(t, waited);
     if (waited < kSpinSeconds) {
-      // After a short pure spin (most collectives of a step complete within it), let a
-      // rank or program that shares this CPU run.
-      if (yield_ && waited > kPureSpinSeconds) sched_yield();
+      if (waited > kPureSpinSeconds) {
+        if (progress && comm_ != MPI_COMM_NULL) {  // MPI progress, the question left queued
+          int flag = 0;
+          MPI_Iprobe(MPI_ANY_SOURCE, kQuestionTag, comm_, &flag, MPI_STATUS_IGNORE);
+        }
+        // After a short pure spin (most collectives of a step complete within it), let a
+        // rank or program that shares this CPU run.
+        if (yield_) sched_yield();
+      } else if (progress) {
+        cpu_relax();
+      }
       continue;
     }
     // A peer that asks has given up on its collective: this one cannot complete either.

@@ -1,6 +1,7 @@
 // mpi_watchdog.hpp: how the MPI communicators wait: the collective timeout
 // (Communicator::set_collective_timeout) and yielding waits (MpiWait). Without a timeout and
-// without yielding, waits are plain blocking MPI calls. Otherwise every wait polls MPI_Test:
+// without yielding, waits are plain blocking MPI calls (or a spin on a shared-memory
+// condition, wait_until). Otherwise every wait polls MPI_Test (or that condition):
 // it spins for the first kSpinSeconds (calling sched_yield between polls after the first
 // kPureSpinSeconds when yielding), then sleeps between polls (up to kMaxSleepSeconds); with a
 // timeout, once it has waited longer it gives up: it asks every rank which call and collective
@@ -90,9 +91,16 @@ class Watchdog {
   /// The collective entered last (for waits inside it, e.g. the shared-memory barriers).
   const Ticket& current() const { return current_; }
 
-  /// Waits for `n` requests of collective `t` (MPI_Waitall without a timeout). Throws
+  /// Waits for `n` requests of collective `t` (MPI_Waitall when waits do not poll). Throws
   /// Error(Communication) when it gives up (see above) or gave up before.
   void wait(const Ticket& t, int n, MPI_Request* requests);
+  /// Waits until done() holds, polling it as wait() polls MPI_Testall (the same spin, yields,
+  /// sleeps, timeout, questions and interrupt); when waits do not poll (MpiWait::Block, no
+  /// timeout, no interrupt) it spins on done(). For a condition that MPI does not complete
+  /// (the shared-memory node barrier, shm_window.hpp): once past the pure spin, every poll
+  /// also runs MPI's progress engine, which this rank's other MPI requests in flight (a
+  /// peer may be waiting for them) would otherwise get only from the sleep phase's questions.
+  void wait_until(const Ticket& t, const std::function<bool()>& done);
 
   /// Whether this watchdog gave up on a collective: its communicator must not be used again
   /// (nor can it free its shared-memory windows: MPI_Win_free is collective).
@@ -116,6 +124,8 @@ class Watchdog {
   }
 
  private:
+  /// The polling wait of wait() and wait_until(); `progress`: done() is no MPI call.
+  void poll(const Ticket& t, const std::function<bool()>& done, bool progress);
   /// Answers every question that has come in; returns whether one did (a peer gave up).
   bool answer_questions();
   [[noreturn]] void give_up(const Ticket& t, double waited);

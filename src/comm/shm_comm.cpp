@@ -7,18 +7,20 @@
 // blocks, as in stage-2 buckets, still use every core); an all-gather copies the peers'
 // blocks. ShmWindow::sync() (MPI_Win_sync + node
 // barrier) separates the phases in which a buffer is read from those in which it is written.
+// The node barrier is the window's own arrival counter in shared memory (shm_window.cpp), no
+// MPI call: a rank goes on as soon as its peers have arrived, whichever of them are scheduled.
 //
 // Non-blocking on one node. start_reduce_scatter_sum, start_all_gather and
 // start_all_reduce_sum return a request (ShmRequest) that is a list of local steps separated
-// by node barriers (MPI_Ibarrier): it posts the first barrier (or queues behind earlier
-// requests, see below) and returns; test() runs
+// by node barriers: it starts the first barrier (or queues behind earlier requests, see
+// below) and returns; test() runs
 // whatever steps the barriers completed so far allow, without waiting; wait() runs the rest.
 // So a trainer that calls test() (BucketSet::progress) while its accelerator computes does
 // the copies then, as MPI does its own collectives' work inside MPI_Test. Requests advance in
 // the order they were started (ShmQueue), the same on every rank, and only the oldest one has
-// barriers in flight: MPI matches the node communicator's barriers by the order each rank
-// issues them, so a later request's first barrier must not come between an earlier one's
-// barriers on one rank and after them on another. Every blocking
+// a barrier in flight: a window's barriers are matched by the order each rank starts them
+// (the k-th of every rank is one barrier), so a later request's first barrier must not come
+// between an earlier one's barriers on one rank and after them on another. Every blocking
 // collective of this communicator first completes the pending ones (drain), so no rank can
 // block in one collective while a peer waits for its part of an earlier one. Several nodes
 // keep the blocking form. SHARDOPT_SHM_BLOCKING=1 makes every start wait for its request
@@ -127,13 +129,8 @@ class ShmRequest final : public CommRequest {
     dog_->throw_if_failed();
     start();
     while (!done_) {
-      if (block) {
-        dog_->wait(ticket_, 1, &barrier_);
-      } else {
-        int flag = 0;
-        SHARDOPT_MPI(MPI_Test(&barrier_, &flag, MPI_STATUS_IGNORE));
-        if (flag == 0) return false;
-      }
+      if (block) wins_[0]->wait(barrier_, ticket_);
+      else if (!wins_[0]->arrived(barrier_)) return false;
       for (const auto& w : wins_) w->finish_sync();
       if (next_ == steps_.size()) {
         done_ = true;
@@ -151,7 +148,7 @@ class ShmRequest final : public CommRequest {
   // one node barrier for all of them.
   void start_barrier() {
     for (std::size_t k = 1; k < wins_.size(); ++k) wins_[k]->finish_sync();
-    wins_[0]->start_sync(&barrier_);
+    barrier_ = wins_[0]->start_sync();
   }
 
   ShmQueue& queue_;
@@ -160,7 +157,7 @@ class ShmRequest final : public CommRequest {
   std::vector<std::shared_ptr<const ShmWindow>> wins_;  ///< distinct, at least one
   std::vector<std::function<void()>> steps_;
   std::size_t next_ = 0;  ///< steps run
-  MPI_Request barrier_ = MPI_REQUEST_NULL;
+  ShmWindow::Barrier barrier_;  ///< the one in flight (on the first window)
   bool started_ = false;
   bool done_ = false;
 };
