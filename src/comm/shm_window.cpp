@@ -45,7 +45,14 @@ ShmWindow::ShmWindow(std::shared_ptr<const NodeTopology> topo, std::size_t bytes
     : topo_(std::move(topo)), dog_(std::move(watchdog)), bytes_(bytes) {
   // Equal segments on every node rank: the collectives address peers by the same offset.
   long long range[2] = {static_cast<long long>(bytes), -static_cast<long long>(bytes)};
-  SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_LONG_LONG, MPI_MAX, topo_->node));
+  // Waited under the watchdog (polls that yield, the timeout), not in MPICH's spinning
+  // MPI_Allreduce: with more ranks than cores a spinning wait costs scheduler time slices.
+  dog_->run(
+      dog_->current(),
+      [&] { SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_LONG_LONG, MPI_MAX, topo_->node)); },
+      [&](MPI_Request* r) {
+        SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, range, 2, MPI_LONG_LONG, MPI_MAX, topo_->node, r));
+      });
   require(range[0] == -range[1], Status::InvalidArgument,
           "allocate_collective_buffer: ranks of one node asked for different sizes (" +
               std::to_string(-range[1]) + " to " + std::to_string(range[0]) + " bytes)");
@@ -67,7 +74,12 @@ ShmWindow::ShmWindow(std::shared_ptr<const NodeTopology> topo, std::size_t bytes
   // the barrier below). A rank whose allocation succeeded while another's failed cannot free
   // its window (MPI_Win_free is collective): it is left to MPI_Finalize.
   int failed = rc != MPI_SUCCESS ? 1 : 0;
-  SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, topo_->node));
+  dog_->run(
+      dog_->current(),
+      [&] { SHARDOPT_MPI(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, topo_->node)); },
+      [&](MPI_Request* r) {
+        SHARDOPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, topo_->node, r));
+      });
   if (failed != 0 && rc == MPI_SUCCESS)
     throw Error(Status::OutOfMemory, "MPI_Win_allocate_shared of " + std::to_string(bytes) +
                                          " bytes failed on another rank of this node");
