@@ -102,13 +102,19 @@ std::string options_problem(const OptimizerOptions& o) {
 // The buffers that go through collectives (replica, full gradient, stage-2 staging) come from
 // the communicator when it has faster memory for them (a shared-memory window), else from
 // the backend. Collective: every rank calls it for the same buffers in the same order.
-Allocation collective_buffer(Communicator& comm, Backend& be, Device device,
-                             MemoryTracker* tracker, const BufferSpec& spec) {
+// Several of them in one call (the shared-memory communicator: one window for all).
+std::vector<Allocation> collective_buffers(Communicator& comm, Backend& be, Device device,
+                                           MemoryTracker* tracker,
+                                           std::span<const BufferSpec* const> specs) {
+  std::vector<Allocation> out(specs.size());
   if (device == Device::Cpu) {
-    Allocation a = comm.allocate_collective_buffer(tracker, spec.category, spec.bytes);
-    if (a.data() != nullptr) return a;
+    std::vector<Communicator::BufferRequest> requests;
+    for (const BufferSpec* s : specs) requests.push_back({s->category, s->bytes});
+    out = comm.allocate_collective_buffers(tracker, requests);
   }
-  return be.allocate(tracker, spec.category, spec.bytes);
+  for (std::size_t k = 0; k < specs.size(); ++k)
+    if (out[k].data() == nullptr) out[k] = be.allocate(tracker, specs[k]->category, specs[k]->bytes);
+  return out;
 }
 
 // Collective constructor check: throws the same error on every rank if any rank's options
@@ -419,7 +425,8 @@ void ShardedOptimizer::finalize() {
     throw Error(Status::LayoutMismatch, os.str());
   }
 
-  // The allocations. Those that go through collectives come first, one agreement each: the
+  // The allocations. Those that go through collectives come first, in one call and one
+  // agreement (the shared-memory communicator: one window for all): the
   // communicator's allocation is itself collective (shared-memory windows: the room check and
   // the window allocation fail on every rank of a node or on none) and its fallback to local
   // memory is local, so a rank that fails it must not skip the next collective allocation
@@ -432,11 +439,6 @@ void ShardedOptimizer::finalize() {
                    options_.units_in_flight, options_.reduction, options_.reduce_dtype,
                    groups_, comm_->rank(), options_.device);
   Backend& be = *backend_;
-  const auto shared_buffer = [&](const BufferSpec& spec) {
-    return collective(*comm_, "finalize", [&] {
-      return collective_buffer(*comm_, be, options_.device, &tracker_, spec);
-    });
-  };
   const auto local_buffer = [&](const BufferSpec& spec) {
     return be.allocate(&tracker_, spec.category, spec.bytes);
   };
@@ -445,11 +447,24 @@ void ShardedOptimizer::finalize() {
   Buffers b;
   BucketSet::Storage grads;
   Allocation unit_pool;
-  if (!zero3) b.replica = shared_buffer(plan.replica);
-  if (staged) grads.staging = shared_buffer(plan.staging);
-  else grads.grads = shared_buffer(plan.grads);
-  if (zero3) unit_pool = shared_buffer(plan.units);
-  if (plan.exact_wire.bytes > 0) grads.exact_wire = shared_buffer(plan.exact_wire);
+  {
+    // The buffers that go through collectives, in one agreed allocation.
+    std::vector<const BufferSpec*> specs;
+    std::vector<Allocation*> into;
+    const auto shared = [&](const BufferSpec& spec, Allocation& a) {
+      specs.push_back(&spec);
+      into.push_back(&a);
+    };
+    if (!zero3) shared(plan.replica, b.replica);
+    if (staged) shared(plan.staging, grads.staging);
+    else shared(plan.grads, grads.grads);
+    if (zero3) shared(plan.units, unit_pool);
+    if (plan.exact_wire.bytes > 0) shared(plan.exact_wire, grads.exact_wire);
+    std::vector<Allocation> got = collective(*comm_, "finalize", [&] {
+      return collective_buffers(*comm_, be, options_.device, &tracker_, specs);
+    });
+    for (std::size_t k = 0; k < got.size(); ++k) *into[k] = std::move(got[k]);
+  }
   collective(*comm_, "finalize", [&] {
     if (zero3) b.replica = local_buffer(plan.replica);
     if (staged) grads.grads = local_buffer(plan.grads);

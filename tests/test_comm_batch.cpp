@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,17 @@ namespace {
 const struct {
   operator long() const { return static_cast<long>(shm::ShmWindow::barriers_started()); }
 } ibarriers;
+}
+
+// MPI-3 shared windows created so far by this process (each creation is several node-wide
+// rounds inside MPI).
+namespace {
+long windows_created = 0;
+}
+extern "C" int MPI_Win_allocate_shared(MPI_Aint size, int disp_unit, MPI_Info info, MPI_Comm comm,
+                                       void* base, MPI_Win* win) {
+  ++windows_created;
+  return PMPI_Win_allocate_shared(size, disp_unit, info, comm, base, win);
 }
 
 namespace {
@@ -495,4 +507,61 @@ TEST(BatchedStep, EnvironmentRefusals) {
   if (test::world_size() > 1)
     test::expect_same_error(Status::LayoutMismatch, finalize_with("1", true),
                             {"SHARDOPT_COMM_BATCH"}, "rank 0 alone");
+}
+
+// finalize() allocates every buffer that goes through the collectives (replica, gradients or
+// staging, stage 3's units, the reproducible wire) in one call: on the shared-memory
+// communicator one window for all of them, and the step works on them.
+TEST(CollectiveBuffers, OneWindowPerOptimizer) {
+  auto comm = comm_of(MpiCommKind::SharedMemory);
+  const bool shm = comm->name() == "mpi-shm";  // windows at any rank count
+  struct Config {
+    Stage stage;
+    Reduction reduction;
+    int micro_batches;
+  };
+  for (const Config c : {Config{Stage::DataParallel, Reduction::Default, 1},
+                         Config{Stage::Zero1, Reduction::Default, 1},
+                         Config{Stage::Zero2, Reduction::Default, 1},
+                         Config{Stage::Zero3, Reduction::Default, 1},
+                         Config{Stage::Zero1, Reduction::Reproducible, 2}}) {
+    OptimizerOptions o;
+    o.stage = c.stage;
+    o.reduction = c.reduction;
+    o.bucket_elems = 512;
+    ShardedOptimizer opt(comm, o);
+    for (std::size_t i = 0; i < 4; ++i) opt.add_param("p" + std::to_string(i), 300 + 211 * i);
+    const long before = windows_created;
+    opt.finalize();
+    const long made = windows_created - before;
+    const std::string what = std::string(stage_name(c.stage)) +
+                             (c.reduction == Reduction::Reproducible ? " reproducible" : "");
+    if (shm) EXPECT_EQ(made, 1) << what;
+    else EXPECT_EQ(made, 0) << what;
+    // Two steps on those buffers, every rank the same gradients: finite and changed.
+    const std::size_t n = opt.layout().num_params();
+    std::vector<float> first;
+    for (int s = 0; s < 2; ++s) {
+      for (int mb = 0; mb < c.micro_batches; ++mb) {
+        if (c.stage == Stage::Zero3) opt.acquire(0);
+        opt.begin_backward(mb + 1 == c.micro_batches);
+        for (std::size_t i = n; i-- > 0;) {
+          const std::span<float> g = opt.grad(i);
+          for (std::size_t k = 0; k < g.size(); ++k) g[k] = test::synth(5, s + mb, i, k);
+          opt.grad_ready(i);
+        }
+        if (c.stage == Stage::Zero3) opt.release(0);
+      }
+      opt.step();
+      std::vector<float> m;
+      for (std::size_t i = 0; i < n; ++i) {
+        std::vector<float> p(300 + 211 * i);
+        opt.get_master(i, p);
+        m.insert(m.end(), p.begin(), p.end());
+      }
+      for (float v : m) ASSERT_TRUE(std::isfinite(v)) << what;
+      if (s == 0) first = m;
+      else EXPECT_NE(first, m) << what;
+    }
+  }
 }

@@ -209,6 +209,23 @@ class Communicator {
                                                 std::size_t /*bytes*/) {
     return {};
   }
+  /// One collective buffer of allocate_collective_buffers().
+  struct BufferRequest {
+    MemCategory category;
+    std::size_t bytes;
+  };
+  /// Collective: several buffers as allocate_collective_buffer() gives them, in one call (one
+  /// allocation where the communicator can: the shared-memory communicator puts them in one
+  /// window, whose creation costs several node-wide rounds inside MPI). Element k answers
+  /// requests[k]; an empty one means "allocate it yourself". By default one call each.
+  virtual std::vector<Allocation> allocate_collective_buffers(
+      MemoryTracker* tracker, std::span<const BufferRequest> requests) {
+    std::vector<Allocation> out;
+    out.reserve(requests.size());
+    for (const BufferRequest& r : requests)
+      out.push_back(allocate_collective_buffer(tracker, r.category, r.bytes));
+    return out;
+  }
 
   /// Local. Bytes of the data collectives above (reduce-scatter, all-gather, all-reduce)
   /// that crossed between nodes for this rank since the communicator was made, counted as a

@@ -171,6 +171,13 @@ class CheckedCommunicator final : public Communicator {
     check(Op::AllocateCollectiveBuffer, CommType::U8, bytes);
     return in_->allocate_collective_buffer(tracker, category, bytes);
   }
+  std::vector<Allocation> allocate_collective_buffers(
+      MemoryTracker* tracker, std::span<const BufferRequest> requests) override {
+    std::size_t total = 0;
+    for (const BufferRequest& r : requests) total += r.bytes;
+    check(Op::AllocateCollectiveBuffer, CommType::U8, total);
+    return in_->allocate_collective_buffers(tracker, requests);
+  }
 
  private:
   void check_v(Op op, CommType type, std::span<const std::size_t> counts) {

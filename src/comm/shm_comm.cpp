@@ -307,21 +307,40 @@ class ShmCommunicator final : public Communicator {
 
   Allocation allocate_collective_buffer(MemoryTracker* tracker, MemCategory category,
                                         std::size_t bytes) override {
-    if (bytes == 0) return {};
+    const BufferRequest one[1] = {{category, bytes}};
+    return std::move(allocate_collective_buffers(tracker, one)[0]);
+  }
+
+  // All of them in one window (each at a whole cache line): a window's creation is several
+  // node-wide rounds inside MPI, which spin (docs/performance.md, "CI time").
+  std::vector<Allocation> allocate_collective_buffers(
+      MemoryTracker* tracker, std::span<const BufferRequest> requests) override {
+    constexpr std::size_t kLine = 64;
+    std::vector<Allocation> out(requests.size());
+    std::vector<std::size_t> offset(requests.size());
+    std::size_t total = 0;
+    for (std::size_t k = 0; k < requests.size(); ++k) {
+      offset[k] = total;
+      total += (requests[k].bytes + kLine - 1) / kLine * kLine;
+    }
+    if (total == 0) return out;
     queue_.drain();
     // Shared segments live in tmpfs, which overcommits: a full /dev/shm (containers default
     // to 64 MiB) would fault on first touch instead of failing here. Every rank falls back to
     // its backend's memory (and plain MPI) if any node lacks the room.
-    const std::size_t node_bytes = bytes * static_cast<std::size_t>(topo_->node_size);
+    const std::size_t node_bytes = total * static_cast<std::size_t>(topo_->node_size);
     double short_of_room = shm_has_room(node_bytes) ? 0 : 1;
     plain_->all_reduce_sum_host(&short_of_room, 1);
-    if (short_of_room != 0) return {};
+    if (short_of_room != 0) return out;
     dog_->enter("allocate_collective_buffer");
-    auto win = std::make_shared<ShmWindow>(topo_, bytes, dog_);
+    auto win = std::make_shared<ShmWindow>(topo_, total, dog_);
     std::erase_if(windows_, [](const std::weak_ptr<ShmWindow>& w) { return w.expired(); });
     windows_.push_back(win);
-    char* data = win->mine();
-    return Allocation(data, bytes, std::move(win), tracker, category);
+    for (std::size_t k = 0; k < requests.size(); ++k)
+      if (requests[k].bytes > 0)
+        out[k] = Allocation(win->mine() + offset[k], requests[k].bytes, win, tracker,
+                            requests[k].category);
+    return out;
   }
 
   // On one node the shared-memory collectives return a pending ShmRequest; on several they
