@@ -301,6 +301,22 @@ struct EnvScope {
   }
 };
 
+// A split's micro-batches in all, on the busiest rank, and its name in messages.
+struct SplitSummary {
+  int total = 0;
+  int most = 0;
+  std::string what = "split";
+};
+SplitSummary summarize(const std::vector<int>& split) {
+  SplitSummary s;
+  for (int c : split) {
+    s.total += c;
+    s.most = std::max(s.most, c);
+    s.what += " " + std::to_string(c);
+  }
+  return s;
+}
+
 // Trains two steps in which rank r runs the micro-batches counts[r] .. of the global list
 // 0, 1, ..., sum(counts) - 1 (some ranks may have none): what one process depositing all
 // of them gives, at every stage and on both communicators.
@@ -398,12 +414,7 @@ TEST(Reproducible, UnevenMicroBatchCountsIncludingNone) {
   if (world == 3) splits = {{1, 0, 1}, {0, 4, 1}, {2, 0, 0}};
   if (world == 4) splits = {{0, 1, 1, 1}, {1, 0, 0, 0}, {3, 0, 2, 1}, {0, 0, 0, 0}};
   for (const std::vector<int>& split : splits) {
-    int total = 0;
-    std::string what = "split";
-    for (int c : split) {
-      total += c;
-      what += " " + std::to_string(c);
-    }
+    const auto [total, most, what] = summarize(split);
     const Trained one = train_split(make_single_process_communicator(), Stage::Zero1, {total});
     for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
       for (Stage stage : {Stage::Zero1, Stage::Zero3}) {
@@ -429,13 +440,7 @@ TEST(Reproducible, CompactAccumulationUpToAndPastTheLimit) {
   if (world == 3) splits = {{63, 1, 0}, {64, 2, 63}, {0, 2, 5}};
   if (world == 4) splits = {{2, 0, 63, 1}, {1, 64, 0, 2}, {3, 3, 3, 3}};
   for (const std::vector<int>& split : splits) {
-    int total = 0, most = 0;
-    std::string what = "split";
-    for (int c : split) {
-      total += c;
-      most = std::max(most, c);
-      what += " " + std::to_string(c);
-    }
+    const auto [total, most, what] = summarize(split);
     const Trained one = train_split(make_single_process_communicator(), Stage::Zero1, {total});
     for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
       for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3}) {
@@ -472,13 +477,7 @@ TEST(Reproducible, Stage2ShardedEachMicroBatchMatchesOneProcess) {
   if (world == 3) splits.insert(splits.end(), {{1, 0, 1}, {0, 4, 1}, {2, 0, 0}});
   if (world == 4) splits.insert(splits.end(), {{0, 1, 1, 1}, {3, 0, 2, 1}, {0, 0, 0, 0}});
   for (const std::vector<int>& split : splits) {
-    int total = 0, most = 0;
-    std::string what = "split";
-    for (int c : split) {
-      total += c;
-      most = std::max(most, c);
-      what += " " + std::to_string(c);
-    }
+    const auto [total, most, what] = summarize(split);
     const Trained one = train_split(make_single_process_communicator(), Stage::Zero1, {total});
     for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory}) {
       const std::string at = what + (kind == MpiCommKind::Plain ? " mpi" : " shm");
