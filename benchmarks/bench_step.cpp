@@ -146,8 +146,15 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
   extra.nodes = count_nodes();
   if (comm->size() % extra.nodes == 0) plan.nodes = extra.nodes;  // else: unequal nodes, 0
   const MemoryPlan planned = plan_memory(opt.layout(), plan);
-  // Several micro-batches: reproducible mode exchanges its packed state (8 bytes per element).
-  extra.reduce_bytes = a.micro_batches > 1 ? planned.reduce_bytes_accumulated : planned.reduce_bytes;
+  // Several micro-batches: reproducible mode exchanges its packed state (8 bytes per element);
+  // on one node's shared memory the timed steps (after the warm-up) read the words and the
+  // last micro-batch in place (12).
+  const char* exchange = std::getenv("SHARDOPT_REPRO_EXCHANGE");
+  const bool in_place = comm->name() == "mpi-shm" && comm->size() > 1 &&
+                        (exchange == nullptr || std::string(exchange) != "packed-wire");
+  extra.reduce_bytes = a.micro_batches <= 1 ? planned.reduce_bytes
+                       : in_place          ? planned.reduce_bytes_in_place
+                                           : planned.reduce_bytes_accumulated;
   extra.internode_planned = plan.nodes > 1 ? planned.internode_bytes : 0;
   std::uint64_t internode_start = 0;
   const std::size_t n = opt.layout().num_params();

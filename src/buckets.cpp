@@ -62,18 +62,21 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
     for (int s = plan_.slots - 1; s >= 0; --s) free_slots_.push_back(s);
   if (cfg_.reproducible) {
     // The method switch, for A/B measurements and tests: the fastest method allowed ("auto"
-    // or "direct": any; "packed": the packed exchange or two-phase; "two-phase": only it;
+    // or "direct": any; "packed": the packed exchange or two-phase; "packed-wire": as
+    // "packed", without the owners' in-place deposit (share_words); "two-phase": only it;
     // "sharded": as "auto", and stage 2 takes the sharded accumulation, exact::sharded_stage2).
     // The slowest any rank allows is what every rank uses (reduce_exactly agrees).
     if (const char* env = std::getenv("SHARDOPT_REPRO_EXCHANGE")) {
       const std::string m = env;
-      require(m == "auto" || m == "direct" || m == "packed" || m == "two-phase" || m == "sharded",
+      require(m == "auto" || m == "direct" || m == "packed" || m == "packed-wire" ||
+                  m == "two-phase" || m == "sharded",
               Status::InvalidArgument,
               "SHARDOPT_REPRO_EXCHANGE: '" + m +
-                  "' is none of auto, direct, packed, two-phase, sharded");
-      exact_floor_ = m == "packed"      ? ExactMethod::Packed
-                     : m == "two-phase" ? ExactMethod::TwoPhase
-                                        : ExactMethod::Direct;
+                  "' is none of auto, direct, packed, packed-wire, two-phase, sharded");
+      exact_floor_ = m == "packed" || m == "packed-wire" ? ExactMethod::Packed
+                     : m == "two-phase"                 ? ExactMethod::TwoPhase
+                                                        : ExactMethod::Direct;
+      exact_no_share_ = m == "packed-wire";
     }
   }
 }
@@ -469,6 +472,25 @@ void BucketSet::ensure_bins() {
   }
 }
 
+void BucketSet::widen_everywhere() {
+  collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_bins(); });
+  exact_.release_retired();  // every rank widened: the shared words' window goes together
+  exact_share_tried_ = false;
+}
+
+void BucketSet::share_words() {
+  exact_share_tried_ = true;
+  collective(comm_, "reduce_gradients (reproducible)", [&] {
+    // A communicator without windows (plain MPI) hands out nothing and the accumulator stays.
+    // Otherwise the window replaces this rank's words or bins (the step is reduced: their
+    // state is spent), which exist next to it for that moment only.
+    Allocation words = comm_.allocate_collective_buffer(&tracker_, plan_.exact.category, plan_.exact.bytes);
+    if (words.data() == nullptr) return;
+    exact_ = exact::ExactGrads::compact(backend_, std::move(words), layout_.padded_size(), true);
+    exact_allocated_ = true;
+  });
+}
+
 void BucketSet::reduce_exactly() {
   if (next_start_ == state_.size()) return;  // reduced already in this step
   collective(comm_, "reduce_gradients (reproducible)", [] {});  // every rank is here
@@ -484,9 +506,10 @@ void BucketSet::reduce_exactly() {
   if (comm_.device_buffers()) need = ExactMethod::TwoPhase;
   else if (micro_batches_ > cpu::kPackedMaxMicroBatches) need = ExactMethod::TwoPhase;
   else if (exact_.deposited() && need == ExactMethod::Direct) need = ExactMethod::Packed;
-  double agreed[3] = {need != ExactMethod::Direct ? 1.0 : 0.0, need == ExactMethod::TwoPhase ? 1.0 : 0.0,
-                      static_cast<double>(micro_batches_)};
-  comm_.all_reduce_sum_host(agreed, 3);
+  double agreed[4] = {need != ExactMethod::Direct ? 1.0 : 0.0, need == ExactMethod::TwoPhase ? 1.0 : 0.0,
+                      static_cast<double>(micro_batches_), exact_no_share_ ? 1.0 : 0.0};
+  comm_.all_reduce_sum_host(agreed, 4);
+  const bool may_share = agreed[3] == 0;
   exact_method_ = agreed[1] > 0   ? ExactMethod::TwoPhase
                   : agreed[0] > 0 ? ExactMethod::Packed
                                   : ExactMethod::Direct;
@@ -501,7 +524,7 @@ void BucketSet::reduce_exactly() {
   // form's packed exchange needs nothing on a rank that deposited nothing (all empty). With
   // ragged buckets the bins were allocated at finalize.
   if (exact_method_ == ExactMethod::TwoPhase)
-    collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_bins(); });
+    widen_everywhere();
   else if (exact_method_ == ExactMethod::Packed && !plan_.exact_compact)
     collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_exact(); });
   const ScopedSeconds timed(blocked_seconds_);
@@ -515,12 +538,12 @@ void BucketSet::reduce_exactly() {
       // the two-phase method below, for this bucket only
     } else if (exact_method_ == ExactMethod::Direct) {
       if (exact_.reduce_direct(comm_, bk, whole, grads, exact_squares_)) continue;
-      collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_bins(); });
+      widen_everywhere();
       exact_method_ = ExactMethod::TwoPhase;
     } else if (exact_method_ == ExactMethod::Packed) {
       if (exact_.reduce_packed(comm_, bk, whole, grads, exact_wire_.as<std::uint64_t>(), exact_squares_))
         continue;
-      collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_bins(); });
+      widen_everywhere();
       exact_method_ = ExactMethod::TwoPhase;
     }
     exact_.reduce(comm_, bk, whole, grads);
@@ -528,6 +551,11 @@ void BucketSet::reduce_exactly() {
     backend_.exact_square_add(slice.data, slice.n, exact_squares_.digits());
   }
   next_start_ = state_.size();
+  // Every bucket went by the packed exchange (the same on every rank): from the next step
+  // the words can be read in place.
+  if (exact_method_ == ExactMethod::Packed && plan_.exact_compact && may_share && !exact_.shared() &&
+      !exact_share_tried_ && comm_.size() > 1)
+    share_words();
 }
 
 Range BucketSet::window(std::size_t b) const {

@@ -170,6 +170,13 @@ class BucketSet {
   /// Reproducible: the bins form of the accumulator (the two-phase method, or past the packed
   /// words' limit): allocates plan_.exact (bins) or widens the compact form (plan_.exact_wide).
   void ensure_bins();
+  /// Reproducible, collective: ensure_bins() on every rank, and the shared words it retired
+  /// released together (a window's release is collective).
+  void widen_everywhere();
+  /// Reproducible, collective, after a packed exchange: the compact words move into a
+  /// communicator window (every rank, once), so that the owners deposit the last micro-batch
+  /// in the combining pass from the next step on (ExactGrads::reduce_packed).
+  void share_words();
   std::size_t max_bucket() const;  // the largest bucket's elements
   void retire_completed_grad_syncs();  // finishes (not releases) those test() completes, in order
 
@@ -189,6 +196,8 @@ class BucketSet {
   Allocation spill_;       ///< Staged, on demand: grad() view of a parameter across buckets
   exact::ExactGrads exact_;  ///< reproducible: the exact sums of the micro-batches (on demand)
   bool exact_allocated_ = false;
+  bool exact_share_tried_ = false;  ///< share_words() ran (its window stays until widened)
+  bool exact_no_share_ = false;     ///< SHARDOPT_REPRO_EXCHANGE=packed-wire on this rank
   exact::SquareSum exact_squares_;  ///< reproducible: the norm's part, by the reduction
   Allocation exact_wire_;              ///< reproducible: the packed exchange's buffer
   ExactMethod exact_floor_ = ExactMethod::Direct;  ///< SHARDOPT_REPRO_EXCHANGE: the fastest allowed

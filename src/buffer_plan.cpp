@@ -83,6 +83,9 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
   }
   p.reduce_bytes = padded * (reduce_dtype == DType::BF16 && !reproducible ? 2 : 4);
   p.reduce_bytes_accumulated = reproducible && !p.exact_sharded ? padded * 8 : p.reduce_bytes;
+  p.reduce_bytes_in_place = reproducible && p.exact_compact && !p.exact_sharded
+                                ? padded * (sizeof(std::uint64_t) + sizeof(float))
+                                : p.reduce_bytes_accumulated;
   if (param_dtype != DType::F32) p.master = {MemCategory::Master, p.local_elems * f32, false};
   p.rule_scratch = {MemCategory::Scratch,
                     rules::rules_scratch_floats(layout, groups, stage, rank) * f32, false};

@@ -93,6 +93,11 @@ struct BufferPlan {
   /// Reproducible mode when some rank accumulated several micro-batches (at most 63): the
   /// packed exchange's 8 bytes per element. reduce_bytes otherwise.
   std::size_t reduce_bytes_accumulated = 0;
+  /// The packed exchange with the owners depositing every rank's last micro-batch, read in
+  /// place (the shared-memory communicator on one node, from the step after the first packed
+  /// one: ExactGrads::reduce_packed): 12 bytes per element (the words and the fp32 values).
+  /// reduce_bytes_accumulated where that exchange does not apply.
+  std::size_t reduce_bytes_in_place = 0;
 
   /// Every buffer with its bytes, allocated ones first.
   std::vector<BufferSpec> all() const {

@@ -36,11 +36,12 @@ ExactGrads::ExactGrads(Backend& backend, Allocation storage, std::size_t padded,
   clear();
 }
 
-ExactGrads ExactGrads::compact(Backend& backend, Allocation words, std::size_t padded) {
+ExactGrads ExactGrads::compact(Backend& backend, Allocation words, std::size_t padded, bool shared) {
   require(words.bytes() >= packed_bytes(padded), Status::Internal, "ExactGrads: storage too small");
   ExactGrads g;
   g.backend_ = &backend;
   g.n_ = padded;
+  g.shared_ = shared;
   g.words_storage_ = std::move(words);
   g.words_ = g.words_storage_.as<std::uint64_t>();
   return g;
@@ -63,7 +64,11 @@ void ExactGrads::widen(Allocation storage, std::size_t max_bucket) {
   if (deposits_ > 0) cpu::exact_unpack(words_, n_, level_, top_, low_);
   else backend_->fill_zero(level_, n_);
   words_ = nullptr;
-  words_storage_ = Allocation();  // released: the bins hold the state from now on
+  // Released: the bins hold the state from now on. A window's release is collective: kept
+  // until release_retired().
+  if (shared_) retired_ = std::move(words_storage_);
+  words_storage_ = Allocation();
+  shared_ = false;
 }
 
 void ExactGrads::clear() {
@@ -173,6 +178,29 @@ class PackedCombiner final : public BlockCombiner {
   std::vector<const std::uint64_t*> at_;
 };
 
+// The packed exchange with the owner depositing the last micro-batch:
+// cpu::exact_deposit_combine_packed of every rank's words (the first half of the sources)
+// and last micro-batch (the second half).
+class DepositPackedCombiner final : public BlockCombiner {
+ public:
+  explicit DepositPackedCombiner(cpu::SquareDigits& squares) : squares_(squares) {}
+  void combine(float* dst, const void* const* src, int nsrc, std::size_t n) override {
+    const int ranks = nsrc / 2;
+    words_.resize(static_cast<std::size_t>(ranks));
+    last_.resize(static_cast<std::size_t>(ranks));
+    for (int r = 0; r < ranks; ++r) {
+      words_[static_cast<std::size_t>(r)] = static_cast<const std::uint64_t*>(src[r]);
+      last_[static_cast<std::size_t>(r)] = static_cast<const float*>(src[ranks + r]);
+    }
+    cpu::exact_deposit_combine_packed(words_.data(), last_.data(), ranks, dst, n, &squares_);
+  }
+
+ private:
+  cpu::SquareDigits& squares_;
+  std::vector<const std::uint64_t*> words_;
+  std::vector<const float*> last_;
+};
+
 // Stage 2's sharded deposit: every rank's raw values of this rank's slice go into its bins
 // (the owner combines its whole block: dst lies in its own block of `out`, at the offset of
 // the elements). Nothing is written to dst.
@@ -230,6 +258,18 @@ bool ExactGrads::reduce_packed(Communicator& comm, const Bucket& bk, bool whole,
                                std::uint64_t* wire, SquareSum& squares) {
   const std::size_t b = bk.flat.begin;
   const std::size_t n = bk.flat.size();
+  if (shared_) {
+    // Every rank's words and last micro-batch, read in place by the owners (the same answer
+    // on every rank: the buffers were obtained the same way). Words of a rank that deposited
+    // nothing since clear() are stale: an empty state is all zero.
+    if (deposits_ == 0) std::memset(words_ + b, 0, n * sizeof(std::uint64_t));
+    DepositPackedCombiner op(squares.digits());
+    if (comm.reduce_scatter_combine_pair(words_ + b, sizeof(std::uint64_t), grads + b, sizeof(float),
+                                         grads + b, bk.slice_elems, op)) {
+      if (whole) comm.all_gather_inplace(grads + b, bk.slice_elems, CommType::F32);
+      return true;
+    }
+  }
   // The state with the last micro-batch deposited, straight into the wire buffer (the state
   // stays as it was: a refusal leaves reduce() everything to do).
   if (is_compact() || level_ == nullptr)  // the words, or nothing deposited on this rank

@@ -129,15 +129,25 @@ class ExactGrads {
   /// reference).
   ExactGrads(Backend& backend, Allocation storage, std::size_t padded_elems,
              std::size_t max_bucket_elems);
-  /// The compact form. words: packed_bytes(padded) bytes of host memory.
-  static ExactGrads compact(Backend& backend, Allocation words, std::size_t padded_elems);
+  /// The compact form. words: packed_bytes(padded) bytes of host memory; `shared`: memory
+  /// that the communicator's peers read in place (a window of
+  /// Communicator::allocate_collective_buffer), whose release is collective.
+  static ExactGrads compact(Backend& backend, Allocation words, std::size_t padded_elems,
+                            bool shared = false);
   /// Whether the state is packed words (compact(), not widened).
   bool is_compact() const { return words_ != nullptr; }
+  /// Whether the words are in a communicator window (compact(..., true)): reduce_packed()
+  /// then lets each owner deposit every rank's last micro-batch as it combines.
+  bool shared() const { return shared_; }
+  /// The shared words that widen() kept (their release is collective): released now, on
+  /// every rank at the same point (BucketSet does it where every rank widened).
+  void release_retired() { retired_ = Allocation(); }
   /// Compact form: whether the next deposit() needs widen() first (every element may have
   /// received cpu::kPackedMaxMicroBatches values since clear()).
   bool full() const { return is_compact() && deposits_ >= cpu::kPackedMaxMicroBatches; }
   /// Compact form: the bins from now on. storage as for the constructor; the words' state is
-  /// unpacked into it and the words are released. The bins stay for later steps.
+  /// unpacked into it and the words are released (shared words: kept until
+  /// release_retired()). The bins stay for later steps.
   void widen(Allocation storage, std::size_t max_bucket_elems);
 
   /// Adds one micro-batch's fp32 gradients of flat elements [0, n) (compact form: not full()).
@@ -170,7 +180,13 @@ class ExactGrads {
   /// cpu::exact_deposit_pack; a default-constructed accumulator is all empty) and
   /// every owner combines all ranks' states (Communicator::reduce_scatter_combine, 8 bytes
   /// per element, cpu::exact_combine_packed) into its slice of `grads`, taking the exact
-  /// squares of the result into `squares`. Returns false, the state and `grads` untouched,
+  /// squares of the result into `squares`. With shared() words, on a communicator that reads
+  /// them in place (Communicator::reduce_scatter_combine_pair), there is no wire buffer: each
+  /// owner reads every rank's words and last micro-batch where they lie and deposits the
+  /// latter in the combining pass (cpu::exact_deposit_combine_packed, the same bits; 12 bytes
+  /// per element read from the ranks instead of 8, and no pass over the bucket before the
+  /// exchange); a rank that deposited nothing clears its words of the bucket first (empty
+  /// states). Returns false, the state and `grads` untouched,
   /// when the communicator cannot exchange (reduce() then does the bucket, after widen()).
   bool reduce_packed(Communicator& comm, const Bucket& bk, bool whole, float* grads,
                      std::uint64_t* wire, SquareSum& squares);
@@ -209,6 +225,8 @@ class ExactGrads {
   std::uint8_t* scratch_ = nullptr;
   Allocation words_storage_;          ///< the compact form's words (until widen())
   std::uint64_t* words_ = nullptr;    ///< the compact form: packed_bytes(n_)
+  bool shared_ = false;               ///< words_storage_ is a communicator window
+  Allocation retired_;                ///< shared words after widen(), until release_retired()
   int deposits_ = 0;  ///< deposit() calls since clear() (saturates: only 0, >0 and the limit count)
 };
 

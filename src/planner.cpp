@@ -148,10 +148,11 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   MemoryPlan plan;
   plan.reduce_bytes = b.reduce_bytes;
   plan.reduce_bytes_accumulated = b.reduce_bytes_accumulated;
+  plan.reduce_bytes_in_place = b.reduce_bytes_in_place;
   if (config.reduction == Reduction::Reproducible && config.device != Device::Cpu)
     // The device takes the two-phase method at every step: 9 bytes per padded element
     // (reproducible mode's reduce_bytes are 4 per padded element).
-    plan.reduce_bytes = plan.reduce_bytes_accumulated = b.reduce_bytes / 4 * 9;
+    plan.reduce_bytes = plan.reduce_bytes_accumulated = plan.reduce_bytes_in_place = b.reduce_bytes / 4 * 9;
   plan.unpadded_elems = built.unpadded_size();
   plan.padded_elems = built.padded_size();
   plan.owned_elems = b.local_elems;

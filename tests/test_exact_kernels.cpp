@@ -478,6 +478,48 @@ TEST(ExactKernels, PackedStatesCombineToTheOneProcessResult) {
   }
 }
 
+// The owners' in-place deposit (cpu::exact_deposit_combine_packed, the shared-memory packed
+// exchange): every rank's packed state plus its last micro-batch, deposited window by window
+// at the owner, gives the one-process result and its exact squares on every ISA: 1-8 ranks,
+// ranks with an empty state (all-zero words), up to 63 micro-batches on a rank with the last,
+// several windows of kExactChunk, and the result written over one rank's last micro-batch.
+TEST(ExactKernels, DepositCombineGivesTheOneProcessResult) {
+  const IsaScope restore;
+  struct Case {
+    int ranks;
+    std::size_t rows;  // deposited before the last micro-batch, round-robin over the ranks
+  };
+  const std::size_t n = 3 * 4096 + 17;
+  for (const Case& c : {Case{1, 4}, Case{2, 3}, Case{3, 1}, Case{4, 12}, Case{8, 20}, Case{2, 124}}) {
+    const PerRank rows = corpus(static_cast<int>(c.rows), n, 4040u + c.rows);
+    const PerRank last = corpus(c.ranks, n, 5050u + static_cast<std::uint64_t>(c.ranks));
+    PerRank everything = rows;
+    everything.insert(everything.end(), last.begin(), last.end());
+    const std::vector<float> want = oracle_binned(everything);
+    const auto states = packed_states(rows, c.ranks);
+    std::vector<const std::uint64_t*> words;
+    for (const auto& st : states) words.push_back(st.data());
+    for (cpu::Isa isa : isas()) {
+      cpu::set_isa(isa);
+      for (bool over : {false, true}) {
+        PerRank mine = last;
+        std::vector<const float*> at;
+        for (const auto& row : mine) at.push_back(row.data());
+        std::vector<float> apart(n);
+        float* dst = over ? mine[0].data() : apart.data();
+        cpu::SquareDigits sq;
+        cpu::exact_deposit_combine_packed(words.data(), at.data(), c.ranks, dst, n, &sq);
+        const std::string what = std::string(cpu::isa_name(isa)) + ", " + std::to_string(c.ranks) +
+                                 " ranks, " + std::to_string(c.rows) + " deposited" +
+                                 (over ? ", over the last micro-batch" : "");
+        for (std::size_t i = 0; i < n; ++i)
+          ASSERT_EQ(bits(dst[i]), bits(want[i])) << what << ", element " << i << ": " << dst[i] << " vs " << want[i];
+        expect_same_digits(sq, squares_one_by_one(want.data(), n), what + " squares");
+      }
+    }
+  }
+}
+
 // Sums of 2^50 and more go to fp32 through a rounding to odd; a sum one unit above or below
 // a tie of the final rounding (and on it) must round as the exact integer does.
 TEST(ExactKernels, LargePackedSumsRoundOnce) {

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <functional>
 #include <memory>
 #include <cmath>
 #include <cstdint>
@@ -317,20 +318,23 @@ SplitSummary summarize(const std::vector<int>& split) {
   return s;
 }
 
-// Trains two steps in which rank r runs the micro-batches counts[r] .. of the global list
-// 0, 1, ..., sum(counts) - 1 (some ranks may have none): what one process depositing all
-// of them gives, at every stage and on both communicators.
-Trained train_split(std::shared_ptr<Communicator> comm, Stage stage, const std::vector<int>& counts,
-                    MemoryPlan* plan = nullptr) {
+// Trains one step per entry of `steps`, in which rank r runs the micro-batches counts[r] ..
+// of the global list 0, 1, ..., sum(counts) - 1 (some ranks may have none; one count: this
+// process runs them all): what one process depositing all of them gives, at every stage and
+// on both communicators. after_step(opt, s) runs after step s.
+Trained train_steps(std::shared_ptr<Communicator> comm, Stage stage, const std::vector<std::vector<int>>& steps,
+                    MemoryPlan* plan = nullptr,
+                    const std::function<void(ShardedOptimizer&, int)>& after_step = nullptr) {
   ShardedOptimizer opt(comm, options(stage, 1024));
   build(opt);
   if (plan != nullptr) *plan = plan_memory(opt.layout(), plan_config(opt.options(), comm->size()));
   const int rank = comm->rank();
-  int first = 0;
-  for (int r = 0; r < rank; ++r) first += counts[static_cast<std::size_t>(r)];
-  const int mine = counts.size() == 1 ? counts[0] : counts[static_cast<std::size_t>(rank)];
   std::vector<StepResult> rs;
-  for (int step = 0; step < 2; ++step) {
+  for (int step = 0; step < static_cast<int>(steps.size()); ++step) {
+    const std::vector<int>& counts = steps[static_cast<std::size_t>(step)];
+    int first = 0;
+    for (int r = 0; r < rank; ++r) first += counts[static_cast<std::size_t>(r)];
+    const int mine = counts.size() == 1 ? counts[0] : counts[static_cast<std::size_t>(rank)];
     for (int q = 0; q < mine; ++q) {
       opt.begin_backward(false);
       for (std::size_t i = std::size(kSizes); i-- > 0;) {
@@ -340,8 +344,28 @@ Trained train_split(std::shared_ptr<Communicator> comm, Stage stage, const std::
       }
     }
     rs.push_back(opt.step());
+    if (after_step) after_step(opt, step);
   }
   return snapshot(opt, rs);
+}
+
+// Two steps of the same split.
+Trained train_split(std::shared_ptr<Communicator> comm, Stage stage, const std::vector<int>& counts,
+                    MemoryPlan* plan = nullptr) {
+  return train_steps(std::move(comm), stage, {counts, counts}, plan);
+}
+
+// Two steps of the packed exchange: the first through the wire buffer (8 bytes per element);
+// on shared memory the words then move into a window and the second step's owners read every
+// rank's words and last micro-batch in place (12 bytes per element, one
+// reduce_scatter_combine_pair per bucket); plain MPI keeps the wire buffer.
+void expect_packed_bytes(const CountingComm& counting, const MemoryPlan& plan, MpiCommKind kind,
+                         const std::string& what) {
+  const bool shm = kind == MpiCommKind::SharedMemory && counting.size() > 1;
+  EXPECT_EQ(counting.combine_bytes,
+            plan.reduce_bytes_accumulated + (shm ? plan.reduce_bytes_in_place : plan.reduce_bytes_accumulated))
+      << what;
+  EXPECT_EQ(counting.combine_pairs, shm ? static_cast<int>(plan.num_buckets) : 0) << what;
 }
 
 }  // namespace
@@ -375,7 +399,7 @@ TEST(Reproducible, DirectExchangeAndTwoPhaseGiveTheSameBitsAndTheirBytes) {
           if (stage != Stage::DataParallel) EXPECT_EQ(counting->int_bytes, 2 * 9 * plan.padded_elems) << what;
         } else if (packed) {
           EXPECT_EQ(counting->int_bytes, 0u) << what;
-          EXPECT_EQ(counting->combine_bytes, 2 * plan.reduce_bytes_accumulated) << what;
+          expect_packed_bytes(*counting, plan, kind, what);
         } else {
           EXPECT_EQ(counting->int_bytes, 0u) << what;
           EXPECT_EQ(counting->combine_bytes, 2 * plan.reduce_bytes) << what;
@@ -455,10 +479,68 @@ TEST(Reproducible, CompactAccumulationUpToAndPastTheLimit) {
           if (stage != Stage::DataParallel) EXPECT_EQ(counting->int_bytes, 2 * 9 * plan.padded_elems) << at;
         } else {
           EXPECT_EQ(counting->int_bytes, 0u) << at;
-          EXPECT_EQ(counting->combine_bytes, 2 * plan.reduce_bytes_accumulated) << at;
+          expect_packed_bytes(*counting, plan, kind, at);
         }
       }
   }
+}
+
+// The owners' in-place deposit of the last micro-batch (ExactGrads::reduce_packed with
+// shared words): after the first packed step the words move into a window (shared memory,
+// more than one rank), and every later packed step reads every rank's words and last
+// micro-batch in place. Steps that change what each rank holds: a rank with none after
+// depositing in the step before (its stale words must count as empty), a rank past 63 (every rank widens; the window goes on every
+// rank together and the memory is the bins' again), packed again (a new window), the direct
+// exchange, and ranks with one micro-batch next to one with two. The bits of one process
+// every step, the planner's bytes and memory, and none of it on plain MPI or with
+// SHARDOPT_REPRO_EXCHANGE=packed-wire.
+TEST(Reproducible, OwnersDepositTheLastMicroBatchInPlace) {
+  auto w = mpi(MpiCommKind::Plain);
+  const int world = w->size();
+  const auto all = [&](int c) { return std::vector<int>(static_cast<std::size_t>(world), c); };
+  std::vector<int> none_first = all(3), past = all(1), two_first = all(1);
+  none_first[0] = 0;
+  past[static_cast<std::size_t>(world - 1)] = 64;
+  two_first[0] = 2;
+  const std::vector<std::vector<int>> steps = {all(2), all(3), none_first, past, all(2), all(1), two_first};
+  // In which steps the owners deposit in place (shared memory): after a packed step, while
+  // no rank widened. Rank 0's words hold step 1's state in step 2.
+  const std::vector<bool> in_place = {false, true, true, false, false, false, true};
+  std::vector<std::vector<int>> totals;
+  for (const std::vector<int>& st : steps) totals.push_back({summarize(st).total});
+  const Trained one = train_steps(make_single_process_communicator(), Stage::Zero1, totals);
+  for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
+    for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
+      for (bool wire_only : {false, true}) {
+        if (wire_only && (kind == MpiCommKind::Plain || stage != Stage::Zero1)) continue;
+        const std::string at = std::string(kind == MpiCommKind::Plain ? "mpi " : "shm ") +
+                               stage_name(stage) + (wire_only ? " packed-wire" : "");
+        const EnvScope env("SHARDOPT_REPRO_EXCHANGE", wire_only ? "packed-wire" : "auto");
+        const bool shares = kind == MpiCommKind::SharedMemory && world > 1 && !wire_only;
+        auto counting = std::make_shared<CountingComm>(mpi(kind));
+        MemoryPlan plan;
+        int pairs = 0, windows = counting->windows;
+        const auto check = [&](ShardedOptimizer& opt, int s) {
+          const std::string where = at + ", step " + std::to_string(s);
+          const int new_windows = counting->windows - windows;  // (step 0: finalize's too)
+          windows = counting->windows;
+          EXPECT_EQ(counting->combine_pairs - pairs,
+                    shares && in_place[static_cast<std::size_t>(s)] ? static_cast<int>(plan.num_buckets) : 0)
+              << where;
+          pairs = counting->combine_pairs;
+          // A window for the words after a packed step through the wire buffer (step 4 is one).
+          if (s > 0) EXPECT_EQ(new_windows, shares && s == 4 ? 1 : 0) << where;
+          // Memory: the fp32 buffer and the words (every rank, once shared), or the bins.
+          const std::size_t grads = opt.memory_report()[MemCategory::Grads];
+          const std::size_t fp32 = plan[MemCategory::Grads];
+          const std::size_t words = fp32 + exact::packed_bytes(plan.padded_elems);
+          const std::size_t bins = fp32 + exact::grads_bytes(plan.padded_elems, plan.bucket_elems);
+          // (Without a window the bins stay from step 3 on; a new window replaces them.)
+          EXPECT_EQ(grads, s == 3 || (s > 3 && !shares) ? bins : words) << where;
+        };
+        expect_same(train_steps(counting, stage, steps, &plan, check), one, at);
+        if (HasFatalFailure()) return;
+      }
 }
 
 // Stage 2's sharded exact accumulation (BufferPlan::exact_sharded: the staged scheme, each

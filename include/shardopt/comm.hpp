@@ -187,6 +187,17 @@ class Communicator {
   /// (the default); the answer is the same on every rank for buffers obtained the same way.
   virtual bool reduce_scatter_combine(const void* in, std::size_t elem_bytes, float* out,
                                       std::size_t count_per_rank, BlockCombiner& op);
+  /// reduce_scatter_combine with two inputs per rank, both read where they lie: `op` gets 2 *
+  /// size() sources, every rank's element of `in` (elem_bytes each) in rank order, then every
+  /// rank's element of `in2` (elem_bytes2 each); `out` may be `in2` (fp32, in place).
+  /// Reproducible mode's packed exchange uses it to deposit each rank's last micro-batch at the
+  /// owner, in the combining pass. Only a communicator that reads its peers' memory in place
+  /// does it (the shared-memory one, on one node, with `in`, `in2` and `out` in its windows);
+  /// the others return false, having done nothing (the default), the same on every rank for
+  /// buffers obtained the same way.
+  virtual bool reduce_scatter_combine_pair(const void* in, std::size_t elem_bytes, const void* in2,
+                                           std::size_t elem_bytes2, float* out,
+                                           std::size_t count_per_rank, BlockCombiner& op);
 
   // ---- host collectives for small metadata ------------------------------------------------------
 

@@ -123,6 +123,11 @@ struct MemoryPlan {
   /// maximum and an int64 sum). Otherwise reduce_bytes. On Device::Cuda, which has the
   /// two-phase method only, both are 9 per padded element.
   std::size_t reduce_bytes_accumulated = 0;
+  /// The same exchange where the owners deposit every rank's last micro-batch as they
+  /// combine, reading the words and the fp32 values in place (the shared-memory communicator
+  /// on one node, from the step after the first packed exchange): 12 per padded element, and
+  /// no pass over the bucket before it. reduce_bytes_accumulated where it does not apply.
+  std::size_t reduce_bytes_in_place = 0;
   /// Bytes that cross between nodes for one node in one step (one micro-batch, the default
   /// reduction), as a ring between the `nodes` moves them: per bucket, its gradient
   /// reduce-scatter (data-parallel: all-reduce, twice the bytes) and, at stages 1 and 2, its

@@ -16,7 +16,7 @@ namespace {
 enum class Op : std::uint32_t {
   ReduceScatterSum, AllGather, AllReduceSumStarted, AllReduceSum, AllReduceSumHost,
   AllGatherBytes, BroadcastBytes, Barrier, AllocateCollectiveBuffer, ReduceScatterInt,
-  AllReduceInt, ReduceScatterCombine, ReduceScatterSumV, AllGatherV,
+  AllReduceInt, ReduceScatterCombine, ReduceScatterSumV, AllGatherV, ReduceScatterCombinePair,
 };
 
 const char* op_name(Op op) {
@@ -35,6 +35,7 @@ const char* op_name(Op op) {
     case Op::ReduceScatterCombine: return "reduce_scatter_combine";
     case Op::ReduceScatterSumV: return "reduce_scatter_sum_v";
     case Op::AllGatherV: return "all_gather_v";
+    case Op::ReduceScatterCombinePair: return "reduce_scatter_combine_pair";
   }
   return "?";
 }
@@ -149,6 +150,12 @@ class CheckedCommunicator final : public Communicator {
                               BlockCombiner& op) override {
     check(Op::ReduceScatterCombine, elem_bytes == 8 ? CommType::F64 : CommType::F32, count);
     return in_->reduce_scatter_combine(in, elem_bytes, out, count, op);
+  }
+  bool reduce_scatter_combine_pair(const void* in, std::size_t elem_bytes, const void* in2,
+                                   std::size_t elem_bytes2, float* out, std::size_t count,
+                                   BlockCombiner& op) override {
+    check(Op::ReduceScatterCombinePair, elem_bytes == 8 ? CommType::F64 : CommType::F32, count);
+    return in_->reduce_scatter_combine_pair(in, elem_bytes, in2, elem_bytes2, out, count, op);
   }
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     check(Op::AllReduceSumHost, CommType::F64, count);

@@ -34,6 +34,11 @@ bool Communicator::reduce_scatter_combine(const void*, std::size_t, float*, std:
   return false;
 }
 
+bool Communicator::reduce_scatter_combine_pair(const void*, std::size_t, const void*, std::size_t,
+                                               float*, std::size_t, BlockCombiner&) {
+  return false;
+}
+
 void Communicator::all_reduce_int(void*, std::size_t, IntOp) {
   throw Error(Status::Unsupported,
               "all_reduce_int: the " + name() + " communicator has no integer reductions "

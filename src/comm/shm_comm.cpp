@@ -248,31 +248,27 @@ class ShmCommunicator final : public Communicator {
                               BlockCombiner& op) override {
     const std::size_t n = static_cast<std::size_t>(size());
     queue_.drain();
-    const WindowView vin = find(in, count * n * elem_bytes);
+    const Input one[1] = {{find(in, count * n * elem_bytes), elem_bytes}};
     const WindowView vout = find(out, count * n * sizeof(float));
-    if (vin.win == nullptr || vout.win == nullptr || topo_->num_nodes != 1)
+    if (one[0].view.win == nullptr || vout.win == nullptr || topo_->num_nodes != 1)
       return plain_->reduce_scatter_combine(in, elem_bytes, out, count, op);
-    dog_->enter("reduce_scatter_combine (shared memory)");
-    vin.win->sync();
-    if (vout.win != vin.win) vout.win->sync();
-    const Range part = split_part(count, topo_->node_size, topo_->node_rank);
-    if (op.at_owner()) {  // this rank combines its own block whole, into its own `out`
-      const std::size_t first = static_cast<std::size_t>(topo_->node_rank) * count;
-      std::vector<const void*> src(n);
-      for (int p = 0; p < topo_->node_size; ++p)
-        src[static_cast<std::size_t>(p)] = vin.at(p) + first * elem_bytes;
-      if (count != 0) op.combine(out + first, src.data(), topo_->node_size, count);
-    } else if (!part.empty()) {
-      std::vector<const void*> src(n);
-      for (std::size_t k = 0; k < n; ++k) {
-        const std::size_t first = k * count + part.begin;
-        for (int p = 0; p < topo_->node_size; ++p)
-          src[static_cast<std::size_t>(p)] = vin.at(p) + first * elem_bytes;
-        op.combine(vout.f32(static_cast<int>(k)) + first, src.data(), topo_->node_size, part.size());
-      }
-    }
-    vin.win->sync();
-    if (vout.win != vin.win) vout.win->sync();
+    combine_in_place(one, vout, out, count, op);
+    return true;
+  }
+  // The same with two inputs; nothing to fall back on (plain MPI's exchange cannot read in
+  // place): false unless all three buffers are in windows on one node.
+  bool reduce_scatter_combine_pair(const void* in, std::size_t elem_bytes, const void* in2,
+                                   std::size_t elem_bytes2, float* out, std::size_t count,
+                                   BlockCombiner& op) override {
+    const std::size_t n = static_cast<std::size_t>(size());
+    queue_.drain();
+    const Input two[2] = {{find(in, count * n * elem_bytes), elem_bytes},
+                          {find(in2, count * n * elem_bytes2), elem_bytes2}};
+    const WindowView vout = find(out, count * n * sizeof(float));
+    if (two[0].view.win == nullptr || two[1].view.win == nullptr || vout.win == nullptr ||
+        topo_->num_nodes != 1)
+      return false;
+    combine_in_place(two, vout, out, count, op);
     return true;
   }
   void all_reduce_int(void* buf, std::size_t count, IntOp op) override {
@@ -543,6 +539,51 @@ class ShmCommunicator final : public Communicator {
     for (int p = 0; p < topo_->node_size; ++p)
       src[static_cast<std::size_t>(p)] = v.f32(p) + begin + part.begin;
     sum_rows(dst + part.begin, src.data(), topo_->node_size, part.size());
+  }
+
+  // One input of combine_in_place: a buffer in a window and its element size.
+  struct Input {
+    WindowView view;
+    std::size_t elem_bytes;
+  };
+  // Reproducible mode's direct exchange inside windows on one node: every block is split
+  // between the node's ranks like the fp32 reduce-scatter, and each rank combines its part
+  // from every peer's elements of every input (op's sources: input by input, peers in rank
+  // order), writing into the block's owner's `out`. A combiner that keeps the owner's state
+  // (at_owner) gets the owner's whole block instead.
+  void combine_in_place(std::span<const Input> ins, const WindowView& vout, float* out,
+                        std::size_t count, BlockCombiner& op) {
+    const std::size_t n = static_cast<std::size_t>(size());
+    const int peers = topo_->node_size;
+    dog_->enter("reduce_scatter_combine (shared memory)");
+    std::vector<const ShmWindow*> wins;
+    for (const Input& in : ins)
+      if (std::find(wins.begin(), wins.end(), in.view.win) == wins.end()) wins.push_back(in.view.win);
+    if (std::find(wins.begin(), wins.end(), vout.win) == wins.end()) wins.push_back(vout.win);
+    for (const ShmWindow* w : wins) w->sync();
+    std::vector<const void*> src(ins.size() * static_cast<std::size_t>(peers));
+    const auto sources = [&](std::size_t first) {
+      for (std::size_t k = 0; k < ins.size(); ++k)
+        for (int p = 0; p < peers; ++p)
+          src[k * static_cast<std::size_t>(peers) + static_cast<std::size_t>(p)] =
+              ins[k].view.at(p) + first * ins[k].elem_bytes;
+    };
+    const int nsrc = static_cast<int>(src.size());
+    if (op.at_owner()) {  // this rank combines its own block whole, into its own `out`
+      const std::size_t first = static_cast<std::size_t>(topo_->node_rank) * count;
+      sources(first);
+      if (count != 0) op.combine(out + first, src.data(), nsrc, count);
+    } else {
+      const Range part = split_part(count, peers, topo_->node_rank);
+      if (!part.empty()) {
+        for (std::size_t k = 0; k < n; ++k) {
+          const std::size_t first = k * count + part.begin;
+          sources(first);
+          op.combine(vout.f32(static_cast<int>(k)) + first, src.data(), nsrc, part.size());
+        }
+      }
+    }
+    for (const ShmWindow* w : wins) w->sync();
   }
 
   mutable std::vector<char> int_scratch_;  // all_reduce_int's part, reused

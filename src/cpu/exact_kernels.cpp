@@ -215,26 +215,25 @@ namespace {
 // depend on the thread count; the digits do not either: they are integers).
 constexpr std::size_t kExactGrain = kExactChunk * 16;
 
-// The threading of both combines: fixed chunks of kExactGrain, each a window of kExactChunk
-// at a time, whose results are still in cache when their squares are taken; every thread's
-// squares join `squares` (integers: any split gives the same sum).
-template <class T>
-void combine_threaded(void (*kernel)(const T* const*, int, float*, std::size_t), const T* const* src,
-                      int ranks, float* dst, std::size_t n, SquareDigits* squares) {
+// The threading of the combines: fixed chunks of kExactGrain, each a window of kExactChunk
+// at a time; window(w, len, scratch) writes dst[w, w + len) (`scratch`: the thread's own,
+// default-constructed), and its results are still in cache when their squares are taken; every
+// thread's squares join `squares` (integers: any split gives the same sum).
+template <class Scratch, class Window>
+void combine_windows(float* dst, std::size_t n, SquareDigits* squares, const Window& window) {
   const RangeKernels& k = active_kernels();
   const std::ptrdiff_t items = static_cast<std::ptrdiff_t>((n + kExactGrain - 1) / kExactGrain);
 #pragma omp parallel if (items > 1)
   {
     SquareDigits part;
-    std::vector<const T*> at(static_cast<std::size_t>(ranks));
+    Scratch scratch;
 #pragma omp for schedule(static)
     for (std::ptrdiff_t c = 0; c < items; ++c) {
       const std::size_t b = static_cast<std::size_t>(c) * kExactGrain;
       const std::size_t e = std::min(b + kExactGrain, n);
       for (std::size_t w = b; w < e; w += kExactChunk) {
         const std::size_t len = std::min(kExactChunk, e - w);
-        for (int r = 0; r < ranks; ++r) at[static_cast<std::size_t>(r)] = src[r] + w;
-        kernel(at.data(), ranks, dst + w, len);
+        window(w, len, scratch);
         if (squares != nullptr) k.exact_square_add(dst + w, len, part);
       }
     }
@@ -243,6 +242,16 @@ void combine_threaded(void (*kernel)(const T* const*, int, float*, std::size_t),
       squares->merge(part);
     }
   }
+}
+
+template <class T>
+void combine_threaded(void (*kernel)(const T* const*, int, float*, std::size_t), const T* const* src,
+                      int ranks, float* dst, std::size_t n, SquareDigits* squares) {
+  combine_windows<std::vector<const T*>>(dst, n, squares, [&](std::size_t w, std::size_t len, std::vector<const T*>& at) {
+    at.resize(static_cast<std::size_t>(ranks));
+    for (int r = 0; r < ranks; ++r) at[static_cast<std::size_t>(r)] = src[r] + w;
+    kernel(at.data(), ranks, dst + w, len);
+  });
 }
 
 // The threading of the elementwise exact kernels: body(b, len) on fixed chunks of kExactGrain.
@@ -341,6 +350,29 @@ void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {
 #pragma omp critical(shardopt_exact_squares)
     squares.merge(part);
   }
+}
+
+void exact_deposit_combine_packed(const std::uint64_t* const* words, const float* const* last, int ranks,
+                                  float* dst, std::size_t n, SquareDigits* squares) {
+  const RangeKernels& k = active_kernels();
+  // Each rank's window is deposited into the thread's scratch (kExactChunk words per rank: it
+  // stays in cache), then combined: the same kernels on the same values as the deposit into
+  // the wire buffer followed by exact_combine_packed.
+  struct Scratch {
+    std::vector<std::uint64_t> state;
+    std::vector<const std::uint64_t*> at;
+  };
+  combine_windows<Scratch>(dst, n, squares, [&](std::size_t w, std::size_t len, Scratch& s) {
+    const auto nr = static_cast<std::size_t>(ranks);
+    s.state.resize(nr * kExactChunk);
+    s.at.resize(nr);
+    for (std::size_t r = 0; r < nr; ++r) {
+      std::uint64_t* mine = s.state.data() + r * kExactChunk;
+      k.exact_deposit_packed(last[r] + w, len, words[r] + w, mine);
+      s.at[r] = mine;
+    }
+    k.exact_combine_packed(s.at.data(), ranks, dst + w, len);
+  });
 }
 
 }  // namespace shardopt::cpu

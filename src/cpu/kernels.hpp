@@ -139,6 +139,13 @@ void exact_unpack(const std::uint64_t* words, std::size_t n, std::uint8_t* level
 /// bit what exact::ExactGrads::reduce computes from the same bins.
 void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n,
                           SquareDigits* squares);
+/// The packed exchange with the last micro-batch deposited at the owner: bit for bit
+/// exact_deposit_packed(last[r], n, words[r], w_r) for every rank r followed by
+/// exact_combine_packed(w, ranks, dst, n, squares), in one pass that writes no w_r to memory
+/// (each window's states stay in a per-thread scratch). words[r] all zero is an empty state
+/// (a rank that deposited nothing). dst may be one of last[] (the same pointer).
+void exact_deposit_combine_packed(const std::uint64_t* const* words, const float* const* last, int ranks,
+                                  float* dst, std::size_t n, SquareDigits* squares);
 
 /// The two-phase method (exact::ExactGrads::reduce, the fallback of transports that offer
 /// only built-in reductions), one pass each. Levels are exact_deposit's encoding (0 empty,

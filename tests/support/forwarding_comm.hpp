@@ -63,6 +63,11 @@ class ForwardingComm : public Communicator {
                               std::size_t count_per_rank, BlockCombiner& op) override {
     return in_->reduce_scatter_combine(in, elem_bytes, out, count_per_rank, op);
   }
+  bool reduce_scatter_combine_pair(const void* in, std::size_t elem_bytes, const void* in2,
+                                   std::size_t elem_bytes2, float* out, std::size_t count_per_rank,
+                                   BlockCombiner& op) override {
+    return in_->reduce_scatter_combine_pair(in, elem_bytes, in2, elem_bytes2, out, count_per_rank, op);
+  }
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     in_->all_reduce_sum_host(buf, count);
   }
@@ -103,6 +108,9 @@ class CountingComm final : public ForwardingComm {
   /// (reduce_scatter_combine: every rank's block), as MemoryPlan::reduce_bytes counts them.
   std::size_t int_bytes = 0;
   std::size_t combine_bytes = 0;
+  /// reduce_scatter_combine_pair calls that were done (the packed exchange with the last
+  /// micro-batch deposited at the owner).
+  int combine_pairs = 0;
   /// Act as a communicator without the raw-value exchange (reduce_scatter_combine answers
   /// false, the default's answer).
   bool refuse_combine = false;
@@ -153,6 +161,18 @@ class CountingComm final : public ForwardingComm {
     if (refuse_combine) return false;
     const bool done = ForwardingComm::reduce_scatter_combine(in, elem_bytes, out, count_per_rank, op);
     if (done) combine_bytes += count_per_rank * ranks() * elem_bytes;
+    return done;
+  }
+  bool reduce_scatter_combine_pair(const void* in, std::size_t elem_bytes, const void* in2,
+                                   std::size_t elem_bytes2, float* out, std::size_t count_per_rank,
+                                   BlockCombiner& op) override {
+    if (refuse_combine) return false;
+    const bool done = ForwardingComm::reduce_scatter_combine_pair(in, elem_bytes, in2, elem_bytes2, out,
+                                                                  count_per_rank, op);
+    if (done) {
+      combine_bytes += count_per_rank * ranks() * (elem_bytes + elem_bytes2);
+      ++combine_pairs;
+    }
     return done;
   }
   Allocation allocate_collective_buffer(MemoryTracker* tracker, MemCategory category,
