@@ -669,8 +669,19 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
 //     bits of each bin, and the bins stay within 30 signed bits): hi << 4 is added to the word
 //     and only the top field's bits taken from the sum (vpternlogq), lo << 34 is added
 //     (carries past bit 63 are the modulo).
-// A run of 16 zeros leaves the words as they are (stored only when out is not in).
-void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+// A run of 16 zeros leaves the words as they are (stored only when out is not in). stream: the
+// words go out with non-temporal stores from out's first 64-byte boundary on (the portable
+// loop takes the head before it).
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out,
+                          bool stream) {
+  const std::size_t head = stream ? head_to_align(out, n, 64) : 0;
+  portable::exact_deposit_packed(g, head, in, out, false);
+  g += head, out += head, n -= head;
+  if (in != nullptr) in += head;
+  const auto store = [stream](std::uint64_t* at, __m512i w) {
+    if (stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(at), w);
+    else _mm512_storeu_si512(at, w);
+  };
   alignas(64) std::int32_t want_table[32];
   alignas(64) float down_table[16];  // -b(L) for L = 1..11 (0 elsewhere: those lanes add nothing)
   alignas(64) std::int32_t even[16], lo_half[16], hi_half[16];
@@ -703,8 +714,8 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
     __m512i w1 = in == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(in + i + 8);
     if (nonzero == 0) {
       if (in != out) {
-        _mm512_storeu_si512(out + i, w0);
-        _mm512_storeu_si512(out + i + 8, w1);
+        store(out + i, w0);
+        store(out + i + 8, w1);
       }
       continue;
     }
@@ -716,7 +727,15 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
     const __m512i want = _mm512_permutex2var_epi32(want_lo, _mm512_srli_epi32(a, 26), want_hi);
     const __mmask16 rise = fin & _mm512_cmpgt_epu32_mask(want, l);
     const __m512i level = _mm512_mask_mov_epi32(l, rise, want);
-    if ((rise | bad) != 0) {  // rare after the first micro-batch
+    if (in == nullptr) {
+      // From empty (what the general case below does with l = 0): the wanted level where
+      // finite (every such lane rises), the non-finite word where bad, else 0.
+      w0 = _mm512_mask_mov_epi64(_mm512_maskz_cvtepu32_epi64(static_cast<__mmask8>(fin), _mm512_castsi512_si256(level)),
+                                 static_cast<__mmask8>(bad), nonfinite_word);
+      w1 = _mm512_mask_mov_epi64(
+          _mm512_maskz_cvtepu32_epi64(static_cast<__mmask8>(fin >> 8), _mm512_extracti64x4_epi64(level, 1)),
+          static_cast<__mmask8>(bad >> 8), nonfinite_word);
+    } else if ((rise | bad) != 0) {  // rare after the first micro-batch
       // A rise by one: the top field becomes the low one (the top and level fields
       // cleared); by more, or from empty: an empty word; then the new level.
       const __mmask16 clear =
@@ -751,10 +770,11 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
                                                                  _mm512_add_epi64(w0, _mm512_andnot_si512(top_field, p0)), 0xca));
     w1 = _mm512_mask_mov_epi64(w1, f1, _mm512_ternarylogic_epi64(top_field, _mm512_add_epi64(w1, p1),
                                                                  _mm512_add_epi64(w1, _mm512_andnot_si512(top_field, p1)), 0xca));
-    _mm512_storeu_si512(out + i, w0);
-    _mm512_storeu_si512(out + i + 8, w1);
+    store(out + i, w0);
+    store(out + i + 8, w1);
   }
-  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i);
+  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i, false);
+  if (stream) _mm_sfence();
 }
 
 // ---- the two-phase method's passes (exact::ExactGrads::reduce) ----
