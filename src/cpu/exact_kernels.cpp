@@ -159,8 +159,7 @@ void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_
   for (std::size_t j = 0; j < n; ++j) exact::elem::deposit(g[j], top[j], low[j], level[j]);
 }
 
-void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out,
-                          bool /*stream*/) {
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
   for (std::size_t j = 0; j < n; ++j) {
     std::uint8_t l = 0;
     std::int64_t t = 0, lo = 0;
@@ -311,16 +310,14 @@ void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::i
 
 namespace {
 
-// Both packed deposits. A first deposit (in null) streams its words where the call is large
-// (use_streaming_stores): nothing reads them before the next micro-batch. clear (g itself, or
-// null): each grain of g is set to +0 right after the kernel has read it, while its lines
-// are still in cache, instead of a second pass over the whole buffer.
+// Both packed deposits. clear (g itself, or null): each grain of g (256 KiB) is set to +0
+// right after the kernel has read it, while its lines are still in cache, instead of a second
+// pass over the whole buffer.
 void deposit_packed_threaded(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out,
                              float* clear) {
   const RangeKernels& k = active_kernels();
-  const bool stream = in == nullptr && use_streaming_stores(n * (sizeof(float) + sizeof(std::uint64_t)));
   for_grains(n, [&](std::size_t b, std::size_t len) {
-    k.exact_deposit_packed(g + b, len, in == nullptr ? nullptr : in + b, out + b, stream);
+    k.exact_deposit_packed(g + b, len, in == nullptr ? nullptr : in + b, out + b);
     if (clear != nullptr) k.fill_zero(clear + b, len, false);
   });
 }

@@ -91,11 +91,8 @@ struct RangeKernels {
                      const std::int64_t* low, std::size_t n);
   void (*exact_sums_to_float)(const std::int64_t* sum, const std::uint8_t* level, float* dst,
                               std::size_t n);
-  /// exact_deposit_packed (kernels.hpp) on one range; stream: non-temporal stores for the
-  /// words (only where out is not in: a first deposit, whose words are not read again soon,
-  /// and ordinary stores would read every line before writing it). The portable one ignores it.
-  void (*exact_deposit_packed)(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out,
-                               bool stream);
+  /// exact_deposit_packed (kernels.hpp) on one range.
+  void (*exact_deposit_packed)(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
 };
 
 /// Values per fixed-point window of the SIMD exact_square_add: each lane adds at most
@@ -145,8 +142,7 @@ void exact_round_to_levels(const float* g, std::size_t n, const std::uint8_t* le
 void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_t* top,
                 const std::int64_t* low, std::size_t n);
 void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst, std::size_t n);
-void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out,
-                          bool stream);
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
 }  // namespace portable
 
 /// Blocks per call of a SIMD table's interleaved sum of squares (and the OpenMP unit).

@@ -125,8 +125,7 @@ void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::i
 /// deposited, bit for bit exact_pack of what exact_deposit of g leaves in the bins that in[i]
 /// packs. `in` may be `out` (the deposit in place: 4 bytes read and 8 read and written per
 /// element) or another buffer (the last micro-batch into the exchange's wire buffer); the
-/// words of `in` must hold fewer than kPackedMaxMicroBatches values each. A large first
-/// deposit (in null) writes the words with non-temporal stores (stream_policy()).
+/// words of `in` must hold fewer than kPackedMaxMicroBatches values each.
 void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
 /// exact_deposit_packed, and g[0, n) = +0 in the same pass (each window of g cleared right
 /// after it is read, while still in cache): the micro-batch consumed, the buffer ready for

@@ -691,18 +691,8 @@ void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, flo
 // exact), with AVX2's means: the wanted level ((e + 24) * 2731) >> 16 by a 16-bit high
 // multiply ((e + 24) < 2^16 sits in each lane's low half), 2^-b(L) as float bits
 // (277 - 24 L) << 23 (2^126 .. 2^-114, normal), the parts rounded by vroundps and converted
-// exactly, and the fields added modulo 2^30 by masks. stream: non-temporal stores from out's
-// first 32-byte boundary on (the portable loop takes the head before it).
-void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out,
-                          bool stream) {
-  const std::size_t head = stream ? head_to_align32(out, n) : 0;
-  portable::exact_deposit_packed(g, head, in, out, false);
-  g += head, out += head, n -= head;
-  if (in != nullptr) in += head;
-  const auto store = [stream](std::uint64_t* at, __m256i w) {
-    if (stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(at), w);
-    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), w);
-  };
+// exactly, and the fields added modulo 2^30 by masks.
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   const __m256i zero = _mm256_setzero_si256();
   const __m256i fifteen32 = _mm256_set1_epi32(15);
@@ -720,8 +710,8 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
     __m256i w1 = in == nullptr ? zero : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 4));
     if (_mm256_testz_si256(a, a)) {  // all zero
       if (in != out) {
-        store(out + i, w0);
-        store(out + i + 4, w1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), w0);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 4), w1);
       }
       continue;
     }
@@ -781,11 +771,10 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
     };
     w0 = _mm256_blendv_epi8(w0, add_fields(w0, p0), fin0);
     w1 = _mm256_blendv_epi8(w1, add_fields(w1, p1), fin1);
-    store(out + i, w0);
-    store(out + i + 4, w1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), w0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 4), w1);
   }
-  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i, false);
-  if (stream) _mm_sfence();
+  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i);
 }
 }  // namespace
 }  // namespace shardopt::cpu::avx2

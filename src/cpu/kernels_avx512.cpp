@@ -669,19 +669,8 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
 //     bits of each bin, and the bins stay within 30 signed bits): hi << 4 is added to the word
 //     and only the top field's bits taken from the sum (vpternlogq), lo << 34 is added
 //     (carries past bit 63 are the modulo).
-// A run of 16 zeros leaves the words as they are (stored only when out is not in). stream: the
-// words go out with non-temporal stores from out's first 64-byte boundary on (the portable
-// loop takes the head before it).
-void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out,
-                          bool stream) {
-  const std::size_t head = stream ? head_to_align(out, n, 64) : 0;
-  portable::exact_deposit_packed(g, head, in, out, false);
-  g += head, out += head, n -= head;
-  if (in != nullptr) in += head;
-  const auto store = [stream](std::uint64_t* at, __m512i w) {
-    if (stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(at), w);
-    else _mm512_storeu_si512(at, w);
-  };
+// A run of 16 zeros leaves the words as they are (stored only when out is not in).
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
   alignas(64) std::int32_t want_table[32];
   alignas(64) float down_table[16];  // -b(L) for L = 1..11 (0 elsewhere: those lanes add nothing)
   alignas(64) std::int32_t even[16], lo_half[16], hi_half[16];
@@ -714,8 +703,8 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
     __m512i w1 = in == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(in + i + 8);
     if (nonzero == 0) {
       if (in != out) {
-        store(out + i, w0);
-        store(out + i + 8, w1);
+        _mm512_storeu_si512(out + i, w0);
+        _mm512_storeu_si512(out + i + 8, w1);
       }
       continue;
     }
@@ -770,11 +759,10 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
                                                                  _mm512_add_epi64(w0, _mm512_andnot_si512(top_field, p0)), 0xca));
     w1 = _mm512_mask_mov_epi64(w1, f1, _mm512_ternarylogic_epi64(top_field, _mm512_add_epi64(w1, p1),
                                                                  _mm512_add_epi64(w1, _mm512_andnot_si512(top_field, p1)), 0xca));
-    store(out + i, w0);
-    store(out + i + 8, w1);
+    _mm512_storeu_si512(out + i, w0);
+    _mm512_storeu_si512(out + i + 8, w1);
   }
-  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i, false);
-  if (stream) _mm_sfence();
+  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i);
 }
 
 // ---- the two-phase method's passes (exact::ExactGrads::reduce) ----
