@@ -67,6 +67,13 @@ float value(std::size_t i, std::uint32_t salt) {
   return static_cast<float>(h & 0xFFFF) / 32768.0f - 1.0f;
 }
 
+/// g's values (in buffers(), and untimed before each run of a kernel that clears g).
+void fill_g(Buffers& b) {
+  float* g = b.g.get();
+#pragma omp parallel for schedule(static)
+  for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) g[i] = 1e-2f * value(static_cast<std::size_t>(i), 2);
+}
+
 /// One set of arrays at a time (256M parameters take 4.5 GB); kept while sizes repeat.
 Buffers& buffers(std::size_t n) {
   static Buffers b;
@@ -78,12 +85,9 @@ Buffers& buffers(std::size_t n) {
   for (float* x : {b.p.get(), b.g.get(), b.m.get(), b.v.get()}) cpu::fill_zero(x, n);
   cpu::cast_f32_to_bf16(b.m.get(), b.half.get(), n);  // first touch in the same partition
   float* p = b.p.get();
-  float* g = b.g.get();
 #pragma omp parallel for schedule(static)
-  for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(n); ++i) {
-    p[i] = value(static_cast<std::size_t>(i), 1);
-    g[i] = 1e-2f * value(static_cast<std::size_t>(i), 2);
-  }
+  for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(n); ++i) p[i] = value(static_cast<std::size_t>(i), 1);
+  fill_g(b);
   cpu::cast_f32_to_bf16(p, b.half.get(), n);
   return b;
 }
@@ -132,12 +136,14 @@ struct Kernel {
   double bytes_per_param;
   Variant variant;
   std::function<double(Buffers&)> run;  // returns something to keep
+  std::function<void(Buffers&)> setup;  // untimed, before each run (if any)
 };
 
 std::vector<Kernel> kernels() {
   std::vector<Kernel> k;
-  auto add = [&](std::string name, double bytes, Variant var, std::function<double(Buffers&)> f) {
-    k.push_back({std::move(name), bytes, var, std::move(f)});
+  auto add = [&](std::string name, double bytes, Variant var, std::function<double(Buffers&)> f,
+                 std::function<void(Buffers&)> setup = nullptr) {
+    k.push_back({std::move(name), bytes, var, std::move(f), std::move(setup)});
   };
   add("triad", 12, Variant::Ceiling, [](Buffers& b) {
     float *a = b.p.get(), *x = b.g.get(), *y = b.m.get();
@@ -241,6 +247,37 @@ std::vector<Kernel> kernels() {
     cpu::exact_deposit_packed(b.g.get(), b.n, words, words);
     return 0.0;
   };
+  // The first deposit of a step (nothing to read: 4 read + 8 written), and a micro-batch
+  // consumed (begin_backward): the deposit and g cleared, in one pass
+  // (exact_deposit_packed_clear) or as the deposit followed by fill_zero (4 more written);
+  // g is refilled before each run, untimed, and after the last (later rows read it).
+  auto deposit_first = [](Buffers& b) {
+    auto* words = reinterpret_cast<std::uint64_t*>(exact_buffers(b).sums.get());
+    cpu::exact_deposit_packed(b.g.get(), b.n, nullptr, words);
+    return 0.0;
+  };
+  auto first_then_zero = [](Buffers& b) {
+    auto* words = reinterpret_cast<std::uint64_t*>(exact_buffers(b).sums.get());
+    cpu::exact_deposit_packed(b.g.get(), b.n, nullptr, words);
+    cpu::fill_zero(b.g.get(), b.n);
+    return 0.0;
+  };
+  auto first_clear = [](Buffers& b) {
+    auto* words = reinterpret_cast<std::uint64_t*>(exact_buffers(b).sums.get());
+    cpu::exact_deposit_packed_clear(b.g.get(), b.n, nullptr, words);
+    return 0.0;
+  };
+  auto deposit_then_zero = [](Buffers& b) {
+    auto* words = reinterpret_cast<std::uint64_t*>(exact_buffers(b).sums.get());
+    cpu::exact_deposit_packed(b.g.get(), b.n, words, words);
+    cpu::fill_zero(b.g.get(), b.n);
+    return 0.0;
+  };
+  auto deposit_clear = [](Buffers& b) {
+    auto* words = reinterpret_cast<std::uint64_t*>(exact_buffers(b).sums.get());
+    cpu::exact_deposit_packed_clear(b.g.get(), b.n, words, words);
+    return 0.0;
+  };
 
   struct Entry {
     const char* name;
@@ -251,6 +288,7 @@ std::vector<Kernel> kernels() {
     /// the kernel replaced).
     std::function<double(Buffers&)> scalar;
     bool avx2 = false;  ///< also forced to AVX2 where AVX-512 is the best ISA
+    std::function<void(Buffers&)> setup = nullptr;  ///< untimed, before each run
   };
   const std::vector<Entry> entries = {
       {"adamw_bf16", 30, adam, true,
@@ -361,6 +399,12 @@ std::vector<Kernel> kernels() {
       // The portable paths are the scalar per-element deposit (exact::elem::deposit).
       {"exact_deposit_bins", 38, deposit_bins, false, nullptr, true},
       {"exact_deposit_packed", 20, deposit_packed, false, nullptr, true},
+      {"exact_deposit_first", 12, deposit_first, false, nullptr, true},
+      // The separate fill_zero streams its zeros where large (no-nt: it does not).
+      {"exact_deposit_first+zero", 16, first_then_zero, true, nullptr, false, fill_g},
+      {"exact_deposit_first_clear", 16, first_clear, false, nullptr, false, fill_g},
+      {"exact_deposit+zero", 24, deposit_then_zero, true, nullptr, false, fill_g},
+      {"exact_deposit_clear", 24, deposit_clear, false, nullptr, false, fill_g},
       {"all_finite", 4, finite, false,
        [](Buffers& b) {
          const float* x = b.g.get();
@@ -380,7 +424,7 @@ std::vector<Kernel> kernels() {
        }},
   };
   for (const Entry& e : entries) {
-    add(e.name, e.bytes, Variant::Dispatched, e.fn);
+    add(e.name, e.bytes, Variant::Dispatched, e.fn, e.setup);
 #if defined(__x86_64__) || defined(_M_X64)
     if (e.avx2 && cpu::best_isa() == Isa::Avx512) {
       add(e.name, e.bytes, Variant::Avx2, [fn = e.fn](Buffers& b) {
@@ -389,7 +433,7 @@ std::vector<Kernel> kernels() {
         const double r = fn(b);
         cpu::set_isa(keep);
         return r;
-      });
+      }, e.setup);
     }
 #endif
     if (e.streams) {
@@ -399,7 +443,7 @@ std::vector<Kernel> kernels() {
         const double r = fn(b);
         cpu::set_stream_policy(keep);
         return r;
-      });
+      }, e.setup);
     }
     add(e.name, e.bytes, Variant::Portable, [fn = e.fn](Buffers& b) {
       const Isa keep = cpu::active_isa();
@@ -407,7 +451,7 @@ std::vector<Kernel> kernels() {
       const double r = fn(b);
       cpu::set_isa(keep);
       return r;
-    });
+    }, e.setup);
     if (e.scalar) add(e.name, e.bytes, Variant::Scalar, e.scalar);
   }
   return k;
@@ -551,11 +595,18 @@ int main(int argc, char** argv) {
         benchmark::RegisterBenchmark(name.c_str(), [&k, n, t](benchmark::State& st) {
           set_threads(t);
           Buffers& b = buffers(n);
+          if (k.setup) k.setup(b);
           k.run(b);  // warm: page tables, caches
           for (auto _ : st) {
+            if (k.setup) {
+              st.PauseTiming();
+              k.setup(b);
+              st.ResumeTiming();
+            }
             benchmark::DoNotOptimize(k.run(b));
             benchmark::ClobberMemory();
           }
+          if (k.setup) k.setup(b);  // the buffers as the next kernel expects them
           const double items = static_cast<double>(st.iterations()) * static_cast<double>(n);
           st.counters["params/s"] = benchmark::Counter(items, benchmark::Counter::kIsRate);
           st.counters["bytes/s"] =

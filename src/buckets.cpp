@@ -152,8 +152,9 @@ void BucketSet::begin_backward(bool sync) {
     if (micro_batches_ > 0) {
       ensure_exact();  // local: an OutOfMemory here is this rank's, before any collective
       if (exact_.full()) ensure_bins();  // past the packed words' limit: local as well
-      exact_.deposit(grads_.as<float>(), layout_.padded_size());
-      backend_.fill_zero(grads_.data(), grads_.bytes());
+      require(grads_.bytes() == layout_.padded_size() * sizeof(float), Status::Internal,
+              "begin_backward: the gradient buffer is not the padded layout");
+      exact_.deposit_and_clear(grads_.as<float>(), layout_.padded_size());
     }
     ++micro_batches_;
     sync_ = sync;

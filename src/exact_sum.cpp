@@ -77,19 +77,26 @@ void ExactGrads::clear() {
   deposits_ = 0;
 }
 
-void ExactGrads::deposit(const float* g, std::size_t n) {
+void ExactGrads::deposit(const float* g, std::size_t n) { deposit_all(g, n, nullptr); }
+
+void ExactGrads::deposit_and_clear(float* g, std::size_t n) { deposit_all(g, n, g); }
+
+void ExactGrads::deposit_all(const float* g, std::size_t n, float* clear) {
   require(n <= n_, Status::Internal, "ExactGrads::deposit: range outside the buffer");
   if (is_compact()) {
     require(!full(), Status::Internal, "ExactGrads::deposit: the packed words are full (widen first)");
     // The first deposit of a step writes the words (nothing to read: clear() wrote nothing),
     // and the elements past n are empty.
-    cpu::exact_deposit_packed(g, n, deposits_ > 0 ? words_ : nullptr, words_);
+    const std::uint64_t* in = deposits_ > 0 ? words_ : nullptr;
+    if (clear != nullptr) cpu::exact_deposit_packed_clear(clear, n, in, words_);
+    else cpu::exact_deposit_packed(g, n, in, words_);
     if (deposits_ == 0) std::memset(words_ + n, 0, (n_ - n) * sizeof(std::uint64_t));
     ++deposits_;
     return;
   }
   if (deposits_ < std::numeric_limits<int>::max()) ++deposits_;
   deposit_range(g, 0, n);
+  if (clear != nullptr) backend_->fill_zero(clear, n * sizeof(float));
 }
 
 void ExactGrads::deposit_range(const float* g, std::size_t begin, std::size_t n) {

@@ -152,6 +152,10 @@ class ExactGrads {
 
   /// Adds one micro-batch's fp32 gradients of flat elements [0, n) (compact form: not full()).
   void deposit(const float* grads, std::size_t n);
+  /// deposit(), then grads[0, n) = +0 (the micro-batch consumed, the buffer ready for the
+  /// next one): the compact form in one pass (cpu::exact_deposit_packed_clear), the bins by
+  /// the backend's deposit and fill_zero.
+  void deposit_and_clear(float* grads, std::size_t n);
   /// Collective: reduces bucket `bk` exactly over the group. `grads` is the full gradient
   /// buffer (flat coordinates): on entry it holds the last micro-batch, not deposited yet; on
   /// return it holds the fp32 sums over every rank and micro-batch, on every element of the
@@ -215,6 +219,8 @@ class ExactGrads {
 
  private:
   void deposit_range(const float* grads, std::size_t begin, std::size_t n);
+  /// deposit() of g; clear: g itself (deposit_and_clear) or null.
+  void deposit_all(const float* g, std::size_t n, float* clear);
   void set_bins(std::size_t max_bucket_elems);
   Backend* backend_ = nullptr;
   Allocation storage_;

@@ -704,6 +704,87 @@ TEST(ExactKernels, PackedDepositEqualsDepositThenPack) {
   }
 }
 
+// The deposit that consumes its input (exact_deposit_packed_clear, what begin_backward runs)
+// writes exact_deposit_packed's words and leaves g +0 (bits 0) on exactly its range: a first
+// deposit and one in place, every ISA, aligned and unaligned starts of g and of the words,
+// short lengths that are not multiples of a vector, and one across three grains, the last
+// partial. The reference is the portable exact_deposit_packed (PackedDepositEqualsDepositThenPack
+// checks it).
+TEST(ExactKernels, PackedDepositClearEqualsDepositThenClear) {
+  const IsaScope restore;
+  constexpr std::size_t kGuard = 16;
+  const std::size_t longest = 2 * 65536 + 4096 + 37;
+  const PerRank rows = packed_rows(2, longest + kGuard, 777);
+  for (std::size_t len : {std::size_t{1}, std::size_t{7}, std::size_t{23}, std::size_t{61}, longest}) {
+    for (std::size_t offset : {std::size_t{0}, std::size_t{1}, std::size_t{5}, std::size_t{8}}) {
+      // The reference: portable, the words after each of the two micro-batches.
+      cpu::set_isa(cpu::Isa::Portable);
+      std::vector<std::vector<std::uint64_t>> want;
+      std::vector<std::uint64_t> ref(len);
+      for (std::size_t k = 0; k < rows.size(); ++k) {
+        cpu::exact_deposit_packed(rows[k].data() + offset, len, k == 0 ? nullptr : ref.data(), ref.data());
+        want.push_back(ref);
+      }
+      for (cpu::Isa isa : isas()) {
+        cpu::set_isa(isa);
+        const std::string what =
+            std::string(cpu::isa_name(isa)) + ", length " + std::to_string(len) + ", offset " + std::to_string(offset);
+        // The words `offset` words past the vector's start, guards around both ranges.
+        std::vector<std::uint64_t> plain_mem(len + kGuard, 0xdeadbeefdeadbeefull), clear_mem = plain_mem;
+        std::uint64_t* plain = plain_mem.data() + offset;
+        std::uint64_t* words = clear_mem.data() + offset;
+        for (std::size_t k = 0; k < rows.size(); ++k) {
+          const std::string at = what + ", micro-batch " + std::to_string(k);
+          cpu::exact_deposit_packed(rows[k].data() + offset, len, k == 0 ? nullptr : plain, plain);
+          expect_same(std::vector<std::uint64_t>(plain, plain + len), want[k], at + ", exact_deposit_packed");
+          std::vector<float> g = rows[k];
+          cpu::exact_deposit_packed_clear(g.data() + offset, len, k == 0 ? nullptr : words, words);
+          expect_same(std::vector<std::uint64_t>(words, words + len), want[k], at + ", the words");
+          for (std::size_t i = 0; i < g.size(); ++i) {
+            const bool inside = i >= offset && i < offset + len;
+            ASSERT_EQ(bits(g[i]), inside ? 0u : bits(rows[k][i])) << at << ", g[" << i << "]";
+          }
+          for (std::size_t i = 0; i < clear_mem.size(); ++i)
+            if (i < offset || i >= offset + len) ASSERT_EQ(clear_mem[i], 0xdeadbeefdeadbeefull) << at << ", word " << i;
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// ExactGrads::deposit_and_clear, the compact form and the bins: the state deposit() leaves,
+// and the gradients +0 after it.
+TEST(ExactKernels, DepositAndClearEqualsDepositThenClear) {
+  const std::size_t n = 4099;
+  const PerRank rows = packed_rows(3, n, 31);
+  for (bool compact : {true, false}) {
+    const std::string what = compact ? "compact" : "bins";
+    const std::size_t bytes = exact::grads_bytes(n, n);
+    auto make = [&] {
+      if (compact) {
+        auto words = std::make_shared<std::vector<std::uint64_t>>(n, 0x123456789abcdef1ull);
+        return exact::ExactGrads::compact(
+            cpu_backend(), Allocation(words->data(), exact::packed_bytes(n), words, nullptr, MemCategory::Grads), n);
+      }
+      auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
+      return exact::ExactGrads(cpu_backend(), Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n, n);
+    };
+    exact::ExactGrads plain = make(), consumed = make();
+    for (std::size_t k = 0; k < rows.size(); ++k) {
+      plain.deposit(rows[k].data(), n);
+      std::vector<float> g = rows[k];
+      consumed.deposit_and_clear(g.data(), n);
+      for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(bits(g[i]), 0u) << what << ", g[" << i << "]";
+      EXPECT_EQ(consumed.is_compact(), compact) << what;
+      std::vector<std::uint64_t> a(n), b(n);
+      plain.pack(0, n, a.data());
+      consumed.pack(0, n, b.data());
+      expect_same(b, a, what + ", state after micro-batch " + std::to_string(k));
+    }
+  }
+}
+
 // The compact accumulator (ExactGrads::compact) against the bins: its state after each
 // micro-batch, the packed exchange's result (one process), and past the limit the widened
 // bins' two-phase result, all equal the bins' result bit for bit: 1, 2, 5, 63 and 64

@@ -317,11 +317,28 @@ void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::i
   }
 }
 
-void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+namespace {
+
+// Both packed deposits. clear (g itself, or null): each grain of g (256 KiB) is set to +0
+// right after the kernel has read it, while its lines are still in cache, instead of a second
+// pass over the whole buffer.
+void deposit_packed_threaded(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out,
+                             float* clear) {
   const RangeKernels& k = active_kernels();
   for_grains(n, [&](std::size_t b, std::size_t len) {
     k.exact_deposit_packed(g + b, len, in == nullptr ? nullptr : in + b, out + b);
+    if (clear != nullptr) k.fill_zero(clear + b, len, false);
   });
+}
+
+}  // namespace
+
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+  deposit_packed_threaded(g, n, in, out, nullptr);
+}
+
+void exact_deposit_packed_clear(float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+  deposit_packed_threaded(g, n, in, out, g);
 }
 
 void exact_unpack(const std::uint64_t* words, std::size_t n, std::uint8_t* level, std::int64_t* top,

@@ -127,6 +127,10 @@ void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::i
 /// element) or another buffer (the last micro-batch into the exchange's wire buffer); the
 /// words of `in` must hold fewer than kPackedMaxMicroBatches values each.
 void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
+/// exact_deposit_packed, and g[0, n) = +0 in the same pass (each grain of g cleared right
+/// after the kernel has read it, while still in cache): the micro-batch consumed, the buffer
+/// ready for the next one. The words are exact_deposit_packed's, bit for bit.
+void exact_deposit_packed_clear(float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
 /// The packed words' bins unpacked (the two-phase method's form, past kPackedMaxMicroBatches):
 /// level[i] 0, 1-11 or 127 (non-finite), top[i] and low[i] the bins (0 for empty and
 /// non-finite elements). The inverse of exact_pack.

@@ -716,7 +716,15 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
     const __m512i want = _mm512_permutex2var_epi32(want_lo, _mm512_srli_epi32(a, 26), want_hi);
     const __mmask16 rise = fin & _mm512_cmpgt_epu32_mask(want, l);
     const __m512i level = _mm512_mask_mov_epi32(l, rise, want);
-    if ((rise | bad) != 0) {  // rare after the first micro-batch
+    if (in == nullptr) {
+      // From empty (what the general case below does with l = 0): the wanted level where
+      // finite (every such lane rises), the non-finite word where bad, else 0.
+      w0 = _mm512_mask_mov_epi64(_mm512_maskz_cvtepu32_epi64(static_cast<__mmask8>(fin), _mm512_castsi512_si256(level)),
+                                 static_cast<__mmask8>(bad), nonfinite_word);
+      w1 = _mm512_mask_mov_epi64(
+          _mm512_maskz_cvtepu32_epi64(static_cast<__mmask8>(fin >> 8), _mm512_extracti64x4_epi64(level, 1)),
+          static_cast<__mmask8>(bad >> 8), nonfinite_word);
+    } else if ((rise | bad) != 0) {  // rare after the first micro-batch
       // A rise by one: the top field becomes the low one (the top and level fields
       // cleared); by more, or from empty: an empty word; then the new level.
       const __mmask16 clear =
