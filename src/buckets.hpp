@@ -133,6 +133,9 @@ class BucketSet {
 
   /// Tests collectives in flight so that MPI makes progress while the trainer computes.
   void progress();
+  /// The sharded exact accumulation (plan_.exact_sharded): every micro-batch is exchanged in
+  /// rounds that a rank with fewer micro-batches joins from finish_grad_sync().
+  bool exchanges_each_micro_batch() const { return sharded(); }
 
  private:
   enum class Op : unsigned char { None, GradSync, ParamSync };

@@ -17,7 +17,8 @@
 namespace shardopt::exact {
 
 bool sharded_stage2(const FlatLayout& layout, Stage stage, Device device) {
-  if (stage != Stage::Zero2 || device != Device::Cpu || layout.world_size() < 2) return false;
+  if ((stage != Stage::Zero2 && stage != Stage::Zero3) || device != Device::Cpu || layout.world_size() < 2)
+    return false;
   if (layout.ownership() != Ownership::Flat || ragged_buckets(layout, false)) return false;
   const char* env = std::getenv("SHARDOPT_REPRO_EXCHANGE");
   return env != nullptr && std::string(env) == "sharded";

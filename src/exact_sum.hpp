@@ -75,13 +75,15 @@ inline bool ragged_buckets(const FlatLayout& layout, bool whole) {
   return false;
 }
 
-/// Whether reproducible mode takes the sharded exact accumulation at stage 2
-/// (BufferPlan::exact_sharded; docs/architecture.md, "Reproducible mode"): stage 2, the CPU,
+/// Whether reproducible mode takes the sharded exact accumulation at stage 2 or 3 (the name
+/// is from when it was stage 2's alone)
+/// (BufferPlan::exact_sharded; docs/architecture.md, "Reproducible mode"): stage 2 or 3, the CPU,
 /// more than one rank, every bucket cut in equal slices (Flat ownership), and opted into with
 /// SHARDOPT_REPRO_EXCHANGE=sharded (the same on every rank). Opt-in because with one
 /// micro-batch per rank the full-buffer path needs less memory (4 bytes per element against
 /// 21 per owned element) and accepts gradients in any order. The staging must also pay off
-/// (plan_buffers: shard + staging below the full buffer), else the full-buffer path runs.
+/// (plan_buffers: shard + staging below the full buffer; stage 3 stages on any number of
+/// ranks above one), else the full-buffer path runs.
 bool sharded_stage2(const FlatLayout& layout, Stage stage, Device device);
 
 /// Host bytes of the gradient accumulator of a layout: levels, two bins and a scratch copy

@@ -954,7 +954,15 @@ StepResult ShardedOptimizer::step() {
   // finalize() is collective, so either every rank is finalized or none: a rank that is not
   // fails here, together with the others (in this check or in their own finalize()). Stage 3
   // agrees on its units too: a rank still holding one would otherwise fail alone, before the
-  // reductions its peers wait in (one small all-reduce per stage-3 step).
+  // reductions its peers wait in (one small all-reduce per stage-3 step). With the sharded
+  // exact accumulation (reproducible mode, SHARDOPT_REPRO_EXCHANGE=sharded) peers with more
+  // micro-batches are still in their exchange rounds: a rank joins those first, so there the
+  // agreement comes after the reduction (a rank holding a unit still fails with the others).
+  const bool rounds_first = finalized_ && units_ && buckets_->exchanges_each_micro_batch();
+  const double blocked_before = rounds_first ? buckets_->blocked_seconds() : 0.0;
+  LapTimer early;
+  if (rounds_first) buckets_->finish_grad_sync();
+  const double reduced_first = rounds_first ? early.lap() : 0.0;
   if (!finalized_ || units_)
     collective(*comm_, "step", [&] {
       require_finalized("step");
@@ -968,12 +976,12 @@ StepResult ShardedOptimizer::step() {
   StepResult r;
   LapTimer timer;
   // Time blocked in reductions during backward (stage 2 slots, overlap off) counts too.
-  const double reduced_in_backward = buckets_->blocked_seconds();
+  const double reduced_in_backward = rounds_first ? blocked_before : buckets_->blocked_seconds();
 
   // 1. Finish the gradient sync of every bucket: buckets not started during backward start
   // now; this rank's window of each bucket then holds the sum over ranks and micro-batches.
   buckets_->finish_grad_sync();
-  r.timings.reduce = reduced_in_backward + timer.lap();
+  r.timings.reduce = reduced_in_backward + reduced_first + timer.lap();
 
   // 2. Global norm: one all-reduce of the sum of squares (fp64) of every rank's slices.
   // Data-parallel ranks hold every bucket reduced, and each sums its own slices, so the

@@ -561,11 +561,12 @@ TEST(Reproducible, Stage2ShardedEachMicroBatchMatchesOneProcess) {
   for (const std::vector<int>& split : splits) {
     const auto [total, most, what] = summarize(split);
     const Trained one = train_split(make_single_process_communicator(), Stage::Zero1, {total});
-    for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory}) {
-      const std::string at = what + (kind == MpiCommKind::Plain ? " mpi" : " shm");
+    for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
+     for (Stage stage : {Stage::Zero2, Stage::Zero3}) {
+      const std::string at = what + (kind == MpiCommKind::Plain ? " mpi " : " shm ") + stage_name(stage);
       auto counting = std::make_shared<CountingComm>(mpi(kind));
       MemoryPlan plan;
-      expect_same(train_split(counting, Stage::Zero2, split, &plan), one, at);
+      expect_same(train_split(counting, stage, split, &plan), one, at);
       if (HasFatalFailure()) return;
       if (world == 1) continue;  // one rank keeps the full buffer: the full-buffer path
       EXPECT_TRUE(plan.staged) << at << ": the sharded path must run";
@@ -654,8 +655,10 @@ TEST(Reproducible, Stage2ShardedMemoryEqualsThePlanAndIsBelowTheFullBuffer) {
   auto w = mpi(MpiCommKind::SharedMemory);
   const int world = w->size();
   if (world == 1) GTEST_SKIP() << "one rank keeps the full buffer";
-  const auto make = [&](Reduction reduction) {
-    OptimizerOptions o = options(Stage::Zero2, 1024);
+  for (Stage stage : {Stage::Zero2, Stage::Zero3}) {
+  SCOPED_TRACE(stage_name(stage));
+    const auto make = [&](Reduction reduction) {
+    OptimizerOptions o = options(stage, 1024);
     o.reduction = reduction;
     auto opt = std::make_unique<ShardedOptimizer>(w, o);
     build(*opt);
@@ -701,6 +704,7 @@ TEST(Reproducible, Stage2ShardedMemoryEqualsThePlanAndIsBelowTheFullBuffer) {
   EXPECT_EQ(full->memory_report()[MemCategory::Grads], plan_memory(full->layout(), plan_config(full->options(), world))[MemCategory::Grads]);
   EXPECT_LT(ps[MemCategory::Grads] + ps[MemCategory::Scratch], pf[MemCategory::Grads] + pf[MemCategory::Scratch]);
   EXPECT_LT(ps[MemCategory::Grads], pf[MemCategory::Grads]);
+  }
 }
 
 // The default reduction is not reproducible across rank counts on these gradients: the check
