@@ -957,7 +957,7 @@ StepResult ShardedOptimizer::step() {
   // reductions its peers wait in (one small all-reduce per stage-3 step). With the sharded
   // exact accumulation (reproducible mode, SHARDOPT_REPRO_EXCHANGE=sharded) peers with more
   // micro-batches are still in their exchange rounds: a rank joins those first, so there the
-  // agreement comes after the reduction (a rank holding a unit still fails with the others).
+  // agreement comes after the reduction.
   const bool rounds_first = finalized_ && units_ && buckets_->exchanges_each_micro_batch();
   const double blocked_before = rounds_first ? buckets_->blocked_seconds() : 0.0;
   LapTimer early;
