@@ -15,9 +15,10 @@
 // Adafactor (adafactor_update): the passes of adafactor_op.hpp, every sum in the CPU's fixed
 // order (one work item per chain), so the result is the CPU's bit for bit; no host wait.
 //
-// Reproducible mode (exact_*): the two-phase method's passes of exact_op.hpp, the element math
-// of src/exact_element.hpp that the CPU's kernels run too; the exact sum of squares is an
-// integer reduction (any order, the same digits) read back to the host.
+// Reproducible mode (exact_*): the passes of exact_op.hpp (the deposit, the exchanges' pack
+// and combines, the two-phase method's), the element math of src/exact_element.hpp that the
+// CPU's kernels run too; the exact sum of squares is an integer reduction (any order, the same
+// digits) read back to the host.
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -293,6 +294,29 @@ class CudaBackend final : public Backend {
       squares.merge(part);  // normalises both: digits below 2^63 before the sum
     }
   }
+  void exact_combine(const float* const* src, int nsrc, float* dst, std::size_t n,
+                     cpu::SquareDigits& squares) override {
+    combine_blocks(dev::ExactOp::CombineRaw, reinterpret_cast<const void* const*>(src), sizeof(float), nsrc,
+                   dst, n);
+    exact_square_add(dst, n, squares);
+  }
+  void exact_combine_packed(const std::uint64_t* const* src, int nsrc, float* dst, std::size_t n,
+                            cpu::SquareDigits& squares) override {
+    combine_blocks(dev::ExactOp::CombinePacked, reinterpret_cast<const void* const*>(src),
+                   sizeof(std::uint64_t), nsrc, dst, n);
+    exact_square_add(dst, n, squares);
+  }
+  void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top, const std::int64_t* low,
+                          const std::uint8_t* level, std::uint64_t* out) override {
+    dev::ExactOp op;
+    op.pass = dev::ExactOp::DepositPack;
+    op.g = g;
+    op.top = const_cast<std::int64_t*>(top);      // read only in this pass
+    op.low = const_cast<std::int64_t*>(low);      // read only in this pass
+    op.level = const_cast<std::uint8_t*>(level);  // read only in this pass (null: all empty)
+    op.words = out;
+    dev::exact_pass(stream_, op, n);
+  }
   void lion_update(std::span<const LionSegment> segments, float* master, const float* grad,
                    float* m, void* replica, DType replica_dtype) override {
     // Groups are few: one launch per segment, its scalars by value (no upload).
@@ -457,6 +481,24 @@ class CudaBackend final : public Backend {
   void synchronize() override { dev::host_wait(stream_); }
 
  private:
+  // The combines read the blocks in one kernel: they must lie one stride apart (the device
+  // communicator's receive buffer holds them so; Backend::exact_combine).
+  void combine_blocks(dev::ExactOp::Pass pass, const void* const* src, std::size_t elem_bytes, int nsrc,
+                      float* dst, std::size_t n) {
+    require(nsrc >= 1, Status::Internal, "exact_combine: no blocks");
+    const auto at = [&](int r) { return reinterpret_cast<std::uintptr_t>(src[r]); };
+    const std::uintptr_t step = nsrc > 1 ? at(1) - at(0) : 0;
+    for (int r = 1; r < nsrc; ++r)
+      require(at(r) - at(0) == static_cast<std::uintptr_t>(r) * step && step % elem_bytes == 0, Status::Internal,
+              "exact_combine on the device: the blocks must lie one stride apart");
+    dev::ExactOp op;
+    op.pass = pass;
+    op.src = src[0];
+    op.stride = step / elem_bytes;
+    op.nsrc = nsrc;
+    op.dst = dst;
+    dev::exact_pass(stream_, op, n);
+  }
   struct Slot {
     Allocation host, device;
     cudaEvent_t uploaded = nullptr;

@@ -59,7 +59,7 @@ DevicePartials sum_squares_partials(cudaStream_t stream, const float* x, std::si
 void sum_squares_slices(cudaStream_t stream, const NormPlan& plan, const NormLevelEntry* entries,
                         const NormSliceLast* last, double* results);
 
-/// One pass of reproducible mode's two-phase method over n elements (exact_op.hpp).
+/// One of reproducible mode's passes over n elements (exact_op.hpp).
 void exact_pass(cudaStream_t stream, const ExactOp& op, std::size_t n);
 /// Waits for the stream; the exact squares of x[0, n) (n <= ExactDigits::kMaxValues).
 ExactDigits exact_square_digits(cudaStream_t stream, const float* x, std::size_t n);

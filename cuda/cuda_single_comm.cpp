@@ -45,6 +45,14 @@ class CudaSingleProcessCommunicator final : public Communicator {
   // The integer reductions of one rank: the buffer is the result.
   void reduce_scatter_int(void*, std::size_t, IntOp) override {}
   void all_reduce_int(void*, std::size_t, IntOp) override {}
+  // Reproducible mode's exchanges at one rank: the block is the whole input, combined on the
+  // compute stream by the backend's kernel.
+  bool reduce_scatter_combine(const void* in, std::size_t, float* out, std::size_t count,
+                              BlockCombiner& op) override {
+    const void* src[1] = {in};
+    if (count != 0) op.combine(out, src, 1, count);
+    return true;
+  }
   void all_reduce_sum_host(double* buf, std::size_t count) override {
     host_->all_reduce_sum_host(buf, count);
   }

@@ -127,7 +127,7 @@ void sum_squares_slices(Policy&& exec, const NormLevelEntry* entries,
   if (slices) thrust::for_each_n(exec, Index(0), slices, NormCombine{last, results});
 }
 
-/// One pass of reproducible mode's two-phase method over n elements (exact_op.hpp).
+/// One of reproducible mode's passes over n elements (exact_op.hpp).
 template <class Policy>
 void exact_pass(Policy&& exec, const ExactOp& op, std::size_t n) {
   if (n) thrust::for_each_n(exec, Index(0), n, op);

@@ -1,6 +1,6 @@
-// exact_op.hpp: reproducible mode's two-phase exact sums (src/exact_sum.hpp) on the device:
-// one work item per element for each pass, and the exact sum of squares as an integer
-// reduction.
+// exact_op.hpp: reproducible mode's exact sums (src/exact_sum.hpp) on the device: one work
+// item per element for each pass (the deposit, the exchanges' pack and combines, the
+// two-phase method's passes), and the exact sum of squares as an integer reduction.
 //
 // Plain C++ with __host__ __device__ members, like lion_op.hpp: the CUDA kernels, the Thrust
 // OpenMP build and the fake device run this same code. The element math is
@@ -15,7 +15,17 @@
 
 namespace shardopt::dev {
 
-/// One pass of the two-phase method over elements [0, n) of the pointers (Backend::exact_*).
+/// Rank r's element at `at` in blocks `stride` elements apart (an exchange's received blocks).
+template <class T>
+struct StridedValue {
+  const T* at;
+  std::size_t stride;
+  SHARDOPT_HD T operator()(int r) const { return at[static_cast<std::size_t>(r) * stride]; }
+};
+
+/// One pass over elements [0, n) of the pointers (Backend::exact_*): the two-phase method's,
+/// and the exchanges' (the packed state with the last micro-batch deposited, the combines of
+/// nsrc received blocks at src, src + stride, ...).
 struct ExactOp {
   enum Pass : int {
     Deposit,        ///< elem::deposit(g[i], top[i], low[i], level[i])
@@ -23,6 +33,9 @@ struct ExactOp {
     RoundToLevels,  ///< top[i] = elem::round_to_level(g[i], level[i])
     Lift,           ///< top[i] = elem::lift(mine[i], level[i], top[i], low[i])
     SumsToFloat,    ///< dst[i] = elem::sum_to_float(top[i], level[i])
+    DepositPack,    ///< words[i] = elem::pack of the state (level, top, low; none: empty) with g[i]
+    CombineRaw,     ///< dst[i] = elem::combine_raw of src's fp32 values
+    CombinePacked,  ///< dst[i] = elem::combine_packed of src's packed words
   };
   Pass pass = Deposit;
   const float* g = nullptr;
@@ -31,6 +44,10 @@ struct ExactOp {
   std::int64_t* low = nullptr;
   std::uint8_t* level = nullptr;
   const std::uint8_t* mine = nullptr;
+  std::uint64_t* words = nullptr;
+  const void* src = nullptr;
+  std::size_t stride = 0;
+  int nsrc = 0;
 
   SHARDOPT_HD void operator()(std::size_t i) const {
     switch (pass) {
@@ -39,6 +56,22 @@ struct ExactOp {
       case RoundToLevels: top[i] = exact::elem::round_to_level(g[i], level[i]); break;
       case Lift: top[i] = exact::elem::lift(mine[i], level[i], top[i], low[i]); break;
       case SumsToFloat: dst[i] = exact::elem::sum_to_float(top[i], level[i]); break;
+      case DepositPack: {
+        // The state stays as it was: the deposit goes into copies.
+        std::uint8_t l = level != nullptr ? level[i] : std::uint8_t{0};
+        std::int64_t t = level != nullptr ? top[i] : 0;
+        std::int64_t lo = level != nullptr ? low[i] : 0;
+        exact::elem::deposit(g[i], t, lo, l);
+        words[i] = exact::elem::pack(l, t, lo);
+        break;
+      }
+      case CombineRaw:
+        dst[i] = exact::elem::combine_raw(StridedValue<float>{static_cast<const float*>(src) + i, stride}, nsrc);
+        break;
+      case CombinePacked:
+        dst[i] = exact::elem::combine_packed(
+            StridedValue<std::uint64_t>{static_cast<const std::uint64_t*>(src) + i, stride}, nsrc);
+        break;
     }
   }
 };

@@ -184,6 +184,7 @@ class NcclCommunicator final : public Communicator, public dev::Watchdog {
       }
     }
     if (scratch_ != nullptr) cudaFree(scratch_);
+    if (combine_ != nullptr) cudaFree(combine_);
     if (before_ != nullptr) cudaEventDestroy(before_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     close_notices();
@@ -324,6 +325,55 @@ class NcclCommunicator final : public Communicator, public dev::Watchdog {
         return ncclBroadcast(block, block, n, nccl_type(type), r, comm_, stream_);
       }, off);
     }));
+  }
+
+  // Reproducible mode's exchanges of raw values and packed states (ExactGrads::reduce_direct,
+  // reduce_packed; Communicator::reduce_scatter_combine). Per chunk of at most
+  // kCombineBytes received bytes: one NCCL group of ncclSend/ncclRecv pairs (block r's chunk
+  // to rank r, rank r's chunk of this rank's block into the receive buffer; this rank's own
+  // chunk by a device copy), a watched host wait for it, then `op` combines the chunk on the
+  // compute stream, reading the received blocks one stride apart (Backend::exact_combine).
+  // The next chunk's exchange is queued after the compute stream's work (enqueue), so the
+  // buffer is reused safely. In place (out == in): a chunk's result overwrites only this
+  // rank's block at offsets already received.
+  bool reduce_scatter_combine(const void* in, std::size_t elem_bytes, float* out, std::size_t count,
+                              BlockCombiner& op) override {
+    constexpr std::size_t kCombineBytes = std::size_t{64} << 20;
+    if (count == 0) return true;
+    const std::size_t ranks = static_cast<std::size_t>(size());
+    const std::size_t me = static_cast<std::size_t>(rank());
+    const std::size_t chunk = std::max<std::size_t>(1, kCombineBytes / elem_bytes / ranks);
+    char* recv = combine_buffer(std::min(chunk, count) * ranks * elem_bytes);
+    const char* src = static_cast<const char*>(in);
+    float* own = out + me * count;
+    std::vector<const void*> blocks(ranks);
+    for (std::size_t c0 = 0; c0 < count; c0 += chunk) {
+      const std::size_t k = std::min(chunk, count - c0);
+      const std::size_t bytes = k * elem_bytes;
+      for (std::size_t r = 0; r < ranks; ++r) blocks[r] = recv + r * bytes;
+      const std::shared_ptr<Pending> p = enqueue("ncclSend/ncclRecv (exact exchange)", [&] {
+        const auto block = [&](std::size_t r) { return src + (r * count + c0) * elem_bytes; };
+        SHARDOPT_CUDA_CHECK(cudaMemcpyAsync(recv + me * bytes, block(me), bytes, cudaMemcpyDeviceToDevice, stream_));
+        if (ranks == 1) return;
+        nccl("ncclGroupStart", ncclGroupStart());
+        ncclResult_t first = ncclSuccess;
+        const auto keep = [&](ncclResult_t rc) {
+          if (first == ncclSuccess && rc != ncclSuccess && rc != ncclInProgress) first = rc;
+        };
+        for (std::size_t r = 0; r < ranks; ++r) {
+          if (r == me) continue;
+          const int peer = static_cast<int>(r);
+          keep(ncclSend(block(r), bytes, ncclUint8, peer, comm_, stream_));
+          keep(ncclRecv(recv + r * bytes, bytes, ncclUint8, peer, comm_, stream_));
+        }
+        nccl("ncclGroupEnd", ncclGroupEnd());
+        nccl("ncclSend/ncclRecv", first);
+      });
+      SHARDOPT_CUDA_CHECK(cudaStreamWaitEvent(compute(), p->done, 0));
+      dev::host_wait(p->done);
+      op.combine(own + c0, blocks.data(), size(), k);
+    }
+    return true;
   }
 
   // Host collectives refuse to run after an abort too: a rank that has seen the abort must
@@ -558,6 +608,20 @@ class NcclCommunicator final : public Communicator, public dev::Watchdog {
     return static_cast<bf16*>(scratch_);
   }
 
+  // The exchanges' receive buffer (reduce_scatter_combine), grown on demand.
+  char* combine_buffer(std::size_t bytes) {
+    if (bytes > combine_bytes_) {
+      if (combine_ != nullptr) {
+        dev::host_wait(compute());  // the old buffer may still be read by a combine
+        SHARDOPT_CUDA_CHECK(cudaFree(combine_));
+        combine_ = nullptr;
+      }
+      SHARDOPT_CUDA_CHECK(cudaMalloc(&combine_, bytes));
+      combine_bytes_ = bytes;
+    }
+    return static_cast<char*>(combine_);
+  }
+
   std::shared_ptr<mpi::Watchdog> dog_;  // the host side's: timeout, and check() while it waits
   std::shared_ptr<Communicator> host_;  // plain MPI, for metadata and the bootstrap
   cudaStream_t compute_ = nullptr;      // the trainer's (nullptr: legacy default stream)
@@ -566,6 +630,8 @@ class NcclCommunicator final : public Communicator, public dev::Watchdog {
   cudaEvent_t before_ = nullptr;
   void* scratch_ = nullptr;
   std::size_t scratch_elems_ = 0;
+  void* combine_ = nullptr;
+  std::size_t combine_bytes_ = 0;
   ncclComm_t comm_ = nullptr;
   int version_ = 0;
   std::uint64_t next_seq_ = 0;

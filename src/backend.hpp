@@ -138,6 +138,27 @@ class Backend {
   /// The exact squares of x[0, n) join `squares` (host memory; device backends wait for it).
   virtual void exact_square_add(const float* x, std::size_t n, cpu::SquareDigits& squares);
 
+  // ---- reproducible mode's exchanges (ExactGrads::reduce_direct, reduce_packed) ------------
+  // What an owner does with the blocks that Communicator::reduce_scatter_combine delivers,
+  // in this backend's memory, and the packed state that goes on the wire. The element math is
+  // exact_element.hpp's (cpu::exact_combine, exact_combine_packed and exact_deposit_pack say
+  // the same in detail). A device backend takes src[r] = src[0] + r * stride, one stride for
+  // every r (how a device communicator delivers the blocks; Error(Internal) otherwise). The
+  // default throws Error(Unsupported).
+  /// dst[i] = the exact sum of src[0][i], ..., src[nsrc - 1][i] (raw fp32 values) rounded
+  /// once to fp32; the exact squares of dst join `squares`.
+  virtual void exact_combine(const float* const* src, int nsrc, float* dst, std::size_t n,
+                             cpu::SquareDigits& squares);
+  /// dst[i] = the exact sum of the packed states src[.][i] rounded once to fp32; the exact
+  /// squares of dst join `squares`.
+  virtual void exact_combine_packed(const std::uint64_t* const* src, int nsrc, float* dst,
+                                    std::size_t n, cpu::SquareDigits& squares);
+  /// out[i] = the packed state of the bins (top, low, level; level null: all empty) with g[i]
+  /// deposited; the bins are not changed.
+  virtual void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
+                                  const std::int64_t* low, const std::uint8_t* level,
+                                  std::uint64_t* out);
+
   /// Waits for queued work (device backends); a no-op on the CPU.
   virtual void synchronize() {}
 };

@@ -502,10 +502,7 @@ void BucketSet::reduce_exactly() {
   // states the slowest method it needs, and counts its micro-batches (the average divides
   // by the step's total: counts may differ between ranks).
   ExactMethod need = exact_floor_;
-  // A device backend has the two-phase method only (its integer reductions are the device
-  // communicator's; the exchanges combine raw values in host memory).
-  if (comm_.device_buffers()) need = ExactMethod::TwoPhase;
-  else if (micro_batches_ > cpu::kPackedMaxMicroBatches) need = ExactMethod::TwoPhase;
+  if (micro_batches_ > cpu::kPackedMaxMicroBatches) need = ExactMethod::TwoPhase;
   else if (exact_.deposited() && need == ExactMethod::Direct) need = ExactMethod::Packed;
   double agreed[4] = {need != ExactMethod::Direct ? 1.0 : 0.0, need == ExactMethod::TwoPhase ? 1.0 : 0.0,
                       static_cast<double>(micro_batches_), exact_no_share_ ? 1.0 : 0.0};
@@ -538,11 +535,12 @@ void BucketSet::reduce_exactly() {
     if (!exact::exchanges(bk, whole)) {
       // the two-phase method below, for this bucket only
     } else if (exact_method_ == ExactMethod::Direct) {
-      if (exact_.reduce_direct(comm_, bk, whole, grads, exact_squares_)) continue;
+      if (exact_.reduce_direct(comm_, backend_, bk, whole, grads, exact_squares_)) continue;
       widen_everywhere();
       exact_method_ = ExactMethod::TwoPhase;
     } else if (exact_method_ == ExactMethod::Packed) {
-      if (exact_.reduce_packed(comm_, bk, whole, grads, exact_wire_.as<std::uint64_t>(), exact_squares_))
+      if (exact_.reduce_packed(comm_, backend_, bk, whole, grads, exact_wire_.as<std::uint64_t>(),
+                                exact_squares_))
         continue;
       widen_everywhere();
       exact_method_ = ExactMethod::TwoPhase;

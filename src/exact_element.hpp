@@ -121,6 +121,74 @@ SHARDOPT_HD float sum_to_float(std::int64_t sum, std::uint8_t l) {
                                 : to_float(sum, 24 * static_cast<int>(l) - 174);
 }
 
+/// The grid of the exchanges' one-pass combines (cpu::exact_grid_exponent): the low bin of
+/// the level of biased exponent field e, 2^(24 L - 174).
+SHARDOPT_HD constexpr int grid_exponent(std::uint32_t e) { return 24 * static_cast<int>((e + 24) / 24) - 174; }
+
+/// The direct exchange's combine of one element (cpu::exact_combine): value(r) is rank r's
+/// raw fp32 value, r < ranks. Each value rounded to the grid of the largest exponent among
+/// them (an integer below 2^47 in magnitude), the integers summed exactly in int64, the sum
+/// rounded once to fp32; the quiet NaN if any value is NaN or Inf. The same bits as the
+/// two-phase method on those values (exact_sum.hpp).
+template <class Value>
+SHARDOPT_HD float combine_raw(const Value& value, int ranks) {
+  std::uint32_t e = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const std::uint32_t f = (float_bits(value(r)) >> 23) & 0xffu;
+    e = f > e ? f : e;
+  }
+  if (e == 0xffu) return bits_float(kQuietNan);
+  const int g = grid_exponent(e);
+  const double down = pow2(-g);
+  std::int64_t sum = 0;
+  for (int r = 0; r < ranks; ++r)
+    sum += static_cast<std::int64_t>(round_to_integer(static_cast<double>(value(r)) * down));
+  return to_float(sum, g);
+}
+
+/// The packed word of one element's state (cpu::exact_pack): bits 0-3 the level (0 empty,
+/// 1-11, kPackedNonFinite), bits 4-33 the top bin and 34-63 the low bin (two's complement).
+inline constexpr std::uint64_t kPackedNonFinite = 15;
+SHARDOPT_HD std::uint64_t pack(std::uint8_t l, std::int64_t top, std::int64_t low) {
+  // An empty element's bins are stale (reset on first use); a non-finite one's unused.
+  return l == 0                 ? 0
+         : l == kNonFiniteLevel ? kPackedNonFinite
+                                : l | ((static_cast<std::uint64_t>(top) & 0x3fffffffu) << 4) |
+                                      (static_cast<std::uint64_t>(low) << 34);
+}
+/// The bins a packed word holds (0 for empty and non-finite elements' bins).
+SHARDOPT_HD void unpack(std::uint64_t w, std::uint8_t& l, std::int64_t& top, std::int64_t& low) {
+  const std::uint64_t f = w & 15u;
+  l = f == kPackedNonFinite ? kNonFiniteLevel : static_cast<std::uint8_t>(f);
+  top = static_cast<std::int64_t>(w << 30) >> 34;
+  low = static_cast<std::int64_t>(w) >> 34;
+}
+
+/// The packed exchange's combine of one element (cpu::exact_combine_packed): word(r) is rank
+/// r's packed state, r < ranks. Each rank's bins lifted to the highest level G among them
+/// and summed in int64 on the grid b(G - 1), rounded once to fp32; +0 when all are empty,
+/// the quiet NaN when one is non-finite.
+template <class Word>
+SHARDOPT_HD float combine_packed(const Word& word, int ranks) {
+  std::uint64_t g = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const std::uint64_t l = word(r) & 15u;
+    g = l > g ? l : g;
+  }
+  if (g == kPackedNonFinite) return bits_float(kQuietNan);
+  if (g == 0) return 0.0f;
+  std::int64_t sum = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const std::uint64_t w = word(r);
+    const std::int64_t top = static_cast<std::int64_t>(w << 30) >> 34;
+    const std::int64_t low = static_cast<std::int64_t>(w) >> 34;
+    const std::uint64_t l = w & 15u;
+    if (l == g) sum += top * (std::int64_t{1} << 24) + low;
+    else if (l + 1 == g) sum += top;
+  }
+  return to_float(sum, 24 * static_cast<int>(g) - 174);  // the grid b(G - 1)
+}
+
 /// The exact square of one fp32 value as 32-bit digits of v^2 / 2^kDigitBase
 /// (cpu::SquareDigits): what add() must add to digit[at], digit[at + 1], digit[at + 2] (each
 /// below 2^33). Returns 0 for a zero (nothing to add), 1 for a finite value, 2 for +-Inf, 3

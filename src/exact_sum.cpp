@@ -155,33 +155,35 @@ void ExactGrads::reduce(Communicator& comm, const Bucket& bk, bool whole, float*
 
 namespace {
 
-// The direct exchange's combine: cpu::exact_combine of raw fp32 values, with the squares of
-// what it writes.
+// The direct exchange's combine: the backend's exact_combine of raw fp32 values, with the
+// squares of what it writes.
 class RawCombiner final : public BlockCombiner {
  public:
-  explicit RawCombiner(cpu::SquareDigits& squares) : squares_(squares) {}
+  RawCombiner(Backend& backend, cpu::SquareDigits& squares) : backend_(backend), squares_(squares) {}
   void combine(float* dst, const void* const* src, int nsrc, std::size_t n) override {
     at_.resize(static_cast<std::size_t>(nsrc));
     for (int r = 0; r < nsrc; ++r) at_[static_cast<std::size_t>(r)] = static_cast<const float*>(src[r]);
-    cpu::exact_combine(at_.data(), nsrc, dst, n, &squares_);
+    backend_.exact_combine(at_.data(), nsrc, dst, n, squares_);
   }
 
  private:
+  Backend& backend_;
   cpu::SquareDigits& squares_;
   std::vector<const float*> at_;
 };
 
-// The packed exchange's combine: cpu::exact_combine_packed of every rank's state.
+// The packed exchange's combine: the backend's exact_combine_packed of every rank's state.
 class PackedCombiner final : public BlockCombiner {
  public:
-  explicit PackedCombiner(cpu::SquareDigits& squares) : squares_(squares) {}
+  PackedCombiner(Backend& backend, cpu::SquareDigits& squares) : backend_(backend), squares_(squares) {}
   void combine(float* dst, const void* const* src, int nsrc, std::size_t n) override {
     at_.resize(static_cast<std::size_t>(nsrc));
     for (int r = 0; r < nsrc; ++r) at_[static_cast<std::size_t>(r)] = static_cast<const std::uint64_t*>(src[r]);
-    cpu::exact_combine_packed(at_.data(), nsrc, dst, n, &squares_);
+    backend_.exact_combine_packed(at_.data(), nsrc, dst, n, squares_);
   }
 
  private:
+  Backend& backend_;
   cpu::SquareDigits& squares_;
   std::vector<const std::uint64_t*> at_;
 };
@@ -253,17 +255,17 @@ void ExactGrads::round_to(std::size_t begin, std::size_t n, float* dst) {
   backend_->exact_sums_to_float(top_ + begin, level_ + begin, dst, n);
 }
 
-bool ExactGrads::reduce_direct(Communicator& comm, const Bucket& bk, bool whole, float* grads,
-                               SquareSum& squares) {
+bool ExactGrads::reduce_direct(Communicator& comm, Backend& backend, const Bucket& bk, bool whole,
+                               float* grads, SquareSum& squares) {
   float* data = grads + bk.flat.begin;
-  RawCombiner op(squares.digits());
+  RawCombiner op(backend, squares.digits());
   if (!comm.reduce_scatter_combine(data, sizeof(float), data, bk.slice_elems, op)) return false;
   if (whole) comm.all_gather_inplace(data, bk.slice_elems, CommType::F32);
   return true;
 }
 
-bool ExactGrads::reduce_packed(Communicator& comm, const Bucket& bk, bool whole, float* grads,
-                               std::uint64_t* wire, SquareSum& squares) {
+bool ExactGrads::reduce_packed(Communicator& comm, Backend& backend, const Bucket& bk, bool whole,
+                               float* grads, std::uint64_t* wire, SquareSum& squares) {
   const std::size_t b = bk.flat.begin;
   const std::size_t n = bk.flat.size();
   if (shared_) {
@@ -280,11 +282,13 @@ bool ExactGrads::reduce_packed(Communicator& comm, const Bucket& bk, bool whole,
   }
   // The state with the last micro-batch deposited, straight into the wire buffer (the state
   // stays as it was: a refusal leaves reduce() everything to do).
-  if (is_compact() || level_ == nullptr)  // the words, or nothing deposited on this rank
+  if (is_compact())  // the words (host memory)
     cpu::exact_deposit_packed(grads + b, n, deposits_ > 0 ? words_ + b : nullptr, wire);
-  else
-    cpu::exact_deposit_pack(grads + b, n, top_ + b, low_ + b, level_ + b, wire);
-  PackedCombiner op(squares.digits());
+  else  // the bins, or nothing deposited on this rank (no accumulator: all empty)
+    backend.exact_deposit_pack(grads + b, n, level_ != nullptr ? top_ + b : nullptr,
+                               level_ != nullptr ? low_ + b : nullptr, level_ != nullptr ? level_ + b : nullptr,
+                               wire);
+  PackedCombiner op(backend, squares.digits());
   if (!comm.reduce_scatter_combine(wire, sizeof(std::uint64_t), grads + b, bk.slice_elems, op)) return false;
   if (whole) comm.all_gather_inplace(grads + b, bk.slice_elems, CommType::F32);
   return true;
@@ -352,5 +356,15 @@ void Backend::exact_sums_to_float(const std::int64_t*, const std::uint8_t*, floa
   no_exact_sums(*this);
 }
 void Backend::exact_square_add(const float*, std::size_t, cpu::SquareDigits&) { no_exact_sums(*this); }
+void Backend::exact_combine(const float* const*, int, float*, std::size_t, cpu::SquareDigits&) {
+  no_exact_sums(*this);
+}
+void Backend::exact_combine_packed(const std::uint64_t* const*, int, float*, std::size_t, cpu::SquareDigits&) {
+  no_exact_sums(*this);
+}
+void Backend::exact_deposit_pack(const float*, std::size_t, const std::int64_t*, const std::int64_t*,
+                                 const std::uint8_t*, std::uint64_t*) {
+  no_exact_sums(*this);
+}
 
 }  // namespace shardopt

@@ -123,7 +123,9 @@ class SquareSum {
 ///     micro-batch deposited on the way into the wire buffer. Before a deposit past that
 ///     limit, or for the two-phase method (reduce()), the owner widens it (widen(): the bins,
 ///     unpacked from the words, which are released).
-/// The exchanges reduce_direct() and reduce_packed() and pack() are host memory only.
+/// The exchanges reduce_direct() and reduce_packed() run in the memory of the backend they are
+/// given (its exact_combine, exact_combine_packed and exact_deposit_pack; the compact form is
+/// host memory); pack() is host memory only.
 class ExactGrads {
  public:
   ExactGrads() = default;
@@ -172,20 +174,20 @@ class ExactGrads {
   /// reduce() (BucketSet::reduce_exactly), whose result they equal bit for bit.
   /// Collective, for one micro-batch per rank on every rank (nothing deposited anywhere):
   /// the same result as reduce(), by the direct exchange (Communicator::
-  /// reduce_scatter_combine: 4 bytes per element, one pass, cpu::exact_combine), and the
+  /// reduce_scatter_combine: 4 bytes per element, one pass, backend.exact_combine), and the
   /// exact squares of the elements this rank combined join `squares` (summed over ranks:
   /// every element of the bucket once). Returns false, having done nothing, when the
   /// communicator cannot exchange raw values (the same answer on every rank).
-  bool reduce_direct(Communicator& comm, const Bucket& bk, bool whole, float* grads,
-                     SquareSum& squares);
+  bool reduce_direct(Communicator& comm, Backend& backend, const Bucket& bk, bool whole,
+                     float* grads, SquareSum& squares);
   /// Collective, when some rank accumulated several micro-batches (each at most
   /// cpu::kPackedMaxMicroBatches): the same result as reduce(), by the packed exchange. The
   /// bucket's state with the last micro-batch (in `grads`) deposited is packed into `wire`
   /// (the bucket's size, 8 bytes per element, a buffer the communicator moves fast; from the
   /// compact form's words in one pass, cpu::exact_deposit_packed, or from the bins,
-  /// cpu::exact_deposit_pack; a default-constructed accumulator is all empty) and
+  /// backend.exact_deposit_pack; a default-constructed accumulator is all empty) and
   /// every owner combines all ranks' states (Communicator::reduce_scatter_combine, 8 bytes
-  /// per element, cpu::exact_combine_packed) into its slice of `grads`, taking the exact
+  /// per element, backend.exact_combine_packed) into its slice of `grads`, taking the exact
   /// squares of the result into `squares`. With shared() words, on a communicator that reads
   /// them in place (Communicator::reduce_scatter_combine_pair), there is no wire buffer: each
   /// owner reads every rank's words and last micro-batch where they lie and deposits the
@@ -194,8 +196,8 @@ class ExactGrads {
   /// exchange); a rank that deposited nothing clears its words of the bucket first (empty
   /// states). Returns false, the state and `grads` untouched,
   /// when the communicator cannot exchange (reduce() then does the bucket, after widen()).
-  bool reduce_packed(Communicator& comm, const Bucket& bk, bool whole, float* grads,
-                     std::uint64_t* wire, SquareSum& squares);
+  bool reduce_packed(Communicator& comm, Backend& backend, const Bucket& bk, bool whole,
+                     float* grads, std::uint64_t* wire, SquareSum& squares);
   /// Stage 2's sharded accumulation (BufferPlan::exact_sharded): the accumulator then covers
   /// only this rank's owned elements (its local arrays' coordinates, grads_bytes(owned, 0)).
   /// Collective: the direct exchange (Communicator::reduce_scatter_combine, 4 bytes per

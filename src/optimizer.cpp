@@ -468,9 +468,9 @@ void ShardedOptimizer::finalize() {
   collective(*comm_, "finalize", [&] {
     if (zero3) b.replica = local_buffer(plan.replica);
     if (staged) grads.grads = local_buffer(plan.grads);
-    // A device's reproducible reduction (the two-phase method) needs the accumulator at
-    // every step: it is allocated here, as the planner counts it.
-    if (plan.exact.bytes > 0 && (!plan.exact.on_demand || options_.device != Device::Cpu))
+    // Reproducible mode's accumulator: here when ragged buckets need it at every step (the
+    // planner counts it), else on demand (the first deposit, or the two-phase method).
+    if (plan.exact.bytes > 0 && !plan.exact.on_demand)
       grads.exact = local_buffer(plan.exact);
     if (plan.master.bytes > 0) b.master = local_buffer(plan.master);
     for (std::size_t k = 0; k < b.slots.size(); ++k) b.slots[k] = local_buffer(plan.state[k]);

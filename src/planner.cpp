@@ -149,10 +149,6 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   plan.reduce_bytes = b.reduce_bytes;
   plan.reduce_bytes_accumulated = b.reduce_bytes_accumulated;
   plan.reduce_bytes_in_place = b.reduce_bytes_in_place;
-  if (config.reduction == Reduction::Reproducible && config.device != Device::Cpu)
-    // The device takes the two-phase method at every step: 9 bytes per padded element
-    // (reproducible mode's reduce_bytes are 4 per padded element).
-    plan.reduce_bytes = plan.reduce_bytes_accumulated = plan.reduce_bytes_in_place = b.reduce_bytes / 4 * 9;
   plan.unpadded_elems = built.unpadded_size();
   plan.padded_elems = built.padded_size();
   plan.owned_elems = b.local_elems;
@@ -180,8 +176,7 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
     if (!s.on_demand) plan.bytes[static_cast<int>(s.category)] += s.bytes;
   if (config.accumulate_without_sync && plan.staged)
     plan.bytes[static_cast<int>(b.accumulate.category)] += b.accumulate.bytes;
-  // On the device the two-phase method needs the accumulator at every step: from finalize.
-  if ((config.accumulate_without_sync || config.device != Device::Cpu) && b.exact.on_demand)
+  if (config.accumulate_without_sync && b.exact.on_demand)
     plan.bytes[static_cast<int>(b.exact.category)] += b.exact.bytes;
   if (config.grad_views_across_buckets && plan.staged)
     plan.bytes[static_cast<int>(b.spill.category)] += b.spill.bytes;

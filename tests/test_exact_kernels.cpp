@@ -825,7 +825,7 @@ TEST(ExactKernels, CompactAccumulatorEqualsTheBins) {
       std::vector<std::uint64_t> before(n), after(n), wire(n);
       acc.pack(0, n, before.data());
       exact::SquareSum squares;
-      ASSERT_TRUE(acc.reduce_packed(*comm, bk, false, out.data(), wire.data(), squares)) << what;
+      ASSERT_TRUE(acc.reduce_packed(*comm, cpu_backend(), bk, false, out.data(), wire.data(), squares)) << what;
       acc.pack(0, n, after.data());
       expect_same(after, before, what + ", state after the exchange");
       expect_same(out, want, what + ", the packed exchange");

@@ -449,10 +449,12 @@ TEST(Planner, InternodeBytesPerNodeAndStep) {
   EXPECT_THROW(plan_memory(layout, c), Error) << "3 nodes do not divide 4 ranks";
 }
 
-// Reproducible mode on Device::Cuda takes the two-phase method at every step: its exact
-// accumulator (the bins) is planned from finalize (the CPU plans its packed words only with
-// accumulate_without_sync, allocating them at the first step that needs them) and both wire figures are 9 bytes per padded
-// element (a level maximum and an int64 sum); stage 3 is refused, as the optimizer refuses it.
+// Reproducible mode on Device::Cuda takes the CPU's exchanges: with one micro-batch per rank
+// no accumulator and 4 wire bytes per padded element (the direct exchange), with several the
+// bins (17 bytes per element and one per element of the largest bucket, where the CPU
+// accumulates in its packed words, 8 bytes per element), planned with accumulate_without_sync
+// as the CPU's, and 8 wire bytes (the packed exchange); stage 3 is refused, as the optimizer
+// refuses it.
 TEST(Planner, ReproducibleOnTheDevice) {
   FlatLayout layout;
   layout.add("a", 1000, 0);
@@ -465,16 +467,17 @@ TEST(Planner, ReproducibleOnTheDevice) {
   const MemoryPlan cpu = plan_memory(layout, c);
   c.accumulate_without_sync = true;
   const MemoryPlan cpu_accumulating = plan_memory(layout, c);
-  c.accumulate_without_sync = false;
   c.device = Device::Cuda;
+  const MemoryPlan gpu_accumulating = plan_memory(layout, c);
+  c.accumulate_without_sync = false;
   const MemoryPlan gpu = plan_memory(layout, c);
-  // The device's accumulator is the bins (17 bytes per element and one per element of the
-  // largest bucket); the CPU's the packed words (8 bytes per element, the compact form).
+  EXPECT_EQ(gpu[MemCategory::Grads], cpu[MemCategory::Grads]);
   EXPECT_EQ(cpu_accumulating[MemCategory::Grads], cpu[MemCategory::Grads] + 8 * cpu.padded_elems);
-  EXPECT_EQ(gpu[MemCategory::Grads], cpu[MemCategory::Grads] + 17 * gpu.padded_elems + gpu.bucket_elems);
+  EXPECT_EQ(gpu_accumulating[MemCategory::Grads], cpu[MemCategory::Grads] + 17 * gpu.padded_elems + gpu.bucket_elems);
   EXPECT_EQ(cpu.reduce_bytes, 4 * gpu.padded_elems);
-  EXPECT_EQ(gpu.reduce_bytes, 9 * gpu.padded_elems);
-  EXPECT_EQ(gpu.reduce_bytes_accumulated, gpu.reduce_bytes);
+  EXPECT_EQ(gpu.reduce_bytes, 4 * gpu.padded_elems);
+  EXPECT_EQ(gpu.reduce_bytes_accumulated, 8 * gpu.padded_elems);
+  EXPECT_EQ(gpu.reduce_bytes_in_place, gpu.reduce_bytes_accumulated) << "the in-place deposit is shared memory's";
   c.stage = Stage::Zero3;
   EXPECT_THROW(plan_memory(layout, c), Error);
   c.device = Device::Cpu;

@@ -32,9 +32,9 @@ enum class Reduction : int {
   /// and communicator. One micro-batch per rank moves 4 wire bytes per element (the direct
   /// exchange of raw values) and needs no memory beyond the full fp32 gradient; several on
   /// some rank, 8 (the packed exchange; 9 past 63 per rank) and an exact accumulator of 17
-  /// bytes per element. On the CPU; on Device::Cuda at stages 0-2 with Ownership::Flat
-  /// (the two-phase method at every step: 9 wire bytes per element, the accumulator from
-  /// finalize; bit for bit the CPU's). The reduction runs inside step(), not during backward.
+  /// bytes per element. On the CPU; on Device::Cuda at stages 0-2 with Ownership::Flat (the
+  /// same exchanges over ncclSend/ncclRecv and the same bytes; bit for bit the CPU's). The
+  /// reduction runs inside step(), not during backward.
   Reproducible = 1,
 };
 const char* reduction_name(Reduction r) noexcept;

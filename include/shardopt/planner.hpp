@@ -58,11 +58,11 @@ struct PlanConfig {
   bool grad_views_across_buckets = false;
   /// Reduction::Reproducible keeps a full fp32 gradient at every stage (and, with
   /// accumulate_without_sync, an exact accumulator allocated at the first step that needs it:
-  /// on the CPU the packed words, 8 bytes per element; the bins, 17 bytes per element and
-  /// one per element of the largest bucket, always, from finalize, under Whole ownership at
-  /// stages 1-3 when some bucket is ragged, and on Device::Cuda, whose two-phase method needs
-  /// them at every step), and sends 4 bytes per element (8 with several micro-batches per
-  /// rank; 9 on Device::Cuda: MemoryPlan::reduce_bytes_accumulated). Not planned here: past 63
+  /// on the CPU the packed words, 8 bytes per element; on Device::Cuda the bins, 17 bytes per
+  /// element and one per element of the largest bucket; the bins always, from finalize, under
+  /// Whole ownership at stages 1-3 when some bucket is ragged), and sends 4 bytes per element
+  /// (8 with several micro-batches per rank: MemoryPlan::reduce_bytes_accumulated, on the
+  /// device too). Not planned here: past 63
   /// micro-batches on a rank, or when the step takes the two-phase method on the CPU, the
   /// packed words are widened into the bins (17 bytes per element and one per element of the
   /// largest bucket, replacing the 8; both for the moment of the widening).
@@ -120,8 +120,8 @@ struct MemoryPlan {
   /// 63 per rank): the packed exchange, 8 per padded element (a level and two 30-bit bins).
   /// More micro-batches on a rank, or a communicator that cannot exchange raw values
   /// (Communicator::reduce_scatter_combine), take the two-phase method: 9 (a 1-byte level
-  /// maximum and an int64 sum). Otherwise reduce_bytes. On Device::Cuda, which has the
-  /// two-phase method only, both are 9 per padded element.
+  /// maximum and an int64 sum). Otherwise reduce_bytes. The same on Device::Cuda (the NCCL
+  /// communicator exchanges by ncclSend/ncclRecv).
   std::size_t reduce_bytes_accumulated = 0;
   /// The same exchange where the owners deposit every rank's last micro-batch as they
   /// combine, reading the words and the fp32 values in place (the shared-memory communicator

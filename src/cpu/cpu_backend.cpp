@@ -75,6 +75,19 @@ class CpuBackend final : public Backend {
   void exact_square_add(const float* x, std::size_t n, cpu::SquareDigits& squares) override {
     cpu::exact_square_add(x, n, squares);
   }
+  void exact_combine(const float* const* src, int nsrc, float* dst, std::size_t n,
+                     cpu::SquareDigits& squares) override {
+    cpu::exact_combine(src, nsrc, dst, n, &squares);
+  }
+  void exact_combine_packed(const std::uint64_t* const* src, int nsrc, float* dst, std::size_t n,
+                            cpu::SquareDigits& squares) override {
+    cpu::exact_combine_packed(src, nsrc, dst, n, &squares);
+  }
+  void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top, const std::int64_t* low,
+                          const std::uint8_t* level, std::uint64_t* out) override {
+    if (level != nullptr) cpu::exact_deposit_pack(g, n, top, low, level, out);
+    else cpu::exact_deposit_packed(g, n, nullptr, out);
+  }
   void lion_update(std::span<const LionSegment> segments, float* master, const float* grad,
                    float* m, void* replica, DType replica_dtype) override {
     bf16* out_bf16 = replica && replica_dtype == DType::BF16 ? static_cast<bf16*>(replica) : nullptr;

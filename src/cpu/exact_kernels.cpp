@@ -79,30 +79,16 @@ float exact_to_float(std::int64_t n, int e) { return exact::elem::to_float(n, e)
 
 namespace portable {
 
+// Rank r's element i, for the element functions of exact_element.hpp.
+template <class T>
+struct RankValue {
+  const T* const* src;
+  std::size_t i;
+  T operator()(int r) const { return src[r][i]; }
+};
+
 void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) {
-    std::uint32_t e = 0;
-    for (int r = 0; r < ranks; ++r) e = std::max(e, (std::bit_cast<std::uint32_t>(src[r][i]) >> 23) & 0xffu);
-    if (e == 0xffu) {
-      dst[i] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    const int g = exact_grid_exponent(e);
-    const double down = pow2(-g);
-    if (ranks <= kExactCombineMaxSimdRanks) {
-      // Every term is an integer below 2^47 in magnitude: 64 of them sum exactly in a double,
-      // the product with 2^g is exact, and the conversion rounds once (subnormals included).
-      double sum = 0.0;
-      for (int r = 0; r < ranks; ++r) sum += round_to_integer(static_cast<double>(src[r][i]) * down);
-      dst[i] = static_cast<float>(sum * pow2(g));
-    } else {
-      // More ranks: an int64 sum, rounded once to fp32.
-      std::int64_t sum = 0;
-      for (int r = 0; r < ranks; ++r)
-        sum += static_cast<std::int64_t>(round_to_integer(static_cast<double>(src[r][i]) * down));
-      dst[i] = exact_to_float(sum, g);
-    }
-  }
+  for (std::size_t i = 0; i < n; ++i) dst[i] = exact::elem::combine_raw(RankValue<float>{src, i}, ranks);
 }
 
 void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {
@@ -110,49 +96,12 @@ void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {
 }
 
 void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) {
-    std::uint64_t g = 0;
-    for (int r = 0; r < ranks; ++r) g = std::max(g, src[r][i] & 15u);
-    if (g == kPackedNonFinite) {
-      dst[i] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    if (g == 0) {
-      dst[i] = 0.0f;
-      continue;
-    }
-    std::int64_t sum = 0;
-    for (int r = 0; r < ranks; ++r) {
-      const std::uint64_t w = src[r][i];
-      const std::int64_t top = static_cast<std::int64_t>(w << 30) >> 34;
-      const std::int64_t low = static_cast<std::int64_t>(w) >> 34;
-      const std::uint64_t l = w & 15u;
-      if (l == g) sum += top * (std::int64_t{1} << 24) + low;
-      else if (l + 1 == g) sum += top;
-    }
-    dst[i] = exact_to_float(sum, 24 * static_cast<int>(g) - 174);  // the grid b(G - 1)
-  }
+  for (std::size_t i = 0; i < n; ++i)
+    dst[i] = exact::elem::combine_packed(RankValue<std::uint64_t>{src, i}, ranks);
 }
 
-namespace {
-
-inline std::uint64_t pack_one(std::uint8_t l, std::int64_t top, std::int64_t low) {
-  // An empty element's bins are stale (reset on first use); a non-finite one's unused.
-  return l == 0     ? 0
-         : l == 127 ? kPackedNonFinite
-                    : l | ((static_cast<std::uint64_t>(top) & 0x3fffffffu) << 4) |
-                          (static_cast<std::uint64_t>(low) << 34);
-}
-
-}  // namespace
-
-// The bins a packed word holds (0 for empty and non-finite elements).
-inline void unpack_one(std::uint64_t w, std::uint8_t& l, std::int64_t& top, std::int64_t& low) {
-  const std::uint64_t f = w & 15u;
-  l = f == kPackedNonFinite ? exact::elem::kNonFiniteLevel : static_cast<std::uint8_t>(f);
-  top = static_cast<std::int64_t>(w << 30) >> 34;
-  low = static_cast<std::int64_t>(w) >> 34;
-}
+using exact::elem::pack;
+using exact::elem::unpack;
 
 void exact_deposit(const float* g, std::size_t n, std::int64_t* top, std::int64_t* low,
                    std::uint8_t* level) {
@@ -163,9 +112,9 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
   for (std::size_t j = 0; j < n; ++j) {
     std::uint8_t l = 0;
     std::int64_t t = 0, lo = 0;
-    if (in != nullptr) unpack_one(in[j], l, t, lo);
+    if (in != nullptr) unpack(in[j], l, t, lo);
     exact::elem::deposit(g[j], t, lo, l);
-    out[j] = pack_one(l, t, lo);
+    out[j] = pack(l, t, lo);
   }
 }
 
@@ -175,7 +124,7 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
     std::int64_t t = top[j], lo = low[j];
     std::uint8_t l = level[j];
     exact::elem::deposit(g[j], t, lo, l);
-    out[j] = pack_one(l, t, lo);
+    out[j] = pack(l, t, lo);
   }
 }
 
@@ -313,7 +262,7 @@ void exact_pack(const std::uint8_t* level, const std::int64_t* top, const std::i
   const std::ptrdiff_t count = static_cast<std::ptrdiff_t>(n);
 #pragma omp parallel for schedule(static) if (count > std::ptrdiff_t{1} << 16)
   for (std::ptrdiff_t i = 0; i < count; ++i) {
-    out[i] = portable::pack_one(level[i], top[i], low[i]);
+    out[i] = exact::elem::pack(level[i], top[i], low[i]);
   }
 }
 
@@ -344,7 +293,7 @@ void exact_deposit_packed_clear(float* g, std::size_t n, const std::uint64_t* in
 void exact_unpack(const std::uint64_t* words, std::size_t n, std::uint8_t* level, std::int64_t* top,
                   std::int64_t* low) {
   for_grains(n, [&](std::size_t b, std::size_t len) {
-    for (std::size_t i = b; i < b + len; ++i) portable::unpack_one(words[i], level[i], top[i], low[i]);
+    for (std::size_t i = b; i < b + len; ++i) exact::elem::unpack(words[i], level[i], top[i], low[i]);
   });
 }
 

@@ -14,6 +14,7 @@
 #include "shardopt/adam_math.hpp"
 #include "shardopt/lion_math.hpp"
 #include "shardopt/bf16.hpp"
+#include "../exact_element.hpp"
 
 namespace shardopt::cpu {
 
@@ -74,7 +75,8 @@ struct SquareDigits {
 /// The exponent g of the grid that reproducible mode rounds a value to, from the largest
 /// biased exponent field `e` (0..254) among an element's values: the level L = (e + 24) / 24
 /// (at least 1) and g = b(L - 1) = 24 L - 174 (exact_sum.hpp: kBinBits 24, kBase -150).
-constexpr int exact_grid_exponent(std::uint32_t e) { return 24 * static_cast<int>((e + 24) / 24) - 174; }
+using exact::elem::grid_exponent;
+constexpr int exact_grid_exponent(std::uint32_t e) { return grid_exponent(e); }
 
 /// n * 2^e rounded once to fp32 (to nearest even, subnormals included, Inf past the range),
 /// for any int64 n and -900 <= e <= 900: the one rounding of reproducible mode's exact sums.
@@ -113,7 +115,7 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
 /// word per element, bits 0-3 the level (0 empty, 1-11, kPackedNonFinite), bits 4-33 the top
 /// bin and bits 34-63 the low bin as signed 30-bit integers (exact for up to
 /// kPackedMaxMicroBatches values per rank: each adds at most 2^23 to either bin).
-inline constexpr std::uint64_t kPackedNonFinite = 15;
+using exact::elem::kPackedNonFinite;
 inline constexpr int kPackedMaxMicroBatches = 63;
 /// out[i] = the packed word of level[i] (0: empty, whatever the bins hold; 127: non-finite),
 /// top[i], low[i].

@@ -321,6 +321,19 @@ void exact_pass(cudaStream_t stream, const ExactOp& op, std::size_t n) {
     case ExactOp::SumsToFloat:
       acc = {reads(op.top, n * 8), reads(op.level, n), writes(op.dst, n * 4)};
       break;
+    case ExactOp::DepositPack:
+      acc = {reads(op.g, n * 4), writes(op.words, n * 8)};
+      if (op.level != nullptr)
+        for (const Access& a : {reads(op.top, n * 8), reads(op.low, n * 8), reads(op.level, n)}) acc.push_back(a);
+      break;
+    case ExactOp::CombineRaw:
+    case ExactOp::CombinePacked: {
+      const std::size_t es = op.pass == ExactOp::CombineRaw ? 4 : 8;
+      acc = {writes(op.dst, n * 4)};
+      for (int r = 0; r < op.nsrc; ++r)
+        acc.push_back(reads(static_cast<const char*>(op.src) + static_cast<std::size_t>(r) * op.stride * es, n * es));
+      break;
+    }
   }
   auto lock = fakecuda::lock_device();
   launch(stream, "exact_pass", std::move(acc), [op, n] {
@@ -331,6 +344,8 @@ void exact_pass(cudaStream_t stream, const ExactOp& op, std::size_t n) {
     d.low = dev(op.low);
     d.level = dev(op.level);
     d.mine = dev(op.mine);
+    d.words = dev(op.words);
+    d.src = dev(op.src);
     fakecuda::omp::exact_pass(d, n);
   });
 }

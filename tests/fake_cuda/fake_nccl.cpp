@@ -7,6 +7,12 @@
 // group, as in NCCL, a call only records the collective and the non-blocking communicator
 // reports ncclInProgress from ncclGroupEnd instead.
 //
+// ncclSend and ncclRecv: the calls of one group on one communicator are one transfer, all
+// posted together (NCCL progresses a group's point-to-point operations concurrently, so a
+// group that exchanges with every peer cannot deadlock); outside a group each is its own. A
+// send matches the receive from its rank in the order both were called, as in NCCL; counts
+// and types must agree (MPI reports a truncated receive as an error: the test aborts).
+//
 // Sums are taken in rank order, so every rank gets the same bits. A non-blocking
 // communicator reports ncclInProgress after its set-up and after every other collective
 // (the caller must poll ncclCommGetAsyncError). Communicators must span MPI_COMM_WORLD.
@@ -14,6 +20,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -72,11 +79,38 @@ std::size_t dtype_size(ncclDataType_t t) {
 
 enum class Kind { AllReduce, ReduceScatter, AllGather, Reduce, Broadcast };
 
-class MpiTransfer final : public Transfer {
+// A transfer made of MPI requests: done when all are; an abort cancels the receives and lets
+// the sends (small, eager) finish on their own.
+class RequestsTransfer : public Transfer {
+ public:
+  bool test() override {
+    if (reqs_.empty()) return true;
+    int done = 0;
+    MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &done, MPI_STATUSES_IGNORE);
+    return done != 0;
+  }
+  void cancel() override {
+    for (std::size_t i = 0; i < reqs_.size(); ++i) {
+      if (reqs_[i] == MPI_REQUEST_NULL) continue;
+      if (receive_[i]) {
+        MPI_Cancel(&reqs_[i]);
+        MPI_Wait(&reqs_[i], MPI_STATUS_IGNORE);
+      } else {
+        MPI_Request_free(&reqs_[i]);
+      }
+    }
+  }
+
+ protected:
+  std::vector<MPI_Request> reqs_;
+  std::vector<bool> receive_;  // per request: a receive or a send
+};
+
+class MpiTransfer final : public RequestsTransfer {
  public:
   MpiTransfer(ncclComm* c, Kind k, ncclDataType_t t, std::size_t count, const void* send,
               void* recv, int root)
-      : c_(c), mpi_(c->mpi), rank_(c->rank), size_(c->size), kind_(k), type_(t),
+      : mpi_(c->mpi), rank_(c->rank), size_(c->size), kind_(k), type_(t),
         block_(count * dtype_size(t)), send_(send), recv_(recv), root_(root),
         tag_(static_cast<int>(c->seq++ % 32000)) {}
 
@@ -107,12 +141,6 @@ class MpiTransfer final : public Transfer {
       }
     }
   }
-  bool test() override {
-    if (reqs_.empty()) return true;
-    int done = 0;
-    MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &done, MPI_STATUSES_IGNORE);
-    return done != 0;
-  }
   void finish() override {
     char* out = static_cast<char*>(dev(recv_));
     if (kind_ == Kind::AllGather) {
@@ -130,18 +158,6 @@ class MpiTransfer final : public Transfer {
     std::vector<char> acc(part(0), part(0) + block_);
     for (int r = 1; r < size_; ++r) add(acc.data(), part(r), n);
     std::memcpy(out, acc.data(), block_);
-  }
-  void cancel() override {
-    for (std::size_t i = 0; i < reqs_.size(); ++i) {
-      if (reqs_[i] == MPI_REQUEST_NULL) continue;
-      if (receive_[i]) {  // receives: cancel; sends (small, eager) finish on their own
-        MPI_Cancel(&reqs_[i]);
-        MPI_Wait(&reqs_[i], MPI_STATUS_IGNORE);
-      } else {
-        MPI_Request_free(&reqs_[i]);
-      }
-    }
-    (void)c_;
   }
 
  private:
@@ -182,7 +198,6 @@ class MpiTransfer final : public Transfer {
     }
   }
 
-  ncclComm* c_;
   MPI_Comm mpi_;
   int rank_, size_;
   Kind kind_;
@@ -194,9 +209,57 @@ class MpiTransfer final : public Transfer {
   int tag_;
   std::vector<char> mine_;
   std::vector<std::vector<char>> bufs_;
-  std::vector<MPI_Request> reqs_;
-  std::vector<bool> receive_;  // per request: a receive (cancelled on abort) or a send
 };
+
+// The point-to-point calls of one group on one communicator (or one call outside a group).
+class P2PTransfer final : public RequestsTransfer {
+ public:
+  struct Part {
+    bool send;
+    int peer;
+    const void* send_buf;
+    void* recv_buf;
+    std::size_t bytes;
+  };
+  static constexpr int kTag = 32001;  // above the collectives' tags (0..31999)
+  explicit P2PTransfer(ncclComm* c) : mpi_(c->mpi) {}
+  std::vector<Part> parts;
+
+  void post() override {
+    bufs_.assign(parts.size(), {});
+    reqs_.assign(parts.size(), MPI_REQUEST_NULL);
+    receive_.assign(parts.size(), false);
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const Part& p = parts[i];
+      receive_[i] = !p.send;
+      auto& b = bufs_[i];
+      if (p.send) {
+        const char* from = static_cast<const char*>(dev(p.send_buf));
+        b.assign(from, from + p.bytes);
+        MPI_Isend(b.data(), static_cast<int>(p.bytes), MPI_BYTE, p.peer, kTag, mpi_, &reqs_[i]);
+      } else {
+        b.resize(p.bytes);
+        MPI_Irecv(b.data(), static_cast<int>(p.bytes), MPI_BYTE, p.peer, kTag, mpi_, &reqs_[i]);
+      }
+    }
+  }
+  void finish() override {
+    for (std::size_t i = 0; i < parts.size(); ++i)
+      if (!parts[i].send && parts[i].bytes != 0) std::memcpy(dev(parts[i].recv_buf), bufs_[i].data(), parts[i].bytes);
+  }
+
+ private:
+  MPI_Comm mpi_;
+  std::vector<std::vector<char>> bufs_;
+};
+
+// The open group's point-to-point transfer of each communicator, with its stream.
+struct OpenP2P {
+  std::unique_ptr<P2PTransfer> transfer;
+  cudaStream_t stream;
+  std::vector<Access> acc;
+};
+std::map<ncclComm*, std::shared_ptr<OpenP2P>> open_p2p;
 
 ncclResult_t usable(ncclComm* comm, const char* call) {
   if (comm == nullptr || live().count(comm) == 0)
@@ -277,6 +340,49 @@ ncclResult_t collective(const char* name, Kind kind, const void* send, void* rec
     comm->in_progress_polls = 1;
     return ncclInProgress;
   }
+  return ncclSuccess;
+}
+
+ncclResult_t point_to_point(const char* name, bool send, const void* sbuf, void* rbuf, std::size_t count,
+                            ncclDataType_t type, int peer, ncclComm* comm, cudaStream_t stream) {
+  auto lock = lock_device();
+  if (const ncclResult_t rc = usable(comm, name)) return rc;
+  if (peer < 0 || peer >= comm->size)
+    return misuse(comm, ncclInvalidArgument, std::string(name) + ": peer out of range");
+  if (!valid_stream(stream)) return misuse(comm, ncclInvalidArgument, std::string(name) + ": invalid stream");
+  const std::size_t bytes = count * dtype_size(type);
+  const void* buf = send ? sbuf : rbuf;
+  if (bytes != 0 && !is_device(buf, bytes))
+    return misuse(comm, ncclInvalidArgument, std::string(name) + ": the buffer must be device memory");
+  const auto at = reinterpret_cast<std::uintptr_t>(buf);
+  const Access a{at, at + bytes, !send};
+  const P2PTransfer::Part part{send, peer, sbuf, rbuf, bytes};
+  const auto issue = [comm](const std::shared_ptr<OpenP2P>& o) {
+    OpPtr op = enqueue(o->stream, "ncclSend/ncclRecv", o->acc, nullptr, std::move(o->transfer));
+    std::erase_if(comm->ops, [](const OpPtr& x) { return op_done(x); });
+    comm->ops.push_back(op);
+  };
+  if (group_depth > 0) {
+    std::shared_ptr<OpenP2P>& o = open_p2p[comm];
+    if (!o) {
+      o = std::make_shared<OpenP2P>();
+      o->transfer = std::make_unique<P2PTransfer>(comm);
+      o->stream = stream;
+      deferred.push_back([o, issue] { issue(o); });  // in call order among the group's collectives
+    } else if (o->stream != stream) {
+      return misuse(comm, ncclInvalidUsage, std::string(name) + ": one group's calls on one communicator use one stream");
+    }
+    o->transfer->parts.push_back(part);
+    o->acc.push_back(a);
+    if (!comm->blocking) grouped.insert(comm);
+    return ncclSuccess;
+  }
+  auto o = std::make_shared<OpenP2P>();
+  o->transfer = std::make_unique<P2PTransfer>(comm);
+  o->transfer->parts.push_back(part);
+  o->stream = stream;
+  o->acc.push_back(a);
+  issue(o);
   return ncclSuccess;
 }
 
@@ -461,6 +567,15 @@ ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
                     ncclSum, comm, stream, root);
 }
 
+ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  return point_to_point("ncclSend", true, sendbuff, nullptr, count, datatype, peer, comm, stream);
+}
+ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+  return point_to_point("ncclRecv", false, nullptr, recvbuff, count, datatype, peer, comm, stream);
+}
+
 ncclResult_t ncclGroupStart(void) {
   auto lock = lock_device();
   ++group_depth;
@@ -472,6 +587,7 @@ ncclResult_t ncclGroupEnd(void) {
   if (--group_depth == 0) {
     auto work = std::move(deferred);
     deferred.clear();
+    open_p2p.clear();  // the deferred work holds the transfers
     for (auto& w : work) w();
     // Non-blocking communicators that took part report ncclInProgress until polled.
     const bool pending = !grouped.empty();

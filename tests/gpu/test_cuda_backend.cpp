@@ -506,19 +506,12 @@ TEST(CudaBackend, AdamW8bitRefusesPartialBlocks) {
   }
 }
 
-// Reproducible mode's passes (Backend::exact_*) on the device equal the CPU backend's bit for
-// bit, element by element, on values that reach every level and its edges: zeros, the
-// smallest subnormal and the largest finite value, both sides of every level boundary, Inf
-// and NaN, with levels that rise by one and by two between micro-batches. Three micro-batches
-// are deposited; the fourth takes the one-micro-batch path (levels, rounding to levels); the
-// bins are lifted to the larger levels, summed on the host and rounded to fp32; the exact
-// squares of the results and of the raw values (Inf and NaN counted) are the same digits.
-TEST(CudaBackend, ExactPassesMatchCpuBitwise) {
-  SHARDOPT_REQUIRE_GPUS(1);
-  auto cpu = make_cpu_backend();
-  auto gpu = make_cuda_backend();
-  const std::size_t n = 100003;
-  std::vector<std::vector<float>> mb(4, std::vector<float>(n));
+// Micro-batches for the exact passes: values that reach every level and its edges: zeros,
+// the smallest subnormal and the largest finite value, both sides of every level boundary,
+// Inf (micro-batch 1) and NaN (micro-batch 2), levels that rise by one and by two between
+// micro-batches.
+std::vector<std::vector<float>> exact_corpus(std::size_t count, std::size_t n) {
+  std::vector<std::vector<float>> mb(count, std::vector<float>(n));
   for (std::size_t q = 0; q < mb.size(); ++q)
     for (std::size_t i = 0; i < n; ++i) {
       const float u = synth(q, 77, 5, i);
@@ -533,6 +526,30 @@ TEST(CudaBackend, ExactPassesMatchCpuBitwise) {
       else v = std::ldexp(u, static_cast<int>((i + 31 * q) % 250) - 149);
       mb[q][i] = v;
     }
+  return mb;
+}
+
+void expect_same_digits(cpu::SquareDigits a, cpu::SquareDigits b) {
+  a.normalize();
+  b.normalize();
+  EXPECT_EQ(a.digit, b.digit);
+  EXPECT_EQ(a.nans, b.nans);
+  EXPECT_EQ(a.infs, b.infs);
+}
+
+// Reproducible mode's passes (Backend::exact_*) on the device equal the CPU backend's bit for
+// bit, element by element, on values that reach every level and its edges: zeros, the
+// smallest subnormal and the largest finite value, both sides of every level boundary, Inf
+// and NaN, with levels that rise by one and by two between micro-batches. Three micro-batches
+// are deposited; the fourth takes the one-micro-batch path (levels, rounding to levels); the
+// bins are lifted to the larger levels, summed on the host and rounded to fp32; the exact
+// squares of the results and of the raw values (Inf and NaN counted) are the same digits.
+TEST(CudaBackend, ExactPassesMatchCpuBitwise) {
+  SHARDOPT_REQUIRE_GPUS(1);
+  auto cpu = make_cpu_backend();
+  auto gpu = make_cuda_backend();
+  const std::size_t n = 100003;
+  const std::vector<std::vector<float>> mb = exact_corpus(4, n);
   std::vector<std::int64_t> zeros64(n, 0);
   std::vector<std::uint8_t> zeros8(n, 0);
   // Deposits on the host and the device.
@@ -580,16 +597,88 @@ TEST(CudaBackend, ExactPassesMatchCpuBitwise) {
   const std::vector<float> out_gpu = download<float>(*gpu, dout.data(), n);
   for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(float_bits(out_gpu[i]), float_bits(out[i])) << i;
   // The exact squares: of the results, and of the raw values (Inf and NaN counted).
-  for (const std::vector<float>* x : {&out, &mb[1], &mb[2]}) {
+  for (const std::vector<float>* x : std::initializer_list<const std::vector<float>*>{&out, &mb[1], &mb[2]}) {
     cpu::SquareDigits a, b;
     cpu->exact_square_add(x->data(), n, a);
     Allocation dx = upload(*gpu, *x);
     gpu->exact_square_add(dx.as<float>(), n, b);
-    a.normalize();
-    b.normalize();
-    EXPECT_EQ(a.digit, b.digit);
-    EXPECT_EQ(a.nans, b.nans);
-    EXPECT_EQ(a.infs, b.infs);
+    expect_same_digits(a, b);
+  }
+}
+
+// The exchanges' kernels (Backend::exact_combine, exact_combine_packed, exact_deposit_pack)
+// on the device equal the CPU backend's bit for bit on the corpus above: the direct combine of
+// 1, 3 and 8 ranks' raw values (blocks one stride apart, as the NCCL communicator receives
+// them), the packed state of bins with a last micro-batch (and of none: all empty), the
+// packed combine of three ranks' states (one with Inf, one with NaN), and the exact squares of
+// every result. Blocks at uneven distances are refused with Error(Internal).
+TEST(CudaBackend, ExactExchangeKernelsMatchCpuBitwise) {
+  SHARDOPT_REQUIRE_GPUS(1);
+  auto cpu = make_cpu_backend();
+  auto gpu = make_cuda_backend();
+  const std::size_t n = 100003;
+  const std::vector<std::vector<float>> mb = exact_corpus(8, n);
+  // The direct combine.
+  std::vector<float> all;
+  for (const std::vector<float>& q : mb) all.insert(all.end(), q.begin(), q.end());
+  Allocation dall = upload(*gpu, all);
+  for (int ranks : {1, 3, 8}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks");
+    std::vector<const float*> h, d;
+    for (int r = 0; r < ranks; ++r) {
+      h.push_back(mb[static_cast<std::size_t>(r)].data());
+      d.push_back(dall.as<float>() + static_cast<std::size_t>(r) * n);
+    }
+    std::vector<float> out(n);
+    cpu::SquareDigits a, b;
+    cpu->exact_combine(h.data(), ranks, out.data(), n, a);
+    Allocation dout = upload(*gpu, std::vector<float>(n));
+    gpu->exact_combine(d.data(), ranks, dout.as<float>(), n, b);
+    const std::vector<float> got = download<float>(*gpu, dout.data(), n);
+    for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(float_bits(got[i]), float_bits(out[i])) << i;
+    expect_same_digits(a, b);
+  }
+  // The packed states: bins of micro-batches 0-2 with micro-batch 3 (not changed), and
+  // micro-batches 4 and 5 alone.
+  std::vector<std::int64_t> top(n, 0), low(n, 0);
+  std::vector<std::uint8_t> level(n, 0);
+  for (std::size_t q = 0; q < 3; ++q) cpu->exact_deposit(mb[q].data(), n, top.data(), low.data(), level.data());
+  Allocation dtop = upload(*gpu, top), dlow = upload(*gpu, low), dlevel = upload(*gpu, level);
+  std::vector<std::uint64_t> words(3 * n);
+  cpu->exact_deposit_pack(mb[3].data(), n, top.data(), low.data(), level.data(), words.data());
+  cpu->exact_deposit_pack(mb[4].data(), n, nullptr, nullptr, nullptr, words.data() + n);
+  cpu->exact_deposit_pack(mb[5].data(), n, nullptr, nullptr, nullptr, words.data() + 2 * n);
+  Allocation dwords = upload(*gpu, std::vector<std::uint64_t>(3 * n));
+  std::uint64_t* dw = dwords.as<std::uint64_t>();
+  gpu->exact_deposit_pack(dall.as<float>() + 3 * n, n, dtop.as<std::int64_t>(), dlow.as<std::int64_t>(),
+                          dlevel.as<std::uint8_t>(), dw);
+  gpu->exact_deposit_pack(dall.as<float>() + 4 * n, n, nullptr, nullptr, nullptr, dw + n);
+  gpu->exact_deposit_pack(dall.as<float>() + 5 * n, n, nullptr, nullptr, nullptr, dw + 2 * n);
+  ASSERT_EQ(download<std::uint64_t>(*gpu, dwords.data(), 3 * n), words);
+  ASSERT_EQ(download<std::int64_t>(*gpu, dtop.data(), n), top) << "the bins stay";
+  ASSERT_EQ(download<std::uint8_t>(*gpu, dlevel.data(), n), level) << "the bins stay";
+  int nonfinite = 0;
+  for (std::uint64_t w : words) nonfinite += (w & 15u) == cpu::kPackedNonFinite;
+  EXPECT_GT(nonfinite, 0) << "the corpus has non-finite states";
+  // The packed combine of the three states.
+  const std::uint64_t* hs[3] = {words.data(), words.data() + n, words.data() + 2 * n};
+  const std::uint64_t* ds[3] = {dw, dw + n, dw + 2 * n};
+  std::vector<float> out(n);
+  cpu::SquareDigits a, b;
+  cpu->exact_combine_packed(hs, 3, out.data(), n, a);
+  Allocation dout = upload(*gpu, std::vector<float>(n));
+  gpu->exact_combine_packed(ds, 3, dout.as<float>(), n, b);
+  const std::vector<float> got = download<float>(*gpu, dout.data(), n);
+  for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(float_bits(got[i]), float_bits(out[i])) << i;
+  expect_same_digits(a, b);
+  // The contract: one stride.
+  const float* uneven[3] = {dall.as<float>(), dall.as<float>() + n, dall.as<float>() + 3 * n};
+  cpu::SquareDigits c;
+  try {
+    gpu->exact_combine(uneven, 3, dout.as<float>(), n, c);
+    ADD_FAILURE() << "blocks at uneven distances accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::Internal) << e.what();
   }
 }
 

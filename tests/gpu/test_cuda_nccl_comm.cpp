@@ -10,6 +10,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <functional>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -142,6 +145,99 @@ TEST_F(NcclComm, ReduceScatterAllGatherAllReduce) {
 // The uneven forms (whole-tensor ownership): grouped ncclReduce / ncclBroadcast per owner.
 // Counts with every rank owning, with empty owners, with a single owner (first and last
 // rank), and all empty; the fp32 and bf16 wires, fp32 and bf16 words.
+// Reproducible mode's exchange (reduce_scatter_combine: ncclSend/ncclRecv in groups, in
+// chunks of 64 MiB received): the combiner sees, for every element of this rank's block once,
+// every rank's element in rank order, the blocks one stride apart in device memory
+// (Backend::exact_combine's contract), and what it writes lands in this rank's block of `out`.
+// 8-byte elements naming their rank and index, counts of 1, 1027 and past one chunk (two
+// calls at least); fp32 elements in place (out == in), the owner's block the ranks' sum.
+class RecordingCombiner final : public BlockCombiner {
+ public:
+  RecordingCombiner(std::size_t elem_bytes, const float* own) : elem_(elem_bytes), own_(own) {}
+  void combine(float* dst, const void* const* src, int nsrc, std::size_t n) override {
+    ++calls;
+    const auto at = [&](int r) { return reinterpret_cast<std::uintptr_t>(src[r]); };
+    for (int r = 1; r < nsrc; ++r)
+      EXPECT_EQ(at(r) - at(0), static_cast<std::uintptr_t>(r) * (at(1) - at(0))) << "blocks one stride apart";
+    const std::size_t offset = static_cast<std::size_t>(dst - own_);
+    EXPECT_EQ(offset, seen) << "chunks in order, each element once";
+    blocks.resize(static_cast<std::size_t>(nsrc));
+    for (int r = 0; r < nsrc; ++r) {
+      std::vector<unsigned char> b = download<unsigned char>(src[r], n * elem_);
+      blocks[static_cast<std::size_t>(r)].insert(blocks[static_cast<std::size_t>(r)].end(), b.begin(), b.end());
+    }
+    std::vector<float> out(n);
+    for (std::size_t j = 0; j < n; ++j) out[j] = write(offset + j);
+    upload(dst, out);
+    seen += n;
+  }
+  std::function<float(std::size_t)> write;
+  int calls = 0;
+  std::size_t seen = 0;
+  std::vector<std::vector<unsigned char>> blocks;  ///< per rank, every chunk's bytes in order
+
+ private:
+  std::size_t elem_;
+  const float* own_;
+};
+
+TEST_F(NcclComm, ReduceScatterCombineDeliversEveryRanksBlock) {
+  auto comm = test::gpu_world();
+  const int world = comm->size(), rank = comm->rank();
+  const std::size_t w = static_cast<std::size_t>(world), me = static_cast<std::size_t>(rank);
+  const std::size_t past_chunk = (std::size_t{64} << 20) / 8 / w + 5;
+  for (std::size_t count : {std::size_t{1}, std::size_t{1027}, past_chunk}) {
+    SCOPED_TRACE("count per rank " + std::to_string(count));
+    const auto id = [&](std::size_t r, std::size_t k) { return (static_cast<std::uint64_t>(r) << 40) | k; };
+    std::vector<std::uint64_t> mine(count * w);
+    for (std::size_t k = 0; k < mine.size(); ++k) mine[k] = id(me, k);
+    DeviceBuffer in = device_buffer(mine.size() * 8);
+    DeviceBuffer out = device_buffer(mine.size() * sizeof(float));
+    upload(in.get(), mine);
+    float* own = static_cast<float*>(out.get()) + me * count;
+    RecordingCombiner op(8, own);
+    op.write = [](std::size_t j) { return static_cast<float>(j % 4096); };
+    ASSERT_TRUE(comm->reduce_scatter_combine(in.get(), 8, static_cast<float*>(out.get()), count, op));
+    EXPECT_EQ(op.seen, count);
+    if (count == past_chunk) EXPECT_GE(op.calls, 2);
+    ASSERT_EQ(op.blocks.size(), w);
+    for (std::size_t r = 0; r < w; ++r) {
+      ASSERT_EQ(op.blocks[r].size(), count * 8);
+      for (std::size_t j = 0; j < count; ++j) {
+        std::uint64_t v;
+        std::memcpy(&v, op.blocks[r].data() + 8 * j, 8);
+        ASSERT_EQ(v, id(r, me * count + j)) << "rank " << r << " element " << j;
+      }
+    }
+    const std::vector<float> got = download<float>(own, count);
+    for (std::size_t j = 0; j < count; ++j) ASSERT_EQ(got[j], static_cast<float>(j % 4096)) << j;
+  }
+  // In place, fp32: the owner's block becomes the sum of every rank's block.
+  const std::size_t count = 1027;
+  std::vector<float> x(count * w);
+  for (std::size_t k = 0; k < x.size(); ++k) x[k] = value(rank, k);
+  DeviceBuffer buf = device_buffer(x.size() * sizeof(float));
+  upload(buf.get(), x);
+  float* own = static_cast<float*>(buf.get()) + me * count;
+  RecordingCombiner op(4, own);
+  op.write = [&](std::size_t j) {
+    float sum = 0.0f;
+    for (std::size_t r = 0; r < w; ++r) {
+      float v;
+      std::memcpy(&v, op.blocks[r].data() + 4 * j, 4);
+      sum += v;
+    }
+    return sum;
+  };
+  ASSERT_TRUE(comm->reduce_scatter_combine(buf.get(), 4, static_cast<float*>(buf.get()), count, op));
+  const std::vector<float> got = download<float>(own, count);
+  for (std::size_t j = 0; j < count; ++j) {
+    float want = 0.0f;
+    for (int r = 0; r < world; ++r) want += value(r, me * count + j);
+    ASSERT_EQ(float_bits(got[j]), float_bits(want)) << j;
+  }
+}
+
 TEST_F(NcclComm, UnevenReduceScatterAndAllGather) {
   auto comm = test::gpu_world();
   const int world = comm->size(), rank = comm->rank();

@@ -20,6 +20,7 @@
 #include "shardopt/cuda_comm.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/planner.hpp"
+#include "support/forwarding_comm.hpp"
 #include "support/reference.hpp"
 
 #if SHARDOPT_GPU_TEST_MPI
@@ -225,8 +226,10 @@ void expect_same_state(ShardedOptimizer& a, ShardedOptimizer& b, int step) {
 }
 
 // The memory the optimizer holds on this rank is the planner's for it (its groups' rules).
-void expect_planned_memory(ShardedOptimizer& opt) {
+/// accumulated: reproducible mode's accumulator was needed (several micro-batches per rank).
+void expect_planned_memory(ShardedOptimizer& opt, bool accumulated = false) {
   PlanConfig pc = plan_config(opt.options(), opt.comm().size());
+  pc.accumulate_without_sync = accumulated;
   pc.groups = opt.groups();
   pc.rank = opt.comm().rank();
   FlatLayout unbuilt;
@@ -428,14 +431,17 @@ StepResult repro_step(ShardedOptimizer& opt, int rank, int ranks, int micro, int
   return opt.step();
 }
 
-// Reduction::Reproducible on the device (the two-phase method over the device communicator's
-// integer reductions; deposits, levels, rounding and the norm's exact squares on the device)
-// equals the CPU's Reproducible optimizer bit for bit: this rank's master, m and v against the
-// CPU's on the same ranks (which takes the direct or packed exchange there), every replica
-// and the norm against one CPU process that receives every rank's micro-batches (the same
-// bits at any rank count). Stages 0-2, bf16 and fp32 replicas, 1 and 3 micro-batches per
-// rank, clipping on every step (max_grad_norm 1 against norms far larger), a NaN step
-// skipped on every rank, uneven parameter sizes over 700-element buckets.
+// Reduction::Reproducible on the device equals the CPU's Reproducible optimizer bit for bit:
+// this rank's master, m and v against the CPU's on the same ranks, every replica and the norm
+// against one CPU process that receives every rank's micro-batches (the same bits at any rank
+// count). The device takes the CPU's methods: with one micro-batch per rank the direct
+// exchange (NcclCommunicator::reduce_scatter_combine: ncclSend/ncclRecv of raw fp32 values,
+// 4 bytes per element, combined by the backend's kernel), with several the packed exchange
+// (the bins with the last micro-batch packed on the device, 8 bytes per element), and no
+// integer reduction; a communicator that refuses the exchanges leaves the two-phase method
+// (integer reductions only), the same bits. Stages 0-2, bf16 and fp32 replicas, 1 and 3
+// micro-batches per rank, clipping on every step (max_grad_norm 1 against norms far larger),
+// a NaN step skipped on every rank, uneven parameter sizes over 700-element buckets.
 TEST(CudaReproducible, MatchesCpuReproducibleBitwise) {
   SHARDOPT_REQUIRE_GPUS(test::gpu_world_size());
   AdamConfig cfg;
@@ -444,38 +450,55 @@ TEST(CudaReproducible, MatchesCpuReproducibleBitwise) {
   const int world = test::gpu_world_size();
   for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2})
     for (DType dtype : {DType::BF16, DType::F32})
-      for (int micro : {1, 3}) {
-        SCOPED_TRACE(std::string(stage_name(stage)) + " " + dtype_name(dtype) + " " +
-                     std::to_string(micro) + " micro-batches");
-        const auto mk = [&](std::shared_ptr<Communicator> comm, Device device) {
-          return make(std::move(comm), device, stage, dtype, cfg, false, Rule::AdamW,
-                      Ownership::Flat, Reduction::Reproducible);
-        };
-        auto gpu = mk(test::gpu_world(), Device::Cuda);
-        auto cpu = mk(host_world(), Device::Cpu);
-        auto one = mk(make_single_process_communicator(), Device::Cpu);
-        const int rank = gpu->comm().rank();
-        for (int step = 1; step <= 4; ++step) {
-          const StepResult a = repro_step(*gpu, rank, 1, micro, step, true);
-          const StepResult b = repro_step(*cpu, rank, 1, micro, step, false);
-          const StepResult c = repro_step(*one, rank, world, micro, step, false);
-          if (step == 1) expect_planned_memory(*gpu);
-          EXPECT_EQ(a.skipped, step == kReproNanStep) << "step " << step;
-          EXPECT_EQ(b.skipped, a.skipped) << "step " << step;
-          EXPECT_EQ(c.skipped, a.skipped) << "step " << step;
-          if (!a.skipped) {
-            EXPECT_TRUE(a.clipped) << "step " << step;
-            EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << step;
-            EXPECT_EQ(a.grad_norm, c.grad_norm) << "step " << step;
-          }
-          expect_same_state(*gpu, *cpu, step);
-          for (std::size_t i = 0; i < kSizes.size(); ++i) {
-            const std::vector<unsigned char> mine = replica_bytes(*gpu, i);
-            ASSERT_EQ(mine, replica_bytes(*cpu, i)) << "step " << step << " p" << i << " (CPU, same ranks)";
-            ASSERT_EQ(mine, replica_bytes(*one, i)) << "step " << step << " p" << i << " (CPU, one process)";
+      for (int micro : {1, 3})
+        for (bool refuse : {false, true}) {
+          if (refuse && dtype == DType::F32) continue;  // the two-phase method: one replica type
+          SCOPED_TRACE(std::string(stage_name(stage)) + " " + dtype_name(dtype) + " " +
+                       std::to_string(micro) + " micro-batches" + (refuse ? ", two-phase" : ", exchange"));
+          const auto mk = [&](std::shared_ptr<Communicator> comm, Device device) {
+            return make(std::move(comm), device, stage, dtype, cfg, false, Rule::AdamW,
+                        Ownership::Flat, Reduction::Reproducible);
+          };
+          auto counting = std::make_shared<test::CountingComm>(test::gpu_world());
+          counting->refuse_combine = refuse;
+          auto gpu = mk(counting, Device::Cuda);
+          auto cpu = mk(host_world(), Device::Cpu);
+          auto one = mk(make_single_process_communicator(), Device::Cpu);
+          const int rank = gpu->comm().rank();
+          const std::size_t padded = gpu->layout().padded_size();
+          for (int step = 1; step <= 4; ++step) {
+            const std::size_t int_before = counting->int_bytes, combine_before = counting->combine_bytes;
+            const StepResult a = repro_step(*gpu, rank, 1, micro, step, true);
+            const StepResult b = repro_step(*cpu, rank, 1, micro, step, false);
+            const StepResult c = repro_step(*one, rank, world, micro, step, false);
+            // The accumulator from the first deposit (several micro-batches) or the two-phase method.
+            if (step == 1) expect_planned_memory(*gpu, micro > 1 || refuse);
+            // The method's wire: the exchange's bytes and no integer reduction, or the reverse.
+            const std::size_t combined = counting->combine_bytes - combine_before;
+            const std::size_t ints = counting->int_bytes - int_before;
+            if (refuse) {
+              EXPECT_EQ(combined, 0u) << "step " << step;
+              EXPECT_GT(ints, 0u) << "step " << step;
+            } else {
+              EXPECT_EQ(combined, padded * (micro == 1 ? 4 : 8)) << "step " << step;
+              EXPECT_EQ(ints, 0u) << "step " << step;
+            }
+            EXPECT_EQ(a.skipped, step == kReproNanStep) << "step " << step;
+            EXPECT_EQ(b.skipped, a.skipped) << "step " << step;
+            EXPECT_EQ(c.skipped, a.skipped) << "step " << step;
+            if (!a.skipped) {
+              EXPECT_TRUE(a.clipped) << "step " << step;
+              EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << step;
+              EXPECT_EQ(a.grad_norm, c.grad_norm) << "step " << step;
+            }
+            expect_same_state(*gpu, *cpu, step);
+            for (std::size_t i = 0; i < kSizes.size(); ++i) {
+              const std::vector<unsigned char> mine = replica_bytes(*gpu, i);
+              ASSERT_EQ(mine, replica_bytes(*cpu, i)) << "step " << step << " p" << i << " (CPU, same ranks)";
+              ASSERT_EQ(mine, replica_bytes(*one, i)) << "step " << step << " p" << i << " (CPU, one process)";
+            }
           }
         }
-      }
 }
 
 // What reproducible mode does not run on the device is refused by the constructor on every
