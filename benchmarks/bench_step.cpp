@@ -148,13 +148,23 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
   const MemoryPlan planned = plan_memory(opt.layout(), plan);
   // Several micro-batches: reproducible mode exchanges its packed state (8 bytes per element);
   // on one node's shared memory the timed steps (after the warm-up) read the words and the
-  // last micro-batch in place (12).
+  // last micro-batch in place (12); the planner says which (plan_exact_step).
   const char* exchange = std::getenv("SHARDOPT_REPRO_EXCHANGE");
   const bool in_place = comm->name() == "mpi-shm" && comm->size() > 1 &&
                         (exchange == nullptr || std::string(exchange) != "packed-wire");
-  extra.reduce_bytes = a.micro_batches <= 1 ? planned.reduce_bytes
-                       : in_place          ? planned.reduce_bytes_in_place
-                                           : planned.reduce_bytes_accumulated;
+  if (o.reduction == Reduction::Reproducible) {
+    // The planner's path for these micro-batches (plan_exact_step), as the optimizer takes it.
+    const std::string e = exchange == nullptr ? "" : exchange;
+    ExactStep st;
+    st.most_micro_batches = a.micro_batches;
+    st.fastest = e == "packed" || e == "packed-wire" ? ExactPath::Packed
+                 : e == "two-phase"                  ? ExactPath::TwoPhase
+                                                     : ExactPath::Direct;
+    st.words_shared = in_place;
+    extra.reduce_bytes = plan_exact_step(planned, st).wire_bytes;
+  } else {
+    extra.reduce_bytes = a.micro_batches <= 1 ? planned.reduce_bytes : planned.reduce_bytes_accumulated;
+  }
   extra.internode_planned = plan.nodes > 1 ? planned.internode_bytes : 0;
   std::uint64_t internode_start = 0;
   const std::size_t n = opt.layout().num_params();

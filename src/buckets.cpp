@@ -73,9 +73,9 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
               Status::InvalidArgument,
               "SHARDOPT_REPRO_EXCHANGE: '" + m +
                   "' is none of auto, direct, packed, packed-wire, two-phase, sharded");
-      exact_floor_ = m == "packed" || m == "packed-wire" ? ExactMethod::Packed
-                     : m == "two-phase"                 ? ExactMethod::TwoPhase
-                                                        : ExactMethod::Direct;
+      exact_floor_ = m == "packed" || m == "packed-wire" ? ExactPath::Packed
+                     : m == "two-phase"                 ? ExactPath::TwoPhase
+                                                        : ExactPath::Direct;
       exact_no_share_ = m == "packed-wire";
     }
   }
@@ -495,22 +495,21 @@ void BucketSet::share_words() {
 void BucketSet::reduce_exactly() {
   if (next_start_ == state_.size()) return;  // reduced already in this step
   collective(comm_, "reduce_gradients (reproducible)", [] {});  // every rank is here
-  // The method (docs/architecture.md, "Reproducible mode"): the direct exchange of raw values
+  // The method (docs/architecture.md, "Reproducible mode"; plan_exact_step predicts it, from
+  // the same exact_path_needed): the direct exchange of raw values
   // when no rank deposited anything (at most one micro-batch each; an idle rank contributes
   // zeros), the packed exchange when every rank's bins fit the packed word (at most 63
   // micro-batches), else the two-phase method. One small all-reduce agrees on it: each rank
   // states the slowest method it needs, and counts its micro-batches (the average divides
   // by the step's total: counts may differ between ranks).
-  ExactMethod need = exact_floor_;
-  if (micro_batches_ > cpu::kPackedMaxMicroBatches) need = ExactMethod::TwoPhase;
-  else if (exact_.deposited() && need == ExactMethod::Direct) need = ExactMethod::Packed;
-  double agreed[4] = {need != ExactMethod::Direct ? 1.0 : 0.0, need == ExactMethod::TwoPhase ? 1.0 : 0.0,
+  const ExactPath need = exact_path_needed(micro_batches_, exact_floor_);
+  double agreed[4] = {need != ExactPath::Direct ? 1.0 : 0.0, need == ExactPath::TwoPhase ? 1.0 : 0.0,
                       static_cast<double>(micro_batches_), exact_no_share_ ? 1.0 : 0.0};
   comm_.all_reduce_sum_host(agreed, 4);
   const bool may_share = agreed[3] == 0;
-  exact_method_ = agreed[1] > 0   ? ExactMethod::TwoPhase
-                  : agreed[0] > 0 ? ExactMethod::Packed
-                                  : ExactMethod::Direct;
+  exact_method_ = agreed[1] > 0   ? ExactPath::TwoPhase
+                  : agreed[0] > 0 ? ExactPath::Packed
+                                  : ExactPath::Direct;
   total_micro_batches_ = static_cast<std::int64_t>(agreed[2]);
   // The same figures on every rank: the same error on every rank.
   require_exact_headroom(total_micro_batches_, comm_.size());
@@ -521,9 +520,9 @@ void BucketSet::reduce_exactly() {
   // compact form's words: widened); so does the packed exchange of the bins. The compact
   // form's packed exchange needs nothing on a rank that deposited nothing (all empty). With
   // ragged buckets the bins were allocated at finalize.
-  if (exact_method_ == ExactMethod::TwoPhase)
+  if (exact_method_ == ExactPath::TwoPhase)
     widen_everywhere();
-  else if (exact_method_ == ExactMethod::Packed && !plan_.exact_compact)
+  else if (exact_method_ == ExactPath::Packed && !plan_.exact_compact)
     collective(comm_, "reduce_gradients (reproducible)", [&] { ensure_exact(); });
   const ScopedSeconds timed(blocked_seconds_);
   exact_squares_ = exact::SquareSum();
@@ -534,16 +533,16 @@ void BucketSet::reduce_exactly() {
     // remaining buckets then take the two-phase method.
     if (!exact::exchanges(bk, whole)) {
       // the two-phase method below, for this bucket only
-    } else if (exact_method_ == ExactMethod::Direct) {
+    } else if (exact_method_ == ExactPath::Direct) {
       if (exact_.reduce_direct(comm_, backend_, bk, whole, grads, exact_squares_)) continue;
       widen_everywhere();
-      exact_method_ = ExactMethod::TwoPhase;
-    } else if (exact_method_ == ExactMethod::Packed) {
+      exact_method_ = ExactPath::TwoPhase;
+    } else if (exact_method_ == ExactPath::Packed) {
       if (exact_.reduce_packed(comm_, backend_, bk, whole, grads, exact_wire_.as<std::uint64_t>(),
                                 exact_squares_))
         continue;
       widen_everywhere();
-      exact_method_ = ExactMethod::TwoPhase;
+      exact_method_ = ExactPath::TwoPhase;
     }
     exact_.reduce(comm_, bk, whole, grads);
     const Backend::Slice slice = norm_slice(b);
@@ -552,7 +551,7 @@ void BucketSet::reduce_exactly() {
   next_start_ = state_.size();
   // Every bucket went by the packed exchange (the same on every rank): from the next step
   // the words can be read in place.
-  if (exact_method_ == ExactMethod::Packed && plan_.exact_compact && may_share && !exact_.shared() &&
+  if (exact_method_ == ExactPath::Packed && plan_.exact_compact && may_share && !exact_.shared() &&
       !exact_share_tried_ && comm_.size() > 1)
     share_words();
 }

@@ -27,6 +27,7 @@
 #include "exact_sum.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/layout.hpp"
+#include "shardopt/planner.hpp"
 #include "shardopt/options.hpp"
 
 namespace shardopt {
@@ -140,7 +141,6 @@ class BucketSet {
  private:
   enum class Op : unsigned char { None, GradSync, ParamSync };
   /// Reproducible mode's reduction of a step (docs/architecture.md, "Reproducible mode").
-  enum class ExactMethod { Direct, Packed, TwoPhase };
   struct State {
     Op op = Op::None;
     std::unique_ptr<CommRequest> request;
@@ -203,8 +203,8 @@ class BucketSet {
   bool exact_no_share_ = false;     ///< SHARDOPT_REPRO_EXCHANGE=packed-wire on this rank
   exact::SquareSum exact_squares_;  ///< reproducible: the norm's part, by the reduction
   Allocation exact_wire_;              ///< reproducible: the packed exchange's buffer
-  ExactMethod exact_floor_ = ExactMethod::Direct;  ///< SHARDOPT_REPRO_EXCHANGE: the fastest allowed
-  ExactMethod exact_method_ = ExactMethod::Direct;  ///< this step's (agreed in reduce_exactly)
+  ExactPath exact_floor_ = ExactPath::Direct;  ///< SHARDOPT_REPRO_EXCHANGE: the fastest allowed
+  ExactPath exact_method_ = ExactPath::Direct;  ///< this step's (agreed in reduce_exactly)
   std::int64_t total_micro_batches_ = 0;  ///< reproducible: over all ranks, at the reduction
   bool reduced_ = false;  ///< sharded exact accumulation: finish_grad_sync ran in this step
   std::size_t spill_param_;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "buffer_plan.hpp"
+#include "exact_sum.hpp"
 #include "rules/rules.hpp"
 #include "shardopt/error.hpp"
 
@@ -149,6 +150,18 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   plan.reduce_bytes = b.reduce_bytes;
   plan.reduce_bytes_accumulated = b.reduce_bytes_accumulated;
   plan.reduce_bytes_in_place = b.reduce_bytes_in_place;
+  if (config.reduction == Reduction::Reproducible) {
+    plan.exact_sharded = b.exact_sharded;
+    if (!b.exact_sharded) {
+      plan.reduce_bytes_two_phase = built.padded_size() * (sizeof(std::uint8_t) + sizeof(std::int64_t));
+      const bool whole = config.stage == Stage::DataParallel;
+      for (const Bucket& bk : built.buckets())
+        if (!exact::exchanges(bk, whole)) plan.exact_ragged_elems += bk.flat.size();
+      plan.exact_state_bytes = b.exact.bytes;
+      plan.exact_wide_bytes = b.exact_compact ? b.exact_wide.bytes : b.exact.bytes;
+      plan.exact_on_demand = b.exact.on_demand;
+    }
+  }
   plan.unpadded_elems = built.unpadded_size();
   plan.padded_elems = built.padded_size();
   plan.owned_elems = b.local_elems;
@@ -293,6 +306,55 @@ std::size_t largest_fitting_psi(std::size_t budget_bytes, const PlanConfig& conf
     (fits(mid) ? lo : hi) = mid;
   }
   return lo;
+}
+
+const char* exact_path_name(ExactPath p) noexcept {
+  switch (p) {
+    case ExactPath::Direct: return "direct";
+    case ExactPath::Packed: return "packed";
+    case ExactPath::PackedInPlace: return "packed in place";
+    case ExactPath::TwoPhase: return "two-phase";
+  }
+  return "?";
+}
+
+ExactPath exact_path_needed(int micro_batches, ExactPath fastest) {
+  if (micro_batches > cpu::kPackedMaxMicroBatches || fastest == ExactPath::TwoPhase) return ExactPath::TwoPhase;
+  if (micro_batches > 1 || fastest != ExactPath::Direct) return ExactPath::Packed;
+  return ExactPath::Direct;
+}
+
+ExactStepPlan plan_exact_step(const MemoryPlan& plan, const ExactStep& step) {
+  require(plan.reduce_bytes_two_phase > 0 || plan.exact_sharded || plan.padded_elems == 0, Status::InvalidArgument,
+          "plan_exact_step: the plan is not of Reduction::Reproducible");
+  const int most = std::max(step.most_micro_batches, 0);
+  ExactStepPlan s;
+  if (plan.exact_sharded) {
+    s.wire_bytes = static_cast<std::size_t>(std::max(most, 1)) * plan.reduce_bytes;
+    return s;
+  }
+  s.path = exact_path_needed(most, step.exchanges ? step.fastest : ExactPath::TwoPhase);
+  // The in-place deposit exists where the planner counts it (the CPU's compact form).
+  if (s.path == ExactPath::Packed && step.words_shared && plan.reduce_bytes_in_place != plan.reduce_bytes_accumulated)
+    s.path = ExactPath::PackedInPlace;
+  const std::size_t even = plan.padded_elems - plan.exact_ragged_elems;
+  const std::size_t two_phase = plan.reduce_bytes_two_phase / std::max<std::size_t>(plan.padded_elems, 1);
+  const auto per_elem = [&](std::size_t total) { return total / std::max<std::size_t>(plan.padded_elems, 1); };
+  const std::size_t per = s.path == ExactPath::Direct          ? per_elem(plan.reduce_bytes)
+                          : s.path == ExactPath::Packed        ? per_elem(plan.reduce_bytes_accumulated)
+                          : s.path == ExactPath::PackedInPlace ? per_elem(plan.reduce_bytes_in_place)
+                                                               : two_phase;
+  s.wire_bytes = even * per + plan.exact_ragged_elems * two_phase;
+  // The packed words (the CPU's compact form, whose bins are larger) exist where a rank
+  // deposited, or in a shared window; the bins are allocated on every rank for the packed
+  // exchange of the bins and for the two-phase method.
+  const bool compact = plan.exact_state_bytes != plan.exact_wide_bytes;
+  if (plan.exact_on_demand)
+    s.accumulator_bytes = s.path == ExactPath::Direct                         ? 0
+                          : s.path == ExactPath::TwoPhase                     ? plan.exact_wide_bytes
+                          : compact && most < 2 && s.path == ExactPath::Packed ? 0
+                                                                              : plan.exact_state_bytes;
+  return s;
 }
 
 }  // namespace shardopt

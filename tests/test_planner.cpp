@@ -483,3 +483,98 @@ TEST(Planner, ReproducibleOnTheDevice) {
   c.device = Device::Cpu;
   EXPECT_NO_THROW(plan_memory(layout, c));
 }
+
+// Reproducible mode's path per step (plan_exact_step; the optimizer takes the same, and
+// test_reproducible compares the bytes it moves and holds with these): the path the busiest
+// rank's micro-batches call for (exact_path_needed: 0 or 1 direct, 2-63 packed, 64 on
+// two-phase; SHARDOPT_REPRO_EXCHANGE's fastest path and a communicator without the
+// exchanges make it slower, never faster), the in-place deposit where the CPU's words are
+// shared, each path's wire bytes per element (4, 8, 12, 9) and the accumulator on top of the
+// plan (none; the packed words, 8 per element, only where some rank deposited or they are
+// shared; the bins, 17 per element and one per element of the largest bucket). On the
+// device the bins are the state (no in-place deposit); ragged buckets of whole-tensor
+// ownership take 9 bytes whatever the path and their bins are planned from finalize. A plan
+// of the default reduction is refused.
+TEST(Planner, ReproducibleStepPaths) {
+  EXPECT_EQ(exact_path_needed(0), ExactPath::Direct);
+  EXPECT_EQ(exact_path_needed(1), ExactPath::Direct);
+  EXPECT_EQ(exact_path_needed(2), ExactPath::Packed);
+  EXPECT_EQ(exact_path_needed(63), ExactPath::Packed);
+  EXPECT_EQ(exact_path_needed(64), ExactPath::TwoPhase);
+  EXPECT_EQ(exact_path_needed(1, ExactPath::Packed), ExactPath::Packed);
+  EXPECT_EQ(exact_path_needed(2, ExactPath::TwoPhase), ExactPath::TwoPhase);
+  EXPECT_EQ(exact_path_needed(64, ExactPath::Packed), ExactPath::TwoPhase);
+  EXPECT_STREQ(exact_path_name(ExactPath::PackedInPlace), "packed in place");
+
+  FlatLayout layout;
+  layout.add("a", 1000, 0);
+  layout.add("b", 3001, 0);
+  layout.add("c", 77, 0);
+  PlanConfig c;
+  c.world_size = 3;
+  c.bucket_elems = 1024;
+  c.stage = Stage::Zero2;
+  EXPECT_THROW(plan_exact_step(plan_memory(layout, c), ExactStep{}), Error) << "the default reduction";
+  c.reduction = Reduction::Reproducible;
+  const MemoryPlan cpu = plan_memory(layout, c);
+  const std::size_t n = cpu.padded_elems;
+  const std::size_t bins = 17 * n + cpu.bucket_elems;
+  EXPECT_EQ(cpu.exact_state_bytes, 8 * n);
+  EXPECT_EQ(cpu.exact_wide_bytes, bins);
+  EXPECT_EQ(cpu.reduce_bytes_two_phase, 9 * n);
+  EXPECT_EQ(cpu.exact_ragged_elems, 0u);
+  struct Case {
+    int most;
+    ExactPath fastest;
+    bool exchanges, shared;
+    ExactPath path;
+    std::size_t wire, accumulator;
+  };
+  for (const Case& k : {Case{0, ExactPath::Direct, true, false, ExactPath::Direct, 4 * n, 0},
+                        Case{1, ExactPath::Direct, true, true, ExactPath::Direct, 4 * n, 0},
+                        Case{1, ExactPath::Packed, true, false, ExactPath::Packed, 8 * n, 0},
+                        Case{1, ExactPath::Packed, true, true, ExactPath::PackedInPlace, 12 * n, 8 * n},
+                        Case{2, ExactPath::Direct, true, false, ExactPath::Packed, 8 * n, 8 * n},
+                        Case{63, ExactPath::Direct, true, true, ExactPath::PackedInPlace, 12 * n, 8 * n},
+                        Case{64, ExactPath::Direct, true, true, ExactPath::TwoPhase, 9 * n, bins},
+                        Case{1, ExactPath::Direct, false, false, ExactPath::TwoPhase, 9 * n, bins},
+                        Case{5, ExactPath::TwoPhase, true, false, ExactPath::TwoPhase, 9 * n, bins}}) {
+    SCOPED_TRACE("most " + std::to_string(k.most) + ", fastest " + exact_path_name(k.fastest) +
+                 (k.exchanges ? "" : ", no exchange") + (k.shared ? ", shared words" : ""));
+    ExactStep st;
+    st.most_micro_batches = k.most;
+    st.fastest = k.fastest;
+    st.exchanges = k.exchanges;
+    st.words_shared = k.shared;
+    const ExactStepPlan p = plan_exact_step(cpu, st);
+    EXPECT_EQ(p.path, k.path);
+    EXPECT_EQ(p.wire_bytes, k.wire);
+    EXPECT_EQ(p.accumulator_bytes, k.accumulator);
+  }
+  // The device: the bins are the state, on every rank, and nothing is read in place.
+  c.device = Device::Cuda;
+  const MemoryPlan gpu = plan_memory(layout, c);
+  ExactStep st;
+  st.most_micro_batches = 1;
+  st.fastest = ExactPath::Packed;
+  st.words_shared = true;
+  const ExactStepPlan p = plan_exact_step(gpu, st);
+  EXPECT_EQ(p.path, ExactPath::Packed);
+  EXPECT_EQ(p.wire_bytes, 8 * n);
+  EXPECT_EQ(p.accumulator_bytes, bins);
+  EXPECT_EQ(plan_exact_step(gpu, ExactStep{1}).accumulator_bytes, 0u);
+  // Whole-tensor ownership: ragged buckets take 9 bytes per element at every step; their bins
+  // are planned from finalize (nothing on top).
+  c.device = Device::Cpu;
+  c.ownership = Ownership::Whole;
+  c.stage = Stage::Zero1;
+  const MemoryPlan whole = plan_memory(layout, c);
+  ASSERT_GT(whole.exact_ragged_elems, 0u);
+  EXPECT_FALSE(whole.exact_on_demand);
+  const std::size_t even = whole.padded_elems - whole.exact_ragged_elems;
+  const ExactStepPlan w1 = plan_exact_step(whole, ExactStep{1});
+  EXPECT_EQ(w1.path, ExactPath::Direct);
+  EXPECT_EQ(w1.wire_bytes, 4 * even + 9 * whole.exact_ragged_elems);
+  EXPECT_EQ(w1.accumulator_bytes, 0u);
+  EXPECT_EQ(plan_exact_step(whole, ExactStep{3}).wire_bytes, 8 * even + 9 * whole.exact_ragged_elems);
+}

@@ -70,6 +70,7 @@ struct Trained {
   std::vector<StepResult> results;
   std::vector<std::vector<float>> master, m, v;
   std::vector<std::vector<std::uint16_t>> replica;
+  std::size_t grads_bytes = 0;  ///< the optimizer's Grads memory after the last step
 };
 
 OptimizerOptions options(Stage stage, std::size_t bucket, bool debug = false) {
@@ -136,6 +137,7 @@ StepResult train_step(ShardedOptimizer& opt, int step, Assign assign, int nan_st
 Trained snapshot(ShardedOptimizer& opt, std::vector<StepResult> results) {
   Trained r;
   r.results = std::move(results);
+  r.grads_bytes = opt.memory_report()[MemCategory::Grads];
   const std::size_t n = std::size(kSizes);
   r.master.resize(n);
   r.m.resize(n);
@@ -360,12 +362,49 @@ Trained train_split(std::shared_ptr<Communicator> comm, Stage stage, const std::
 // rank's words and last micro-batch in place (12 bytes per element, one
 // reduce_scatter_combine_pair per bucket); plain MPI keeps the wire buffer.
 void expect_packed_bytes(const CountingComm& counting, const MemoryPlan& plan, MpiCommKind kind,
-                         const std::string& what) {
+                         const std::string& what, int most = 2) {
   const bool shm = kind == MpiCommKind::SharedMemory && counting.size() > 1;
-  EXPECT_EQ(counting.combine_bytes,
-            plan.reduce_bytes_accumulated + (shm ? plan.reduce_bytes_in_place : plan.reduce_bytes_accumulated))
-      << what;
+  ExactStep first;
+  first.most_micro_batches = most;
+  first.fastest = ExactPath::Packed;
+  ExactStep second = first;
+  second.words_shared = shm;
+  const ExactStepPlan a = plan_exact_step(plan, first), b = plan_exact_step(plan, second);
+  EXPECT_EQ(a.path, ExactPath::Packed) << what;
+  EXPECT_EQ(b.path, shm ? ExactPath::PackedInPlace : ExactPath::Packed) << what;
+  EXPECT_EQ(counting.combine_bytes, a.wire_bytes + b.wire_bytes) << what;
+  EXPECT_EQ(a.wire_bytes, plan.reduce_bytes_accumulated) << what;
+  EXPECT_EQ(b.wire_bytes, shm ? plan.reduce_bytes_in_place : plan.reduce_bytes_accumulated) << what;
   EXPECT_EQ(counting.combine_pairs, shm ? static_cast<int>(plan.num_buckets) : 0) << what;
+}
+
+// The planner's step of `most` micro-batches on the busiest rank (plan_exact_step), against
+// what two such steps moved through `counting` and what the optimizer holds after them
+// (`grads`: its Grads bytes): the path's wire bytes through the exchanges or the integer
+// reductions, and the accumulator on top of the plan (`busiest`: this rank ran `most`).
+void expect_planned_step(const CountingComm& counting, const MemoryPlan& plan, MpiCommKind kind, int most,
+                         ExactPath fastest, std::size_t grads, const std::string& what, bool busiest = true) {
+  ExactStep st;
+  st.most_micro_batches = most;
+  st.fastest = fastest;
+  st.exchanges = !counting.refuse_combine;
+  const ExactStepPlan p = plan_exact_step(plan, st);
+  if (p.path == ExactPath::TwoPhase) {
+    EXPECT_EQ(counting.combine_bytes, 0u) << what;
+    EXPECT_EQ(counting.int_bytes, 2 * p.wire_bytes) << what;
+    EXPECT_EQ(p.wire_bytes, plan.reduce_bytes_two_phase) << what;
+  } else {
+    EXPECT_EQ(counting.int_bytes, 0u) << what;
+  }
+  if (p.path == ExactPath::Direct) EXPECT_EQ(counting.combine_bytes, 2 * p.wire_bytes) << what;
+  if (p.path == ExactPath::Packed) expect_packed_bytes(counting, plan, kind, what, most);
+  // After the first packed step the words are shared (shared memory, several ranks). The
+  // busiest rank holds the larger planned accumulator of the two steps; another at most that.
+  ExactStep second = st;
+  second.words_shared = kind == MpiCommKind::SharedMemory && counting.size() > 1 && p.path == ExactPath::Packed;
+  const std::size_t held = std::max(p.accumulator_bytes, plan_exact_step(plan, second).accumulator_bytes);
+  if (busiest) EXPECT_EQ(grads, plan[MemCategory::Grads] + held) << what << " (" << exact_path_name(p.path) << ")";
+  else EXPECT_LE(grads, plan[MemCategory::Grads] + held) << what << " (" << exact_path_name(p.path) << ")";
 }
 
 }  // namespace
@@ -394,25 +433,20 @@ TEST(Reproducible, DirectExchangeAndTwoPhaseGiveTheSameBitsAndTheirBytes) {
         if (HasFatalFailure()) return;
         // Two steps; data-parallel ranks get the whole bucket: the combine's blocks, then the
         // all-gather of the results (not counted here) where the two-phase method all-reduces.
-        if (two_phase) {
-          EXPECT_EQ(counting->combine_bytes, 0u) << what;
-          if (stage != Stage::DataParallel) EXPECT_EQ(counting->int_bytes, 2 * 9 * plan.padded_elems) << what;
-        } else if (packed) {
-          EXPECT_EQ(counting->int_bytes, 0u) << what;
-          expect_packed_bytes(*counting, plan, kind, what);
-        } else {
-          EXPECT_EQ(counting->int_bytes, 0u) << what;
-          EXPECT_EQ(counting->combine_bytes, 2 * plan.reduce_bytes) << what;
-        }
+        expect_planned_step(*counting, plan, kind, 1,
+                            two_phase ? ExactPath::TwoPhase : packed ? ExactPath::Packed : ExactPath::Direct,
+                            got.grads_bytes, what);
+        if (!two_phase && !packed) EXPECT_EQ(counting->combine_bytes, 2 * plan.reduce_bytes) << what;
       }
   // A communicator that cannot exchange raw values: the two-phase method, the same bits.
   {
     auto counting = std::make_shared<CountingComm>(mpi(MpiCommKind::SharedMemory));
     counting->refuse_combine = true;
     MemoryPlan plan;
-    expect_same(train_split(counting, Stage::Zero1, std::vector<int>(static_cast<std::size_t>(world), 1), &plan),
-                one, "shm zero-1, no direct exchange");
-    EXPECT_EQ(counting->combine_bytes, 0u);
+    const Trained got = train_split(counting, Stage::Zero1, std::vector<int>(static_cast<std::size_t>(world), 1), &plan);
+    expect_same(got, one, "shm zero-1, no direct exchange");
+    expect_planned_step(*counting, plan, MpiCommKind::SharedMemory, 1, ExactPath::Direct, got.grads_bytes,
+                        "shm zero-1, no direct exchange");
     EXPECT_EQ(counting->int_bytes, 2 * 9 * plan.padded_elems);
   }
   // Two simulated nodes (the hierarchical communicator hands the exchange to plain MPI).
@@ -471,16 +505,14 @@ TEST(Reproducible, CompactAccumulationUpToAndPastTheLimit) {
         const std::string at = what + (kind == MpiCommKind::Plain ? " mpi " : " shm ") + stage_name(stage);
         auto counting = std::make_shared<CountingComm>(mpi(kind));
         MemoryPlan plan;
-        expect_same(train_split(counting, stage, split, &plan), one, at);
+        const Trained got = train_split(counting, stage, split, &plan);
+        expect_same(got, one, at);
         if (HasFatalFailure()) return;
-        // Two steps of the method the counts call for.
-        if (most > cpu::kPackedMaxMicroBatches) {
-          EXPECT_EQ(counting->combine_bytes, 0u) << at;
-          if (stage != Stage::DataParallel) EXPECT_EQ(counting->int_bytes, 2 * 9 * plan.padded_elems) << at;
-        } else {
-          EXPECT_EQ(counting->int_bytes, 0u) << at;
-          expect_packed_bytes(*counting, plan, kind, at);
-        }
+        // Two steps of the path the counts call for, its bytes and its accumulator.
+        const int mine = split.size() == 1 ? split[0] : split[static_cast<std::size_t>(w->rank())];
+        expect_planned_step(*counting, plan, kind, most, ExactPath::Direct, got.grads_bytes, at, mine == most);
+        EXPECT_EQ(plan_exact_step(plan, ExactStep{most}).path,
+                  most > cpu::kPackedMaxMicroBatches ? ExactPath::TwoPhase : ExactPath::Packed) << at;
       }
   }
 }

@@ -128,6 +128,28 @@ struct MemoryPlan {
   /// on one node, from the step after the first packed exchange): 12 per padded element, and
   /// no pass over the bucket before it. reduce_bytes_accumulated where it does not apply.
   std::size_t reduce_bytes_in_place = 0;
+  /// Reproducible mode's two-phase method (past 63 micro-batches on a rank, a communicator
+  /// without the exchanges, SHARDOPT_REPRO_EXCHANGE=two-phase): 9 per padded element (a
+  /// 1-byte level maximum and an int64 sum). 0 outside reproducible mode and for the sharded
+  /// accumulation (exact_sharded).
+  std::size_t reduce_bytes_two_phase = 0;
+  /// Reproducible mode, elements of buckets that are neither whole nor cut in equal slices
+  /// (whole-tensor ownership at stages 1-3): the exchanges deliver equal blocks, so these take
+  /// the two-phase method at every step (9 bytes each, whatever the step's path).
+  std::size_t exact_ragged_elems = 0;
+  /// Reproducible mode's exact accumulator once a rank accumulated several micro-batches (up
+  /// to 63): on the CPU the packed words (8 bytes per element), on the device the bins (17
+  /// per element and one per element of the largest bucket); exact_wide_bytes: the bins, what
+  /// the two-phase method needs (the CPU widens its words into them past 63). Allocated on
+  /// demand (not in `bytes`) unless exact_on_demand is false (ragged buckets: the bins from
+  /// finalize). 0 outside reproducible mode and for the sharded accumulation (whose bins are
+  /// in `bytes`).
+  std::size_t exact_state_bytes = 0;
+  std::size_t exact_wide_bytes = 0;
+  bool exact_on_demand = false;
+  /// Reproducible mode's sharded accumulation (SHARDOPT_REPRO_EXCHANGE=sharded, stages 2-3):
+  /// every micro-batch is exchanged raw (reduce_bytes each).
+  bool exact_sharded = false;
   /// Bytes that cross between nodes for one node in one step (one micro-batch, the default
   /// reduction), as a ring between the `nodes` moves them: per bucket, its gradient
   /// reduce-scatter (data-parallel: all-reduce, twice the bytes) and, at stages 1 and 2, its
@@ -140,6 +162,55 @@ struct MemoryPlan {
   std::size_t operator[](MemCategory c) const { return bytes[static_cast<int>(c)]; }
   std::size_t total() const;
 };
+
+/// Reproducible mode's path for the gradients of one step (docs/architecture.md,
+/// "Reproducible mode"). Every rank takes the same: step() agrees on it in one small
+/// all-reduce, each rank stating the path its own micro-batches call for
+/// (exact_path_needed) and the slowest winning.
+enum class ExactPath {
+  Direct,         ///< no rank accumulated: raw fp32 values to the owners, 4 bytes per element
+  Packed,         ///< 2-63 micro-batches on some rank: packed states through a wire buffer, 8
+  PackedInPlace,  ///< the same, the owners reading words and last micro-batch in place, 12
+  TwoPhase,       ///< level maximum and int64 sum, 9: past 63 on a rank, or no exchange
+};
+const char* exact_path_name(ExactPath p) noexcept;
+/// The path one rank's step calls for: `micro_batches` accumulated since the last step (0-...)
+/// and `fastest`, the fastest path allowed (SHARDOPT_REPRO_EXCHANGE; TwoPhase for a
+/// communicator without the exchanges). Never PackedInPlace (that is where the packed words
+/// lie, not what the state needs).
+ExactPath exact_path_needed(int micro_batches, ExactPath fastest = ExactPath::Direct);
+
+/// A step of reproducible mode, as plan_exact_step() takes it.
+struct ExactStep {
+  int most_micro_batches = 1;  ///< the most micro-batches any rank accumulated in the step
+  ExactPath fastest = ExactPath::Direct;  ///< SHARDOPT_REPRO_EXCHANGE's fastest path allowed
+  /// Whether the communicator exchanges raw values (Communicator::reduce_scatter_combine);
+  /// without, every path is the two-phase method.
+  bool exchanges = true;
+  /// Whether the packed words lie in a window whose owners read them in place (the
+  /// shared-memory communicator on one node, from the step after the first packed exchange;
+  /// not with SHARDOPT_REPRO_EXCHANGE=packed-wire).
+  bool words_shared = false;
+};
+/// What one step of reproducible mode takes, per rank.
+struct ExactStepPlan {
+  ExactPath path = ExactPath::Direct;
+  /// Payload bytes passed to the gradient reductions (as MemoryPlan::reduce_bytes counts
+  /// them): the path's bytes per element of the buckets that exchange, 9 per ragged element;
+  /// the sharded accumulation: reduce_bytes per micro-batch (at least one).
+  std::size_t wire_bytes = 0;
+  /// The exact accumulator the step needs on top of MemoryPlan::bytes on the busiest rank
+  /// (allocated on demand: none for the direct exchange; exact_state_bytes for the packed
+  /// exchange, except the CPU's packed words when no rank accumulated and they are not
+  /// shared; exact_wide_bytes for the two-phase method; 0 where the plan holds it from
+  /// finalize). A rank that accumulated fewer holds at most that. It stays allocated for
+  /// later steps.
+  std::size_t accumulator_bytes = 0;
+};
+/// The path and bytes of a step of reproducible mode under `plan` (plan_memory of a
+/// configuration with Reduction::Reproducible), as the optimizer takes it. Throws
+/// Error(InvalidArgument) for a plan of the default reduction.
+ExactStepPlan plan_exact_step(const MemoryPlan& plan, const ExactStep& step);
 
 /// Per-rank bytes of `layout` under `config`. The layout may be unbuilt (a copy is built for
 /// config.world_size) or built for exactly that world size. Stage 3 plans the layout's
