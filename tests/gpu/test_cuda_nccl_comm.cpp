@@ -412,4 +412,38 @@ TEST_F(NcclComm, CollectiveTimeoutAbortsTheCommunicator) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// Reproducible mode's exchange is watched as the collectives are: with every rank's compute
+// stream held past the timeout, the exchange's host wait ends in Error(Communication) naming
+// it, on every rank, within the timeout, and the communicator refuses what follows.
+TEST_F(NcclComm, ExchangeTimeoutAbortsTheCommunicator) {
+  auto comm = test::gpu_world();
+  comm->set_collective_timeout(1.0);
+  const std::size_t count = 64, w = static_cast<std::size_t>(comm->size());
+  DeviceBuffer buf = device_buffer(count * w * sizeof(float));
+  ASSERT_EQ(cudaMemset(buf.get(), 0, count * w * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  RecordingCombiner op(4, static_cast<float*>(buf.get()) + static_cast<std::size_t>(comm->rank()) * count);
+  op.write = [](std::size_t) { return 0.0f; };
+  test::hold_stream(nullptr, 5.0);  // the compute stream: the legacy default stream
+  const auto start = std::chrono::steady_clock::now();
+  const std::string message = communication_error([&] {
+    comm->reduce_scatter_combine(buf.get(), 4, static_cast<float*>(buf.get()), count, op);
+  });
+  const double took = seconds_since(start);
+  EXPECT_GE(took, 0.8);
+#if SHARDOPT_FAKE_DEVICE
+  EXPECT_LT(took, 4.5) << "the fake's abort returns at once: it must not wait for the held stream";
+#else
+  EXPECT_LT(took, 5.0 + 3.0) << "bounded: the timeout, or the held kernel that NCCL's abort waits for";
+#endif
+  EXPECT_NE(message.find("ncclSend/ncclRecv (exact exchange) (collective #0) did not complete within 1 s"),
+            std::string::npos) << message;
+  EXPECT_EQ(op.calls, 0) << "nothing combined";
+  EXPECT_EQ(communication_error([&] { comm->barrier(); }), message)
+      << "a host collective after the abort must throw the same error";
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the held stream drains
+  comm.reset();
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 }  // namespace
