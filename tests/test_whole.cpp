@@ -84,6 +84,10 @@ struct RunSpec {
 struct Result {
   std::vector<std::vector<float>> master, replica, m, v;
   std::size_t wire_per_step = 0;
+  /// Reproducible mode: the last step's exchange and integer-reduction bytes (the counter's
+  /// combine_bytes and int_bytes), and the planner's plan of the run.
+  std::size_t exact_per_step = 0;
+  MemoryPlan plan;
   std::size_t padded = 0;      ///< the layout's flat length
   std::size_t spanning = 0;    ///< parameters across buckets
   std::size_t quantum = 0;     ///< the layout's bucket quantum
@@ -144,6 +148,7 @@ Result run(const RunSpec& r, CountingComm* counter = nullptr) {
   const int players = r.play_ranks > 0 ? r.play_ranks : 1;
   for (int s = 0; s < r.steps; ++s) {
     const std::size_t before = counter ? counter->wire_bytes : 0;
+    const std::size_t exact_before = counter ? counter->combine_bytes + counter->int_bytes : 0;
     forward();
     for (int who = 0; who < players; ++who)
       for (int mb = 0; mb < r.micro; ++mb) {
@@ -158,6 +163,7 @@ Result run(const RunSpec& r, CountingComm* counter = nullptr) {
       }
     opt->step();
     if (counter) res.wire_per_step = counter->wire_bytes - before;
+    if (counter) res.exact_per_step = counter->combine_bytes + counter->int_bytes - exact_before;
   }
   res.padded = opt->layout().padded_size();
   res.quantum = FlatLayout::bucket_quantum(opt->layout().world_size(), opt->layout().align_elems());
@@ -191,6 +197,7 @@ Result run(const RunSpec& r, CountingComm* counter = nullptr) {
   }
   EXPECT_EQ(opt->memory_report().bytes, plan_memory(unbuilt, pc).bytes) << "rank " << rank;
   EXPECT_EQ(opt->memory_report().bytes, plan_memory(opt->layout(), pc).bytes) << "rank " << rank;
+  res.plan = plan_memory(opt->layout(), pc);
   return res;
 }
 
@@ -364,8 +371,10 @@ TEST(Whole, Refusals) {
 // Reproducible mode with gradients whose sums round: Whole equals Flat at every stage, and
 // both equal one process that runs every rank's micro-batches (the mode's promise: the same
 // bits at any rank count), with 1 and 3 micro-batches per rank (the direct exchange and the
-// packed one for equal buckets; ragged buckets take the two-phase method).
+// packed one for equal buckets; ragged buckets take the two-phase method). Whole's exchange
+// and integer bytes in a step are the planner's (plan_exact_step: 9 per ragged element).
 TEST(Whole, ReproducibleEqualsFlatAndOneProcess) {
+  bool ragged = false;
   const int world = test::world_size();
   for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
     for (std::size_t bucket : {std::size_t{700}, std::size_t{64}})
@@ -384,8 +393,16 @@ TEST(Whole, ReproducibleEqualsFlatAndOneProcess) {
         r.comm = comm_of(bucket == 700 ? MpiCommKind::SharedMemory : MpiCommKind::Plain);
         const Result flat = run(r);
         r.o.ownership = Ownership::Whole;
-        r.comm = comm_of(bucket == 700 ? MpiCommKind::Plain : MpiCommKind::SharedMemory);
-        const Result whole = run(r);
+        const MpiCommKind kind = bucket == 700 ? MpiCommKind::Plain : MpiCommKind::SharedMemory;
+        auto counting = std::make_shared<CountingComm>(comm_of(kind));
+        r.comm = counting;
+        const Result whole = run(r, counting.get());
+        ExactStep last;  // the second step: the words read in place where the communicator did
+        last.most_micro_batches = micro;
+        last.words_shared = counting->combine_pairs > 0;
+        EXPECT_EQ(whole.exact_per_step, plan_exact_step(whole.plan, last).wire_bytes)
+            << stage_name(stage) << " bucket " << bucket << " micro " << micro;
+        ragged = ragged || whole.plan.exact_ragged_elems > 0;
         RunSpec one = r;
         one.o.stage = Stage::DataParallel;  // the units of stage 3 change no bits
         one.o.ownership = Ownership::Flat;
@@ -401,4 +418,5 @@ TEST(Whole, ReproducibleEqualsFlatAndOneProcess) {
           EXPECT_TRUE(same_bits(other->v, whole.v)) << what << ": exp_avg_sq vs " << name;
         }
       }
+  if (world > 1) EXPECT_TRUE(ragged) << "some bucket is ragged";
 }

@@ -75,8 +75,7 @@ struct SquareDigits {
 /// The exponent g of the grid that reproducible mode rounds a value to, from the largest
 /// biased exponent field `e` (0..254) among an element's values: the level L = (e + 24) / 24
 /// (at least 1) and g = b(L - 1) = 24 L - 174 (exact_sum.hpp: kBinBits 24, kBase -150).
-using exact::elem::grid_exponent;
-constexpr int exact_grid_exponent(std::uint32_t e) { return grid_exponent(e); }
+constexpr int exact_grid_exponent(std::uint32_t e) { return exact::elem::grid_exponent(e); }
 
 /// n * 2^e rounded once to fp32 (to nearest even, subnormals included, Inf past the range),
 /// for any int64 n and -900 <= e <= 900: the one rounding of reproducible mode's exact sums.

@@ -72,6 +72,23 @@ std::string communication_error(F&& f) {
   return {};
 }
 
+/// After a collective timeout of 1 s with the compute stream held for 5 s: the call that
+/// threw `message` took about the timeout, the message names `what`, and a host collective
+/// afterwards throws the same error.
+void expect_timeout_abort(Communicator& comm, double took, const std::string& message, const std::string& what) {
+  // A rank may stop a little before its own 1 s: another rank's timeout started earlier and
+  // its abort notice arrives first (measured 0.9986 s at 3 ranks on the fake).
+  EXPECT_GE(took, 0.8);
+#if SHARDOPT_FAKE_DEVICE
+  EXPECT_LT(took, 4.5) << "the fake's abort returns at once: it must not wait for the held stream";
+#else
+  EXPECT_LT(took, 5.0 + 3.0) << "bounded: the timeout, or the held kernel that NCCL's abort waits for";
+#endif
+  EXPECT_NE(message.find(what + " did not complete within 1 s"), std::string::npos) << message;
+  EXPECT_EQ(communication_error([&] { comm.barrier(); }), message)
+      << "a host collective after the abort must throw the same error";
+}
+
 class NcclComm : public ::testing::Test {
  protected:
   void SetUp() override { SHARDOPT_REQUIRE_GPUS(test::gpu_world_size()); }
@@ -394,19 +411,7 @@ TEST_F(NcclComm, CollectiveTimeoutAbortsTheCommunicator) {
   const auto start = std::chrono::steady_clock::now();
   const std::string message =
       communication_error([&] { comm->all_reduce_sum(buf.get(), 64, CommType::F32); });
-  const double took = seconds_since(start);
-  // A rank may stop a little before its own 1 s: another rank's timeout started earlier and
-  // its abort notice arrives first (measured 0.9986 s at 3 ranks on the fake).
-  EXPECT_GE(took, 0.8);
-#if SHARDOPT_FAKE_DEVICE
-  EXPECT_LT(took, 4.5) << "the fake's abort returns at once: it must not wait for the held stream";
-#else
-  EXPECT_LT(took, 5.0 + 3.0) << "bounded: the timeout, or the held kernel that NCCL's abort waits for";
-#endif
-  EXPECT_NE(message.find("ncclAllReduce (collective #0) did not complete within 1 s"),
-            std::string::npos) << message;
-  EXPECT_EQ(communication_error([&] { comm->barrier(); }), message)
-      << "a host collective after the abort must throw the same error";
+  expect_timeout_abort(*comm, seconds_since(start), message, "ncclAllReduce (collective #0)");
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the held stream drains
   comm.reset();
   MPI_Barrier(MPI_COMM_WORLD);
@@ -429,18 +434,8 @@ TEST_F(NcclComm, ExchangeTimeoutAbortsTheCommunicator) {
   const std::string message = communication_error([&] {
     comm->reduce_scatter_combine(buf.get(), 4, static_cast<float*>(buf.get()), count, op);
   });
-  const double took = seconds_since(start);
-  EXPECT_GE(took, 0.8);
-#if SHARDOPT_FAKE_DEVICE
-  EXPECT_LT(took, 4.5) << "the fake's abort returns at once: it must not wait for the held stream";
-#else
-  EXPECT_LT(took, 5.0 + 3.0) << "bounded: the timeout, or the held kernel that NCCL's abort waits for";
-#endif
-  EXPECT_NE(message.find("ncclSend/ncclRecv (exact exchange) (collective #0) did not complete within 1 s"),
-            std::string::npos) << message;
+  expect_timeout_abort(*comm, seconds_since(start), message, "ncclSend/ncclRecv (exact exchange) (collective #0)");
   EXPECT_EQ(op.calls, 0) << "nothing combined";
-  EXPECT_EQ(communication_error([&] { comm->barrier(); }), message)
-      << "a host collective after the abort must throw the same error";
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the held stream drains
   comm.reset();
   MPI_Barrier(MPI_COMM_WORLD);
