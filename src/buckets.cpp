@@ -110,7 +110,8 @@ void BucketSet::finish_op(std::size_t b) {
   s.op = Op::None;
   if (op != Op::GradSync) return;
   if (staged()) {
-    // This rank's reduced slice joins the owned gradient and the slot is cleared; it stays
+    // This rank's reduced slice joins the owned gradient and the slot is cleared (only that
+    // slice where the communicator's sums zeroed the rest, clears_inputs()); it stays
     // the bucket's until release_slot() (complete_oldest_grad_sync), so that every rank hands
     // slots out in the same order: the shared-memory collectives read a peer's slot at this
     // rank's offset, and when a reduction completes differs between ranks.
@@ -120,7 +121,17 @@ void BucketSet::finish_op(std::size_t b) {
     backend_.accumulate(grads_.as<float>() + bk.local_begin_of(me),
                         slot + (bk.slice(me).begin - bk.flat.begin), DType::F32,
                         bk.slice_size(me));
-    backend_.fill_zero(slot, bk.flat.size() * sizeof(float));
+    if (s.slot_cleared) {
+      backend_.fill_zero(slot + (bk.slice(me).begin - bk.flat.begin), bk.slice_size(me) * sizeof(float));
+      // Elements past the last rank's block (none when the blocks cover the bucket) were
+      // not part of the collective.
+      const std::size_t covered = bk.slice(comm_.size() - 1).end - bk.flat.begin;
+      if (covered < bk.flat.size())
+        backend_.fill_zero(slot + covered, (bk.flat.size() - covered) * sizeof(float));
+    } else {
+      backend_.fill_zero(slot, bk.flat.size() * sizeof(float));
+    }
+    s.slot_cleared = false;
   }
   // The norm's part now, while the slice just written is in cache; a later reduction of the
   // same bucket (stage 2's next synchronised micro-batch) takes it again.
@@ -288,8 +299,9 @@ BatchedCollective BucketSet::grad_sync_op(std::size_t b) {
   float* data = staged() ? slot_for(b) : grads_.as<float>() + bk.flat.begin;
   if (cfg_.stage == Stage::DataParallel)
     return {C::AllReduceSum, data, bk.flat.size(), {}, cfg_.wire};
-  if (bk.equal_cut) return {C::ReduceScatterSum, data, bk.slice_elems, {}, cfg_.wire};
-  return {C::ReduceScatterSumV, data, 0, bk.counts, cfg_.wire};  // Whole: ragged ranges
+  // A staging slot is cleared after its reduction anyway: the communicator may do it as it sums.
+  if (bk.equal_cut) return {C::ReduceScatterSum, data, bk.slice_elems, {}, cfg_.wire, staged()};
+  return {C::ReduceScatterSumV, data, 0, bk.counts, cfg_.wire, staged()};  // Whole: ragged ranges
 }
 
 void BucketSet::start_grad_sync(std::size_t b) {
@@ -302,6 +314,7 @@ void BucketSet::start_grad_sync(std::size_t b) {
     const ScopedSeconds timed(blocked_seconds_);
     begin_op(b, Op::GradSync, comm_.start_collective(op));
   }
+  state_[b].slot_cleared = staged() && comm_.clears_inputs(op);
   grad_in_flight_.push_back(b);
   next_start_ = b + 1;
   if (!cfg_.overlap) {

@@ -145,6 +145,7 @@ class BucketSet {
     Op op = Op::None;
     std::unique_ptr<CommRequest> request;
     int slot = -1;          ///< Staged: the staging slot, -1 when none
+    bool slot_cleared = false;  ///< Staged: the reduction zeroes the slot but this rank's block
     std::size_t ready = 0;  ///< parameters ready in this micro-batch
   };
   void begin_op(std::size_t b, Op op, std::unique_ptr<CommRequest> request);

@@ -10,7 +10,8 @@
 // parameter ready (the reductions left for the step differ between ranks and stay single);
 // stage 3's unit gathers, one round of node barriers per batch of a unit's buckets; and the
 // variable's refusals (a bad value, or values that differ between ranks: the same error on
-// every rank).
+// every rank). Reduce-scatters started with clear_inputs (stage 2's staging slots) against the
+// same without, and stages 2-3 with their slots cleared by the sums against cleared whole.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -138,18 +139,22 @@ void fill(const std::vector<Item>& v, char* const* buf, int rank, int salt) {
   }
 }
 
-// What the collective defines on this rank: its own block (reduce-scatters) or everything.
-std::vector<char> defined(const Item& it, const char* const* buf, int rank, int n) {
-  const char* p = buf[it.which] + it.offset;
-  if (it.op == Op::ReduceScatterSum)
-    return {p + it.count * 4 * static_cast<std::size_t>(rank),
-            p + it.count * 4 * static_cast<std::size_t>(rank + 1)};
+// The bytes of the item the collective defines on this rank: its own block (reduce-scatters)
+// or everything.
+Range defined_bytes(const Item& it, int rank, int n) {
+  const std::size_t r = static_cast<std::size_t>(rank);
+  if (it.op == Op::ReduceScatterSum) return {it.count * 4 * r, it.count * 4 * (r + 1)};
   if (it.op == Op::ReduceScatterSumV) {
     const std::vector<std::size_t> off = uneven_offsets(it.counts, n, "test");
-    return {p + off[static_cast<std::size_t>(rank)] * 4,
-            p + off[static_cast<std::size_t>(rank) + 1] * 4};
+    return {off[r] * 4, off[r + 1] * 4};
   }
-  return {p, p + it.bytes};
+  return {0, it.bytes};
+}
+
+std::vector<char> defined(const Item& it, const char* const* buf, int rank, int n) {
+  const char* p = buf[it.which] + it.offset;
+  const Range d = defined_bytes(it, rank, n);
+  return {p + d.begin, p + d.end};
 }
 
 struct Buffers {
@@ -250,6 +255,69 @@ TEST(StartBatch, SharedMemoryBatchIsOneBarrierRound) {
   before = ibarriers;
   for (auto& q : comm->start_batch(batch_of(v, b.ptr))) q->wait();
   EXPECT_EQ(ibarriers - before, 2);
+}
+
+// ---- reduce-scatters that clear their inputs (stage 2's staging slots) -------------------------
+
+// A reduce-scatter started with clear_inputs gives the same block bit for bit, singly and in a
+// batch; where clears_inputs() says so (shared memory on one node, buffer in a window, fp32
+// wire), every element of its buffer outside this rank's block is zero afterwards; elsewhere
+// clears_inputs() is false and the caller clears. Other collectives and the flag off: false.
+TEST(ClearInputs, SameSumsAndTheRestZero) {
+  for (const BatchCase& c :
+       {BatchCase{MpiCommKind::Plain, 0, true, false}, BatchCase{MpiCommKind::SharedMemory, 0, true, false},
+        BatchCase{MpiCommKind::SharedMemory, 0, true, true},
+        BatchCase{MpiCommKind::SharedMemory, 0, false, true},
+        BatchCase{MpiCommKind::SharedMemory, 2, true, true}})
+    for (bool batched : {false, true}) {
+      auto comm = comm_of(c.kind, c.nodes);
+      const int n = comm->size(), me = comm->rank();
+      const std::string what = name_of(c) + (batched ? " batched" : " one by one");
+      const std::vector<Item> v = items(n, c.two_buffers);
+      Buffers kept = buffers(*comm, v, c.in_windows), cleared = buffers(*comm, v, c.in_windows);
+      fill(v, kept.ptr, me, 1);
+      fill(v, cleared.ptr, me, 1);
+      std::vector<BatchedCollective> plain_ops = batch_of(v, kept.ptr);
+      std::vector<BatchedCollective> clear_ops = batch_of(v, cleared.ptr);
+      for (BatchedCollective& o : clear_ops) o.clear_inputs = true;
+      for (const std::vector<BatchedCollective>* ops : {&plain_ops, &clear_ops}) {
+        std::vector<std::unique_ptr<CommRequest>> r;
+        if (batched) r = comm->start_batch(*ops);
+        else
+          for (const BatchedCollective& o : *ops) r.push_back(comm->start_collective(o));
+        for (auto& q : r) q->wait();
+      }
+      const bool one_node_windows = comm->name() == "mpi-shm" && c.in_windows;
+      for (std::size_t k = 0; k < v.size(); ++k) {
+        const Item& it = v[k];
+        ASSERT_EQ(defined(it, kept.ptr, me, n), defined(it, cleared.ptr, me, n))
+            << what << ": collective " << k;
+        EXPECT_FALSE(comm->clears_inputs(plain_ops[k])) << what << ": collective " << k;
+        const bool scatter = it.op == Op::ReduceScatterSum || it.op == Op::ReduceScatterSumV;
+        const bool clears = comm->clears_inputs(clear_ops[k]);
+        EXPECT_EQ(clears, scatter && one_node_windows) << what << ": collective " << k;
+        if (!clears) continue;
+        const Range mine = defined_bytes(it, me, n);
+        const char* all = cleared.ptr[it.which] + it.offset;
+        std::size_t nonzero = 0;
+        for (std::size_t b = 0; b < it.bytes; ++b)
+          if ((b < mine.begin || b >= mine.end) && all[b] != 0) ++nonzero;
+        EXPECT_EQ(nonzero, 0u) << what << ": collective " << k << " left bytes outside the block";
+      }
+      // A bf16 wire takes plain MPI's form: nothing cleared.
+      BatchedCollective bf = clear_ops[0];
+      bf.type = CommType::BF16;
+      EXPECT_FALSE(comm->clears_inputs(bf)) << what;
+    }
+  // Turned off for A/B runs.
+  setenv("SHARDOPT_SHM_CLEAR_INPUTS", "0", 1);
+  auto off = comm_of(MpiCommKind::SharedMemory);
+  unsetenv("SHARDOPT_SHM_CLEAR_INPUTS");
+  const std::vector<Item> v = items(off->size(), false);
+  Buffers b = buffers(*off, v, true);
+  std::vector<BatchedCollective> ops = batch_of(v, b.ptr);
+  ops[0].clear_inputs = true;
+  EXPECT_FALSE(off->clears_inputs(ops[0]));
 }
 
 // ---- the optimizer: batched against every bucket alone ----------------------------------------
@@ -366,6 +434,17 @@ bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::
   return true;
 }
 
+// Norms, master, replica and both moments bit for bit.
+void expect_same_training(const Trained& a, const Trained& b, const std::string& what) {
+  ASSERT_EQ(a.norms.size(), b.norms.size()) << what;
+  ASSERT_EQ(std::memcmp(a.norms.data(), b.norms.data(), a.norms.size() * sizeof(double)), 0)
+      << what << ": grad norms";
+  EXPECT_TRUE(same_bits(a.master, b.master)) << what << ": master";
+  EXPECT_TRUE(same_bits(a.replica, b.replica)) << what << ": replica";
+  EXPECT_TRUE(same_bits(a.m, b.m)) << what << ": exp_avg";
+  EXPECT_TRUE(same_bits(a.v, b.v)) << what << ": exp_avg_sq";
+}
+
 class BatchedStep : public testing::TestWithParam<Stage> {};
 
 }  // namespace
@@ -390,12 +469,7 @@ TEST_P(BatchedStep, EqualsEveryBucketAloneBitForBit) {
     for (const char* batch : {"3", ""}) {
       const Trained b = train(r, comms[c], batch);
       const std::string what = describe(r) + ", SHARDOPT_COMM_BATCH='" + batch + "'";
-      ASSERT_EQ(std::memcmp(alone.norms.data(), b.norms.data(), alone.norms.size() * sizeof(double)), 0)
-          << what << ": grad norms";
-      EXPECT_TRUE(same_bits(alone.master, b.master)) << what << ": master";
-      EXPECT_TRUE(same_bits(alone.replica, b.replica)) << what << ": replica";
-      EXPECT_TRUE(same_bits(alone.m, b.m)) << what << ": exp_avg";
-      EXPECT_TRUE(same_bits(alone.v, b.v)) << what << ": exp_avg_sq";
+      ASSERT_NO_FATAL_FAILURE(expect_same_training(alone, b, what));
       // Batches start fewer node barriers where several buckets start together: the
       // gathers of stages 1-2 after the update, stage 3's unit gathers (a unit holds
       // several buckets of 300 here), the reductions without overlap (unstaged).
@@ -415,6 +489,38 @@ std::string stage_case(const testing::TestParamInfo<Stage>& i) {
 INSTANTIATE_TEST_SUITE_P(Stages, BatchedStep,
                          testing::Values(Stage::DataParallel, Stage::Zero1, Stage::Zero2,
                                          Stage::Zero3),
+                         stage_case);
+
+// Stages 2 and 3 whose staging slots the shared-memory sums clear (clears_inputs(): the slot's
+// owner then clears only its own block) against the same steps with the slot cleared whole
+// after each reduction (SHARDOPT_SHM_CLEAR_INPUTS=0) and against plain MPI, bit for bit: a slot
+// left with a stale element would add it into the next micro-batch or step. Flat and Whole
+// (ragged buckets: the uneven reduce-scatter), overlap on and off, 1 and 3 micro-batches, rank
+// 0 leaving a parameter unmarked.
+class ClearedSlots : public testing::TestWithParam<Stage> {};
+
+TEST_P(ClearedSlots, EqualSlotsClearedWholeBitForBit) {
+  setenv("SHARDOPT_SHM_CLEAR_INPUTS", "0", 1);
+  const std::shared_ptr<Communicator> whole_clear = comm_of(MpiCommKind::SharedMemory);
+  unsetenv("SHARDOPT_SHM_CLEAR_INPUTS");
+  const std::shared_ptr<Communicator> comms[3] = {comm_of(MpiCommKind::SharedMemory), whole_clear,
+                                                  comm_of(MpiCommKind::Plain)};
+  std::vector<RunSpec> runs;
+  for (Ownership own : {Ownership::Flat, Ownership::Whole})
+    for (bool overlap : {false, true})
+      for (int micro : {1, 3}) runs.push_back({GetParam(), own, overlap, micro, MpiCommKind::SharedMemory});
+  runs.push_back({GetParam(), Ownership::Flat, true, 1, MpiCommKind::SharedMemory, true});
+  for (const RunSpec& r : runs) {
+    const Trained fused = train(r, comms[0], "");
+    for (int c = 1; c < 3; ++c) {
+      const Trained t = train(r, comms[c], "");
+      const std::string what = describe(r) + (c == 1 ? " against slots cleared whole" : " against plain MPI");
+      ASSERT_NO_FATAL_FAILURE(expect_same_training(fused, t, what));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, ClearedSlots, testing::Values(Stage::Zero2, Stage::Zero3),
                          stage_case);
 
 // Stage 3: acquiring a unit of K buckets starts ceil(K / batch) batches of gathers, each one

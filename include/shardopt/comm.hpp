@@ -76,6 +76,10 @@ struct BatchedCollective {
   std::size_t count = 0;                ///< per rank (equal forms) or in all (all-reduce)
   std::span<const std::size_t> counts;  ///< the uneven forms' per-rank counts
   CommType type = CommType::F32;        ///< the wire (reductions) or element type (gathers)
+  /// Reduce-scatters only: the caller clears the buffer after the collective anyway (stage 2's
+  /// staging slots), so the communicator may zero the inputs it reads while it sums them.
+  /// Whether it does is clears_inputs(); where it does not, the buffer is as without the flag.
+  bool clear_inputs = false;
 };
 
 class Communicator {
@@ -136,8 +140,19 @@ class Communicator {
   virtual std::unique_ptr<CommRequest> start_all_reduce_sum(float* buf, std::size_t count,
                                                             CommType wire) = 0;
 
-  /// Starts `c` alone: the start_ call it names.
-  std::unique_ptr<CommRequest> start_collective(const BatchedCollective& c);
+  /// Starts `c` alone: the start_ call it names (the shared-memory communicator also reads
+  /// c.clear_inputs).
+  virtual std::unique_ptr<CommRequest> start_collective(const BatchedCollective& c);
+
+  /// True when `c` (a reduce-scatter with clear_inputs), started by start_collective() or
+  /// start_batch(), leaves every element of its buffer outside this rank's block zero on
+  /// completion (the block holds the sum as without the flag): the caller then has only its own
+  /// block to clear. Every rank gets the same answer for the same collective. The default:
+  /// false (the shared-memory communicator on one node: true, its sums zero what they read).
+  virtual bool clears_inputs(const BatchedCollective& c) const {
+    (void)c;
+    return false;
+  }
 
   /// Starts several collectives at once, in the order given, and returns their requests in
   /// that order. Each request completes as the collective started alone would (the same

@@ -30,6 +30,10 @@
 // started together are one ShmRequest, whose step k runs step k of each of them: one round of
 // node barriers for the batch instead of one per collective, the same sums and copies.
 //
+// Clearing while summing (issue 29): a reduce-scatter started with clear_inputs on one node zeroes
+// each rank's input blocks other than the owner's as the parts are summed, so stage 2's staging
+// slot needs only its owner's block cleared afterwards (clears_inputs()).
+//
 // Summation order: within a node, node ranks 0, 1, 2, ... left to right in fp32 (node ranks
 // follow world ranks). Across nodes, the node sums are combined by MPI_Reduce_scatter on the
 // leaders (MPI's own order).
@@ -206,6 +210,8 @@ class ShmCommunicator final : public Communicator {
       : plain_(std::move(plain)), topo_(std::move(topo)), dog_(std::move(dog)) {
     const char* env = std::getenv("SHARDOPT_SHM_BLOCKING");
     blocking_ = env != nullptr && std::string(env) == "1";
+    const char* clear = std::getenv("SHARDOPT_SHM_CLEAR_INPUTS");
+    clear_inputs_ = clear == nullptr || std::string(clear) != "0";
   }
   ~ShmCommunicator() override {
     try {
@@ -373,6 +379,18 @@ class ShmCommunicator final : public Communicator {
     return start_one({BatchedCollective::Op::AllReduceSum, buf, count, {}, wire});
   }
 
+  std::unique_ptr<CommRequest> start_collective(const BatchedCollective& c) override {
+    return start_one(c);
+  }
+  // A reduce-scatter that runs on one node in the windows sums every block from every rank's
+  // buffer, so its sums can zero what they read (node_reduce_scatter_step).
+  bool clears_inputs(const BatchedCollective& c) const override {
+    using Op = BatchedCollective::Op;
+    if (!c.clear_inputs || !clear_inputs_ || topo_->num_nodes != 1) return false;
+    if (c.op != Op::ReduceScatterSum && c.op != Op::ReduceScatterSumV) return false;
+    return work(c).v.win != nullptr;
+  }
+
   // A batch on one node, every buffer in the windows: one ShmRequest whose step k runs step k
   // of every collective of the batch (the same work, so the same bits), with one round of
   // node barriers per step for the whole batch. The collectives' buffers are disjoint, so
@@ -470,12 +488,16 @@ class ShmCommunicator final : public Communicator {
     }
     if (topo_->num_nodes != 1) return w;
     switch (c.op) {
-      case Op::ReduceScatterSum: w.steps = {node_reduce_scatter_step(w.v, c.count, w.start)}; break;
-      case Op::ReduceScatterSumV: w.steps = {node_reduce_scatter_v_step(w.v, w.counts, w.start)}; break;
+      case Op::ReduceScatterSum:
+        w.steps = {node_reduce_scatter_step(w.v, c.count, w.start, c.clear_inputs && clear_inputs_)};
+        break;
+      case Op::ReduceScatterSumV:
+        w.steps = {node_reduce_scatter_v_step(w.v, w.counts, w.start, c.clear_inputs && clear_inputs_)};
+        break;
       case Op::AllGather: w.steps = {node_all_gather_step(w.v, w.start)}; break;
       case Op::AllGatherV: w.steps = {node_all_gather_v_step(w.v, w.start)}; break;
       case Op::AllReduceSum:
-        w.steps = {node_reduce_scatter_step(w.v, c.count / n, w.start),
+        w.steps = {node_reduce_scatter_step(w.v, c.count / n, w.start, false),
                    node_all_gather_step(w.v, offsets(c.count / n, sizeof(float)))};
         break;
     }
@@ -532,13 +554,14 @@ class ShmCommunicator final : public Communicator {
   }
 
   // dst[0, n) = sum over node ranks of their [begin, begin + n); this rank does its part.
-  void sum_part(const WindowView& v, std::size_t begin, std::size_t n, float* dst) const {
+  void sum_part(const WindowView& v, std::size_t begin, std::size_t n, float* dst,
+                bool clear = false) const {
     const Range part = split_part(n, topo_->node_size, topo_->node_rank);
     if (part.empty()) return;
     std::vector<const float*> src(static_cast<std::size_t>(topo_->node_size));
     for (int p = 0; p < topo_->node_size; ++p)
       src[static_cast<std::size_t>(p)] = v.f32(p) + begin + part.begin;
-    sum_rows(dst + part.begin, src.data(), topo_->node_size, part.size());
+    sum_rows(dst + part.begin, src.data(), topo_->node_size, part.size(), clear);
   }
 
   // One input of combine_in_place: a buffer in a window and its element size.
@@ -642,13 +665,16 @@ class ShmCommunicator final : public Communicator {
   // that rank alone (from every peer), so reads and writes never race: a sync before (inputs
   // complete) and one after (results visible, buffers free again). This is the step between
   // them, for `count` elements per rank.
+  // With `clear`, each part's inputs other than the owner's block are zeroed as they are summed
+  // (clears_inputs()): between the syncs nobody else reads them.
   std::function<void()> node_reduce_scatter_step(const WindowView& v, std::size_t count,
-                                                 std::vector<std::size_t> start) const {
-    return [this, v, count, start = std::move(start)] {
+                                                 std::vector<std::size_t> start,
+                                                 bool clear) const {
+    return [this, v, count, start = std::move(start), clear] {
       if (count == 0) return;
       for (int k = 0; k < topo_->node_size; ++k) {
         const std::size_t s = start[static_cast<std::size_t>(k)];
-        sum_part(v, s, count, v.f32(k) + s);
+        sum_part(v, s, count, v.f32(k) + s, clear);
       }
     };
   }
@@ -656,12 +682,13 @@ class ShmCommunicator final : public Communicator {
   // node_reduce_scatter_step with a count per block.
   std::function<void()> node_reduce_scatter_v_step(const WindowView& v,
                                                    std::vector<std::size_t> counts,
-                                                   std::vector<std::size_t> start) const {
-    return [this, v, counts = std::move(counts), start = std::move(start)] {
+                                                   std::vector<std::size_t> start,
+                                                   bool clear) const {
+    return [this, v, counts = std::move(counts), start = std::move(start), clear] {
       for (int k = 0; k < topo_->node_size; ++k) {
         const std::size_t s = start[static_cast<std::size_t>(k)];
         const std::size_t n = counts[static_cast<std::size_t>(k)];
-        if (n != 0) sum_part(v, s, n, v.f32(k) + s);
+        if (n != 0) sum_part(v, s, n, v.f32(k) + s, clear);
       }
     };
   }
@@ -798,6 +825,8 @@ class ShmCommunicator final : public Communicator {
   std::vector<std::weak_ptr<ShmWindow>> windows_;
   ShmQueue queue_;
   bool blocking_ = false;  ///< SHARDOPT_SHM_BLOCKING=1: every start waits
+  /// SHARDOPT_SHM_CLEAR_INPUTS=0 turns clears_inputs() off (A/B measurements, tests).
+  bool clear_inputs_ = true;
 };
 
 }  // namespace

@@ -46,8 +46,13 @@ void store(float* d, const float* a, std::size_t m, bool stream) {
 
 }  // namespace
 
-void sum_rows(float* dst, const float* const* src, int nsrc, std::size_t n) {
+void sum_rows(float* dst, const float* const* src, int nsrc, std::size_t n, bool clear_sources) {
   if (nsrc == 1) {
+    if (clear_sources && dst != src[0]) {
+      std::copy(src[0], src[0] + n, dst);
+      std::fill(const_cast<float*>(src[0]), const_cast<float*>(src[0]) + n, 0.0f);
+      return;
+    }
     if (dst != src[0]) std::copy(src[0], src[0] + n, dst);
     return;
   }
@@ -66,6 +71,9 @@ void sum_rows(float* dst, const float* const* src, int nsrc, std::size_t n) {
       const float* sp = src[p] + base;
       for (std::size_t i = 0; i < m; ++i) a[i] += sp[i];
     }
+    if (clear_sources)  // before dst is written: dst may be one of the sources
+      for (int p = 0; p < nsrc; ++p)
+        if (src[p] != dst) std::fill_n(const_cast<float*>(src[p]) + base, m, 0.0f);
     store(dst + base, a, m, stream);
   }
 #if defined(__SSE2__)
