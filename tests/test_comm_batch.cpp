@@ -320,6 +320,32 @@ TEST(ClearInputs, SameSumsAndTheRestZero) {
   EXPECT_FALSE(off->clears_inputs(ops[0]));
 }
 
+// SHARDOPT_SHM_CLEAR_INPUTS must be the same on every rank (a rank whose sums do not clear would
+// leave stale values in a peer's slot that the peer counts on being zero): a bad value, or a
+// value on one rank only, is the same error on every rank when the communicator is made.
+TEST(ClearInputs, EnvironmentRefusals) {
+  const auto make_with = [](const char* value, bool rank0_only) {
+    return [=] {
+      int rank = 0;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      if (!rank0_only || rank == 0) setenv("SHARDOPT_SHM_CLEAR_INPUTS", value, 1);
+      try {
+        comm_of(MpiCommKind::SharedMemory);
+      } catch (...) {
+        unsetenv("SHARDOPT_SHM_CLEAR_INPUTS");
+        throw;
+      }
+      unsetenv("SHARDOPT_SHM_CLEAR_INPUTS");
+    };
+  };
+  for (const char* bad : {"2", "off", "yes"})
+    test::expect_same_error(Status::InvalidArgument, make_with(bad, false),
+                            {"SHARDOPT_SHM_CLEAR_INPUTS='" + std::string(bad) + "'"}, bad);
+  if (test::world_size() > 1)
+    test::expect_same_error(Status::InvalidArgument, make_with("0", true),
+                            {"SHARDOPT_SHM_CLEAR_INPUTS"}, "rank 0 alone");
+}
+
 // ---- the optimizer: batched against every bucket alone ----------------------------------------
 
 namespace {

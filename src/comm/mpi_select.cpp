@@ -1,6 +1,7 @@
 // mpi_select.cpp: make_mpi_communicator(): the shared-memory communicator where ranks share
 // a node, plain MPI otherwise, either one forced by option or SHARDOPT_COMM; and how its
 // waits behave (MpiWait, SHARDOPT_MPI_WAIT).
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -15,7 +16,15 @@ namespace shardopt {
 namespace {
 
 // Resolves the environment overrides; returns what is wrong with them, or "".
-std::string resolve(MpiCommOptions& o) {
+// `clear_inputs`: SHARDOPT_SHM_CLEAR_INPUTS (the shared-memory sums clear stage 2's staging
+// slots as they read them, Communicator::clears_inputs; "0" turns it off for A/B runs).
+std::string resolve(MpiCommOptions& o, bool& clear_inputs) {
+  clear_inputs = true;
+  if (const char* env = std::getenv("SHARDOPT_SHM_CLEAR_INPUTS"); env && *env) {
+    const std::string v = env;
+    if (v != "0" && v != "1") return "SHARDOPT_SHM_CLEAR_INPUTS='" + v + "': expected 0 or 1";
+    clear_inputs = v == "1";
+  }
   if (o.kind == MpiCommKind::Auto) {
     if (const char* env = std::getenv("SHARDOPT_COMM")) {
       const std::string v = env;
@@ -83,7 +92,8 @@ std::string resolve(MpiCommOptions& o) {
 
 std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOptions options) {
   auto watchdog = std::make_shared<mpi::Watchdog>();
-  const std::string problem = resolve(options);
+  bool clear_inputs = true;
+  const std::string problem = resolve(options, clear_inputs);
   // Until an optimizer sets its own, the communicator's collectives (this function's, and
   // the optimizer constructor's agreement) wait at most the default timeout, or what
   // SHARDOPT_COLLECTIVE_TIMEOUT says (a malformed value is the optimizer constructor's error
@@ -97,17 +107,19 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOption
       problem.empty() && options.exchange == MpiExchange::Direct);
   agree_or_throw(*plain, problem.empty() ? Status::Ok : Status::InvalidArgument, problem);
 
-  // A rank that chose differently would wait in other collectives than its peers.
-  const int mine[3] = {static_cast<int>(options.kind), options.simulate_nodes,
-                       static_cast<int>(options.exchange)};
-  std::vector<int> all(3 * static_cast<std::size_t>(plain->size()));
+  // A rank that chose differently would wait in other collectives than its peers (or, for
+  // the slot clearing, leave a peer's slot uncleared while the peer counts on it).
+  constexpr std::size_t kChoices = 4;
+  const int mine[kChoices] = {static_cast<int>(options.kind), options.simulate_nodes,
+                              static_cast<int>(options.exchange), clear_inputs ? 1 : 0};
+  std::vector<int> all(kChoices * static_cast<std::size_t>(plain->size()));
   plain->all_gather_bytes(mine, all.data(), sizeof mine);
-  for (std::size_t r = 0; r < all.size(); r += 3)
-    require(all[r] == mine[0] && all[r + 1] == mine[1] && all[r + 2] == mine[2],
+  for (std::size_t r = 0; r < all.size(); r += kChoices)
+    require(std::equal(mine, mine + kChoices, all.begin() + static_cast<std::ptrdiff_t>(r)),
             Status::InvalidArgument,
             "make_mpi_communicator: ranks chose different communicators (kind, simulated "
-            "nodes or exchange; check SHARDOPT_COMM, SHARDOPT_SIMULATE_NODES and "
-            "SHARDOPT_MPI_EXCHANGE)");
+            "nodes, exchange or slot clearing; check SHARDOPT_COMM, SHARDOPT_SIMULATE_NODES, "
+            "SHARDOPT_MPI_EXCHANGE and SHARDOPT_SHM_CLEAR_INPUTS)");
 
   auto topo = shm::NodeTopology::create(comm, options.simulate_nodes);
   if (topo->num_nodes > 1) watchdog->set_nodes(topo->node_of, topo->host_of);
@@ -116,7 +128,8 @@ std::shared_ptr<Communicator> make_mpi_communicator(MPI_Comm comm, MpiCommOption
   watchdog->set_yield(mpi::Watchdog::should_yield(options.wait));
   if (options.kind == MpiCommKind::Plain) return plain;
   if (options.kind == MpiCommKind::Auto && topo->max_node_size < 2) return plain;
-  return shm::make_shm_communicator(std::move(plain), std::move(topo), std::move(watchdog));
+  return shm::make_shm_communicator(std::move(plain), std::move(topo), std::move(watchdog),
+                                    clear_inputs);
 }
 
 }  // namespace shardopt

@@ -206,12 +206,11 @@ void ShmQueue::drain() {
 class ShmCommunicator final : public Communicator {
  public:
   ShmCommunicator(std::shared_ptr<Communicator> plain, std::shared_ptr<NodeTopology> topo,
-                  std::shared_ptr<mpi::Watchdog> dog)
-      : plain_(std::move(plain)), topo_(std::move(topo)), dog_(std::move(dog)) {
+                  std::shared_ptr<mpi::Watchdog> dog, bool clear_inputs)
+      : plain_(std::move(plain)), topo_(std::move(topo)), dog_(std::move(dog)),
+        clear_inputs_(clear_inputs) {
     const char* env = std::getenv("SHARDOPT_SHM_BLOCKING");
     blocking_ = env != nullptr && std::string(env) == "1";
-    const char* clear = std::getenv("SHARDOPT_SHM_CLEAR_INPUTS");
-    clear_inputs_ = clear == nullptr || std::string(clear) != "0";
   }
   ~ShmCommunicator() override {
     try {
@@ -825,7 +824,8 @@ class ShmCommunicator final : public Communicator {
   std::vector<std::weak_ptr<ShmWindow>> windows_;
   ShmQueue queue_;
   bool blocking_ = false;  ///< SHARDOPT_SHM_BLOCKING=1: every start waits
-  /// SHARDOPT_SHM_CLEAR_INPUTS=0 turns clears_inputs() off (A/B measurements, tests).
+  /// SHARDOPT_SHM_CLEAR_INPUTS=0 turns clears_inputs() off (A/B measurements, tests); the same
+  /// on every rank (make_mpi_communicator agrees it).
   bool clear_inputs_ = true;
 };
 
@@ -833,9 +833,10 @@ class ShmCommunicator final : public Communicator {
 
 std::shared_ptr<Communicator> make_shm_communicator(std::shared_ptr<Communicator> plain,
                                                     std::shared_ptr<NodeTopology> topo,
-                                                    std::shared_ptr<mpi::Watchdog> watchdog) {
+                                                    std::shared_ptr<mpi::Watchdog> watchdog,
+                                                    bool clear_inputs) {
   return std::make_shared<ShmCommunicator>(std::move(plain), std::move(topo),
-                                           std::move(watchdog));
+                                           std::move(watchdog), clear_inputs);
 }
 
 }  // namespace shardopt::shm
