@@ -121,16 +121,10 @@ void BucketSet::finish_op(std::size_t b) {
     backend_.accumulate(grads_.as<float>() + bk.local_begin_of(me),
                         slot + (bk.slice(me).begin - bk.flat.begin), DType::F32,
                         bk.slice_size(me));
-    if (s.slot_cleared) {
+    if (s.slot_cleared)  // the blocks cover the bucket (Whole gives its padding to a rank)
       backend_.fill_zero(slot + (bk.slice(me).begin - bk.flat.begin), bk.slice_size(me) * sizeof(float));
-      // Elements past the last rank's block (none when the blocks cover the bucket) were
-      // not part of the collective.
-      const std::size_t covered = bk.slice(comm_.size() - 1).end - bk.flat.begin;
-      if (covered < bk.flat.size())
-        backend_.fill_zero(slot + covered, (bk.flat.size() - covered) * sizeof(float));
-    } else {
+    else
       backend_.fill_zero(slot, bk.flat.size() * sizeof(float));
-    }
     s.slot_cleared = false;
   }
   // The norm's part now, while the slice just written is in cache; a later reduction of the

@@ -48,12 +48,9 @@ void store(float* d, const float* a, std::size_t m, bool stream) {
 
 void sum_rows(float* dst, const float* const* src, int nsrc, std::size_t n, bool clear_sources) {
   if (nsrc == 1) {
-    if (clear_sources && dst != src[0]) {
-      std::copy(src[0], src[0] + n, dst);
-      std::fill(const_cast<float*>(src[0]), const_cast<float*>(src[0]) + n, 0.0f);
-      return;
-    }
-    if (dst != src[0]) std::copy(src[0], src[0] + n, dst);
+    if (dst == src[0]) return;
+    std::copy(src[0], src[0] + n, dst);
+    if (clear_sources) std::fill_n(const_cast<float*>(src[0]), n, 0.0f);
     return;
   }
   const bool stream = stream_stores(dst, src, nsrc, n);
