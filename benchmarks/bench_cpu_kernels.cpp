@@ -29,6 +29,7 @@
 #endif
 
 #include "cli.hpp"
+#include "kernel_table.hpp"
 #include "kernels.hpp"
 #include "rules/adamw8bit.hpp"
 #include "shardopt/lion_math.hpp"
@@ -278,6 +279,52 @@ std::vector<Kernel> kernels() {
     cpu::exact_deposit_packed_clear(b.g.get(), b.n, words, words);
     return 0.0;
   };
+  // The packed exchange at an owner on shared memory, 2 ranks (exact_deposit_combine_packed):
+  // each rank's words (8 bytes, from sums and low) and its last micro-batch (g, v) read, the
+  // result (m) written, with its exact squares. "_scratch": the method before (2026-11-28):
+  // each rank's last micro-batch deposited into a per-window scratch, then
+  // exact_combine_packed, through the same table.
+  auto fill_words = [](Buffers& b) {
+    exact_buffers(b);
+    cpu::exact_deposit_packed(b.g.get(), b.n, nullptr, reinterpret_cast<std::uint64_t*>(b.sums.get()));
+    cpu::exact_deposit_packed(b.v.get(), b.n, nullptr, reinterpret_cast<std::uint64_t*>(b.low.get()));
+  };
+  auto deposit_combine = [](Buffers& b) {
+    const std::uint64_t* words[2] = {reinterpret_cast<const std::uint64_t*>(b.sums.get()),
+                                     reinterpret_cast<const std::uint64_t*>(b.low.get())};
+    const float* last[2] = {b.g.get(), b.v.get()};
+    cpu::SquareDigits sq;
+    cpu::exact_deposit_combine_packed(words, last, 2, b.m.get(), b.n, &sq);
+    return static_cast<double>(sq.digit[0]);
+  };
+  auto deposit_combine_scratch = [](Buffers& b) {
+    const std::uint64_t* words[2] = {reinterpret_cast<const std::uint64_t*>(b.sums.get()),
+                                     reinterpret_cast<const std::uint64_t*>(b.low.get())};
+    const float* last[2] = {b.g.get(), b.v.get()};
+    const cpu::RangeKernels& k = cpu::active_kernels();
+    const std::size_t chunk = cpu::kExactChunk;
+    const auto windows = static_cast<std::ptrdiff_t>((b.n + chunk - 1) / chunk);
+    float* dst = b.m.get();
+    cpu::SquareDigits sq;
+#pragma omp parallel
+    {
+      std::vector<std::uint64_t> state(2 * chunk);
+      cpu::SquareDigits part;
+#pragma omp for schedule(static)
+      for (std::ptrdiff_t c = 0; c < windows; ++c) {
+        const std::size_t w = static_cast<std::size_t>(c) * chunk;
+        const std::size_t len = std::min(chunk, b.n - w);
+        for (std::size_t r = 0; r < 2; ++r)
+          k.exact_deposit_packed(last[r] + w, len, words[r] + w, state.data() + r * chunk);
+        const std::uint64_t* at[2] = {state.data(), state.data() + chunk};
+        k.exact_combine_packed(at, 2, dst + w, len);
+        k.exact_square_add(dst + w, len, part);
+      }
+#pragma omp critical
+      sq.merge(part);
+    }
+    return static_cast<double>(sq.digit[0]);
+  };
 
   struct Entry {
     const char* name;
@@ -405,6 +452,8 @@ std::vector<Kernel> kernels() {
       {"exact_deposit_first_clear", 16, first_clear, false, nullptr, false, fill_g},
       {"exact_deposit+zero", 24, deposit_then_zero, true, nullptr, false, fill_g},
       {"exact_deposit_clear", 24, deposit_clear, false, nullptr, false, fill_g},
+      {"exact_deposit_combine_2", 28, deposit_combine, false, nullptr, true, fill_words},
+      {"exact_deposit_combine_2_scratch", 28, deposit_combine_scratch, false, nullptr, true, fill_words},
       {"all_finite", 4, finite, false,
        [](Buffers& b) {
          const float* x = b.g.get();

@@ -9,8 +9,13 @@
 //        [--reductions default,reproducible] [--micro-batches K] [--buckets-in-flight K]
 // Reproducible mode (--reductions reproducible) adds its exact accumulation and 9 wire bytes
 // per element instead of 4; its floor column is the default's, so step/floor shows its cost.
-// With --micro-batches K the time spent in begin_backward (reproducible mode deposits each
-// earlier micro-batch there) is counted in the reduce phase and the step.
+// With --micro-batches K every micro-batch writes every gradient, and the default's later
+// micro-batches accumulate into it (+=, as a trainer's backward does); reproducible mode
+// needs fresh buffers (its begin_backward deposits the previous micro-batch into its
+// accumulator and clears them). The step columns time step() (and the last gathers); the time
+// spent in begin_backward is the last column, "between s" (it was counted in the reduce
+// phase and the step from 2026-11-27 12:10 to 2026-11-28, when the default's accumulation
+// was in no column: the benchmark overwrote each gradient), and both are in "iteration s".
 //   SHARDOPT_COMM=mpi selects plain MPI instead of shared memory.
 //
 // Floor bytes per rank (P padded elements, N ranks, bf16 replica):
@@ -26,7 +31,8 @@
 // (MemoryPlan::internode_bytes); on pretend nodes: scripts/mpiexec_nodes.sh 2 1 -- bench_step.
 // The very last: the whole iteration (the benchmark's backward, writing every gradient, through
 // the step and the last gather; slowest rank), where work the library moves into or out of
-// backward (stage 2's slot clearing) shows; not compared with the floor.
+// backward (stage 2's slot clearing) shows; not compared with the floor. Then "between s":
+// begin_backward's time per step, slowest rank (several micro-batches).
 #include <mpi.h>
 
 #include <cstdio>
@@ -108,6 +114,7 @@ double max_over_ranks(double x) {
 struct Phases {
   double reduce = 0, norm = 0, update = 0, gather = 0, total = 0;
   double iteration = 0;  ///< backward (the benchmark's gradient writes) through the last gather
+  double between = 0;    ///< begin_backward (reproducible mode's deposits), in iteration only
 };
 
 struct Extra {
@@ -175,8 +182,8 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
   Phases sum;
   for (int s = 0; s <= a.steps; ++s) {  // step 0 warms up
     // Library work between micro-batches (reproducible mode deposits the previous
-    // micro-batch into its accumulator in begin_backward): part of the step's time and of its
-    // reduce phase, so that the modes compare with everything each does.
+    // micro-batch into its accumulator in begin_backward): its own column, in the iteration,
+    // where the default's accumulation (+=) is too.
     double between = 0;
     const double iteration_start = MPI_Wtime();
     for (int mb = 0; mb < a.micro_batches; ++mb) {
@@ -185,7 +192,11 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
       between += MPI_Wtime() - b0;
       for (std::size_t i = n; i-- > 0;) {  // backward order
         const std::span<float> g = opt.grad(i);
-        for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(i, k, s + mb);
+        if (mb == 0) {
+          for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(i, k, s + mb);
+        } else {
+          for (std::size_t k = 0; k < g.size(); ++k) g[k] += value(i, k, s + mb);
+        }
         opt.grad_ready(i);
       }
     }
@@ -196,7 +207,7 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
     // plus these waits.
     const double t0 = MPI_Wtime();
     for (std::size_t i = 0; i < n; ++i) opt.wait_param(i);
-    const double wall = t.total + (MPI_Wtime() - t0) + between;
+    const double wall = t.total + (MPI_Wtime() - t0);
     const double iteration = MPI_Wtime() - iteration_start;
     if (s == 0) {
       internode_start = comm->internode_bytes();
@@ -204,7 +215,8 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
       extra.grads_bytes = opt.memory_report()[MemCategory::Grads];
       continue;
     }
-    sum.reduce += max_over_ranks(t.reduce + between);
+    sum.reduce += max_over_ranks(t.reduce);
+    sum.between += max_over_ranks(between);
     sum.norm += max_over_ranks(t.norm);
     sum.update += max_over_ranks(t.update);
     sum.gather += max_over_ranks(t.gather);
@@ -214,7 +226,7 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
   const double k = 1.0 / a.steps;
   extra.internode_counted = static_cast<double>(comm->internode_bytes() - internode_start) * k;
   return {sum.reduce * k, sum.norm * k, sum.update * k, sum.gather * k, sum.total * k,
-          sum.iteration * k};
+          sum.iteration * k, sum.between * k};
 }
 
 }  // namespace
@@ -243,8 +255,8 @@ int main(int argc, char** argv) {
       std::printf("in-place a+=s*b bandwidth per rank (all ranks at once): %.2f GB/s\n\n", bw / 1e9);
       std::printf("| stage | reduction | comm | reduce s | norm s | update s | gather s | step s "
                   "| floor s | step/floor | clear s (not in floor) | reduce MiB/rank | grads MiB "
-                  "| nodes | inter-node MiB/step counted | planned | iteration s |\n"
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+                  "| nodes | inter-node MiB/step counted | planned | iteration s | between s |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     }
     // Each phase against its own floor (the bytes above, phase by phase, over the same
     // bandwidth), printed after the main table.
@@ -282,13 +294,13 @@ int main(int argc, char** argv) {
       phases += row;
       if (rank == 0)
         std::printf("| %s | %s | %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.2f | %.4f | %.1f "
-                    "| %.1f | %d | %.2f | %.2f | %.4f |\n",
+                    "| %.1f | %d | %.2f | %.2f | %.4f | %.4f |\n",
                     stage_name(stage), reduction_name(reduction), comm_name.c_str(), ph.reduce,
                     ph.norm, ph.update, ph.gather, ph.total, floor, ph.total / floor, clear / bw,
                     static_cast<double>(extra.reduce_bytes) / (1 << 20),
                     static_cast<double>(extra.grads_bytes) / (1 << 20), extra.nodes,
                     extra.internode_counted / (1 << 20),
-                    static_cast<double>(extra.internode_planned) / (1 << 20), ph.iteration);
+                    static_cast<double>(extra.internode_planned) / (1 << 20), ph.iteration, ph.between);
     }
     if (rank == 0) std::fputs(phases.c_str(), stdout);
   } catch (const std::exception& e) {

@@ -168,6 +168,15 @@ SHARDOPT_HD void unpack(std::uint64_t w, std::uint8_t& l, std::int64_t& top, std
 /// r's packed state, r < ranks. Each rank's bins lifted to the highest level G among them
 /// and summed in int64 on the grid b(G - 1), rounded once to fp32; +0 when all are empty,
 /// the quiet NaN when one is non-finite.
+/// A packed word's state lifted to level g >= its own and summed as one int64 on the grid
+/// b(g - 1): top * 2^24 + low at g, top at g - 1, nothing below.
+SHARDOPT_HD std::int64_t packed_lifted(std::uint64_t w, std::uint64_t g) {
+  const std::int64_t top = static_cast<std::int64_t>(w << 30) >> 34;
+  const std::int64_t low = static_cast<std::int64_t>(w) >> 34;
+  const std::uint64_t l = w & 15u;
+  return l == g ? top * (std::int64_t{1} << 24) + low : l + 1 == g ? top : 0;
+}
+
 template <class Word>
 SHARDOPT_HD float combine_packed(const Word& word, int ranks) {
   std::uint64_t g = 0;
@@ -178,15 +187,37 @@ SHARDOPT_HD float combine_packed(const Word& word, int ranks) {
   if (g == kPackedNonFinite) return bits_float(kQuietNan);
   if (g == 0) return 0.0f;
   std::int64_t sum = 0;
-  for (int r = 0; r < ranks; ++r) {
-    const std::uint64_t w = word(r);
-    const std::int64_t top = static_cast<std::int64_t>(w << 30) >> 34;
-    const std::int64_t low = static_cast<std::int64_t>(w) >> 34;
-    const std::uint64_t l = w & 15u;
-    if (l == g) sum += top * (std::int64_t{1} << 24) + low;
-    else if (l + 1 == g) sum += top;
-  }
+  for (int r = 0; r < ranks; ++r) sum += packed_lifted(word(r), g);
   return to_float(sum, 24 * static_cast<int>(g) - 174);  // the grid b(G - 1)
+}
+
+/// The packed exchange with each rank's last micro-batch still raw
+/// (cpu::exact_deposit_combine_packed): word(r) is rank r's packed state, value(r) its last
+/// fp32 value. G is the highest level among the states and the values' own levels; each state
+/// is lifted to G and each value rounded straight to G's low grid, b(G - 1), the integers
+/// summed in int64 and rounded once to fp32. The same bits as depositing value(r) into word(r)
+/// and combine_packed: the deposit at a level l <= G leaves hi * 2^24 + lo =
+/// RNE(v / 2^b(l - 1)) (hi * 2^24 is even, so the split moves no tie); lifted by one that is hi
+/// = RNE(v / 2^b(l)); by two or more both give 0 (|v| is below half of G's grid). A rise of the
+/// word's level by the deposit is a lift too. Needs no headroom in the words' 30-bit bins.
+template <class Word, class Value>
+SHARDOPT_HD float combine_packed_raw(const Word& word, const Value& value, int ranks) {
+  std::uint64_t g = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const std::uint64_t lw = word(r) & 15u;
+    const std::uint32_t u = float_bits(value(r)) & 0x7fffffffu;
+    const std::uint64_t lv = u == 0 ? 0 : u >= 0x7f800000u ? kPackedNonFinite : ((u >> 23) + 24) / 24;
+    g = lw > g ? lw : g;
+    g = lv > g ? lv : g;
+  }
+  if (g == kPackedNonFinite) return bits_float(kQuietNan);
+  if (g == 0) return 0.0f;
+  const double down = pow2(174 - 24 * static_cast<int>(g));
+  std::int64_t sum = 0;
+  for (int r = 0; r < ranks; ++r)
+    sum += packed_lifted(word(r), g) +
+           static_cast<std::int64_t>(round_to_integer(static_cast<double>(value(r)) * down));
+  return to_float(sum, 24 * static_cast<int>(g) - 174);
 }
 
 /// The exact square of one fp32 value as 32-bit digits of v^2 / 2^kDigitBase

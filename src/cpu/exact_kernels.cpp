@@ -100,6 +100,12 @@ void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst
     dst[i] = exact::elem::combine_packed(RankValue<std::uint64_t>{src, i}, ranks);
 }
 
+void exact_combine_packed_raw(const std::uint64_t* const* words, const float* const* last, int ranks,
+                              float* dst, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    dst[i] = exact::elem::combine_packed_raw(RankValue<std::uint64_t>{words, i}, RankValue<float>{last, i}, ranks);
+}
+
 using exact::elem::pack;
 using exact::elem::unpack;
 
@@ -321,23 +327,21 @@ void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {
 void exact_deposit_combine_packed(const std::uint64_t* const* words, const float* const* last, int ranks,
                                   float* dst, std::size_t n, SquareDigits* squares) {
   const RangeKernels& k = active_kernels();
-  // Each rank's window is deposited into the thread's scratch (kExactChunk words per rank: it
-  // stays in cache), then combined: the same kernels on the same values as the deposit into
-  // the wire buffer followed by exact_combine_packed.
+  // No deposit is stored: each last value is rounded straight to its element's final grid
+  // (exact::elem::combine_packed_raw says why that is the deposit's result).
   struct Scratch {
-    std::vector<std::uint64_t> state;
-    std::vector<const std::uint64_t*> at;
+    std::vector<const std::uint64_t*> words;
+    std::vector<const float*> last;
   };
   combine_windows<Scratch>(dst, n, squares, [&](std::size_t w, std::size_t len, Scratch& s) {
     const auto nr = static_cast<std::size_t>(ranks);
-    s.state.resize(nr * kExactChunk);
-    s.at.resize(nr);
+    s.words.resize(nr);
+    s.last.resize(nr);
     for (std::size_t r = 0; r < nr; ++r) {
-      std::uint64_t* mine = s.state.data() + r * kExactChunk;
-      k.exact_deposit_packed(last[r] + w, len, words[r] + w, mine);
-      s.at[r] = mine;
+      s.words[r] = words[r] + w;
+      s.last[r] = last[r] + w;
     }
-    k.exact_combine_packed(s.at.data(), ranks, dst + w, len);
+    k.exact_combine_packed_raw(s.words.data(), s.last.data(), ranks, dst + w, len);
   });
 }
 

@@ -93,6 +93,10 @@ struct RangeKernels {
                               std::size_t n);
   /// exact_deposit_packed (kernels.hpp) on one range.
   void (*exact_deposit_packed)(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
+  /// exact_deposit_combine_packed (kernels.hpp) on one range, without the squares: element by
+  /// element exact::elem::combine_packed_raw (no deposit is stored).
+  void (*exact_combine_packed_raw)(const std::uint64_t* const* words, const float* const* last,
+                                   int ranks, float* dst, std::size_t n);
 };
 
 /// Values per fixed-point window of the SIMD exact_square_add: each lane adds at most
@@ -143,6 +147,8 @@ void exact_lift(const std::uint8_t* mine, const std::uint8_t* level, std::int64_
                 const std::int64_t* low, std::size_t n);
 void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, float* dst, std::size_t n);
 void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
+void exact_combine_packed_raw(const std::uint64_t* const* words, const float* const* last, int ranks,
+                              float* dst, std::size_t n);
 }  // namespace portable
 
 /// Blocks per call of a SIMD table's interleaved sum of squares (and the OpenMP unit).

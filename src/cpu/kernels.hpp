@@ -146,9 +146,11 @@ void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst
                           SquareDigits* squares);
 /// The packed exchange with the last micro-batch deposited at the owner: bit for bit
 /// exact_deposit_packed(last[r], n, words[r], w_r) for every rank r followed by
-/// exact_combine_packed(w, ranks, dst, n, squares), in one pass that writes no w_r to memory
-/// (each window's states stay in a per-thread scratch). words[r] all zero is an empty state
-/// (a rank that deposited nothing). dst may be one of last[] (the same pointer).
+/// exact_combine_packed(w, ranks, dst, n, squares), in one pass that stores no w_r: each
+/// last value is rounded straight to its element's final grid (exact::elem::combine_packed_raw,
+/// which says why that is the deposit's result), so no deposit runs at all. words[r] all zero
+/// is an empty state (a rank that deposited nothing). dst may be one of last[] (the same
+/// pointer).
 void exact_deposit_combine_packed(const std::uint64_t* const* words, const float* const* last, int ranks,
                                   float* dst, std::size_t n, SquareDigits* squares);
 

@@ -806,6 +806,7 @@ const RangeKernels kAvx2Kernels = {
     avx2::exact_lift,
     avx2::exact_sums_to_float,
     avx2::exact_deposit_packed,
+    portable::exact_combine_packed_raw,
 };
 
 }  // namespace shardopt::cpu

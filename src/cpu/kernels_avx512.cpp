@@ -565,6 +565,87 @@ void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst
   }
 }
 
+// exact_combine_packed_raw, 16 elements at a time. The final level G of each element is the
+// largest of the words' levels and of the last values' levels, and the latter is the level of
+// the largest magnitude among them (levels grow with the exponent field e): (e + 24) / 24 =
+// ((e >> 3) + 3) / 3 by a 32-entry table, as exact_combine's grid. The words are lifted as in
+// exact_combine_packed (int64 lanes, two halves); the last values are scaled to G's low grid
+// with vscalefps and rounded to integers in fp32 (exact: below 2^47; one scaled into fp32's
+// subnormal range is below half a unit either way), summed exactly in doubles per group of
+// up to 16 ranks (below 2^51) and each group's sum added to the int64 lanes by the 1.5 * 2^52
+// bit trick. Non-finite lanes end as the quiet NaN whatever their sums.
+void exact_combine_packed_raw(const std::uint64_t* const* words, const float* const* last, int ranks,
+                              float* dst, std::size_t n) {
+  if (ranks > kExactCombineMaxSimdRanks) return portable::exact_combine_packed_raw(words, last, ranks, dst, n);
+  alignas(64) std::int32_t level_table[32];
+  for (int j = 0; j < 32; ++j) level_table[j] = (j + 3) / 3;
+  const __m512i levels_lo = _mm512_load_si512(level_table), levels_hi = _mm512_load_si512(level_table + 16);
+  const __m512i fifteen = _mm512_set1_epi64(15);
+  const __m512i one = _mm512_set1_epi64(1);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i inf_bits = _mm512_set1_epi32(0x7f800000);
+  const __m512d magic = _mm512_set1_pd(0x1.8p52);
+  const __m512i magic_bits = _mm512_castpd_si512(magic);
+  constexpr int kGroup = 16;  // ranks per double sum: 16 values below 2^47 stay below 2^51
+  std::size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    __m512i big = _mm512_setzero_si512();
+    __m512i g_lo = _mm512_setzero_si512(), g_hi = _mm512_setzero_si512();
+    for (int r = 0; r < ranks; ++r) {
+      big = _mm512_max_epu32(big, _mm512_and_si512(_mm512_loadu_si512(last[r] + i), abs_mask));
+      g_lo = _mm512_max_epu64(g_lo, _mm512_and_si512(_mm512_loadu_si512(words[r] + i), fifteen));
+      g_hi = _mm512_max_epu64(g_hi, _mm512_and_si512(_mm512_loadu_si512(words[r] + i + 8), fifteen));
+    }
+    __m512i lv = _mm512_permutex2var_epi32(levels_lo, _mm512_srli_epi32(big, 26), levels_hi);
+    lv = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(big, big), lv);                        // zero: 0
+    lv = _mm512_mask_mov_epi32(lv, _mm512_cmpge_epu32_mask(big, inf_bits), _mm512_set1_epi32(15));  // NaN, Inf
+    g_lo = _mm512_max_epu64(g_lo, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(lv)));
+    g_hi = _mm512_max_epu64(g_hi, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(lv, 1)));
+    const __mmask16 nonfinite = static_cast<__mmask16>(
+        _mm512_cmpeq_epi64_mask(g_lo, fifteen) | (_mm512_cmpeq_epi64_mask(g_hi, fifteen) << 8));
+    // -(24 G - 174) as floats, 16 lanes.
+    const __m512i g32 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(g_lo)),
+                                           _mm512_cvtepi64_epi32(g_hi), 1);
+    const __m512 minus_grid = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(_mm512_set1_epi32(174), _mm512_mullo_epi32(g32, _mm512_set1_epi32(24))));
+    __m512i sum_lo = _mm512_setzero_si512(), sum_hi = _mm512_setzero_si512();
+    const __m512i gm1_lo = _mm512_sub_epi64(g_lo, one), gm1_hi = _mm512_sub_epi64(g_hi, one);
+    auto lift = [&](__m512i sum, __m512i w, __m512i g, __m512i g_minus_1) {
+      const __m512i l = _mm512_and_si512(w, fifteen);
+      const __m512i top = _mm512_srai_epi64(_mm512_slli_epi64(w, 30), 34);
+      const __m512i low = _mm512_srai_epi64(w, 34);
+      sum = _mm512_mask_add_epi64(sum, _mm512_cmpeq_epi64_mask(l, g), sum,
+                                  _mm512_add_epi64(_mm512_slli_epi64(top, 24), low));
+      return _mm512_mask_add_epi64(sum, _mm512_cmpeq_epi64_mask(l, g_minus_1), sum, top);
+    };
+    for (int r0 = 0; r0 < ranks; r0 += kGroup) {
+      __m512d raw_lo = _mm512_setzero_pd(), raw_hi = _mm512_setzero_pd();
+      for (int r = r0; r < std::min(ranks, r0 + kGroup); ++r) {
+        sum_lo = lift(sum_lo, _mm512_loadu_si512(words[r] + i), g_lo, gm1_lo);
+        sum_hi = lift(sum_hi, _mm512_loadu_si512(words[r] + i + 8), g_hi, gm1_hi);
+        const __m512 x = _mm512_roundscale_ps(_mm512_scalef_ps(_mm512_loadu_ps(last[r] + i), minus_grid),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        raw_lo = _mm512_add_pd(raw_lo, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+        raw_hi = _mm512_add_pd(raw_hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+      }
+      sum_lo = _mm512_add_epi64(sum_lo, _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(raw_lo, magic)), magic_bits));
+      sum_hi = _mm512_add_epi64(sum_hi, _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(raw_hi, magic)), magic_bits));
+    }
+    const __m256 f_lo = exact_to_float8(sum_lo, grid_exponent8(g_lo));
+    const __m256 f_hi = exact_to_float8(sum_hi, grid_exponent8(g_hi));
+    const __m512 f = _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(f_lo)), _mm256_castps_pd(f_hi), 1));
+    // The store comes after every load of these 16 elements: dst may be one of last[].
+    _mm512_storeu_ps(dst + i, _mm512_mask_blend_ps(nonfinite, f, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000))));
+  }
+  if (i < n) {
+    const std::uint64_t* wrest[kExactCombineMaxSimdRanks];
+    const float* lrest[kExactCombineMaxSimdRanks];
+    for (int r = 0; r < ranks; ++r) wrest[r] = words[r] + i, lrest[r] = last[r] + i;
+    portable::exact_combine_packed_raw(wrest, lrest, ranks, dst + i, n - i);
+  }
+}
+
 // exact_deposit, 8 elements at a time, operation for operation the portable loop: the level
 // rise by masks, the two parts by exact double arithmetic (scale by 2^-b, round to an integer,
 // subtract, scale, round), the integers to int64 by the 1.5 * 2^52 bit trick (|part| <= 2^23).
@@ -938,6 +1019,7 @@ const RangeKernels kAvx512Kernels = {
     avx512::exact_lift,
     avx512::exact_sums_to_float,
     avx512::exact_deposit_packed,
+    avx512::exact_combine_packed_raw,
 };
 
 }  // namespace shardopt::cpu

@@ -116,6 +116,7 @@ const RangeKernels kPortableKernels = {
     portable::exact_lift,
     portable::exact_sums_to_float,
     portable::exact_deposit_packed,
+    portable::exact_combine_packed_raw,
 };
 
 }  // namespace shardopt::cpu
