@@ -46,15 +46,15 @@ BucketSet::BucketSet(Communicator& comm, Backend& backend, MemoryTracker& tracke
       cfg_(config), replica_(static_cast<char*>(replica)), grads_(std::move(storage.grads)),
       staging_(std::move(storage.staging)), exact_wire_(std::move(storage.exact_wire)),
       spill_param_(kNone) {
-  if (storage.exact.data() != nullptr && sharded()) {  // the owned elements' bins
-    exact_ = exact::ExactGrads(backend_, std::move(storage.exact), plan_.local_elems, 0);
+  if (storage.exact.data() != nullptr && sharded()) {  // the owned elements' packed words
+    exact_ = exact::ExactGrads::compact(backend_, std::move(storage.exact), plan_.local_elems);
     exact_allocated_ = true;
   } else if (storage.exact.data() != nullptr) {  // ragged buckets: every step needs it
     exact_ = exact::ExactGrads(backend_, std::move(storage.exact), layout_.padded_size(), max_bucket());
     exact_allocated_ = true;
   }
   require(!sharded() || exact_allocated_, Status::Internal,
-          "BucketSet: the sharded exact accumulation needs its bins from finalize");
+          "BucketSet: the sharded exact accumulation needs its words from finalize");
   state_.resize(layout_.num_buckets());
   if (cfg_.eager_norm) norm_sums_.assign(layout_.num_buckets(), 0.0);
   param_ready_.assign(layout_.num_params(), 0);
@@ -389,6 +389,9 @@ void BucketSet::exchange_deposit(std::size_t b) {
   finish_op(b);  // the previous step's gather of this bucket, if still outstanding
   float* slot = slot_for(b);
   const Bucket& bk = layout_.bucket(b);
+  // Past the packed words' limit (63 values per element: ranks times rounds) the owned
+  // elements' bins take over, on every rank in the same round (local memory: no collective).
+  if (exact_.round_full(comm_.size())) ensure_bins();
   {
     const ScopedSeconds timed(blocked_seconds_);
     require(exact_.exchange_deposit(comm_, bk, slot, bk.local_begin_of(comm_.rank())),
@@ -410,6 +413,7 @@ void BucketSet::exchange_deposit(std::size_t b) {
 bool BucketSet::exchange_round(bool more) {
   if (spill_param_ != kNone) flush_spill();
   start_through(state_.size());
+  exact_.next_round();
   next_start_ = 0;
   double flags[2] = {more ? 1.0 : 0.0, static_cast<double>(micro_batches_)};
   comm_.all_reduce_sum_host(flags, 2);
@@ -470,10 +474,11 @@ void BucketSet::ensure_exact() {
 void BucketSet::ensure_bins() {
   if (exact_allocated_ && !exact_.is_compact()) return;
   // The compact form's bins are plan_.exact_wide; allocated before the words go (widen).
-  const BufferSpec& spec = plan_.exact_compact ? plan_.exact_wide : plan_.exact;
+  // The sharded accumulation's cover the owned elements only.
+  const BufferSpec& spec = plan_.exact_compact || sharded() ? plan_.exact_wide : plan_.exact;
   Allocation storage = backend_.allocate(&tracker_, spec.category, spec.bytes);
   if (exact_allocated_) {
-    exact_.widen(std::move(storage), max_bucket());
+    exact_.widen(std::move(storage), sharded() ? 0 : max_bucket());
   } else {
     exact_ = exact::ExactGrads(backend_, std::move(storage), layout_.padded_size(), max_bucket());
     exact_allocated_ = true;

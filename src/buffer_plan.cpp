@@ -61,10 +61,12 @@ BufferPlan plan_buffers(const FlatLayout& layout, Stage stage, DType param_dtype
   p.grads = {MemCategory::Grads,
              (p.grads_scheme == GradScheme::Staged ? p.local_elems : padded) * f32, false};
   if (reproducible && p.grads_scheme == GradScheme::Staged) {
-    // The sharded exact accumulation: bins of the owned elements, from finalize (every step
-    // deposits into them); no wire buffer; 4 bytes per element and micro-batch on the wire.
+    // The sharded exact accumulation: packed words of the owned elements, from finalize
+    // (every step deposits into them), widened on demand into their bins past 63 values per
+    // element; no wire buffer; 4 bytes per element and micro-batch on the wire.
     p.exact_sharded = true;
-    p.exact = {MemCategory::Grads, exact::grads_bytes(p.local_elems, 0), false};
+    p.exact = {MemCategory::Grads, exact::packed_bytes(p.local_elems), false};
+    p.exact_wide = {MemCategory::Grads, exact::grads_bytes(p.local_elems, 0), true};
   } else if (reproducible) {
     std::size_t max_bucket = 0;
     for (const Bucket& b : layout.buckets()) max_bucket = std::max(max_bucket, b.flat.size());

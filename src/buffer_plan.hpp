@@ -74,13 +74,15 @@ struct BufferPlan {
   /// ragged buckets (whole-tensor ownership at stages 1-3, exact::ragged_buckets) every step
   /// takes it for them, and finalize() allocates it (not on demand). The mode keeps the
   /// full fp32 gradient buffer (GradScheme::Full), except on the sharded stage-2 path
-  /// (exact_sharded: bins of the owned elements only, from finalize).
+  /// (exact_sharded: packed words of the owned elements only, from finalize).
   BufferSpec exact;
   /// exact is the compact form (ExactGrads::compact): the CPU, no ragged bucket, not sharded.
   bool exact_compact = false;
   /// exact_compact, on demand: the bins (exact::grads_bytes) that the compact form widens into
   /// past cpu::kPackedMaxMicroBatches micro-batches on this rank, or for a step that takes
-  /// the two-phase method; the words are then released and the bins kept.
+  /// the two-phase method; the words are then released and the bins kept. exact_sharded:
+  /// the owned elements' bins (grads_bytes(owned, 0)), past cpu::kPackedMaxMicroBatches
+  /// values per element in a step (ranks times rounds).
   BufferSpec exact_wide;
   /// Reduction::Reproducible: the packed exchange's wire buffer (8 bytes per element of the
   /// largest bucket), allocated collectively at finalize (a shared-memory window on one node).

@@ -76,6 +76,7 @@ void ExactGrads::clear() {
   static_assert(kEmpty == 0, "cleared levels are zero bytes");
   if (level_ != nullptr) backend_->fill_zero(level_, n_);
   deposits_ = 0;
+  rounds_ = 0;
 }
 
 void ExactGrads::deposit(const float* g, std::size_t n) { deposit_all(g, n, nullptr); }
@@ -211,27 +212,38 @@ class DepositPackedCombiner final : public BlockCombiner {
   std::vector<const float*> last_;
 };
 
-// Stage 2's sharded deposit: every rank's raw values of this rank's slice go into its bins
+// Stage 2's sharded deposit: every rank's raw values of this rank's slice go into its state
 // (the owner combines its whole block: dst lies in its own block of `out`, at the offset of
-// the elements). Nothing is written to dst.
+// the elements). Nothing is written to dst. The bins: the backend's deposit per rank; the
+// packed words: cpu::exact_deposit_packed per rank, in place, except that the first deposit
+// of a step (`fresh`) writes the words without reading them (they hold an earlier step).
 class DepositCombiner final : public BlockCombiner {
  public:
   DepositCombiner(Backend& backend, const float* block, std::int64_t* top, std::int64_t* low,
                   std::uint8_t* level)
       : backend_(backend), block_(block), top_(top), low_(low), level_(level) {}
+  DepositCombiner(Backend& backend, const float* block, std::uint64_t* words, bool fresh)
+      : backend_(backend), block_(block), words_(words), fresh_(fresh) {}
   bool at_owner() const override { return true; }
   void combine(float* dst, const void* const* src, int nsrc, std::size_t n) override {
     const std::size_t at = static_cast<std::size_t>(dst - block_);
-    for (int r = 0; r < nsrc; ++r)
-      backend_.exact_deposit(static_cast<const float*>(src[r]), n, top_ + at, low_ + at, level_ + at);
+    for (int r = 0; r < nsrc; ++r) {
+      const float* g = static_cast<const float*>(src[r]);
+      if (words_ != nullptr)
+        cpu::exact_deposit_packed(g, n, fresh_ && r == 0 ? nullptr : words_ + at, words_ + at);
+      else
+        backend_.exact_deposit(g, n, top_ + at, low_ + at, level_ + at);
+    }
   }
 
  private:
   Backend& backend_;
   const float* block_;
-  std::int64_t* top_;
-  std::int64_t* low_;
-  std::uint8_t* level_;
+  std::int64_t* top_ = nullptr;
+  std::int64_t* low_ = nullptr;
+  std::uint8_t* level_ = nullptr;
+  std::uint64_t* words_ = nullptr;
+  bool fresh_ = false;
 };
 
 }  // namespace
@@ -241,8 +253,11 @@ bool ExactGrads::exchange_deposit(Communicator& comm, const Bucket& bk, const fl
   const std::size_t n = bk.slice_elems;
   require(local + n <= n_, Status::Internal, "ExactGrads::exchange_deposit: slice outside the bins");
   float* out = const_cast<float*>(data);  // the combiner writes nothing
-  DepositCombiner op(*backend_, out + static_cast<std::size_t>(comm.rank()) * n, top_ + local,
-                     low_ + local, level_ + local);
+  const float* block = out + static_cast<std::size_t>(comm.rank()) * n;
+  require(!round_full(comm.size()), Status::Internal,
+          "ExactGrads::exchange_deposit: the packed words are full (widen first)");
+  DepositCombiner op = is_compact() ? DepositCombiner(*backend_, block, words_ + local, rounds_ == 0)
+                                    : DepositCombiner(*backend_, block, top_ + local, low_ + local, level_ + local);
   if (!comm.reduce_scatter_combine(data, sizeof(float), out, n, op)) return false;
   if (deposits_ < std::numeric_limits<int>::max()) ++deposits_;
   return true;
@@ -250,6 +265,11 @@ bool ExactGrads::exchange_deposit(Communicator& comm, const Bucket& bk, const fl
 
 void ExactGrads::round_to(std::size_t begin, std::size_t n, float* dst) {
   require(begin + n <= n_, Status::Internal, "ExactGrads::round_to: range outside the bins");
+  if (is_compact()) {  // each word alone, combined: its own level's sum rounded once
+    const std::uint64_t* w = words_ + begin;
+    cpu::exact_combine_packed(&w, 1, dst, n, nullptr);
+    return;
+  }
   // Lifting to its own level packs each element's bins into one int64 (in the top bin).
   backend_->exact_lift(level_ + begin, level_ + begin, top_ + begin, low_ + begin, n);
   backend_->exact_sums_to_float(top_ + begin, level_ + begin, dst, n);

@@ -199,18 +199,29 @@ class ExactGrads {
   bool reduce_packed(Communicator& comm, Backend& backend, const Bucket& bk, bool whole,
                      float* grads, std::uint64_t* wire, SquareSum& squares);
   /// Stage 2's sharded accumulation (BufferPlan::exact_sharded): the accumulator then covers
-  /// only this rank's owned elements (its local arrays' coordinates, grads_bytes(owned, 0)).
+  /// only this rank's owned elements (its local arrays' coordinates): the packed words
+  /// (compact(), packed_bytes(owned)) while every element received at most
+  /// cpu::kPackedMaxMicroBatches values, the bins (grads_bytes(owned, 0), widen()) past that.
   /// Collective: the direct exchange (Communicator::reduce_scatter_combine, 4 bytes per
   /// element) of bucket `bk`'s raw fp32 values of one micro-batch in `data` (the bucket's
   /// elements, every rank's; left as they are), and this rank deposits every rank's values of
-  /// its slice into its bins from local element `local` on. The deposit is order- and
-  /// grouping-free, so after any number of these the bins are what one process depositing
-  /// every value gets; a zero contributes nothing (a rank without a micro-batch sends zeros).
-  /// Returns false, having done nothing, when the communicator cannot exchange raw values
-  /// (the same answer on every rank).
+  /// its slice into its state from local element `local` on (the words: one
+  /// cpu::exact_deposit_packed per rank, the first of the step writing them without reading).
+  /// The deposit is order- and grouping-free, so after any number of these the state is what
+  /// one process depositing every value gets; a zero contributes nothing (a rank without a
+  /// micro-batch sends zeros). Each bucket once per round (next_round()); the words must have
+  /// room for the round (!round_full(comm.size())). Returns false, having done nothing, when
+  /// the communicator cannot exchange raw values (the same answer on every rank).
   bool exchange_deposit(Communicator& comm, const Bucket& bk, const float* data, std::size_t local);
-  /// Stage 2's sharded accumulation: rounds local elements [begin, begin + n) of the bins
-  /// once to fp32 into dst (NaN where a NaN/Inf was deposited). The bins are consumed.
+  /// Stage 2's sharded accumulation: every bucket of a round has been exchanged.
+  void next_round() { ++rounds_; }
+  /// Stage 2's sharded accumulation, compact form: whether a round of `ranks` values per
+  /// element would pass the words' limit (widen() first).
+  bool round_full(int ranks) const {
+    return is_compact() && (rounds_ + 1) * ranks > cpu::kPackedMaxMicroBatches;
+  }
+  /// Stage 2's sharded accumulation: rounds local elements [begin, begin + n) of the state
+  /// once to fp32 into dst (NaN where a NaN/Inf was deposited). The state is consumed.
   void round_to(std::size_t begin, std::size_t n, float* dst);
   /// The packed state (cpu::exact_pack) of flat elements [begin, begin + n): level and bins
   /// as deposited so far. Exact while at most cpu::kPackedMaxMicroBatches were deposited.
@@ -238,6 +249,7 @@ class ExactGrads {
   bool shared_ = false;               ///< words_storage_ is a communicator window
   Allocation retired_;                ///< shared words after widen(), until release_retired()
   int deposits_ = 0;  ///< deposit() calls since clear() (saturates: only 0, >0 and the limit count)
+  int rounds_ = 0;    ///< the sharded accumulation's rounds since clear() (next_round())
 };
 
 }  // namespace shardopt::exact

@@ -152,7 +152,11 @@ MemoryPlan plan_memory(const FlatLayout& layout, const PlanConfig& config) {
   plan.reduce_bytes_in_place = b.reduce_bytes_in_place;
   if (config.reduction == Reduction::Reproducible) {
     plan.exact_sharded = b.exact_sharded;
-    if (!b.exact_sharded) {
+    if (b.exact_sharded) {
+      plan.exact_state_bytes = b.exact.bytes;  // in `bytes`: from finalize
+      plan.exact_wide_bytes = b.exact_wide.bytes;
+      plan.exact_sharded_ranks = config.world_size;
+    } else {
       plan.reduce_bytes_two_phase = built.padded_size() * (sizeof(std::uint8_t) + sizeof(std::int64_t));
       const bool whole = config.stage == Stage::DataParallel;
       for (const Bucket& bk : built.buckets())
@@ -330,7 +334,11 @@ ExactStepPlan plan_exact_step(const MemoryPlan& plan, const ExactStep& step) {
   const int most = std::max(step.most_micro_batches, 0);
   ExactStepPlan s;
   if (plan.exact_sharded) {
-    s.wire_bytes = static_cast<std::size_t>(std::max(most, 1)) * plan.reduce_bytes;
+    const int rounds = std::max(most, 1);
+    s.wire_bytes = static_cast<std::size_t>(rounds) * plan.reduce_bytes;
+    // The owned elements' words hold 63 values each; past that, their bins replace them.
+    if (rounds * plan.exact_sharded_ranks > cpu::kPackedMaxMicroBatches)
+      s.accumulator_bytes = plan.exact_wide_bytes - plan.exact_state_bytes;
     return s;
   }
   s.path = exact_path_needed(most, step.exchanges ? step.fastest : ExactPath::TwoPhase);

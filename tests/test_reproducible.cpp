@@ -576,20 +576,22 @@ TEST(Reproducible, OwnersDepositTheLastMicroBatchInPlace) {
 }
 
 // Stage 2's sharded exact accumulation (BufferPlan::exact_sharded: the staged scheme, each
-// micro-batch's buckets exchanged raw to their owners, which deposit into bins of their slice
-// only): 1, 2 and 4 micro-batches per rank and uneven counts (ranks with none send zeros in
-// every round) give the bits of one process, on plain MPI and shared memory, with 4 bytes per
-// element per round (one round per micro-batch of the rank with the most) and no integer
-// reductions.
+// micro-batch's buckets exchanged raw to their owners, which deposit into packed words of
+// their slice only, widened into bins past 63 values per element): 1, 2 and 4 micro-batches
+// per rank, uneven counts (ranks with none send zeros in every round), and rounds up to and
+// past the words' limit (ranks times rounds 63, 64 and more: 2 ranks 31 and 32 rounds, 3
+// ranks 21 and 22, 4 ranks 15 and 16) give the bits of one process, on plain MPI and shared
+// memory, with 4 bytes per element per round (one round per micro-batch of the rank with the
+// most), no integer reductions, and the Grads memory of the plan (the bins past the limit).
 TEST(Reproducible, Stage2ShardedEachMicroBatchMatchesOneProcess) {
   const EnvScope opt_in("SHARDOPT_REPRO_EXCHANGE", "sharded");
   auto w = mpi(MpiCommKind::Plain);
   const int world = w->size();
   std::vector<std::vector<int>> splits;
   for (int per : {1, 2, 4}) splits.push_back(std::vector<int>(static_cast<std::size_t>(world), per));
-  if (world == 2) splits.insert(splits.end(), {{1, 0}, {0, 3}, {2, 5}});
-  if (world == 3) splits.insert(splits.end(), {{1, 0, 1}, {0, 4, 1}, {2, 0, 0}});
-  if (world == 4) splits.insert(splits.end(), {{0, 1, 1, 1}, {3, 0, 2, 1}, {0, 0, 0, 0}});
+  if (world == 2) splits.insert(splits.end(), {{1, 0}, {0, 3}, {2, 5}, {31, 0}, {3, 32}, {40, 33}});
+  if (world == 3) splits.insert(splits.end(), {{1, 0, 1}, {0, 4, 1}, {2, 0, 0}, {21, 0, 2}, {1, 22, 0}});
+  if (world == 4) splits.insert(splits.end(), {{0, 1, 1, 1}, {3, 0, 2, 1}, {0, 0, 0, 0}, {15, 1, 0, 15}, {0, 16, 2, 1}});
   for (const std::vector<int>& split : splits) {
     const auto [total, most, what] = summarize(split);
     const Trained one = train_split(make_single_process_communicator(), Stage::Zero1, {total});
@@ -598,13 +600,20 @@ TEST(Reproducible, Stage2ShardedEachMicroBatchMatchesOneProcess) {
       const std::string at = what + (kind == MpiCommKind::Plain ? " mpi " : " shm ") + stage_name(stage);
       auto counting = std::make_shared<CountingComm>(mpi(kind));
       MemoryPlan plan;
-      expect_same(train_split(counting, stage, split, &plan), one, at);
+      const Trained got = train_split(counting, stage, split, &plan);
+      expect_same(got, one, at);
       if (HasFatalFailure()) return;
       if (world == 1) continue;  // one rank keeps the full buffer: the full-buffer path
       EXPECT_TRUE(plan.staged) << at << ": the sharded path must run";
       EXPECT_EQ(counting->int_bytes, 0u) << at;
       EXPECT_EQ(counting->combine_bytes,
                 2 * static_cast<std::size_t>(std::max(most, 1)) * plan.reduce_bytes) << at;
+      // The owned elements' words (in the plan), replaced by their bins past 63 values each.
+      const std::size_t wide = plan_exact_step(plan, ExactStep{most}).accumulator_bytes;
+      EXPECT_EQ(wide, std::max(most, 1) * world > cpu::kPackedMaxMicroBatches
+                          ? exact::grads_bytes(plan.owned_elems, 0) - exact::packed_bytes(plan.owned_elems)
+                          : 0u) << at;
+      EXPECT_EQ(got.grads_bytes, plan[MemCategory::Grads] + wide) << at;
     }
   }
 }
@@ -678,8 +687,8 @@ TEST(Reproducible, Stage2ShardedIsOptInAndAgreed) {
   }
 }
 
-// The sharded exact accumulation's gradient memory is the staged default's plus 17 bytes per
-// owned element, from finalize, equal to the plan before and after steps of several
+// The sharded exact accumulation's gradient memory is the staged default's plus 8 bytes per
+// owned element (the packed words), from finalize, equal to the plan before and after steps of several
 // micro-batches, and below the full-buffer path's (SHARDOPT_REPRO_EXCHANGE=two-phase) with
 // its accumulator.
 TEST(Reproducible, Stage2ShardedMemoryEqualsThePlanAndIsBelowTheFullBuffer) {
@@ -701,7 +710,7 @@ TEST(Reproducible, Stage2ShardedMemoryEqualsThePlanAndIsBelowTheFullBuffer) {
   const MemoryPlan ps = plan_memory(sharded->layout(), plan_config(sharded->options(), world));
   const MemoryPlan pd = plan_memory(def->layout(), plan_config(def->options(), world));
   ASSERT_TRUE(ps.staged);
-  EXPECT_EQ(ps[MemCategory::Grads], pd[MemCategory::Grads] + 17 * ps.owned_elems);
+  EXPECT_EQ(ps[MemCategory::Grads], pd[MemCategory::Grads] + 8 * ps.owned_elems);
   EXPECT_EQ(ps[MemCategory::Scratch], pd[MemCategory::Scratch]);  // the staging slots
   for (MemCategory c : {MemCategory::Grads, MemCategory::Scratch})
     EXPECT_EQ(sharded->memory_report()[c], ps[c]);

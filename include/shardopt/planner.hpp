@@ -142,14 +142,17 @@ struct MemoryPlan {
   /// per element and one per element of the largest bucket); exact_wide_bytes: the bins, what
   /// the two-phase method needs (the CPU widens its words into them past 63). Allocated on
   /// demand (not in `bytes`) unless exact_on_demand is false (ragged buckets: the bins from
-  /// finalize). 0 outside reproducible mode and for the sharded accumulation (whose bins are
-  /// in `bytes`).
+  /// finalize). 0 outside reproducible mode. The sharded accumulation: the owned elements'
+  /// packed words (8 bytes each, in `bytes`, from finalize) and their bins (17 each, on
+  /// demand: past 63 values per element in a step, ranks times micro-batches of the busiest).
   std::size_t exact_state_bytes = 0;
   std::size_t exact_wide_bytes = 0;
   bool exact_on_demand = false;
   /// Reproducible mode's sharded accumulation (SHARDOPT_REPRO_EXCHANGE=sharded, stages 2-3):
-  /// every micro-batch is exchanged raw (reduce_bytes each).
+  /// every micro-batch is exchanged raw (reduce_bytes each); each owner deposits the values
+  /// of every rank, exact_sharded_ranks per element and round.
   bool exact_sharded = false;
+  int exact_sharded_ranks = 0;
   /// Bytes that cross between nodes for one node in one step (one micro-batch, the default
   /// reduction), as a ring between the `nodes` moves them: per bucket, its gradient
   /// reduce-scatter (data-parallel: all-reduce, twice the bytes) and, at stages 1 and 2, its
@@ -203,8 +206,9 @@ struct ExactStepPlan {
   /// (allocated on demand: none for the direct exchange; exact_state_bytes for the packed
   /// exchange, except the CPU's packed words when no rank accumulated and they are not
   /// shared; exact_wide_bytes for the two-phase method; 0 where the plan holds it from
-  /// finalize). A rank that accumulated fewer holds at most that. It stays allocated for
-  /// later steps.
+  /// finalize; the sharded accumulation: past 63 values per owned element, ranks times
+  /// rounds, its bins replace the words in `bytes`, exact_wide_bytes - exact_state_bytes more).
+  /// A rank that accumulated fewer holds at most that. It stays allocated for later steps.
   std::size_t accumulator_bytes = 0;
 };
 /// The path and bytes of a step of reproducible mode under `plan` (plan_memory of a
