@@ -227,13 +227,13 @@ class DepositCombiner final : public BlockCombiner {
   bool at_owner() const override { return true; }
   void combine(float* dst, const void* const* src, int nsrc, std::size_t n) override {
     const std::size_t at = static_cast<std::size_t>(dst - block_);
-    for (int r = 0; r < nsrc; ++r) {
-      const float* g = static_cast<const float*>(src[r]);
-      if (words_ != nullptr)
-        cpu::exact_deposit_packed(g, n, fresh_ && r == 0 ? nullptr : words_ + at, words_ + at);
-      else
-        backend_.exact_deposit(g, n, top_ + at, low_ + at, level_ + at);
+    if (words_ != nullptr) {
+      cpu::exact_deposit_packed_multi(reinterpret_cast<const float* const*>(src), nsrc, n,
+                                      fresh_ ? nullptr : words_ + at, words_ + at);
+      return;
     }
+    for (int r = 0; r < nsrc; ++r)
+      backend_.exact_deposit(static_cast<const float*>(src[r]), n, top_ + at, low_ + at, level_ + at);
   }
 
  private:

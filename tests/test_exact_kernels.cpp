@@ -704,6 +704,45 @@ TEST(ExactKernels, PackedDepositEqualsDepositThenPack) {
   }
 }
 
+// Several sources in one pass (exact_deposit_packed_multi, the sharded accumulation's owner
+// depositing every rank's values) gives the words of depositing them one by one: 63 rows of
+// packed_rows (with runs of zeros in every row) in groups of 1 to 8 sources (the first group,
+// of 3, from empty words; then in place and into another buffer), every ISA, aligned and
+// unaligned starts, ragged ends, and a length across grains.
+TEST(ExactKernels, MultiSourceDepositEqualsDepositsOneByOne) {
+  const IsaScope restore;
+  const std::size_t m = static_cast<std::size_t>(cpu::kPackedMaxMicroBatches);
+  for (std::size_t n : {std::size_t{10007}, std::size_t{3 * 65536 + 29}}) {
+    PerRank rows = packed_rows(m, n, 9191 + n);
+    for (auto& row : rows) std::fill(row.begin() + 64, row.begin() + 160, 0.0f);  // runs of zeros in every source
+    for (std::size_t offset : {std::size_t{0}, std::size_t{3}}) {
+      const auto want = packed_after_each(rows, offset);
+      const std::size_t len = n - offset;
+      for (cpu::Isa isa : isas()) {
+        cpu::set_isa(isa);
+        const std::string what = std::string(cpu::isa_name(isa)) + ", n " + std::to_string(n) + ", offset " +
+                                 std::to_string(offset);
+        std::vector<std::uint64_t> words(len, 0xdeadbeefdeadbeefull);
+        std::size_t done = 0;
+        for (std::size_t group = 3; done < m; group = group % 8 + 1) {  // the first from empty words
+          const std::size_t k = std::min(group, m - done);
+          std::vector<const float*> src;
+          for (std::size_t j = 0; j < k; ++j) src.push_back(rows[done + j].data() + offset);
+          std::vector<std::uint64_t> wire(len, 0x5555555555555555ull);
+          cpu::exact_deposit_packed_multi(src.data(), static_cast<int>(k), len, done == 0 ? nullptr : words.data(),
+                                          wire.data());
+          expect_same(wire, want[done + k - 1], what + ", into another buffer after " + std::to_string(done + k));
+          cpu::exact_deposit_packed_multi(src.data(), static_cast<int>(k), len, done == 0 ? nullptr : words.data(),
+                                          words.data());
+          expect_same(words, want[done + k - 1], what + ", in place after " + std::to_string(done + k));
+          if (HasFatalFailure()) return;
+          done += k;
+        }
+      }
+    }
+  }
+}
+
 // The deposit that consumes its input (exact_deposit_packed_clear, what begin_backward runs)
 // writes exact_deposit_packed's words and leaves g +0 (bits 0) on exactly its range: a first
 // deposit and one in place, every ISA, aligned and unaligned starts of g and of the words,

@@ -296,6 +296,26 @@ void exact_deposit_packed_clear(float* g, std::size_t n, const std::uint64_t* in
   deposit_packed_threaded(g, n, in, out, g);
 }
 
+void exact_deposit_packed_multi(const float* const* g, int nsrc, std::size_t n, const std::uint64_t* in,
+                                std::uint64_t* out) {
+  if (nsrc < 1) {  // nothing deposited: the words as they were (empty without `in`)
+    if (in == nullptr) std::fill(out, out + n, std::uint64_t{0});
+    else if (in != out) std::copy(in, in + n, out);
+    return;
+  }
+  const RangeKernels& k = active_kernels();
+  for_grains(n, [&](std::size_t b, std::size_t len) {
+    const std::uint64_t* from = in == nullptr ? nullptr : in + b;
+    if (k.exact_deposit_packed_multi != nullptr) {
+      std::vector<const float*> at(static_cast<std::size_t>(nsrc));
+      for (int s = 0; s < nsrc; ++s) at[static_cast<std::size_t>(s)] = g[s] + b;
+      k.exact_deposit_packed_multi(at.data(), nsrc, len, from, out + b);
+      return;
+    }
+    for (int s = 0; s < nsrc; ++s) k.exact_deposit_packed(g[s] + b, len, s == 0 ? from : out + b, out + b);
+  });
+}
+
 void exact_unpack(const std::uint64_t* words, std::size_t n, std::uint8_t* level, std::int64_t* top,
                   std::int64_t* low) {
   for_grains(n, [&](std::size_t b, std::size_t len) {

@@ -97,6 +97,10 @@ struct RangeKernels {
   /// element exact::elem::combine_packed_raw (no deposit is stored).
   void (*exact_combine_packed_raw)(const std::uint64_t* const* words, const float* const* last,
                                    int ranks, float* dst, std::size_t n);
+  /// exact_deposit_packed_multi (kernels.hpp) on one range, nsrc >= 1. Null where the ISA has
+  /// none: the caller deposits the sources one by one (exact_deposit_packed, the same bits).
+  void (*exact_deposit_packed_multi)(const float* const* g, int nsrc, std::size_t n,
+                                     const std::uint64_t* in, std::uint64_t* out);
 };
 
 /// Values per fixed-point window of the SIMD exact_square_add: each lane adds at most

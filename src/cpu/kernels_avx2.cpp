@@ -807,6 +807,7 @@ const RangeKernels kAvx2Kernels = {
     avx2::exact_sums_to_float,
     avx2::exact_deposit_packed,
     portable::exact_combine_packed_raw,
+    nullptr,
 };
 
 }  // namespace shardopt::cpu

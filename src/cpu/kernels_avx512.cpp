@@ -751,7 +751,10 @@ void exact_deposit_pack(const float* g, std::size_t n, const std::int64_t* top,
 //     and only the top field's bits taken from the sum (vpternlogq), lo << 34 is added
 //     (carries past bit 63 are the modulo).
 // A run of 16 zeros leaves the words as they are (stored only when out is not in).
-void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+// exact_deposit_packed_multi: the words stay in registers while every source's 16 values are
+// deposited in turn (one load and one store of the words for all of them).
+void exact_deposit_packed_multi(const float* const* g, int nsrc, std::size_t n, const std::uint64_t* in,
+                                std::uint64_t* out) {
   alignas(64) std::int32_t want_table[32];
   alignas(64) float down_table[16];  // -b(L) for L = 1..11 (0 elsewhere: those lanes add nothing)
   alignas(64) std::int32_t even[16], lo_half[16], hi_half[16];
@@ -777,73 +780,80 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(g + i);
-    const __m512i a = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
-    const __mmask16 nonzero = _mm512_test_epi32_mask(a, a);
     __m512i w0 = in == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(in + i);
     __m512i w1 = in == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(in + i + 8);
-    if (nonzero == 0) {
-      if (in != out) {
-        _mm512_storeu_si512(out + i, w0);
-        _mm512_storeu_si512(out + i + 8, w1);
+    bool empty = in == nullptr;  // every word still empty (all zero)
+    bool changed = false;
+    for (int src = 0; src < nsrc; ++src) {
+      const __m512 v = _mm512_loadu_ps(g[src] + i);
+      const __m512i a = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
+      const __mmask16 nonzero = _mm512_test_epi32_mask(a, a);
+      if (nonzero == 0) continue;
+      changed = true;
+      // The words' levels (the low 4 bits of each word's low dword), 16 in one vector.
+      const __m512i l = _mm512_and_si512(_mm512_permutex2var_epi32(w0, even_idx, w1), fifteen32);
+      const __mmask16 active = nonzero & static_cast<__mmask16>(~_mm512_cmpeq_epi32_mask(l, fifteen32));
+      const __mmask16 bad = active & _mm512_cmpge_epu32_mask(a, inf_bits);  // NaN or Inf
+      const __mmask16 fin = active & static_cast<__mmask16>(~bad);
+      const __m512i want = _mm512_permutex2var_epi32(want_lo, _mm512_srli_epi32(a, 26), want_hi);
+      const __mmask16 rise = fin & _mm512_cmpgt_epu32_mask(want, l);
+      const __m512i level = _mm512_mask_mov_epi32(l, rise, want);
+      if (empty) {
+        // From empty (what the general case below does with l = 0): the wanted level where
+        // finite (every such lane rises), the non-finite word where bad, else 0.
+        w0 = _mm512_mask_mov_epi64(_mm512_maskz_cvtepu32_epi64(static_cast<__mmask8>(fin), _mm512_castsi512_si256(level)),
+                                   static_cast<__mmask8>(bad), nonfinite_word);
+        w1 = _mm512_mask_mov_epi64(
+            _mm512_maskz_cvtepu32_epi64(static_cast<__mmask8>(fin >> 8), _mm512_extracti64x4_epi64(level, 1)),
+            static_cast<__mmask8>(bad >> 8), nonfinite_word);
+      } else if ((rise | bad) != 0) {  // rare after the first micro-batch
+        // A rise by one: the top field becomes the low one (the top and level fields
+        // cleared); by more, or from empty: an empty word; then the new level.
+        const __mmask16 clear =
+            rise & (_mm512_cmpeq_epi32_mask(l, _mm512_setzero_si512()) | _mm512_cmpgt_epu32_mask(want, _mm512_add_epi32(l, one32)));
+        const __mmask16 down = rise & static_cast<__mmask16>(~clear);
+        for (int h = 0; h < 2; ++h) {
+          __m512i& w = h == 0 ? w0 : w1;
+          const auto m8 = [h](__mmask16 m) { return static_cast<__mmask8>(m >> (8 * h)); };
+          const __m256i half_level = h == 0 ? _mm512_castsi512_si256(level) : _mm512_extracti64x4_epi64(level, 1);
+          w = _mm512_mask_mov_epi64(w, m8(down), _mm512_slli_epi64(_mm512_srli_epi64(_mm512_slli_epi64(w, 30), 34), 34));
+          w = _mm512_mask_mov_epi64(w, m8(clear), _mm512_setzero_si512());
+          w = _mm512_mask_or_epi64(w, m8(rise), w, _mm512_cvtepu32_epi64(half_level));
+          w = _mm512_mask_mov_epi64(w, m8(bad), nonfinite_word);
+        }
       }
-      continue;
+      // The two parts at the level's grids.
+      const __m512 sv = _mm512_scalef_ps(v, _mm512_permutexvar_ps(level, down_t));
+      const __m512 hi = _mm512_roundscale_ps(sv, kRound);
+      const __m512i hi32 = _mm512_cvt_roundps_epi32(hi, kRound);
+      const __m512i lo32 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_sub_ps(sv, hi), two24), kRound);
+      // Each element's parts as a word: hi's low 30 bits at bit 4 (the word's low dword holds
+      // hi's bits 0-27, the high dword its bits 28-29), lo's at bit 34.
+      const __m512i part_lo = _mm512_slli_epi32(hi32, 4);
+      const __m512i part_hi = _mm512_ternarylogic_epi32(_mm512_slli_epi32(lo32, 2), _mm512_srli_epi32(hi32, 28), three32,
+                                                        0xf8);  // a | (b & c)
+      const __m512i p0 = _mm512_permutex2var_epi32(part_lo, lo_idx, part_hi);
+      const __m512i p1 = _mm512_permutex2var_epi32(part_lo, hi_idx, part_hi);
+      // Field by field (modulo 2^30 each): the top field from w + p, the low field from w + p
+      // without the top field's carry (w + (p without its top field)).
+      const __mmask8 f0 = static_cast<__mmask8>(fin), f1 = static_cast<__mmask8>(fin >> 8);
+      w0 = _mm512_mask_mov_epi64(w0, f0, _mm512_ternarylogic_epi64(top_field, _mm512_add_epi64(w0, p0),
+                                                                   _mm512_add_epi64(w0, _mm512_andnot_si512(top_field, p0)), 0xca));
+      w1 = _mm512_mask_mov_epi64(w1, f1, _mm512_ternarylogic_epi64(top_field, _mm512_add_epi64(w1, p1),
+                                                                   _mm512_add_epi64(w1, _mm512_andnot_si512(top_field, p1)), 0xca));
+      empty = false;
     }
-    // The words' levels (the low 4 bits of each word's low dword), 16 in one vector.
-    const __m512i l = _mm512_and_si512(_mm512_permutex2var_epi32(w0, even_idx, w1), fifteen32);
-    const __mmask16 active = nonzero & static_cast<__mmask16>(~_mm512_cmpeq_epi32_mask(l, fifteen32));
-    const __mmask16 bad = active & _mm512_cmpge_epu32_mask(a, inf_bits);  // NaN or Inf
-    const __mmask16 fin = active & static_cast<__mmask16>(~bad);
-    const __m512i want = _mm512_permutex2var_epi32(want_lo, _mm512_srli_epi32(a, 26), want_hi);
-    const __mmask16 rise = fin & _mm512_cmpgt_epu32_mask(want, l);
-    const __m512i level = _mm512_mask_mov_epi32(l, rise, want);
-    if (in == nullptr) {
-      // From empty (what the general case below does with l = 0): the wanted level where
-      // finite (every such lane rises), the non-finite word where bad, else 0.
-      w0 = _mm512_mask_mov_epi64(_mm512_maskz_cvtepu32_epi64(static_cast<__mmask8>(fin), _mm512_castsi512_si256(level)),
-                                 static_cast<__mmask8>(bad), nonfinite_word);
-      w1 = _mm512_mask_mov_epi64(
-          _mm512_maskz_cvtepu32_epi64(static_cast<__mmask8>(fin >> 8), _mm512_extracti64x4_epi64(level, 1)),
-          static_cast<__mmask8>(bad >> 8), nonfinite_word);
-    } else if ((rise | bad) != 0) {  // rare after the first micro-batch
-      // A rise by one: the top field becomes the low one (the top and level fields
-      // cleared); by more, or from empty: an empty word; then the new level.
-      const __mmask16 clear =
-          rise & (_mm512_cmpeq_epi32_mask(l, _mm512_setzero_si512()) | _mm512_cmpgt_epu32_mask(want, _mm512_add_epi32(l, one32)));
-      const __mmask16 down = rise & static_cast<__mmask16>(~clear);
-      for (int h = 0; h < 2; ++h) {
-        __m512i& w = h == 0 ? w0 : w1;
-        const auto m8 = [h](__mmask16 m) { return static_cast<__mmask8>(m >> (8 * h)); };
-        const __m256i half_level = h == 0 ? _mm512_castsi512_si256(level) : _mm512_extracti64x4_epi64(level, 1);
-        w = _mm512_mask_mov_epi64(w, m8(down), _mm512_slli_epi64(_mm512_srli_epi64(_mm512_slli_epi64(w, 30), 34), 34));
-        w = _mm512_mask_mov_epi64(w, m8(clear), _mm512_setzero_si512());
-        w = _mm512_mask_or_epi64(w, m8(rise), w, _mm512_cvtepu32_epi64(half_level));
-        w = _mm512_mask_mov_epi64(w, m8(bad), nonfinite_word);
-      }
+    if (changed || in != out) {
+      _mm512_storeu_si512(out + i, w0);
+      _mm512_storeu_si512(out + i + 8, w1);
     }
-    // The two parts at the level's grids.
-    const __m512 sv = _mm512_scalef_ps(v, _mm512_permutexvar_ps(level, down_t));
-    const __m512 hi = _mm512_roundscale_ps(sv, kRound);
-    const __m512i hi32 = _mm512_cvt_roundps_epi32(hi, kRound);
-    const __m512i lo32 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_sub_ps(sv, hi), two24), kRound);
-    // Each element's parts as a word: hi's low 30 bits at bit 4 (the word's low dword holds
-    // hi's bits 0-27, the high dword its bits 28-29), lo's at bit 34.
-    const __m512i part_lo = _mm512_slli_epi32(hi32, 4);
-    const __m512i part_hi = _mm512_ternarylogic_epi32(_mm512_slli_epi32(lo32, 2), _mm512_srli_epi32(hi32, 28), three32,
-                                                      0xf8);  // a | (b & c)
-    const __m512i p0 = _mm512_permutex2var_epi32(part_lo, lo_idx, part_hi);
-    const __m512i p1 = _mm512_permutex2var_epi32(part_lo, hi_idx, part_hi);
-    // Field by field (modulo 2^30 each): the top field from w + p, the low field from w + p
-    // without the top field's carry (w + (p without its top field)).
-    const __mmask8 f0 = static_cast<__mmask8>(fin), f1 = static_cast<__mmask8>(fin >> 8);
-    w0 = _mm512_mask_mov_epi64(w0, f0, _mm512_ternarylogic_epi64(top_field, _mm512_add_epi64(w0, p0),
-                                                                 _mm512_add_epi64(w0, _mm512_andnot_si512(top_field, p0)), 0xca));
-    w1 = _mm512_mask_mov_epi64(w1, f1, _mm512_ternarylogic_epi64(top_field, _mm512_add_epi64(w1, p1),
-                                                                 _mm512_add_epi64(w1, _mm512_andnot_si512(top_field, p1)), 0xca));
-    _mm512_storeu_si512(out + i, w0);
-    _mm512_storeu_si512(out + i + 8, w1);
   }
-  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i);
+  for (int src = 0; src < nsrc; ++src)
+    portable::exact_deposit_packed(g[src] + i, n - i, src == 0 ? (in == nullptr ? nullptr : in + i) : out + i, out + i);
+}
+
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+  exact_deposit_packed_multi(&g, 1, n, in, out);
 }
 
 // ---- the two-phase method's passes (exact::ExactGrads::reduce) ----
@@ -1020,6 +1030,7 @@ const RangeKernels kAvx512Kernels = {
     avx512::exact_sums_to_float,
     avx512::exact_deposit_packed,
     avx512::exact_combine_packed_raw,
+    avx512::exact_deposit_packed_multi,
 };
 
 }  // namespace shardopt::cpu

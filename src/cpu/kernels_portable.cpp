@@ -117,6 +117,7 @@ const RangeKernels kPortableKernels = {
     portable::exact_sums_to_float,
     portable::exact_deposit_packed,
     portable::exact_combine_packed_raw,
+    nullptr,
 };
 
 }  // namespace shardopt::cpu
