@@ -289,6 +289,15 @@ std::vector<Kernel> kernels() {
     cpu::exact_deposit_packed(b.g.get(), b.n, nullptr, reinterpret_cast<std::uint64_t*>(b.sums.get()));
     cpu::exact_deposit_packed(b.v.get(), b.n, nullptr, reinterpret_cast<std::uint64_t*>(b.low.get()));
   };
+  // The sharded accumulation's owner: two ranks' values (g, v) into the words in one pass
+  // (exact_deposit_packed_multi: 4 + 4 + 8 read, 8 written: 24 bytes per element, two
+  // values), against two exact_deposit_packed passes (2 x 20 bytes).
+  auto deposit_multi = [](Buffers& b) {
+    auto* words = reinterpret_cast<std::uint64_t*>(exact_buffers(b).sums.get());
+    const float* src[2] = {b.g.get(), b.v.get()};
+    cpu::exact_deposit_packed_multi(src, 2, b.n, words, words);
+    return 0.0;
+  };
   auto deposit_combine = [](Buffers& b) {
     const std::uint64_t* words[2] = {reinterpret_cast<const std::uint64_t*>(b.sums.get()),
                                      reinterpret_cast<const std::uint64_t*>(b.low.get())};
@@ -452,6 +461,7 @@ std::vector<Kernel> kernels() {
       {"exact_deposit_first_clear", 16, first_clear, false, nullptr, false, fill_g},
       {"exact_deposit+zero", 24, deposit_then_zero, true, nullptr, false, fill_g},
       {"exact_deposit_clear", 24, deposit_clear, false, nullptr, false, fill_g},
+      {"exact_deposit_multi_2", 24, deposit_multi, false, nullptr, true, fill_words},
       {"exact_deposit_combine_2", 28, deposit_combine, false, nullptr, true, fill_words},
       {"exact_deposit_combine_2_scratch", 28, deposit_combine_scratch, false, nullptr, true, fill_words},
       {"all_finite", 4, finite, false,
