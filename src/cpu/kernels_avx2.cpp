@@ -692,7 +692,10 @@ void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, flo
 // multiply ((e + 24) < 2^16 sits in each lane's low half), 2^-b(L) as float bits
 // (277 - 24 L) << 23 (2^126 .. 2^-114, normal), the parts rounded by vroundps and converted
 // exactly, and the fields added modulo 2^30 by masks.
-void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+// exact_deposit_packed_multi: the words stay in registers while every source's 8 values are
+// deposited in turn.
+void exact_deposit_packed_multi(const float* const* g, int nsrc, std::size_t n, const std::uint64_t* in,
+                                std::uint64_t* out) {
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
   const __m256i zero = _mm256_setzero_si256();
   const __m256i fifteen32 = _mm256_set1_epi32(15);
@@ -704,77 +707,82 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(g + i);
-    const __m256i a = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
     __m256i w0 = in == nullptr ? zero : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
     __m256i w1 = in == nullptr ? zero : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 4));
-    if (_mm256_testz_si256(a, a)) {  // all zero
-      if (in != out) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), w0);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 4), w1);
+    bool changed = false;
+    for (int src = 0; src < nsrc; ++src) {
+      const __m256 v = _mm256_loadu_ps(g[src] + i);
+      const __m256i a = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+      if (_mm256_testz_si256(a, a)) continue;  // all zero
+      changed = true;
+      // The words' levels: the low dword of each word, in element order, its low 4 bits.
+      const __m256i l = _mm256_and_si256(
+          _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(w0), _mm256_castsi256_ps(w1),
+                                                                         _MM_SHUFFLE(2, 0, 2, 0))),
+                                   _MM_SHUFFLE(3, 1, 2, 0)),
+          fifteen32);
+      const __m256i nonzero = _mm256_xor_si256(_mm256_cmpeq_epi32(a, zero), _mm256_set1_epi32(-1));
+      const __m256i active = _mm256_andnot_si256(_mm256_cmpeq_epi32(l, fifteen32), nonzero);
+      const __m256i bad = _mm256_and_si256(active, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f7fffff)));
+      const __m256i fin = _mm256_andnot_si256(bad, active);
+      const __m256i want = _mm256_mulhi_epu16(_mm256_add_epi32(_mm256_srli_epi32(a, 23), _mm256_set1_epi32(24)),
+                                              _mm256_set1_epi32(2731));
+      const __m256i rise = _mm256_and_si256(fin, _mm256_cmpgt_epi32(want, l));
+      const __m256i level = _mm256_blendv_epi8(l, want, rise);
+      const __m256i fin0 = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(fin));
+      const __m256i fin1 = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(fin, 1));
+      if (!_mm256_testz_si256(_mm256_or_si256(rise, bad), _mm256_or_si256(rise, bad))) {
+        // A rise by one: the top field becomes the low one; by more, or from empty: an empty
+        // word; then the new level (as kernels_avx512.cpp).
+        const __m256i clear = _mm256_and_si256(
+            rise, _mm256_or_si256(_mm256_cmpeq_epi32(l, zero), _mm256_cmpgt_epi32(want, _mm256_add_epi32(l, one32))));
+        const __m256i down = _mm256_andnot_si256(clear, rise);
+        for (int h = 0; h < 2; ++h) {
+          __m256i& w = h == 0 ? w0 : w1;
+          const auto half = [h](__m256i x) {
+            return _mm256_cvtepi32_epi64(h == 0 ? _mm256_castsi256_si128(x) : _mm256_extracti128_si256(x, 1));
+          };
+          const __m256i moved = _mm256_slli_epi64(_mm256_srli_epi64(_mm256_slli_epi64(w, 30), 34), 34);
+          w = _mm256_blendv_epi8(w, moved, half(down));
+          w = _mm256_andnot_si256(half(clear), w);
+          w = _mm256_or_si256(w, _mm256_and_si256(half(rise), half(level)));
+          w = _mm256_blendv_epi8(w, nonfinite_word, half(bad));
+        }
       }
-      continue;
+      // The two parts at the level's grids.
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_sub_epi32(_mm256_set1_epi32(277), _mm256_add_epi32(_mm256_slli_epi32(level, 4), _mm256_slli_epi32(level, 3))), 23));
+      const __m256 sv = _mm256_mul_ps(v, scale);
+      const __m256 hi = _mm256_round_ps(sv, kRound);
+      const __m256i hi32 = _mm256_cvttps_epi32(hi);
+      const __m256i lo32 = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(sv, hi), two24), kRound));
+      // Each element's parts as a word (hi's low 30 bits at bit 4, lo's at bit 34), in order.
+      const __m256i part_lo = _mm256_slli_epi32(hi32, 4);
+      const __m256i part_hi = _mm256_or_si256(_mm256_slli_epi32(lo32, 2), _mm256_and_si256(_mm256_srli_epi32(hi32, 28), three32));
+      const __m256i u_lo = _mm256_unpacklo_epi32(part_lo, part_hi);  // elements 0, 1, 4, 5
+      const __m256i u_hi = _mm256_unpackhi_epi32(part_lo, part_hi);  // elements 2, 3, 6, 7
+      const __m256i p0 = _mm256_permute2x128_si256(u_lo, u_hi, 0x20);
+      const __m256i p1 = _mm256_permute2x128_si256(u_lo, u_hi, 0x31);
+      // Field by field (modulo 2^30 each): the top field from w + p, the low field from w + p
+      // without the top field's carry.
+      const auto add_fields = [&](__m256i w, __m256i p) {
+        return _mm256_or_si256(_mm256_and_si256(top_field, _mm256_add_epi64(w, p)),
+                               _mm256_andnot_si256(top_field, _mm256_add_epi64(w, _mm256_andnot_si256(top_field, p))));
+      };
+      w0 = _mm256_blendv_epi8(w0, add_fields(w0, p0), fin0);
+      w1 = _mm256_blendv_epi8(w1, add_fields(w1, p1), fin1);
     }
-    // The words' levels: the low dword of each word, in element order, its low 4 bits.
-    const __m256i l = _mm256_and_si256(
-        _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(w0), _mm256_castsi256_ps(w1),
-                                                                       _MM_SHUFFLE(2, 0, 2, 0))),
-                                 _MM_SHUFFLE(3, 1, 2, 0)),
-        fifteen32);
-    const __m256i nonzero = _mm256_xor_si256(_mm256_cmpeq_epi32(a, zero), _mm256_set1_epi32(-1));
-    const __m256i active = _mm256_andnot_si256(_mm256_cmpeq_epi32(l, fifteen32), nonzero);
-    const __m256i bad = _mm256_and_si256(active, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f7fffff)));
-    const __m256i fin = _mm256_andnot_si256(bad, active);
-    const __m256i want = _mm256_mulhi_epu16(_mm256_add_epi32(_mm256_srli_epi32(a, 23), _mm256_set1_epi32(24)),
-                                            _mm256_set1_epi32(2731));
-    const __m256i rise = _mm256_and_si256(fin, _mm256_cmpgt_epi32(want, l));
-    const __m256i level = _mm256_blendv_epi8(l, want, rise);
-    const __m256i fin0 = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(fin));
-    const __m256i fin1 = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(fin, 1));
-    if (!_mm256_testz_si256(_mm256_or_si256(rise, bad), _mm256_or_si256(rise, bad))) {
-      // A rise by one: the top field becomes the low one; by more, or from empty: an empty
-      // word; then the new level (as kernels_avx512.cpp).
-      const __m256i clear = _mm256_and_si256(
-          rise, _mm256_or_si256(_mm256_cmpeq_epi32(l, zero), _mm256_cmpgt_epi32(want, _mm256_add_epi32(l, one32))));
-      const __m256i down = _mm256_andnot_si256(clear, rise);
-      for (int h = 0; h < 2; ++h) {
-        __m256i& w = h == 0 ? w0 : w1;
-        const auto half = [h](__m256i x) {
-          return _mm256_cvtepi32_epi64(h == 0 ? _mm256_castsi256_si128(x) : _mm256_extracti128_si256(x, 1));
-        };
-        const __m256i moved = _mm256_slli_epi64(_mm256_srli_epi64(_mm256_slli_epi64(w, 30), 34), 34);
-        w = _mm256_blendv_epi8(w, moved, half(down));
-        w = _mm256_andnot_si256(half(clear), w);
-        w = _mm256_or_si256(w, _mm256_and_si256(half(rise), half(level)));
-        w = _mm256_blendv_epi8(w, nonfinite_word, half(bad));
-      }
+    if (changed || in != out) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), w0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 4), w1);
     }
-    // The two parts at the level's grids.
-    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_sub_epi32(_mm256_set1_epi32(277), _mm256_add_epi32(_mm256_slli_epi32(level, 4), _mm256_slli_epi32(level, 3))), 23));
-    const __m256 sv = _mm256_mul_ps(v, scale);
-    const __m256 hi = _mm256_round_ps(sv, kRound);
-    const __m256i hi32 = _mm256_cvttps_epi32(hi);
-    const __m256i lo32 = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(sv, hi), two24), kRound));
-    // Each element's parts as a word (hi's low 30 bits at bit 4, lo's at bit 34), in order.
-    const __m256i part_lo = _mm256_slli_epi32(hi32, 4);
-    const __m256i part_hi = _mm256_or_si256(_mm256_slli_epi32(lo32, 2), _mm256_and_si256(_mm256_srli_epi32(hi32, 28), three32));
-    const __m256i u_lo = _mm256_unpacklo_epi32(part_lo, part_hi);  // elements 0, 1, 4, 5
-    const __m256i u_hi = _mm256_unpackhi_epi32(part_lo, part_hi);  // elements 2, 3, 6, 7
-    const __m256i p0 = _mm256_permute2x128_si256(u_lo, u_hi, 0x20);
-    const __m256i p1 = _mm256_permute2x128_si256(u_lo, u_hi, 0x31);
-    // Field by field (modulo 2^30 each): the top field from w + p, the low field from w + p
-    // without the top field's carry.
-    const auto add_fields = [&](__m256i w, __m256i p) {
-      return _mm256_or_si256(_mm256_and_si256(top_field, _mm256_add_epi64(w, p)),
-                             _mm256_andnot_si256(top_field, _mm256_add_epi64(w, _mm256_andnot_si256(top_field, p))));
-    };
-    w0 = _mm256_blendv_epi8(w0, add_fields(w0, p0), fin0);
-    w1 = _mm256_blendv_epi8(w1, add_fields(w1, p1), fin1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), w0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 4), w1);
   }
-  portable::exact_deposit_packed(g + i, n - i, in == nullptr ? nullptr : in + i, out + i);
+  for (int src = 0; src < nsrc; ++src)
+    portable::exact_deposit_packed(g[src] + i, n - i, src == 0 ? (in == nullptr ? nullptr : in + i) : out + i, out + i);
+}
+
+void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out) {
+  exact_deposit_packed_multi(&g, 1, n, in, out);
 }
 }  // namespace
 }  // namespace shardopt::cpu::avx2
@@ -807,7 +815,7 @@ const RangeKernels kAvx2Kernels = {
     avx2::exact_sums_to_float,
     avx2::exact_deposit_packed,
     portable::exact_combine_packed_raw,
-    nullptr,
+    avx2::exact_deposit_packed_multi,
 };
 
 }  // namespace shardopt::cpu
