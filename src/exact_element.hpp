@@ -164,10 +164,6 @@ SHARDOPT_HD void unpack(std::uint64_t w, std::uint8_t& l, std::int64_t& top, std
   low = static_cast<std::int64_t>(w) >> 34;
 }
 
-/// The packed exchange's combine of one element (cpu::exact_combine_packed): word(r) is rank
-/// r's packed state, r < ranks. Each rank's bins lifted to the highest level G among them
-/// and summed in int64 on the grid b(G - 1), rounded once to fp32; +0 when all are empty,
-/// the quiet NaN when one is non-finite.
 /// A packed word's state lifted to level g >= its own and summed as one int64 on the grid
 /// b(g - 1): top * 2^24 + low at g, top at g - 1, nothing below.
 SHARDOPT_HD std::int64_t packed_lifted(std::uint64_t w, std::uint64_t g) {
@@ -177,6 +173,10 @@ SHARDOPT_HD std::int64_t packed_lifted(std::uint64_t w, std::uint64_t g) {
   return l == g ? top * (std::int64_t{1} << 24) + low : l + 1 == g ? top : 0;
 }
 
+/// The packed exchange's combine of one element (cpu::exact_combine_packed): word(r) is rank
+/// r's packed state, r < ranks. Each rank's bins lifted to the highest level G among them
+/// and summed in int64 on the grid b(G - 1), rounded once to fp32; +0 when all are empty,
+/// the quiet NaN when one is non-finite.
 template <class Word>
 SHARDOPT_HD float combine_packed(const Word& word, int ranks) {
   std::uint64_t g = 0;

@@ -215,8 +215,9 @@ class DepositPackedCombiner final : public BlockCombiner {
 // Stage 2's sharded deposit: every rank's raw values of this rank's slice go into its state
 // (the owner combines its whole block: dst lies in its own block of `out`, at the offset of
 // the elements). Nothing is written to dst. The bins: the backend's deposit per rank; the
-// packed words: cpu::exact_deposit_packed per rank, in place, except that the first deposit
-// of a step (`fresh`) writes the words without reading them (they hold an earlier step).
+// packed words: every rank's values in one cpu::exact_deposit_packed_multi, in place, except
+// that the first deposit of a step (`fresh`) writes the words without reading them (they hold
+// an earlier step).
 class DepositCombiner final : public BlockCombiner {
  public:
   DepositCombiner(Backend& backend, const float* block, std::int64_t* top, std::int64_t* low,

@@ -205,8 +205,9 @@ class ExactGrads {
   /// Collective: the direct exchange (Communicator::reduce_scatter_combine, 4 bytes per
   /// element) of bucket `bk`'s raw fp32 values of one micro-batch in `data` (the bucket's
   /// elements, every rank's; left as they are), and this rank deposits every rank's values of
-  /// its slice into its state from local element `local` on (the words: one
-  /// cpu::exact_deposit_packed per rank, the first of the step writing them without reading).
+  /// its slice into its state from local element `local` on (the words: every rank's values
+  /// in one cpu::exact_deposit_packed_multi, the first of the step writing them without
+  /// reading).
   /// The deposit is order- and grouping-free, so after any number of these the state is what
   /// one process depositing every value gets; a zero contributes nothing (a rank without a
   /// micro-batch sends zeros). Each bucket once per round (next_round()); the words must have

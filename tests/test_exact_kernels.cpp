@@ -708,7 +708,8 @@ TEST(ExactKernels, PackedDepositEqualsDepositThenPack) {
 // depositing every rank's values) gives the words of depositing them one by one: 63 rows of
 // packed_rows (with runs of zeros in every row) in groups of 1 to 8 sources (the first group,
 // of 3, from empty words; then in place and into another buffer), every ISA, aligned and
-// unaligned starts, ragged ends, and a length across grains.
+// unaligned starts, ragged ends, and a length across grains; no source at all leaves the
+// words (or empty ones).
 TEST(ExactKernels, MultiSourceDepositEqualsDepositsOneByOne) {
   const IsaScope restore;
   const std::size_t m = static_cast<std::size_t>(cpu::kPackedMaxMicroBatches);
@@ -738,6 +739,12 @@ TEST(ExactKernels, MultiSourceDepositEqualsDepositsOneByOne) {
           if (HasFatalFailure()) return;
           done += k;
         }
+        // No source: the words of `in` unchanged (copied into another buffer), or empty ones.
+        std::vector<std::uint64_t> copy(len, 0x5555555555555555ull);
+        cpu::exact_deposit_packed_multi(nullptr, 0, len, words.data(), copy.data());
+        expect_same(copy, want.back(), what + ", no source from the words");
+        cpu::exact_deposit_packed_multi(nullptr, 0, len, nullptr, copy.data());
+        expect_same(copy, std::vector<std::uint64_t>(len, 0), what + ", no source from empty");
       }
     }
   }

@@ -132,12 +132,11 @@ void exact_deposit_packed(const float* g, std::size_t n, const std::uint64_t* in
 /// after the kernel has read it, while still in cache): the micro-batch consumed, the buffer
 /// ready for the next one. The words are exact_deposit_packed's, bit for bit.
 void exact_deposit_packed_clear(float* g, std::size_t n, const std::uint64_t* in, std::uint64_t* out);
-/// exact_deposit_packed of g[0], then of g[1], ... g[nsrc - 1] into the result (no source: the
-/// words of `in`, or empty ones),
-/// in one pass where the ISA has it (AVX-512 and AVX2: the words stay in registers; the
-/// portable path: one pass per source): the sharded accumulation's owner depositing every
-/// rank's values. The same bits; `in` as for exact_deposit_packed (null: the words start
-/// empty).
+/// exact_deposit_packed of g[0], then of g[1], ... g[nsrc - 1] into the result (no source:
+/// the words of `in`, or empty ones), in one pass where the ISA has it (AVX-512 and AVX2: the
+/// words stay in registers; the portable path: one pass per source): the sharded
+/// accumulation's owner depositing every rank's values. The same bits; `in` as for
+/// exact_deposit_packed (null: the words start empty).
 void exact_deposit_packed_multi(const float* const* g, int nsrc, std::size_t n, const std::uint64_t* in,
                                 std::uint64_t* out);
 /// The packed words' bins unpacked (the two-phase method's form, past kPackedMaxMicroBatches):

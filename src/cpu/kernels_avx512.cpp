@@ -528,6 +528,17 @@ __m512i grid_exponent8(__m512i l) {
                           _mm512_set1_epi64(174));
 }
 
+/// sum plus the words w lifted to levels g (exact::elem::packed_lifted on 8 int64 lanes):
+/// top * 2^24 + low where w's level is g, top where it is g - 1, nothing below.
+__m512i add_lifted8(__m512i sum, __m512i w, __m512i g, __m512i g_minus_1) {
+  const __m512i l = _mm512_and_si512(w, _mm512_set1_epi64(15));
+  const __m512i top = _mm512_srai_epi64(_mm512_slli_epi64(w, 30), 34);
+  const __m512i low = _mm512_srai_epi64(w, 34);
+  sum = _mm512_mask_add_epi64(sum, _mm512_cmpeq_epi64_mask(l, g), sum,
+                              _mm512_add_epi64(_mm512_slli_epi64(top, 24), low));
+  return _mm512_mask_add_epi64(sum, _mm512_cmpeq_epi64_mask(l, g_minus_1), sum, top);
+}
+
 // exact_combine_packed, 8 elements (64-bit words) at a time: the int64 sum goes to fp32 by
 // exact_to_float8.
 void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n) {
@@ -542,16 +553,7 @@ void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst
     const __mmask8 nonfinite = _mm512_cmpeq_epi64_mask(g, fifteen);
     const __m512i g_minus_1 = _mm512_sub_epi64(g, one);
     __m512i sum = _mm512_setzero_si512();
-    for (int r = 0; r < ranks; ++r) {
-      const __m512i w = _mm512_loadu_si512(src[r] + i);
-      const __m512i l = _mm512_and_si512(w, fifteen);
-      const __m512i top = _mm512_srai_epi64(_mm512_slli_epi64(w, 30), 34);
-      const __m512i low = _mm512_srai_epi64(w, 34);
-      const __mmask8 at = _mm512_cmpeq_epi64_mask(l, g);
-      const __mmask8 below = _mm512_cmpeq_epi64_mask(l, g_minus_1);
-      sum = _mm512_mask_add_epi64(sum, at, sum, _mm512_add_epi64(_mm512_slli_epi64(top, 24), low));
-      sum = _mm512_mask_add_epi64(sum, below, sum, top);
-    }
+    for (int r = 0; r < ranks; ++r) sum = add_lifted8(sum, _mm512_loadu_si512(src[r] + i), g, g_minus_1);
     const __m256 f = exact_to_float8(sum, grid_exponent8(g));  // the grid of level g - 1
     const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
     _mm256_storeu_ps(dst + i, _mm512_castps512_ps256(_mm512_mask_blend_ps(
@@ -610,19 +612,11 @@ void exact_combine_packed_raw(const std::uint64_t* const* words, const float* co
         _mm512_sub_epi32(_mm512_set1_epi32(174), _mm512_mullo_epi32(g32, _mm512_set1_epi32(24))));
     __m512i sum_lo = _mm512_setzero_si512(), sum_hi = _mm512_setzero_si512();
     const __m512i gm1_lo = _mm512_sub_epi64(g_lo, one), gm1_hi = _mm512_sub_epi64(g_hi, one);
-    auto lift = [&](__m512i sum, __m512i w, __m512i g, __m512i g_minus_1) {
-      const __m512i l = _mm512_and_si512(w, fifteen);
-      const __m512i top = _mm512_srai_epi64(_mm512_slli_epi64(w, 30), 34);
-      const __m512i low = _mm512_srai_epi64(w, 34);
-      sum = _mm512_mask_add_epi64(sum, _mm512_cmpeq_epi64_mask(l, g), sum,
-                                  _mm512_add_epi64(_mm512_slli_epi64(top, 24), low));
-      return _mm512_mask_add_epi64(sum, _mm512_cmpeq_epi64_mask(l, g_minus_1), sum, top);
-    };
     for (int r0 = 0; r0 < ranks; r0 += kGroup) {
       __m512d raw_lo = _mm512_setzero_pd(), raw_hi = _mm512_setzero_pd();
       for (int r = r0; r < std::min(ranks, r0 + kGroup); ++r) {
-        sum_lo = lift(sum_lo, _mm512_loadu_si512(words[r] + i), g_lo, gm1_lo);
-        sum_hi = lift(sum_hi, _mm512_loadu_si512(words[r] + i + 8), g_hi, gm1_hi);
+        sum_lo = add_lifted8(sum_lo, _mm512_loadu_si512(words[r] + i), g_lo, gm1_lo);
+        sum_hi = add_lifted8(sum_hi, _mm512_loadu_si512(words[r] + i + 8), g_hi, gm1_hi);
         const __m512 x = _mm512_roundscale_ps(_mm512_scalef_ps(_mm512_loadu_ps(last[r] + i), minus_grid),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         raw_lo = _mm512_add_pd(raw_lo, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
