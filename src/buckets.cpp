@@ -159,7 +159,10 @@ void BucketSet::begin_backward(bool sync) {
       if (exact_.full()) ensure_bins();  // past the packed words' limit: local as well
       require(grads_.bytes() == layout_.padded_size() * sizeof(float), Status::Internal,
               "begin_backward: the gradient buffer is not the padded layout");
-      exact_.deposit_and_clear(grads_.as<float>(), layout_.padded_size());
+      // With shared words, the first of two micro-batches (this one is the last: sync) is
+      // held raw instead (the owners then combine both raw values; ExactGrads::reduce_held).
+      exact_.deposit_and_clear(grads_.as<float>(), layout_.padded_size(),
+                               sync && exact_floor_ == ExactPath::Direct);
     }
     ++micro_batches_;
     sync_ = sync;
@@ -514,14 +517,21 @@ void BucketSet::reduce_exactly() {
   // micro-batches), else the two-phase method. One small all-reduce agrees on it: each rank
   // states the slowest method it needs, and counts its micro-batches (the average divides
   // by the step's total: counts may differ between ranks).
+  // Two micro-batches with shared words: the first is held raw (ExactGrads::holds_raw), and
+  // when no rank deposited into its words the owners combine every rank's two raw values in
+  // place (RawPairInPlace); otherwise the held values join the words first.
   const ExactPath need = exact_path_needed(micro_batches_, exact_floor_);
-  double agreed[4] = {need != ExactPath::Direct ? 1.0 : 0.0, need == ExactPath::TwoPhase ? 1.0 : 0.0,
-                      static_cast<double>(micro_batches_), exact_no_share_ ? 1.0 : 0.0};
-  comm_.all_reduce_sum_host(agreed, 4);
+  const bool holds = exact_allocated_ && exact_.holds_raw();
+  const bool deposited = exact_allocated_ && exact_.deposited();
+  double agreed[6] = {need != ExactPath::Direct ? 1.0 : 0.0, need == ExactPath::TwoPhase ? 1.0 : 0.0,
+                      static_cast<double>(micro_batches_), exact_no_share_ ? 1.0 : 0.0,
+                      holds ? 1.0 : 0.0, deposited ? 1.0 : 0.0};
+  comm_.all_reduce_sum_host(agreed, 6);
   const bool may_share = agreed[3] == 0;
-  exact_method_ = agreed[1] > 0   ? ExactPath::TwoPhase
-                  : agreed[0] > 0 ? ExactPath::Packed
-                                  : ExactPath::Direct;
+  exact_method_ = agreed[1] > 0                     ? ExactPath::TwoPhase
+                  : agreed[4] > 0 && agreed[5] == 0 ? ExactPath::RawPairInPlace
+                  : agreed[0] > 0                   ? ExactPath::Packed
+                                                    : ExactPath::Direct;
   total_micro_batches_ = static_cast<std::int64_t>(agreed[2]);
   // The same figures on every rank: the same error on every rank.
   require_exact_headroom(total_micro_batches_, comm_.size());
@@ -547,6 +557,17 @@ void BucketSet::reduce_exactly() {
       // the two-phase method below, for this bucket only
     } else if (exact_method_ == ExactPath::Direct) {
       if (exact_.reduce_direct(comm_, backend_, bk, whole, grads, exact_squares_)) continue;
+      widen_everywhere();
+      exact_method_ = ExactPath::TwoPhase;
+    } else if (exact_method_ == ExactPath::RawPairInPlace) {
+      if (exact_.reduce_held(comm_, backend_, bk, whole, grads, exact_squares_)) continue;
+      // Not readable in place (the same on every rank): the held values join the words and
+      // this bucket and the rest take the packed exchange.
+      exact_.settle();
+      exact_method_ = ExactPath::Packed;
+      if (exact_.reduce_packed(comm_, backend_, bk, whole, grads, exact_wire_.as<std::uint64_t>(),
+                                exact_squares_))
+        continue;
       widen_everywhere();
       exact_method_ = ExactPath::TwoPhase;
     } else if (exact_method_ == ExactPath::Packed) {

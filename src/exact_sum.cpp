@@ -6,6 +6,7 @@
 
 #include "backend.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdlib>
@@ -60,6 +61,7 @@ void ExactGrads::set_bins(std::size_t max_bucket) {
 
 void ExactGrads::widen(Allocation storage, std::size_t max_bucket) {
   require(is_compact(), Status::Internal, "ExactGrads::widen: not the compact form");
+  settle();
   storage_ = std::move(storage);
   set_bins(max_bucket);
   if (deposits_ > 0) cpu::exact_unpack(words_, n_, level_, top_, low_);
@@ -77,15 +79,63 @@ void ExactGrads::clear() {
   if (level_ != nullptr) backend_->fill_zero(level_, n_);
   deposits_ = 0;
   rounds_ = 0;
+  held_ = false;
 }
 
 void ExactGrads::deposit(const float* g, std::size_t n) { deposit_all(g, n, nullptr); }
 
-void ExactGrads::deposit_and_clear(float* g, std::size_t n) { deposit_all(g, n, g); }
+void ExactGrads::deposit_and_clear(float* g, std::size_t n, bool may_hold) {
+  require(n <= n_, Status::Internal, "ExactGrads::deposit: range outside the buffer");
+  if (may_hold && shared_ && deposits_ == 0 && !held_) {
+    // Held raw: a copy, no deposit. Elements past n hold +0 (nothing).
+    float* h = held();
+    std::memcpy(h, g, n * sizeof(float));
+    std::memset(h + n, 0, (n_ - n) * sizeof(float));
+    backend_->fill_zero(g, n * sizeof(float));
+    held_ = true;
+    return;
+  }
+  if (held_) {
+    settle_with(g, n);
+    return;
+  }
+  deposit_all(g, n, g);
+}
+
+void ExactGrads::settle() {
+  if (held_) settle_with(nullptr, 0);
+}
+
+// The held values (and g[0, n), cleared after, when given) deposited into empty words, in
+// windows from the first element up: each window's held values are copied out before its
+// words are written, and word i covers held values of elements at most i (held()), so no
+// value is overwritten before it is read, whatever order the threads write a window in.
+void ExactGrads::settle_with(float* g, std::size_t n) {
+  constexpr std::size_t kWindow = std::size_t{1} << 16;  // 256 KiB of held values: in cache
+  std::vector<float> copy(std::min(kWindow, n_));
+  const float* h = held();
+  for (std::size_t w = 0; w < n_; w += kWindow) {
+    const std::size_t len = std::min(kWindow, n_ - w);
+    std::memcpy(copy.data(), h + w, len * sizeof(float));
+    const float* src[2] = {copy.data(), g != nullptr && w < n ? g + w : nullptr};
+    const int nsrc = src[1] != nullptr ? 2 : 1;
+    if (nsrc == 2 && w + len > n) {  // the window passes g's end: its tail held alone
+      const std::size_t part = n - w;
+      cpu::exact_deposit_packed_multi(src, 2, part, nullptr, words_ + w);
+      cpu::exact_deposit_packed(copy.data() + part, len - part, nullptr, words_ + w + part);
+    } else {
+      cpu::exact_deposit_packed_multi(src, nsrc, len, nullptr, words_ + w);
+    }
+  }
+  if (g != nullptr) backend_->fill_zero(g, n * sizeof(float));
+  held_ = false;
+  deposits_ = g != nullptr ? 2 : 1;
+}
 
 void ExactGrads::deposit_all(const float* g, std::size_t n, float* clear) {
   require(n <= n_, Status::Internal, "ExactGrads::deposit: range outside the buffer");
   if (is_compact()) {
+    require(!held_, Status::Internal, "ExactGrads::deposit: a micro-batch is held raw (settle first)");
     require(!full(), Status::Internal, "ExactGrads::deposit: the packed words are full (widen first)");
     // The first deposit of a step writes the words (nothing to read: clear() wrote nothing),
     // and the elements past n are empty.
@@ -108,6 +158,7 @@ void ExactGrads::deposit_range(const float* g, std::size_t begin, std::size_t n)
 }
 
 void ExactGrads::pack(std::size_t begin, std::size_t n, std::uint64_t* out) const {
+  require(!held_, Status::Internal, "ExactGrads::pack: a micro-batch is held raw (settle first)");
   if (is_compact()) {
     if (deposits_ > 0) std::memcpy(out, words_ + begin, n * sizeof(std::uint64_t));
     else std::memset(out, 0, n * sizeof(std::uint64_t));
@@ -289,6 +340,7 @@ bool ExactGrads::reduce_packed(Communicator& comm, Backend& backend, const Bucke
                                float* grads, std::uint64_t* wire, SquareSum& squares) {
   const std::size_t b = bk.flat.begin;
   const std::size_t n = bk.flat.size();
+  settle();  // a held micro-batch joins the words first
   if (shared_) {
     // Every rank's words and last micro-batch, read in place by the owners (the same answer
     // on every rank: the buffers were obtained the same way). Words of a rank that deposited
@@ -311,6 +363,21 @@ bool ExactGrads::reduce_packed(Communicator& comm, Backend& backend, const Bucke
                                wire);
   PackedCombiner op(backend, squares.digits());
   if (!comm.reduce_scatter_combine(wire, sizeof(std::uint64_t), grads + b, bk.slice_elems, op)) return false;
+  if (whole) comm.all_gather_inplace(grads + b, bk.slice_elems, CommType::F32);
+  return true;
+}
+
+bool ExactGrads::reduce_held(Communicator& comm, Backend& backend, const Bucket& bk, bool whole,
+                             float* grads, SquareSum& squares) {
+  require(shared_, Status::Internal, "ExactGrads::reduce_held: the words are not in a window");
+  const std::size_t b = bk.flat.begin;
+  float* h = held();
+  // A rank holding nothing (at most one micro-batch) offers zeros: they add nothing.
+  if (!held_) std::memset(h + b, 0, bk.flat.size() * sizeof(float));
+  RawCombiner op(backend, squares.digits());
+  if (!comm.reduce_scatter_combine_pair(h + b, sizeof(float), grads + b, sizeof(float), grads + b,
+                                        bk.slice_elems, op))
+    return false;
   if (whole) comm.all_gather_inplace(grads + b, bk.slice_elems, CommType::F32);
   return true;
 }

@@ -158,8 +158,17 @@ class ExactGrads {
   void deposit(const float* grads, std::size_t n);
   /// deposit(), then grads[0, n) = +0 (the micro-batch consumed, the buffer ready for the
   /// next one): the compact form in one pass (cpu::exact_deposit_packed_clear), the bins by
-  /// the backend's deposit and fill_zero.
-  void deposit_and_clear(float* grads, std::size_t n);
+  /// the backend's deposit and fill_zero. With shared() words that hold nothing yet and
+  /// `may_hold`, the micro-batch is held raw instead (holds_raw(): copied into the upper half
+  /// of the words' window, 4 of its 8 bytes per element, grads cleared); the next deposit
+  /// deposits the held values and its own into the words in one multi-source pass.
+  void deposit_and_clear(float* grads, std::size_t n, bool may_hold = false);
+  /// Whether a micro-batch is held raw (deposit_and_clear with may_hold): the state is then
+  /// that micro-batch's fp32 values, not the words, and reduce_held() exchanges it.
+  bool holds_raw() const { return held_; }
+  /// The held micro-batch deposited into the words (nothing when none is held): before an
+  /// exchange or method that reads the words. Local.
+  void settle();
   /// Collective: reduces bucket `bk` exactly over the group. `grads` is the full gradient
   /// buffer (flat coordinates): on entry it holds the last micro-batch, not deposited yet; on
   /// return it holds the fp32 sums over every rank and micro-batch, on every element of the
@@ -198,6 +207,17 @@ class ExactGrads {
   /// when the communicator cannot exchange (reduce() then does the bucket, after widen()).
   bool reduce_packed(Communicator& comm, Backend& backend, const Bucket& bk, bool whole,
                      float* grads, std::uint64_t* wire, SquareSum& squares);
+  /// Collective, when no rank deposited into its words and some rank holds a micro-batch raw
+  /// (holds_raw(): two micro-batches, the first held; shared() words on every rank): the
+  /// same result as reduce(), each owner reading every rank's held values and last
+  /// micro-batch in place (Communicator::reduce_scatter_combine_pair, 8 bytes per element)
+  /// and combining them all as raw values (backend.exact_combine: the one-pass combine of
+  /// the direct exchange, 2 x ranks values per element), taking the exact squares into
+  /// `squares`. A rank that holds nothing offers zeros (its held half of the bucket cleared
+  /// first). Returns false, having changed nothing but that, when the communicator cannot
+  /// read them in place (the same answer on every rank).
+  bool reduce_held(Communicator& comm, Backend& backend, const Bucket& bk, bool whole, float* grads,
+                   SquareSum& squares);
   /// Stage 2's sharded accumulation (BufferPlan::exact_sharded): the accumulator then covers
   /// only this rank's owned elements (its local arrays' coordinates): the packed words
   /// (compact(), packed_bytes(owned)) while every element received at most
@@ -227,7 +247,8 @@ class ExactGrads {
   /// The packed state (cpu::exact_pack) of flat elements [begin, begin + n): level and bins
   /// as deposited so far. Exact while at most cpu::kPackedMaxMicroBatches were deposited.
   void pack(std::size_t begin, std::size_t n, std::uint64_t* out) const;
-  /// Whether deposit() was called since clear() (several micro-batches on this rank).
+  /// Whether deposit() was called since clear() (several micro-batches on this rank), into
+  /// the words or bins (a held micro-batch is not deposited: holds_raw()).
   bool deposited() const { return deposits_ > 0; }
   /// Forgets everything deposited (the bins: clears the levels, bins are reset on first use;
   /// the compact form: nothing to write, the next deposit overwrites the words).
@@ -237,7 +258,13 @@ class ExactGrads {
   void deposit_range(const float* grads, std::size_t begin, std::size_t n);
   /// deposit() of g; clear: g itself (deposit_and_clear) or null.
   void deposit_all(const float* g, std::size_t n, float* clear);
+  /// settle(), with g[0, n) (null: none) deposited in the same pass and cleared.
+  void settle_with(float* g, std::size_t n);
   void set_bins(std::size_t max_bucket_elems);
+  /// The held micro-batch's values: the upper half of the words' window (element i at byte
+  /// 4 (n_ + i); word i is bytes 8 i to 8 i + 7, so a word written never covers a held value
+  /// of a higher element).
+  float* held() { return reinterpret_cast<float*>(words_storage_.as<char>() + n_ * sizeof(float)); }
   Backend* backend_ = nullptr;
   Allocation storage_;
   std::size_t n_ = 0;
@@ -251,6 +278,7 @@ class ExactGrads {
   Allocation retired_;                ///< shared words after widen(), until release_retired()
   int deposits_ = 0;  ///< deposit() calls since clear() (saturates: only 0, >0 and the limit count)
   int rounds_ = 0;    ///< the sharded accumulation's rounds since clear() (next_round())
+  bool held_ = false;  ///< a micro-batch held raw in held() (holds_raw())
 };
 
 }  // namespace shardopt::exact

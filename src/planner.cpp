@@ -318,6 +318,7 @@ const char* exact_path_name(ExactPath p) noexcept {
     case ExactPath::Packed: return "packed";
     case ExactPath::PackedInPlace: return "packed in place";
     case ExactPath::TwoPhase: return "two-phase";
+    case ExactPath::RawPairInPlace: return "raw pair in place";
   }
   return "?";
 }
@@ -344,13 +345,14 @@ ExactStepPlan plan_exact_step(const MemoryPlan& plan, const ExactStep& step) {
   s.path = exact_path_needed(most, step.exchanges ? step.fastest : ExactPath::TwoPhase);
   // The in-place deposit exists where the planner counts it (the CPU's compact form).
   if (s.path == ExactPath::Packed && step.words_shared && plan.reduce_bytes_in_place != plan.reduce_bytes_accumulated)
-    s.path = ExactPath::PackedInPlace;
+    s.path = most <= 2 && step.fastest == ExactPath::Direct && step.last_synced ? ExactPath::RawPairInPlace : ExactPath::PackedInPlace;
   const std::size_t even = plan.padded_elems - plan.exact_ragged_elems;
   const std::size_t two_phase = plan.reduce_bytes_two_phase / std::max<std::size_t>(plan.padded_elems, 1);
   const auto per_elem = [&](std::size_t total) { return total / std::max<std::size_t>(plan.padded_elems, 1); };
   const std::size_t per = s.path == ExactPath::Direct          ? per_elem(plan.reduce_bytes)
                           : s.path == ExactPath::Packed        ? per_elem(plan.reduce_bytes_accumulated)
                           : s.path == ExactPath::PackedInPlace ? per_elem(plan.reduce_bytes_in_place)
+                          : s.path == ExactPath::RawPairInPlace ? 2 * per_elem(plan.reduce_bytes)
                                                                : two_phase;
   s.wire_bytes = even * per + plan.exact_ragged_elems * two_phase;
   // The packed words (the CPU's compact form, whose bins are larger) exist where a rank

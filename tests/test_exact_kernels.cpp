@@ -831,6 +831,83 @@ TEST(ExactKernels, DepositAndClearEqualsDepositThenClear) {
   }
 }
 
+// A micro-batch held raw in the upper half of shared words (ExactGrads::deposit_and_clear with
+// may_hold) is the state one deposit leaves once settled, alone (settle(), and widen(), which
+// settles) or with the next micro-batch in the same pass (a second deposit_and_clear): the
+// words equal those of plain deposits bit for bit, on every ISA, over several of the settling
+// pass's windows (2^16 elements: the words written there cover held values of the windows
+// before, which must have been read first) and a tail. Without may_hold, or with unshared
+// words, nothing is held.
+TEST(ExactKernels, HeldMicroBatchSettlesToTheDepositsWords) {
+  const IsaScope restore;
+  const std::size_t n = 3 * (std::size_t{1} << 16) + 4099;
+  const PerRank rows = packed_rows(3, n, 57);
+  auto make = [&](bool shared) {
+    // Words as a previous step leaves them (stale): the settling pass must write, not read.
+    auto words = std::make_shared<std::vector<std::uint64_t>>(n, 0x123456789abcdef1ull);
+    return exact::ExactGrads::compact(
+        cpu_backend(), Allocation(words->data(), exact::packed_bytes(n), words, nullptr, MemCategory::Grads), n,
+        shared);
+  };
+  auto state = [&](const exact::ExactGrads& g) {
+    std::vector<std::uint64_t> w(n);
+    g.pack(0, n, w.data());
+    return w;
+  };
+  for (cpu::Isa isa : isas()) {
+    cpu::set_isa(isa);
+    const std::string at = cpu::isa_name(isa);
+    exact::ExactGrads one = make(false), two = make(false);
+    one.deposit(rows[0].data(), n);
+    two.deposit(rows[0].data(), n);
+    two.deposit(rows[1].data(), n);
+    // Held, then the next micro-batch: both deposited in one pass, the buffer cleared.
+    exact::ExactGrads held = make(true);
+    std::vector<float> g = rows[0];
+    held.deposit_and_clear(g.data(), n, true);
+    EXPECT_TRUE(held.holds_raw()) << at;
+    EXPECT_FALSE(held.deposited()) << at;
+    for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(bits(g[i]), 0u) << at << ", held, g[" << i << "]";
+    g = rows[1];
+    held.deposit_and_clear(g.data(), n, true);
+    EXPECT_FALSE(held.holds_raw()) << at;
+    EXPECT_TRUE(held.deposited()) << at;
+    for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(bits(g[i]), 0u) << at << ", settled, g[" << i << "]";
+    expect_same(state(held), state(two), at + ", held then a second micro-batch");
+    if (HasFatalFailure()) return;
+    // A third goes into the words in place, as any deposit.
+    g = rows[2];
+    held.deposit_and_clear(g.data(), n, true);
+    two.deposit(rows[2].data(), n);
+    expect_same(state(held), state(two), at + ", a third micro-batch");
+    // Held, then settled alone.
+    exact::ExactGrads alone = make(true);
+    g = rows[0];
+    alone.deposit_and_clear(g.data(), n, true);
+    alone.settle();
+    EXPECT_FALSE(alone.holds_raw()) << at;
+    expect_same(state(alone), state(one), at + ", held then settled");
+    // Held, then widened into the bins: the bins of one deposit.
+    exact::ExactGrads wide = make(true);
+    g = rows[0];
+    wide.deposit_and_clear(g.data(), n, true);
+    const std::size_t bytes = exact::grads_bytes(n, n);
+    auto mem = std::make_shared<std::vector<std::int64_t>>(bytes / 8 + 1);
+    wide.widen(Allocation(mem->data(), bytes, mem, nullptr, MemCategory::Grads), n);
+    EXPECT_FALSE(wide.holds_raw()) << at;
+    expect_same(state(wide), state(one), at + ", held then widened");
+    // Nothing is held without may_hold, or without shared words.
+    for (bool shared : {true, false}) {
+      exact::ExactGrads no = make(shared);
+      g = rows[0];
+      no.deposit_and_clear(g.data(), n, !shared);
+      EXPECT_FALSE(no.holds_raw()) << at << (shared ? ", shared, no may_hold" : ", unshared");
+      expect_same(state(no), state(one), at + ", deposited at once");
+    }
+    if (HasFatalFailure()) return;
+  }
+}
+
 // The compact accumulator (ExactGrads::compact) against the bins: its state after each
 // micro-batch, the packed exchange's result (one process), and past the limit the widened
 // bins' two-phase result, all equal the bins' result bit for bit: 1, 2, 5, 63 and 64

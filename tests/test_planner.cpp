@@ -505,6 +505,7 @@ TEST(Planner, ReproducibleStepPaths) {
   EXPECT_EQ(exact_path_needed(2, ExactPath::TwoPhase), ExactPath::TwoPhase);
   EXPECT_EQ(exact_path_needed(64, ExactPath::Packed), ExactPath::TwoPhase);
   EXPECT_STREQ(exact_path_name(ExactPath::PackedInPlace), "packed in place");
+  EXPECT_STREQ(exact_path_name(ExactPath::RawPairInPlace), "raw pair in place");
 
   FlatLayout layout;
   layout.add("a", 1000, 0);
@@ -535,6 +536,9 @@ TEST(Planner, ReproducibleStepPaths) {
                         Case{1, ExactPath::Packed, true, false, ExactPath::Packed, 8 * n, 0},
                         Case{1, ExactPath::Packed, true, true, ExactPath::PackedInPlace, 12 * n, 8 * n},
                         Case{2, ExactPath::Direct, true, false, ExactPath::Packed, 8 * n, 8 * n},
+                        Case{2, ExactPath::Direct, true, true, ExactPath::RawPairInPlace, 8 * n, 8 * n},
+                        Case{2, ExactPath::Packed, true, true, ExactPath::PackedInPlace, 12 * n, 8 * n},
+                        Case{3, ExactPath::Direct, true, true, ExactPath::PackedInPlace, 12 * n, 8 * n},
                         Case{63, ExactPath::Direct, true, true, ExactPath::PackedInPlace, 12 * n, 8 * n},
                         Case{64, ExactPath::Direct, true, true, ExactPath::TwoPhase, 9 * n, bins},
                         Case{1, ExactPath::Direct, false, false, ExactPath::TwoPhase, 9 * n, bins},
@@ -550,6 +554,16 @@ TEST(Planner, ReproducibleStepPaths) {
     EXPECT_EQ(p.path, k.path);
     EXPECT_EQ(p.wire_bytes, k.wire);
     EXPECT_EQ(p.accumulator_bytes, k.accumulator);
+  }
+  // Two micro-batches whose last did not begin with sync: the first was deposited.
+  {
+    ExactStep st;
+    st.most_micro_batches = 2;
+    st.words_shared = true;
+    st.last_synced = false;
+    const ExactStepPlan p = plan_exact_step(cpu, st);
+    EXPECT_EQ(p.path, ExactPath::PackedInPlace);
+    EXPECT_EQ(p.wire_bytes, 12 * n);
   }
   // The device: the bins are the state, on every rank, and nothing is read in place.
   c.device = Device::Cuda;

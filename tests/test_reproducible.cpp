@@ -324,9 +324,14 @@ SplitSummary summarize(const std::vector<int>& split) {
 // of the global list 0, 1, ..., sum(counts) - 1 (some ranks may have none; one count: this
 // process runs them all): what one process depositing all of them gives, at every stage and
 // on both communicators. after_step(opt, s) runs after step s.
+// How the trainer begins its micro-batches: begin_backward(false) every time (sync only at the
+// step), begin_backward(true) for the last of each step only (as documented), or
+// begin_backward() every time (the default argument, true).
+enum class Begin { NoSync, LastSynced, AlwaysSync };
 Trained train_steps(std::shared_ptr<Communicator> comm, Stage stage, const std::vector<std::vector<int>>& steps,
                     MemoryPlan* plan = nullptr,
-                    const std::function<void(ShardedOptimizer&, int)>& after_step = nullptr) {
+                    const std::function<void(ShardedOptimizer&, int)>& after_step = nullptr,
+                    Begin begin = Begin::NoSync) {
   ShardedOptimizer opt(comm, options(stage, 1024));
   build(opt);
   if (plan != nullptr) *plan = plan_memory(opt.layout(), plan_config(opt.options(), comm->size()));
@@ -338,7 +343,8 @@ Trained train_steps(std::shared_ptr<Communicator> comm, Stage stage, const std::
     for (int r = 0; r < rank; ++r) first += counts[static_cast<std::size_t>(r)];
     const int mine = counts.size() == 1 ? counts[0] : counts[static_cast<std::size_t>(rank)];
     for (int q = 0; q < mine; ++q) {
-      opt.begin_backward(false);
+      if (begin == Begin::AlwaysSync) opt.begin_backward();
+      else opt.begin_backward(begin == Begin::LastSynced && q + 1 == mine);
       for (std::size_t i = std::size(kSizes); i-- > 0;) {
         std::span<float> g = opt.grad(i);
         for (std::size_t j = 0; j < g.size(); ++j) g[j] = grad_value(step, first + q, i, j, -1);
@@ -571,6 +577,86 @@ TEST(Reproducible, OwnersDepositTheLastMicroBatchInPlace) {
           EXPECT_EQ(grads, s == 3 || (s > 3 && !shares) ? bins : words) << where;
         };
         expect_same(train_steps(counting, stage, steps, &plan, check), one, at);
+        if (HasFatalFailure()) return;
+      }
+}
+
+// Two micro-batches with shared words (shared memory, several ranks, from the step after the
+// first packed exchange): a trainer that begins the last micro-batch with sync (as documented)
+// has its first held raw in the words' window, and the owners combine both raw values of
+// every rank in place (ExactPath::RawPairInPlace: 8 bytes per element, one
+// reduce_scatter_combine_pair per bucket, no memory beyond the words' window). Steps that
+// change what the ranks hold: every rank two; ranks with one or none next to ranks with two
+// (they offer zeros); a rank with three (it deposits: the held values of the others join
+// their words and the packed exchange reads them in place); none on a rank; one everywhere
+// (the direct exchange); a rank past 63 (every rank widens, the window goes); two again
+// (through the wire buffer, then a new window, then held again). The bits of one process,
+// each step's path as plan_exact_step predicts it and its bytes, at every stage, with the
+// documented calls and with begin_backward() every time (a held micro-batch then settles into
+// the words when a third begins); plain MPI never holds (no window).
+TEST(Reproducible, TwoMicroBatchesHeldRawMatchOneProcess) {
+  auto w = mpi(MpiCommKind::Plain);
+  const int world = w->size();
+  const int rank = w->rank();
+  const auto all = [&](int c) { return std::vector<int>(static_cast<std::size_t>(world), c); };
+  std::vector<int> uneven = all(2), three = all(2), none = all(2), past = all(2);
+  for (int r = 1; r < world; ++r) uneven[static_cast<std::size_t>(r)] = r % 3 == 1 ? 1 : r % 3 == 2 ? 0 : 2;
+  three[0] = 3;
+  if (world > 1) none[static_cast<std::size_t>(world - 1)] = 0;
+  past[static_cast<std::size_t>(world - 1)] = 64;
+  const std::vector<std::vector<int>> steps = {all(2), all(2), uneven, three, all(2), none, all(1), past, all(2), all(2)};
+  std::vector<std::vector<int>> totals;
+  for (const std::vector<int>& st : steps) totals.push_back({summarize(st).total});
+  const Trained one = train_steps(make_single_process_communicator(), Stage::Zero1, totals);
+  for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
+    for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
+      for (Begin begin : {Begin::LastSynced, Begin::AlwaysSync}) {
+        const std::string at = std::string(kind == MpiCommKind::Plain ? "mpi " : "shm ") + stage_name(stage) +
+                               (begin == Begin::LastSynced ? ", last synced" : ", always synced");
+        const bool shares = kind == MpiCommKind::SharedMemory && world > 1;
+        // Each step's path: the words are shared after a packed step, until a rank widens.
+        const std::vector<ExactPath> path =
+            shares ? std::vector<ExactPath>{ExactPath::Packed, ExactPath::RawPairInPlace, ExactPath::RawPairInPlace,
+                                            ExactPath::PackedInPlace, ExactPath::RawPairInPlace,
+                                            ExactPath::RawPairInPlace, ExactPath::Direct, ExactPath::TwoPhase,
+                                            ExactPath::Packed, ExactPath::RawPairInPlace}
+                   : std::vector<ExactPath>{ExactPath::Packed, ExactPath::Packed, ExactPath::Packed,
+                                            ExactPath::Packed, ExactPath::Packed, ExactPath::Packed,
+                                            ExactPath::Direct, ExactPath::TwoPhase, ExactPath::Packed,
+                                            ExactPath::Packed};
+        const EnvScope env("SHARDOPT_REPRO_EXCHANGE", "auto");
+        auto counting = std::make_shared<CountingComm>(mpi(kind));
+        MemoryPlan plan;
+        int pairs = 0;
+        std::size_t bytes = 0;
+        const auto check = [&](ShardedOptimizer& opt, int s) {
+          const std::string where = at + ", step " + std::to_string(s);
+          const ExactPath want = path[static_cast<std::size_t>(s)];
+          const std::vector<int>& split = steps[static_cast<std::size_t>(s)];
+          ExactStep st;
+          st.most_micro_batches = summarize(split).most;
+          st.words_shared = want == ExactPath::RawPairInPlace || want == ExactPath::PackedInPlace;
+          const ExactStepPlan p = plan_exact_step(plan, st);
+          EXPECT_EQ(p.path, want) << where << ": planned " << exact_path_name(p.path);
+          const bool in_place = want == ExactPath::RawPairInPlace || want == ExactPath::PackedInPlace;
+          EXPECT_EQ(counting->combine_pairs - pairs, in_place ? static_cast<int>(plan.num_buckets) : 0) << where;
+          if (want != ExactPath::TwoPhase)
+            EXPECT_EQ(counting->combine_bytes - bytes, p.wire_bytes) << where << " (" << exact_path_name(want) << ")";
+          if (want == ExactPath::RawPairInPlace) EXPECT_EQ(p.wire_bytes, 8 * plan.padded_elems) << where;
+          pairs = counting->combine_pairs;
+          bytes = counting->combine_bytes;
+          // Memory: the fp32 buffer and the words (their window holds the held values), or
+          // the bins from the step past 63 until a new window replaces them.
+          const std::size_t grads = opt.memory_report()[MemCategory::Grads];
+          const std::size_t fp32 = plan[MemCategory::Grads];
+          const bool busy = split[static_cast<std::size_t>(world == 1 ? 0 : rank)] > 1;
+          if (s >= 7 && (s == 7 || !shares))
+            EXPECT_EQ(grads, fp32 + exact::grads_bytes(plan.padded_elems, plan.bucket_elems)) << where;
+          else if (shares || busy || s > 0)
+            EXPECT_LE(grads, fp32 + exact::packed_bytes(plan.padded_elems)) << where;
+        };
+        const std::vector<std::vector<int>>& run = world == 1 ? totals : steps;
+        expect_same(train_steps(counting, stage, run, &plan, check, begin), one, at);
         if (HasFatalFailure()) return;
       }
 }

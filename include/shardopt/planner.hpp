@@ -175,6 +175,9 @@ enum class ExactPath {
   Packed,         ///< 2-63 micro-batches on some rank: packed states through a wire buffer, 8
   PackedInPlace,  ///< the same, the owners reading words and last micro-batch in place, 12
   TwoPhase,       ///< level maximum and int64 sum, 9: past 63 on a rank, or no exchange
+  /// at most 2 micro-batches on every rank and shared words: each rank's first held raw in
+  /// the words' window, the owners combining both raw values of every rank in place, 8
+  RawPairInPlace,
 };
 const char* exact_path_name(ExactPath p) noexcept;
 /// The path one rank's step calls for: `micro_batches` accumulated since the last step (0-...)
@@ -192,8 +195,12 @@ struct ExactStep {
   bool exchanges = true;
   /// Whether the packed words lie in a window whose owners read them in place (the
   /// shared-memory communicator on one node, from the step after the first packed exchange;
-  /// not with SHARDOPT_REPRO_EXCHANGE=packed-wire).
+  /// not with SHARDOPT_REPRO_EXCHANGE=packed-wire). With at most 2 micro-batches,
+  /// `fastest` Direct and `last_synced`, the path is then RawPairInPlace.
   bool words_shared = false;
+  /// Whether the ranks with two micro-batches began the second with begin_backward(true)
+  /// (sync: the last of the step, as documented), which lets them hold the first raw.
+  bool last_synced = true;
 };
 /// What one step of reproducible mode takes, per rank.
 struct ExactStepPlan {
