@@ -593,72 +593,84 @@ TEST(Reproducible, OwnersDepositTheLastMicroBatchInPlace) {
 // (through the wire buffer, then a new window, then held again). The bits of one process,
 // each step's path as plan_exact_step predicts it and its bytes, at every stage, with the
 // documented calls and with begin_backward() every time (a held micro-batch then settles into
-// the words when a third begins); plain MPI never holds (no window).
+// the words when a third begins); plain MPI never holds (no window). A shared-memory
+// communicator whose owners cannot read in place (several nodes: the pair exchange refused)
+// settles the held values and takes the packed exchange through the wire buffer.
 TEST(Reproducible, TwoMicroBatchesHeldRawMatchOneProcess) {
   auto w = mpi(MpiCommKind::Plain);
   const int world = w->size();
-  const int rank = w->rank();
   const auto all = [&](int c) { return std::vector<int>(static_cast<std::size_t>(world), c); };
   std::vector<int> uneven = all(2), three = all(2), none = all(2), past = all(2);
   for (int r = 1; r < world; ++r) uneven[static_cast<std::size_t>(r)] = r % 3 == 1 ? 1 : r % 3 == 2 ? 0 : 2;
   three[0] = 3;
   if (world > 1) none[static_cast<std::size_t>(world - 1)] = 0;
   past[static_cast<std::size_t>(world - 1)] = 64;
-  const std::vector<std::vector<int>> steps = {all(2), all(2), uneven, three, all(2), none, all(1), past, all(2), all(2)};
+  const std::vector<std::vector<int>> steps = {all(2), all(2), uneven, three, all(2),
+                                               none,   all(1), past,   all(2), all(2)};
   std::vector<std::vector<int>> totals;
   for (const std::vector<int>& st : steps) totals.push_back({summarize(st).total});
   const Trained one = train_steps(make_single_process_communicator(), Stage::Zero1, totals);
   for (MpiCommKind kind : {MpiCommKind::Plain, MpiCommKind::SharedMemory})
     for (Stage stage : {Stage::DataParallel, Stage::Zero1, Stage::Zero2, Stage::Zero3})
-      for (Begin begin : {Begin::LastSynced, Begin::AlwaysSync}) {
-        const std::string at = std::string(kind == MpiCommKind::Plain ? "mpi " : "shm ") + stage_name(stage) +
-                               (begin == Begin::LastSynced ? ", last synced" : ", always synced");
-        const bool shares = kind == MpiCommKind::SharedMemory && world > 1;
-        // Each step's path: the words are shared after a packed step, until a rank widens.
-        const std::vector<ExactPath> path =
-            shares ? std::vector<ExactPath>{ExactPath::Packed, ExactPath::RawPairInPlace, ExactPath::RawPairInPlace,
-                                            ExactPath::PackedInPlace, ExactPath::RawPairInPlace,
-                                            ExactPath::RawPairInPlace, ExactPath::Direct, ExactPath::TwoPhase,
-                                            ExactPath::Packed, ExactPath::RawPairInPlace}
-                   : std::vector<ExactPath>{ExactPath::Packed, ExactPath::Packed, ExactPath::Packed,
-                                            ExactPath::Packed, ExactPath::Packed, ExactPath::Packed,
-                                            ExactPath::Direct, ExactPath::TwoPhase, ExactPath::Packed,
-                                            ExactPath::Packed};
-        const EnvScope env("SHARDOPT_REPRO_EXCHANGE", "auto");
-        auto counting = std::make_shared<CountingComm>(mpi(kind));
-        MemoryPlan plan;
-        int pairs = 0;
-        std::size_t bytes = 0;
-        const auto check = [&](ShardedOptimizer& opt, int s) {
-          const std::string where = at + ", step " + std::to_string(s);
-          const ExactPath want = path[static_cast<std::size_t>(s)];
-          const std::vector<int>& split = steps[static_cast<std::size_t>(s)];
-          ExactStep st;
-          st.most_micro_batches = summarize(split).most;
-          st.words_shared = want == ExactPath::RawPairInPlace || want == ExactPath::PackedInPlace;
-          const ExactStepPlan p = plan_exact_step(plan, st);
-          EXPECT_EQ(p.path, want) << where << ": planned " << exact_path_name(p.path);
-          const bool in_place = want == ExactPath::RawPairInPlace || want == ExactPath::PackedInPlace;
-          EXPECT_EQ(counting->combine_pairs - pairs, in_place ? static_cast<int>(plan.num_buckets) : 0) << where;
-          if (want != ExactPath::TwoPhase)
-            EXPECT_EQ(counting->combine_bytes - bytes, p.wire_bytes) << where << " (" << exact_path_name(want) << ")";
-          if (want == ExactPath::RawPairInPlace) EXPECT_EQ(p.wire_bytes, 8 * plan.padded_elems) << where;
-          pairs = counting->combine_pairs;
-          bytes = counting->combine_bytes;
-          // Memory: the fp32 buffer and the words (their window holds the held values), or
-          // the bins from the step past 63 until a new window replaces them.
-          const std::size_t grads = opt.memory_report()[MemCategory::Grads];
-          const std::size_t fp32 = plan[MemCategory::Grads];
-          const bool busy = split[static_cast<std::size_t>(world == 1 ? 0 : rank)] > 1;
-          if (s >= 7 && (s == 7 || !shares))
-            EXPECT_EQ(grads, fp32 + exact::grads_bytes(plan.padded_elems, plan.bucket_elems)) << where;
-          else if (shares || busy || s > 0)
-            EXPECT_LE(grads, fp32 + exact::packed_bytes(plan.padded_elems)) << where;
-        };
-        const std::vector<std::vector<int>>& run = world == 1 ? totals : steps;
-        expect_same(train_steps(counting, stage, run, &plan, check, begin), one, at);
-        if (HasFatalFailure()) return;
-      }
+      for (Begin begin : {Begin::LastSynced, Begin::AlwaysSync})
+        for (bool refuse : {false, true}) {
+          if (refuse && (kind == MpiCommKind::Plain || begin == Begin::AlwaysSync)) continue;
+          const std::string at = std::string(kind == MpiCommKind::Plain ? "mpi " : "shm ") + stage_name(stage) +
+                                 (begin == Begin::LastSynced ? ", last synced" : ", always synced") +
+                                 (refuse ? ", pairs refused" : "");
+          const bool shares = kind == MpiCommKind::SharedMemory && world > 1;
+          // Each step's path: the words are shared after a packed step, until a rank widens.
+          const std::vector<ExactPath> path =
+              shares ? std::vector<ExactPath>{ExactPath::Packed, ExactPath::RawPairInPlace, ExactPath::RawPairInPlace,
+                                              ExactPath::PackedInPlace, ExactPath::RawPairInPlace,
+                                              ExactPath::RawPairInPlace, ExactPath::Direct, ExactPath::TwoPhase,
+                                              ExactPath::Packed, ExactPath::RawPairInPlace}
+                     : std::vector<ExactPath>{ExactPath::Packed, ExactPath::Packed, ExactPath::Packed,
+                                              ExactPath::Packed, ExactPath::Packed, ExactPath::Packed,
+                                              ExactPath::Direct, ExactPath::TwoPhase, ExactPath::Packed,
+                                              ExactPath::Packed};
+          const EnvScope env("SHARDOPT_REPRO_EXCHANGE", "auto");
+          auto counting = std::make_shared<CountingComm>(mpi(kind));
+          counting->refuse_pairs = refuse;
+          MemoryPlan plan;
+          int pairs = 0;
+          std::size_t bytes = 0;
+          const auto check = [&](ShardedOptimizer& opt, int s) {
+            const std::string where = at + ", step " + std::to_string(s);
+            const ExactPath planned = path[static_cast<std::size_t>(s)];
+            const std::vector<int>& split = steps[static_cast<std::size_t>(s)];
+            ExactStep st;
+            st.most_micro_batches = summarize(split).most;
+            st.words_shared = planned == ExactPath::RawPairInPlace || planned == ExactPath::PackedInPlace;
+            EXPECT_EQ(plan_exact_step(plan, st).path, planned)
+                << where << ": planned " << exact_path_name(plan_exact_step(plan, st).path);
+            // Refused in place: the packed exchange through the wire buffer (not planned).
+            const bool in_place = planned == ExactPath::RawPairInPlace || planned == ExactPath::PackedInPlace;
+            const ExactPath want = refuse && in_place ? ExactPath::Packed : planned;
+            if (refuse && in_place) st.words_shared = false;
+            const ExactStepPlan p = plan_exact_step(plan, st);
+            ASSERT_EQ(p.path, want) << where;
+            EXPECT_EQ(counting->combine_pairs - pairs, in_place && !refuse ? static_cast<int>(plan.num_buckets) : 0)
+                << where;
+            if (want != ExactPath::TwoPhase)
+              EXPECT_EQ(counting->combine_bytes - bytes, p.wire_bytes) << where << " (" << exact_path_name(want) << ")";
+            if (want == ExactPath::RawPairInPlace) EXPECT_EQ(p.wire_bytes, 8 * plan.padded_elems) << where;
+            pairs = counting->combine_pairs;
+            bytes = counting->combine_bytes;
+            // Memory: the fp32 buffer and the words (their window holds the held values), or
+            // the bins from the step past 63 until a new window replaces them.
+            // (Every rank deposits or holds in step 0, which allocates its words.)
+            const std::size_t grads = opt.memory_report()[MemCategory::Grads];
+            const std::size_t fp32 = plan[MemCategory::Grads];
+            const bool bins = s == 7 || (s > 7 && !shares);
+            EXPECT_EQ(grads, fp32 + (bins ? exact::grads_bytes(plan.padded_elems, plan.bucket_elems)
+                                          : exact::packed_bytes(plan.padded_elems)))
+                << where;
+          };
+          const std::vector<std::vector<int>>& run = world == 1 ? totals : steps;
+          expect_same(train_steps(counting, stage, run, &plan, check, begin), one, at);
+          if (HasFatalFailure()) return;
+        }
 }
 
 // Stage 2's sharded exact accumulation (BufferPlan::exact_sharded: the staged scheme, each

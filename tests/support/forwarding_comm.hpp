@@ -114,6 +114,9 @@ class CountingComm final : public ForwardingComm {
   /// Act as a communicator without the raw-value exchange (reduce_scatter_combine answers
   /// false, the default's answer).
   bool refuse_combine = false;
+  /// Refuse only reduce_scatter_combine_pair (the owners cannot read in place: a
+  /// communicator over several nodes).
+  bool refuse_pairs = false;
   /// Buffers allocate_collective_buffer handed out (non-empty: shared-memory windows).
   int windows = 0;
 
@@ -166,7 +169,7 @@ class CountingComm final : public ForwardingComm {
   bool reduce_scatter_combine_pair(const void* in, std::size_t elem_bytes, const void* in2,
                                    std::size_t elem_bytes2, float* out, std::size_t count_per_rank,
                                    BlockCombiner& op) override {
-    if (refuse_combine) return false;
+    if (refuse_combine || refuse_pairs) return false;
     const bool done = ForwardingComm::reduce_scatter_combine_pair(in, elem_bytes, in2, elem_bytes2, out,
                                                                   count_per_rank, op);
     if (done) {
