@@ -123,6 +123,8 @@ class SquareSum {
 ///     micro-batch deposited on the way into the wire buffer. Before a deposit past that
 ///     limit, or for the two-phase method (reduce()), the owner widens it (widen(): the bins,
 ///     unpacked from the words, which are released).
+/// With two micro-batches and shared words the first may be held raw in the words' window
+/// instead (deposit_and_clear's may_hold, reduce_held(); settle() deposits it).
 /// The exchanges reduce_direct() and reduce_packed() run in the memory of the backend they are
 /// given (its exact_combine, exact_combine_packed and exact_deposit_pack; the compact form is
 /// host memory); pack() is host memory only.

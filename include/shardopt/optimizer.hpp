@@ -155,9 +155,10 @@ class ShardedOptimizer {
   /// Starts the backward pass of one micro-batch. sync = false for every micro-batch but the
   /// last of a step: gradients then accumulate locally with no communication. step()
   /// averages over the micro-batches begun since the previous step (one if never called).
-  /// Reproducible mode at stages 0-3 (not the sharded stage 2) accepts more micro-batches
-  /// after a sync one (the same result); with two micro-batches, a sync second lets the
-  /// shared-memory step combine both raw (docs/architecture.md, "Two micro-batches").
+  /// Reproducible mode's full-buffer path (its default at every stage) accepts more
+  /// micro-batches after a sync one, with the same result; with two micro-batches, a sync
+  /// second lets the shared-memory step combine both raw (docs/architecture.md, "Two
+  /// micro-batches").
   void begin_backward(bool sync = true);
 
   /// Stage 3 ignores sync = false: every micro-batch's buckets are reduce-scattered and
