@@ -175,8 +175,9 @@ enum class ExactPath {
   Packed,         ///< 2-63 micro-batches on some rank: packed states through a wire buffer, 8
   PackedInPlace,  ///< the same, the owners reading words and last micro-batch in place, 12
   TwoPhase,       ///< level maximum and int64 sum, 9: past 63 on a rank, or no exchange
-  /// at most 2 micro-batches on every rank and shared words: each rank's first held raw in
-  /// the words' window, the owners combining both raw values of every rank in place, 8
+  /// at most 2 micro-batches on every rank, the second begun with sync, `fastest` Direct and
+  /// shared words: each rank's first held raw in the words' window, the owners combining
+  /// both raw values of every rank in place, 8
   RawPairInPlace,
 };
 const char* exact_path_name(ExactPath p) noexcept;
