@@ -32,7 +32,8 @@
 // The very last: the whole iteration (the benchmark's backward, writing every gradient, through
 // the step and the last gather; slowest rank), where work the library moves into or out of
 // backward (stage 2's slot clearing) shows; not compared with the floor. Then "between s":
-// begin_backward's time per step, slowest rank (several micro-batches).
+// begin_backward's time per step, slowest rank (several micro-batches). Last, "warm-up steps
+// s": the step time of each untimed step (--warmup), slowest rank, where one-time costs show.
 #include <mpi.h>
 
 #include <cstdio>
@@ -132,6 +133,7 @@ struct Extra {
   int nodes = 1;                      ///< as MPI sees them (MPI_COMM_TYPE_SHARED)
   std::size_t internode_planned = 0;  ///< MemoryPlan::internode_bytes, per node and step
   double internode_counted = 0;       ///< rank 0's Communicator::internode_bytes() per step
+  std::string warmup;                 ///< each untimed step's step time (slowest rank), "a+b"
 };
 
 // The nodes as MPI sees them: how many ranks are node rank 0 of MPI_COMM_TYPE_SHARED.
@@ -219,6 +221,10 @@ Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& c
     const double wall = t.total + (MPI_Wtime() - t0);
     const double iteration = MPI_Wtime() - iteration_start;
     if (s < a.warmup) {
+      // Shown apart: one-time costs (first touch of what the first steps allocate).
+      char w[32];
+      std::snprintf(w, sizeof w, "%s%.3f", s == 0 ? "" : "+", max_over_ranks(wall));
+      extra.warmup += w;
       internode_start = comm->internode_bytes();
       // After a step: what is allocated on demand (reproducible mode's accumulator) counts.
       extra.grads_bytes = opt.memory_report()[MemCategory::Grads];
@@ -264,8 +270,9 @@ int main(int argc, char** argv) {
       std::printf("in-place a+=s*b bandwidth per rank (all ranks at once): %.2f GB/s\n\n", bw / 1e9);
       std::printf("| stage | reduction | comm | reduce s | norm s | update s | gather s | step s "
                   "| floor s | step/floor | clear s (not in floor) | reduce MiB/rank | grads MiB "
-                  "| nodes | inter-node MiB/step counted | planned | iteration s | between s |\n"
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+                  "| nodes | inter-node MiB/step counted | planned | iteration s | between s "
+                  "| warm-up steps s |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     }
     // Each phase against its own floor (the bytes above, phase by phase, over the same
     // bandwidth), printed after the main table.
@@ -303,13 +310,14 @@ int main(int argc, char** argv) {
       phases += row;
       if (rank == 0)
         std::printf("| %s | %s | %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.2f | %.4f | %.1f "
-                    "| %.1f | %d | %.2f | %.2f | %.4f | %.4f |\n",
+                    "| %.1f | %d | %.2f | %.2f | %.4f | %.4f | %s |\n",
                     stage_name(stage), reduction_name(reduction), comm_name.c_str(), ph.reduce,
                     ph.norm, ph.update, ph.gather, ph.total, floor, ph.total / floor, clear / bw,
                     static_cast<double>(extra.reduce_bytes) / (1 << 20),
                     static_cast<double>(extra.grads_bytes) / (1 << 20), extra.nodes,
                     extra.internode_counted / (1 << 20),
-                    static_cast<double>(extra.internode_planned) / (1 << 20), ph.iteration, ph.between);
+                    static_cast<double>(extra.internode_planned) / (1 << 20), ph.iteration, ph.between,
+                    extra.warmup.c_str());
     }
     if (rank == 0) std::fputs(phases.c_str(), stdout);
   } catch (const std::exception& e) {
