@@ -541,12 +541,39 @@ TEST(ExactKernels, LargePackedSumsRoundOnce) {
           want.push_back(cpu::exact_to_float(s, exact::bin_exponent(static_cast<int>(level) - 1)));
         }
   const std::uint64_t* src[2] = {a.data(), b.data()};
+  // The same sums through the owners' pass with each rank's last micro-batch still raw: a
+  // zero (no change), and one value of the element's level whose rounding to G's low grid
+  // adds a known integer (+-1 on the grid b(G - 1): 2^b(G - 1) itself).
+  const std::vector<float> zeros(want.size(), 0.0f);
+  std::vector<float> unit(want.size());
+  std::vector<float> want_unit(want.size());
+  {
+    std::size_t k = 0;
+    for (std::uint64_t level : {std::uint64_t{2}, std::uint64_t{6}, std::uint64_t{11}})
+      for (int p = 45; p <= 53; ++p)
+        for (std::int64_t d : {std::int64_t{-1}, std::int64_t{0}, std::int64_t{1}, std::int64_t{4096}, std::int64_t{8191}})
+          for (int sign : {1, -1}) {
+            const int g = exact::bin_exponent(static_cast<int>(level) - 1);
+            const std::int64_t s = sign * ((std::int64_t{1} << p) + (std::int64_t{1} << (p - 24)) + d);
+            unit[k] = static_cast<float>(std::ldexp(static_cast<double>(-sign), g));
+            want_unit[k] = cpu::exact_to_float(s - sign, g);
+            ++k;
+          }
+  }
   for (cpu::Isa isa : isas()) {
     cpu::set_isa(isa);
     std::vector<float> got(want.size());
     cpu::exact_combine_packed(src, 2, got.data(), got.size(), nullptr);
     for (std::size_t i = 0; i < want.size(); ++i)
       ASSERT_EQ(bits(got[i]), bits(want[i])) << cpu::isa_name(isa) << " case " << i << ": " << got[i] << " vs " << want[i];
+    const float* none[2] = {zeros.data(), zeros.data()};
+    cpu::exact_deposit_combine_packed(src, none, 2, got.data(), got.size(), nullptr);
+    for (std::size_t i = 0; i < want.size(); ++i)
+      ASSERT_EQ(bits(got[i]), bits(want[i])) << cpu::isa_name(isa) << " raw zeros, case " << i << ": " << got[i] << " vs " << want[i];
+    const float* one[2] = {zeros.data(), unit.data()};
+    cpu::exact_deposit_combine_packed(src, one, 2, got.data(), got.size(), nullptr);
+    for (std::size_t i = 0; i < want.size(); ++i)
+      ASSERT_EQ(bits(got[i]), bits(want_unit[i])) << cpu::isa_name(isa) << " raw unit, case " << i << ": " << got[i] << " vs " << want_unit[i];
   }
 }
 

@@ -87,23 +87,37 @@ struct RankValue {
   T operator()(int r) const { return src[r][i]; }
 };
 
+void exact_combine_tail(const float* const* src, int ranks, float* dst, std::size_t from, std::size_t n) {
+  for (std::size_t i = from; i < n; ++i) dst[i] = exact::elem::combine_raw(RankValue<float>{src, i}, ranks);
+}
+
 void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = exact::elem::combine_raw(RankValue<float>{src, i}, ranks);
+  exact_combine_tail(src, ranks, dst, 0, n);
 }
 
 void exact_square_add(const float* x, std::size_t n, SquareDigits& squares) {
   for (std::size_t i = 0; i < n; ++i) squares.add(x[i]);
 }
 
-void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i)
+void exact_combine_packed_tail(const std::uint64_t* const* src, int ranks, float* dst, std::size_t from,
+                               std::size_t n) {
+  for (std::size_t i = from; i < n; ++i)
     dst[i] = exact::elem::combine_packed(RankValue<std::uint64_t>{src, i}, ranks);
+}
+
+void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n) {
+  exact_combine_packed_tail(src, ranks, dst, 0, n);
+}
+
+void exact_combine_packed_raw_tail(const std::uint64_t* const* words, const float* const* last, int ranks,
+                                   float* dst, std::size_t from, std::size_t n) {
+  for (std::size_t i = from; i < n; ++i)
+    dst[i] = exact::elem::combine_packed_raw(RankValue<std::uint64_t>{words, i}, RankValue<float>{last, i}, ranks);
 }
 
 void exact_combine_packed_raw(const std::uint64_t* const* words, const float* const* last, int ranks,
                               float* dst, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i)
-    dst[i] = exact::elem::combine_packed_raw(RankValue<std::uint64_t>{words, i}, RankValue<float>{last, i}, ranks);
+  exact_combine_packed_raw_tail(words, last, ranks, dst, 0, n);
 }
 
 using exact::elem::pack;

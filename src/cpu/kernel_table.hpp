@@ -107,6 +107,16 @@ struct RangeKernels {
 /// kExactChunk / 4 values below 2^48, so its two 64-bit words cannot overflow.
 inline constexpr std::size_t kExactChunk = 4096;
 
+/// How far ahead (in elements) the SIMD exact combines ask for every rank's sources: with two
+/// or three streams per rank the hardware prefetchers fell behind (docs/performance.md, "The
+/// owners' combine: prefetching", A/B of the distance).
+inline constexpr std::size_t kExactPrefetchElems = 512;
+/// A prefetch hint for the cache line `bytes` past p, for the SIMD files (which include
+/// <immintrin.h>). A hint never faults, so one past a buffer's end is harmless; the address is
+/// formed in integers, so no pointer past the end is.
+#define SHARDOPT_PREFETCH_AHEAD(p, bytes) \
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + (bytes)), _MM_HINT_T0)
+
 extern const RangeKernels kPortableKernels;
 #if defined(__x86_64__) || defined(_M_X64)
 #define SHARDOPT_CPU_X86 1
@@ -136,6 +146,13 @@ void fill_zero(float* x, std::size_t n, bool stream);
 /// definition of the in-block order.
 double finish_sum_lanes(double* lanes, const float* tail, std::size_t tail_n);
 void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n);
+/// The SIMD combines' tails: elements [from, n) of the same ranges (src[r] not offset), by the
+/// portable loops.
+void exact_combine_tail(const float* const* src, int ranks, float* dst, std::size_t from, std::size_t n);
+void exact_combine_packed_tail(const std::uint64_t* const* src, int ranks, float* dst, std::size_t from,
+                               std::size_t n);
+void exact_combine_packed_raw_tail(const std::uint64_t* const* words, const float* const* last, int ranks,
+                                   float* dst, std::size_t from, std::size_t n);
 void exact_square_add(const float* x, std::size_t n, SquareDigits& squares);
 /// The largest of lanes[0, nlanes) (exponent fields a SIMD loop collected) and of the biased
 /// exponent fields of x[0, n) (its tail).

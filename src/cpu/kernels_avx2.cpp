@@ -506,9 +506,11 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
   std::size_t i = 0;
   for (; i + kW <= n; i += kW) {
     __m256i e = _mm256_setzero_si256();
-    for (int r = 0; r < ranks; ++r)
+    for (int r = 0; r < ranks; ++r) {
+      SHARDOPT_PREFETCH_AHEAD(src[r] + i, kExactPrefetchElems * sizeof(float));
       e = _mm256_max_epu32(e, _mm256_and_si256(
                                   _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r] + i)), 23), ff));
+    }
     const __m256 nonfinite = _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, ff));
     // g = 24 * ((e + 24) / 24) - 174; x / 24 = (x * 2731) >> 16 for every x below 300.
     const __m256i level = _mm256_srli_epi32(
@@ -522,11 +524,7 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
     _mm256_storeu_ps(dst + i, _mm256_blendv_ps(both, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
                                                nonfinite));
   }
-  if (i < n) {
-    const float* rest[kExactCombineMaxSimdRanks];
-    for (int r = 0; r < ranks; ++r) rest[r] = src[r] + i;
-    portable::exact_combine(rest, ranks, dst + i, n - i);
-  }
+  portable::exact_combine_tail(src, ranks, dst, i, n);
 }
 
 // As kernels_avx512.cpp's exact_square_window (the method is described there), 4 lanes.
@@ -686,6 +684,95 @@ void exact_sums_to_float(const std::int64_t* sum, const std::uint8_t* level, flo
   portable::exact_sums_to_float(sum + i, level + i, dst + i, n - i);
 }
 
+// exact_combine_packed and exact_combine_packed_raw, as kernels_avx512.cpp's (the method is
+// described there), 4 words at a time with AVX2's means: no 64-bit arithmetic shift, so a
+// 30-bit field is taken by a logical shift and a mask and sign-extended by (x ^ 2^29) - 2^29;
+// no vscalefps, so a last value goes to G's low grid in double (multiplied by 2^(174 - 24 G),
+// exact: |v| / 2^b(G - 1) < 2^47), and is rounded to an integer by adding 1.5 * 2^52, whose
+// bits then hold it (the bits of the ranks' sums of such doubles, less ranks times the
+// constant's bits, are their integers' sum: every addend lies in [2^52, 2^53)).
+
+/// sum plus the words w lifted to levels g (exact::elem::packed_lifted on 4 int64 lanes).
+__m256i add_lifted4(__m256i sum, __m256i w, __m256i g, __m256i g_minus_1) {
+  const __m256i sign = _mm256_set1_epi64x(std::int64_t{1} << 29);
+  const __m256i l = _mm256_and_si256(w, _mm256_set1_epi64x(15));
+  const __m256i top = _mm256_sub_epi64(
+      _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi64(w, 4), _mm256_set1_epi64x(0x3fffffff)), sign), sign);
+  const __m256i low = _mm256_sub_epi64(_mm256_xor_si256(_mm256_srli_epi64(w, 34), sign), sign);
+  sum = _mm256_add_epi64(sum, _mm256_and_si256(_mm256_cmpeq_epi64(l, g),
+                                               _mm256_add_epi64(_mm256_slli_epi64(top, 24), low)));
+  return _mm256_add_epi64(sum, _mm256_and_si256(_mm256_cmpeq_epi64(l, g_minus_1), top));
+}
+
+/// 4 elements from j: every rank's word (and, with last, its last value) at the highest level
+/// G among them and g (the last values' levels, 4 int64 lanes), rounded once to fp32; the
+/// quiet NaN where G is the non-finite level.
+__m128 combine_packed4(const std::uint64_t* const* words, const float* const* last, int ranks,
+                       std::size_t j, __m256i g) {
+  const __m256i fifteen = _mm256_set1_epi64x(15);
+  for (int r = 0; r < ranks; ++r) {  // levels below 16: the unsigned 32-bit max of each low dword
+    SHARDOPT_PREFETCH_AHEAD(words[r] + j, kExactPrefetchElems * sizeof(std::uint64_t));
+    g = _mm256_max_epu32(g, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words[r] + j)), fifteen));
+  }
+  const __m256i g_minus_1 = _mm256_sub_epi64(g, _mm256_set1_epi64x(1));
+  const __m256i grid = _mm256_sub_epi64(times24(g), _mm256_set1_epi64x(174));  // b(G - 1)
+  __m256i sum = _mm256_setzero_si256();
+  if (last == nullptr) {
+    for (int r = 0; r < ranks; ++r)
+      sum = add_lifted4(sum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words[r] + j)), g, g_minus_1);
+  } else {
+    const __m256d magic = _mm256_set1_pd(0x1.8p52);
+    const __m256d down = pow2_pd(_mm256_sub_epi64(_mm256_setzero_si256(), grid));
+    __m256i raw = _mm256_setzero_si256();
+    for (int r = 0; r < ranks; ++r) {
+      sum = add_lifted4(sum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words[r] + j)), g, g_minus_1);
+      raw = _mm256_add_epi64(raw, _mm256_castpd_si256(_mm256_add_pd(
+                                      _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(last[r] + j)), down), magic)));
+    }
+    constexpr std::uint64_t magic_bits = 0x4338000000000000u;  // the bits of 1.5 * 2^52
+    sum = _mm256_add_epi64(sum, _mm256_sub_epi64(raw, _mm256_set1_epi64x(static_cast<std::int64_t>(
+                                                          static_cast<std::uint64_t>(ranks) * magic_bits))));
+  }
+  const __m256i nonfinite = _mm256_cmpeq_epi64(g, fifteen);
+  const __m128 nonfinite4 = _mm_shuffle_ps(_mm256_castps256_ps128(_mm256_castsi256_ps(nonfinite)),
+                                           _mm256_extractf128_ps(_mm256_castsi256_ps(nonfinite), 1), _MM_SHUFFLE(2, 0, 2, 0));
+  return _mm_blendv_ps(exact_to_float4(sum, grid), _mm_castsi128_ps(_mm_set1_epi32(0x7fc00000)), nonfinite4);
+}
+
+void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst, std::size_t n) {
+  if (ranks > kExactCombineMaxSimdRanks) return portable::exact_combine_packed(src, ranks, dst, n);
+  std::size_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    _mm_storeu_ps(dst + i, combine_packed4(src, nullptr, ranks, i, _mm256_setzero_si256()));
+  portable::exact_combine_packed_tail(src, ranks, dst, i, n);
+}
+
+// The last values' level, 8 at a time: the level of the largest magnitude (levels grow with
+// the exponent field e), ((e + 24) * 2731) >> 16 = (e + 24) / 24; 0 for zeros, 15 for NaN/Inf.
+void exact_combine_packed_raw(const std::uint64_t* const* words, const float* const* last, int ranks,
+                              float* dst, std::size_t n) {
+  if (ranks > kExactCombineMaxSimdRanks) return portable::exact_combine_packed_raw(words, last, ranks, dst, n);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i zero = _mm256_setzero_si256();
+  std::size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    __m256i big = zero;
+    for (int r = 0; r < ranks; ++r) {
+      SHARDOPT_PREFETCH_AHEAD(last[r] + i, kExactPrefetchElems * sizeof(float));
+      big = _mm256_max_epu32(big, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(last[r] + i)), abs_mask));
+    }
+    __m256i lv = _mm256_srli_epi32(
+        _mm256_mullo_epi32(_mm256_add_epi32(_mm256_srli_epi32(big, 23), _mm256_set1_epi32(24)), _mm256_set1_epi32(2731)), 16);
+    lv = _mm256_andnot_si256(_mm256_cmpeq_epi32(big, zero), lv);
+    lv = _mm256_blendv_epi8(lv, _mm256_set1_epi32(15), _mm256_cmpgt_epi32(big, _mm256_set1_epi32(0x7f7fffff)));
+    const __m128 lo = combine_packed4(words, last, ranks, i, _mm256_cvtepu32_epi64(_mm256_castsi256_si128(lv)));
+    const __m128 hi = combine_packed4(words, last, ranks, i + 4, _mm256_cvtepu32_epi64(_mm256_extracti128_si256(lv, 1)));
+    // The store comes after every load of these 8 elements: dst may be one of last[].
+    _mm256_storeu_ps(dst + i, _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1));
+  }
+  portable::exact_combine_packed_raw_tail(words, last, ranks, dst, i, n);
+}
+
 // exact_deposit_packed, 8 values (two vectors of 4 words) at a time, in fp32 on the words'
 // fields, as kernels_avx512.cpp's exact_deposit_packed (whose comment shows why each step is
 // exact), with AVX2's means: the wanted level ((e + 24) * 2731) >> 16 by a 16-bit high
@@ -707,10 +794,12 @@ void exact_deposit_packed_multi(const float* const* g, int nsrc, std::size_t n, 
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
+    if (in != nullptr) SHARDOPT_PREFETCH_AHEAD(in + i, kExactPrefetchElems * sizeof(std::uint64_t));
     __m256i w0 = in == nullptr ? zero : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
     __m256i w1 = in == nullptr ? zero : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 4));
     bool changed = false;
     for (int src = 0; src < nsrc; ++src) {
+      SHARDOPT_PREFETCH_AHEAD(g[src] + i, kExactPrefetchElems * sizeof(float));
       const __m256 v = _mm256_loadu_ps(g[src] + i);
       const __m256i a = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
       if (_mm256_testz_si256(a, a)) continue;  // all zero
@@ -804,7 +893,7 @@ const RangeKernels kAvx2Kernels = {
     avx2::fill_zero,
     avx2::exact_combine,
     avx2::exact_square_add,
-    portable::exact_combine_packed,
+    avx2::exact_combine_packed,
     portable::exact_deposit,
     avx2::adamw8bit_blocks,
     avx2::q8_quantize,
@@ -814,7 +903,7 @@ const RangeKernels kAvx2Kernels = {
     avx2::exact_lift,
     avx2::exact_sums_to_float,
     avx2::exact_deposit_packed,
-    portable::exact_combine_packed_raw,
+    avx2::exact_combine_packed_raw,
     avx2::exact_deposit_packed_multi,
 };
 

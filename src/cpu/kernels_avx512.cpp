@@ -469,8 +469,10 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
   for (; i + kW <= n; i += kW) {
     // The largest magnitude's bits: its exponent field is the largest (NaN/Inf above all).
     __m512i big = _mm512_setzero_si512();
-    for (int r = 0; r < ranks; ++r)
+    for (int r = 0; r < ranks; ++r) {
+      SHARDOPT_PREFETCH_AHEAD(src[r] + i, kExactPrefetchElems * sizeof(float));
       big = _mm512_max_epu32(big, _mm512_and_si512(_mm512_loadu_si512(src[r] + i), abs_mask));
+    }
     const __mmask16 nonfinite = _mm512_cmpge_epu32_mask(big, inf_bits);
     const __m512i idx = _mm512_srli_epi32(big, 26);  // e >> 3
     const __m512 minus_g = _mm512_permutex2var_ps(t.minus_g_lo, idx, t.minus_g_hi);
@@ -489,11 +491,7 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
     _mm512_storeu_ps(dst + i, _mm512_mask_blend_ps(nonfinite, _mm512_scalef_ps(rounded, g),
                                                    _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000))));
   }
-  if (i < n) {
-    const float* rest[kExactCombineMaxSimdRanks];
-    for (int r = 0; r < ranks; ++r) rest[r] = src[r] + i;
-    portable::exact_combine(rest, ranks, dst + i, n - i);
-  }
+  portable::exact_combine_tail(src, ranks, dst, i, n);
 }
 
 // exact_to_float (kernels.hpp) on 8 int64 lanes, operation for operation, without
@@ -501,8 +499,9 @@ void exact_combine(const float* const* src, int ranks, float* dst, std::size_t n
 // trick); above (unsigned |n|: INT64_MIN too), it is first rounded to odd at 2^13 (floor plus
 // a sticky bit), which keeps the final rounding to 24 bits correct. The scaling by 2^e is
 // exact in double, and the conversion to fp32 rounds once (subnormals included, Inf past the
-// range).
-__m256 exact_to_float8(__m512i n, __m512i e) {
+// range). exact_to_float8_scaled takes 2^e as doubles (scale; 2^13 times it above 2^50,
+// exact), exact_to_float8 the exponent e.
+__m256 exact_to_float8_scaled(__m512i n, __m512d scale) {
   const __m512d magic = _mm512_set1_pd(0x1.8p52);
   const __mmask8 wide = _mm512_cmpge_epu64_mask(_mm512_abs_epi64(n), _mm512_set1_epi64(std::int64_t{1} << 50));
   __m512i t = n;
@@ -510,11 +509,15 @@ __m256 exact_to_float8(__m512i n, __m512i e) {
     const __m512i sticky = _mm512_maskz_mov_epi64(_mm512_test_epi64_mask(n, _mm512_set1_epi64(0x1fff)),
                                                   _mm512_set1_epi64(1));
     t = _mm512_mask_or_epi64(n, wide, _mm512_srai_epi64(n, 13), sticky);
-    e = _mm512_mask_add_epi64(e, wide, e, _mm512_set1_epi64(13));
+    scale = _mm512_mask_mul_pd(scale, wide, scale, _mm512_set1_pd(0x1p13));  // exact
   }
   const __m512d exact = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_add_epi64(t, _mm512_castpd_si512(magic))), magic);
-  return _mm512_cvtpd_ps(_mm512_mul_pd(
-      exact, _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52))));
+  return _mm512_cvtpd_ps(_mm512_mul_pd(exact, scale));
+}
+
+__m256 exact_to_float8(__m512i n, __m512i e) {
+  return exact_to_float8_scaled(
+      n, _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52)));
 }
 
 /// 8 levels (bytes) as int64 lanes.
@@ -548,8 +551,10 @@ void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m512i g = _mm512_setzero_si512();
-    for (int r = 0; r < ranks; ++r)
+    for (int r = 0; r < ranks; ++r) {
+      SHARDOPT_PREFETCH_AHEAD(src[r] + i, kExactPrefetchElems * sizeof(std::uint64_t));
       g = _mm512_max_epu64(g, _mm512_and_si512(_mm512_loadu_si512(src[r] + i), fifteen));
+    }
     const __mmask8 nonfinite = _mm512_cmpeq_epi64_mask(g, fifteen);
     const __m512i g_minus_1 = _mm512_sub_epi64(g, one);
     __m512i sum = _mm512_setzero_si512();
@@ -560,29 +565,38 @@ void exact_combine_packed(const std::uint64_t* const* src, int ranks, float* dst
                                   static_cast<__mmask16>(nonfinite), _mm512_castps256_ps512(f),
                                   _mm512_castps256_ps512(nan))));
   }
-  if (i < n) {
-    const std::uint64_t* rest[kExactCombineMaxSimdRanks];
-    for (int r = 0; r < ranks; ++r) rest[r] = src[r] + i;
-    portable::exact_combine_packed(rest, ranks, dst + i, n - i);
-  }
+  portable::exact_combine_packed_tail(src, ranks, dst, i, n);
 }
 
 // exact_combine_packed_raw, 16 elements at a time. The final level G of each element is the
 // largest of the words' levels and of the last values' levels, and the latter is the level of
 // the largest magnitude among them (levels grow with the exponent field e): (e + 24) / 24 =
-// ((e >> 3) + 3) / 3 by a 32-entry table, as exact_combine's grid. The words are lifted as in
-// exact_combine_packed (int64 lanes, two halves); the last values are scaled to G's low grid
-// with vscalefps and rounded to integers in fp32 (exact: below 2^47; one scaled into fp32's
-// subnormal range is below half a unit either way), summed exactly in doubles per group of
-// up to 16 ranks (below 2^51) and each group's sum added to the int64 lanes by the 1.5 * 2^52
-// bit trick. Non-finite lanes end as the quiet NaN whatever their sums.
+// ((e >> 3) + 3) / 3 by a 32-entry table, as exact_combine's grid. The levels are maxed in
+// 32-bit lanes (each word's low dword, gathered from two vectors of 8 words), and G's grid
+// b(G - 1) = 24 G - 174 (as -b for vscalefps, as 2^b for the final scaling) comes from 16-entry
+// tables indexed by G. The words are lifted as in exact_combine_packed (int64 lanes, two
+// halves); the last values are scaled to G's low grid with vscalefps and rounded to integers
+// in fp32 (exact: below 2^47; one scaled into fp32's subnormal range is below half a unit
+// either way), summed exactly in doubles per group of up to 16 ranks (below 2^51) and each
+// group's sum added to the int64 lanes by the 1.5 * 2^52 bit trick. Non-finite lanes end as
+// the quiet NaN whatever their sums.
 void exact_combine_packed_raw(const std::uint64_t* const* words, const float* const* last, int ranks,
                               float* dst, std::size_t n) {
   if (ranks > kExactCombineMaxSimdRanks) return portable::exact_combine_packed_raw(words, last, ranks, dst, n);
   alignas(64) std::int32_t level_table[32];
   for (int j = 0; j < 32; ++j) level_table[j] = (j + 3) / 3;
+  alignas(64) float minus_grid_table[16];
+  alignas(64) std::uint64_t grid_table[16];  // the bits of 2^(24 l - 174)
+  for (int l = 0; l < 16; ++l) {
+    minus_grid_table[l] = static_cast<float>(174 - 24 * l);
+    grid_table[l] = static_cast<std::uint64_t>(1023 + 24 * l - 174) << 52;
+  }
   const __m512i levels_lo = _mm512_load_si512(level_table), levels_hi = _mm512_load_si512(level_table + 16);
-  const __m512i fifteen = _mm512_set1_epi64(15);
+  const __m512 minus_grid_by_level = _mm512_load_ps(minus_grid_table);
+  const __m512d grid_lo = _mm512_castsi512_pd(_mm512_load_si512(grid_table));
+  const __m512d grid_hi = _mm512_castsi512_pd(_mm512_load_si512(grid_table + 8));
+  const __m512i low_dwords = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i fifteen32 = _mm512_set1_epi32(15);
   const __m512i one = _mm512_set1_epi64(1);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   const __m512i inf_bits = _mm512_set1_epi32(0x7f800000);
@@ -592,24 +606,24 @@ void exact_combine_packed_raw(const std::uint64_t* const* words, const float* co
   std::size_t i = 0;
   for (; i + kW <= n; i += kW) {
     __m512i big = _mm512_setzero_si512();
-    __m512i g_lo = _mm512_setzero_si512(), g_hi = _mm512_setzero_si512();
+    __m512i g32 = _mm512_setzero_si512();
     for (int r = 0; r < ranks; ++r) {
+      SHARDOPT_PREFETCH_AHEAD(last[r] + i, kExactPrefetchElems * sizeof(float));
+      SHARDOPT_PREFETCH_AHEAD(words[r] + i, kExactPrefetchElems * sizeof(std::uint64_t));
+      SHARDOPT_PREFETCH_AHEAD(words[r] + i + 8, kExactPrefetchElems * sizeof(std::uint64_t));
       big = _mm512_max_epu32(big, _mm512_and_si512(_mm512_loadu_si512(last[r] + i), abs_mask));
-      g_lo = _mm512_max_epu64(g_lo, _mm512_and_si512(_mm512_loadu_si512(words[r] + i), fifteen));
-      g_hi = _mm512_max_epu64(g_hi, _mm512_and_si512(_mm512_loadu_si512(words[r] + i + 8), fifteen));
+      const __m512i lw = _mm512_permutex2var_epi32(_mm512_loadu_si512(words[r] + i), low_dwords,
+                                                   _mm512_loadu_si512(words[r] + i + 8));
+      g32 = _mm512_max_epu32(g32, _mm512_and_si512(lw, fifteen32));
     }
     __m512i lv = _mm512_permutex2var_epi32(levels_lo, _mm512_srli_epi32(big, 26), levels_hi);
-    lv = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(big, big), lv);                        // zero: 0
-    lv = _mm512_mask_mov_epi32(lv, _mm512_cmpge_epu32_mask(big, inf_bits), _mm512_set1_epi32(15));  // NaN, Inf
-    g_lo = _mm512_max_epu64(g_lo, _mm512_cvtepu32_epi64(_mm512_castsi512_si256(lv)));
-    g_hi = _mm512_max_epu64(g_hi, _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(lv, 1)));
-    const __mmask16 nonfinite = static_cast<__mmask16>(
-        _mm512_cmpeq_epi64_mask(g_lo, fifteen) | (_mm512_cmpeq_epi64_mask(g_hi, fifteen) << 8));
-    // -(24 G - 174) as floats, 16 lanes.
-    const __m512i g32 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(g_lo)),
-                                           _mm512_cvtepi64_epi32(g_hi), 1);
-    const __m512 minus_grid = _mm512_cvtepi32_ps(
-        _mm512_sub_epi32(_mm512_set1_epi32(174), _mm512_mullo_epi32(g32, _mm512_set1_epi32(24))));
+    lv = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(big, big), lv);                 // zero: 0
+    lv = _mm512_mask_mov_epi32(lv, _mm512_cmpge_epu32_mask(big, inf_bits), fifteen32);  // NaN, Inf
+    g32 = _mm512_max_epu32(g32, lv);
+    const __mmask16 nonfinite = _mm512_cmpeq_epi32_mask(g32, fifteen32);
+    const __m512 minus_grid = _mm512_permutexvar_ps(g32, minus_grid_by_level);
+    const __m512i g_lo = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(g32));
+    const __m512i g_hi = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(g32, 1));
     __m512i sum_lo = _mm512_setzero_si512(), sum_hi = _mm512_setzero_si512();
     const __m512i gm1_lo = _mm512_sub_epi64(g_lo, one), gm1_hi = _mm512_sub_epi64(g_hi, one);
     for (int r0 = 0; r0 < ranks; r0 += kGroup) {
@@ -625,19 +639,14 @@ void exact_combine_packed_raw(const std::uint64_t* const* words, const float* co
       sum_lo = _mm512_add_epi64(sum_lo, _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(raw_lo, magic)), magic_bits));
       sum_hi = _mm512_add_epi64(sum_hi, _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(raw_hi, magic)), magic_bits));
     }
-    const __m256 f_lo = exact_to_float8(sum_lo, grid_exponent8(g_lo));
-    const __m256 f_hi = exact_to_float8(sum_hi, grid_exponent8(g_hi));
+    const __m256 f_lo = exact_to_float8_scaled(sum_lo, _mm512_permutex2var_pd(grid_lo, g_lo, grid_hi));
+    const __m256 f_hi = exact_to_float8_scaled(sum_hi, _mm512_permutex2var_pd(grid_lo, g_hi, grid_hi));
     const __m512 f = _mm512_castpd_ps(
         _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(f_lo)), _mm256_castps_pd(f_hi), 1));
     // The store comes after every load of these 16 elements: dst may be one of last[].
     _mm512_storeu_ps(dst + i, _mm512_mask_blend_ps(nonfinite, f, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000))));
   }
-  if (i < n) {
-    const std::uint64_t* wrest[kExactCombineMaxSimdRanks];
-    const float* lrest[kExactCombineMaxSimdRanks];
-    for (int r = 0; r < ranks; ++r) wrest[r] = words[r] + i, lrest[r] = last[r] + i;
-    portable::exact_combine_packed_raw(wrest, lrest, ranks, dst + i, n - i);
-  }
+  portable::exact_combine_packed_raw_tail(words, last, ranks, dst, i, n);
 }
 
 // exact_deposit, 8 elements at a time, operation for operation the portable loop: the level
@@ -774,11 +783,16 @@ void exact_deposit_packed_multi(const float* const* g, int nsrc, std::size_t n, 
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16) {
+    if (in != nullptr) {
+      SHARDOPT_PREFETCH_AHEAD(in + i, kExactPrefetchElems * sizeof(std::uint64_t));
+      SHARDOPT_PREFETCH_AHEAD(in + i + 8, kExactPrefetchElems * sizeof(std::uint64_t));
+    }
     __m512i w0 = in == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(in + i);
     __m512i w1 = in == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(in + i + 8);
     bool empty = in == nullptr;  // every word still empty (all zero)
     bool changed = false;
     for (int src = 0; src < nsrc; ++src) {
+      SHARDOPT_PREFETCH_AHEAD(g[src] + i, kExactPrefetchElems * sizeof(float));
       const __m512 v = _mm512_loadu_ps(g[src] + i);
       const __m512i a = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
       const __mmask16 nonzero = _mm512_test_epi32_mask(a, a);
