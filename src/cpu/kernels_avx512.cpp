@@ -963,17 +963,21 @@ void exact_square_window(const float* x, std::size_t n, SquareDigits& squares) {
   const __m512d scale = _mm512_castsi512_pd(_mm512_set1_epi64((1023 + 150 - e0) << 52));
   const __m512d split = _mm512_set1_pd(0x1.8p100);  // rounds q to a multiple of 2^48
   const __m512d magic = _mm512_set1_pd(0x1.8p52);   // integers below 2^51 <-> int64 bits
-  const __m512i magic_bits = _mm512_castpd_si512(magic);
-  const __m512d down48 = _mm512_set1_pd(0x1p-48);
+  // q < 2^96. Each lane adds the bits of q + split (split's bits plus q's high part over 2^48,
+  // below 2^48: every such sum lies in [2^100, 2^101), whose unit is 2^48) and of lo + magic
+  // (magic's bits plus lo, an integer of magnitude at most 2^47), modulo 2^64; the constants'
+  // bits come off once per lane at the end (`added` of each): what is left are the two integer
+  // sums, below 2^57 in magnitude (at most 512 additions per lane in a window).
   __m512i acc_lo = _mm512_setzero_si512(), acc_hi = _mm512_setzero_si512();
+  std::uint64_t added = 0;
   auto add8 = [&](__m256 v8) {
     const __m512d y = _mm512_mul_pd(_mm512_cvtps_pd(v8), scale);
     const __m512d q = _mm512_mul_pd(y, y);
-    const __m512d hi = _mm512_sub_pd(_mm512_add_pd(q, split), split);
-    const __m512d lo = _mm512_sub_pd(q, hi);
-    acc_lo = _mm512_add_epi64(acc_lo, _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(lo, magic)), magic_bits));
-    acc_hi = _mm512_add_epi64(
-        acc_hi, _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(_mm512_mul_pd(hi, down48), magic)), magic_bits));
+    const __m512d t = _mm512_add_pd(q, split);
+    const __m512d lo = _mm512_sub_pd(q, _mm512_sub_pd(t, split));
+    acc_hi = _mm512_add_epi64(acc_hi, _mm512_castpd_si512(t));
+    acc_lo = _mm512_add_epi64(acc_lo, _mm512_castpd_si512(_mm512_add_pd(lo, magic)));
+    ++added;
   };
   i = 0;
   for (; i + kW <= n; i += kW) {
@@ -989,6 +993,9 @@ void exact_square_window(const float* x, std::size_t n, SquareDigits& squares) {
     add8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }
   for (; i < n; ++i) squares.add(x[i]);
+  constexpr std::uint64_t kMagicBits = 0x4338000000000000u, kSplitBits = 0x4638000000000000u;  // 1.5 * 2^52, 2^100
+  acc_lo = _mm512_sub_epi64(acc_lo, _mm512_set1_epi64(static_cast<std::int64_t>(added * kMagicBits)));
+  acc_hi = _mm512_sub_epi64(acc_hi, _mm512_set1_epi64(static_cast<std::int64_t>(added * kSplitBits)));
   alignas(64) std::int64_t lo[8], hi[8];
   _mm512_store_si512(lo, acc_lo);
   _mm512_store_si512(hi, acc_hi);
