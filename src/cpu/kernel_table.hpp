@@ -107,15 +107,19 @@ struct RangeKernels {
 /// kExactChunk / 4 values below 2^48, so its two 64-bit words cannot overflow.
 inline constexpr std::size_t kExactChunk = 4096;
 
-/// How far ahead (in elements) the SIMD exact combines ask for every rank's sources: with two
-/// or three streams per rank the hardware prefetchers fell behind (docs/performance.md, "The
-/// owners' combine: prefetching", A/B of the distance).
+/// How far ahead (in elements) the SIMD exact combines and deposits ask for every source: with
+/// two or three streams per rank the hardware prefetchers fell behind (docs/performance.md,
+/// "The owners' combine: prefetching", A/B of the distance).
 inline constexpr std::size_t kExactPrefetchElems = 512;
 /// A prefetch hint for the cache line `bytes` past p, for the SIMD files (which include
 /// <immintrin.h>). A hint never faults, so one past a buffer's end is harmless; the address is
 /// formed in integers, so no pointer past the end is.
 #define SHARDOPT_PREFETCH_AHEAD(p, bytes) \
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + (bytes)), _MM_HINT_T0)
+
+/// The bits of 1.5 * 2^52: an integer n below 2^51 in magnitude added to it as a double gives
+/// these bits plus n (the SIMD files' exact double <-> int64 conversions).
+inline constexpr std::uint64_t kMagicBits = 0x4338000000000000u;
 
 extern const RangeKernels kPortableKernels;
 #if defined(__x86_64__) || defined(_M_X64)

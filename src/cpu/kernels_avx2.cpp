@@ -729,9 +729,8 @@ __m128 combine_packed4(const std::uint64_t* const* words, const float* const* la
       raw = _mm256_add_epi64(raw, _mm256_castpd_si256(_mm256_add_pd(
                                       _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(last[r] + j)), down), magic)));
     }
-    constexpr std::uint64_t magic_bits = 0x4338000000000000u;  // the bits of 1.5 * 2^52
     sum = _mm256_add_epi64(sum, _mm256_sub_epi64(raw, _mm256_set1_epi64x(static_cast<std::int64_t>(
-                                                          static_cast<std::uint64_t>(ranks) * magic_bits))));
+                                                          static_cast<std::uint64_t>(ranks) * kMagicBits))));
   }
   const __m256i nonfinite = _mm256_cmpeq_epi64(g, fifteen);
   const __m128 nonfinite4 = _mm_shuffle_ps(_mm256_castps256_ps128(_mm256_castsi256_ps(nonfinite)),

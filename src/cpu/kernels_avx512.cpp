@@ -993,7 +993,7 @@ void exact_square_window(const float* x, std::size_t n, SquareDigits& squares) {
     add8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }
   for (; i < n; ++i) squares.add(x[i]);
-  constexpr std::uint64_t kMagicBits = 0x4338000000000000u, kSplitBits = 0x4638000000000000u;  // 1.5 * 2^52, 2^100
+  constexpr std::uint64_t kSplitBits = 0x4638000000000000u;  // the bits of 1.5 * 2^100
   acc_lo = _mm512_sub_epi64(acc_lo, _mm512_set1_epi64(static_cast<std::int64_t>(added * kMagicBits)));
   acc_hi = _mm512_sub_epi64(acc_hi, _mm512_set1_epi64(static_cast<std::int64_t>(added * kSplitBits)));
   alignas(64) std::int64_t lo[8], hi[8];
