@@ -529,37 +529,26 @@ TEST(ExactKernels, LargePackedSumsRoundOnce) {
   };
   std::vector<std::uint64_t> a, b;  // two ranks
   std::vector<float> want;
+  // The same sums through the owners' pass with each rank's last micro-batch still raw: zeros
+  // (no change), and on one rank -sign * 2^b(G - 1), a value of level G - 1 that rounds to
+  // exactly one unit of G's low grid (the sum moves by -sign).
+  std::vector<float> unit, want_unit;
   for (std::uint64_t level : {std::uint64_t{2}, std::uint64_t{6}, std::uint64_t{11}})
     for (int p = 45; p <= 53; ++p)
       for (std::int64_t d : {std::int64_t{-1}, std::int64_t{0}, std::int64_t{1}, std::int64_t{4096}, std::int64_t{8191}})
         for (int sign : {1, -1}) {
+          const int g = exact::bin_exponent(static_cast<int>(level) - 1);
           const std::int64_t s = sign * ((std::int64_t{1} << p) + (std::int64_t{1} << (p - 24)) + d);
           // Split over the two ranks: each within the 30-bit bins.
           const std::int64_t half = s / 2, rest = s - half;
           a.push_back(word(level, half >> 24, half - ((half >> 24) << 24)));
           b.push_back(word(level, rest >> 24, rest - ((rest >> 24) << 24)));
-          want.push_back(cpu::exact_to_float(s, exact::bin_exponent(static_cast<int>(level) - 1)));
+          want.push_back(cpu::exact_to_float(s, g));
+          unit.push_back(static_cast<float>(std::ldexp(static_cast<double>(-sign), g)));
+          want_unit.push_back(cpu::exact_to_float(s - sign, g));
         }
   const std::uint64_t* src[2] = {a.data(), b.data()};
-  // The same sums through the owners' pass with each rank's last micro-batch still raw: a
-  // zero (no change), and one value of the element's level whose rounding to G's low grid
-  // adds a known integer (+-1 on the grid b(G - 1): 2^b(G - 1) itself).
   const std::vector<float> zeros(want.size(), 0.0f);
-  std::vector<float> unit(want.size());
-  std::vector<float> want_unit(want.size());
-  {
-    std::size_t k = 0;
-    for (std::uint64_t level : {std::uint64_t{2}, std::uint64_t{6}, std::uint64_t{11}})
-      for (int p = 45; p <= 53; ++p)
-        for (std::int64_t d : {std::int64_t{-1}, std::int64_t{0}, std::int64_t{1}, std::int64_t{4096}, std::int64_t{8191}})
-          for (int sign : {1, -1}) {
-            const int g = exact::bin_exponent(static_cast<int>(level) - 1);
-            const std::int64_t s = sign * ((std::int64_t{1} << p) + (std::int64_t{1} << (p - 24)) + d);
-            unit[k] = static_cast<float>(std::ldexp(static_cast<double>(-sign), g));
-            want_unit[k] = cpu::exact_to_float(s - sign, g);
-            ++k;
-          }
-  }
   for (cpu::Isa isa : isas()) {
     cpu::set_isa(isa);
     std::vector<float> got(want.size());
