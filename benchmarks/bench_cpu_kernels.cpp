@@ -12,7 +12,9 @@
 //   bench_cpu_kernels [--sizes=1Mi,16Mi,64Mi,256Mi] [--threads=2] [Google Benchmark flags]
 #include <benchmark/benchmark.h>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -160,6 +162,39 @@ std::vector<Kernel> kernels() {
     for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(b.n); ++i) a[i] += s * x[i];
     return 0.0;
   });
+  // The streams of exact_deposit_combine_2 below with no arithmetic: two ranks' 8-byte words
+  // and 4-byte values read, one float written (28 bytes per element), each source asked for
+  // kExactPrefetchElems ahead as the library's SIMD combines do (this VM's hardware
+  // prefetchers alone leave five read streams at half the speed). That kernel's own memory
+  // floor in the same run: its time over this row's is what arithmetic adds.
+  add(
+      "combine_streams_2", 28, Variant::Ceiling,
+      [](Buffers& b) {
+        const auto* w0 = reinterpret_cast<const std::uint64_t*>(b.sums.get());
+        const auto* w1 = reinterpret_cast<const std::uint64_t*>(b.low.get());
+        const float *x = b.g.get(), *y = b.v.get();
+        float* d = b.m.get();
+        constexpr std::size_t kBlock = 16;  // one cache line of floats, two of words
+        const auto ahead = [](const void* p, std::size_t bytes) {
+          __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + bytes));
+        };
+        const auto blocks = static_cast<std::ptrdiff_t>(b.n / kBlock);
+#pragma omp parallel for schedule(static)
+        for (std::ptrdiff_t k = 0; k < blocks; ++k) {
+          const std::size_t i = static_cast<std::size_t>(k) * kBlock;
+          constexpr std::size_t kF = cpu::kExactPrefetchElems * sizeof(float);
+          constexpr std::size_t kU = cpu::kExactPrefetchElems * sizeof(std::uint64_t);
+          ahead(x + i, kF), ahead(y + i, kF), ahead(w0 + i, kU), ahead(w0 + i + 8, kU);
+          ahead(w1 + i, kU), ahead(w1 + i + 8, kU);
+          for (std::size_t j = i; j < i + kBlock; ++j) {
+            std::uint32_t u = std::bit_cast<std::uint32_t>(x[j]) ^ std::bit_cast<std::uint32_t>(y[j]);
+            u ^= static_cast<std::uint32_t>(w0[j] ^ (w0[j] >> 32) ^ w1[j] ^ (w1[j] >> 32));
+            d[j] = std::bit_cast<float>(u);
+          }
+        }
+        return 0.0;
+      },
+      [](Buffers& b) { exact_buffers(b); });
 
   const StepScalars s = make_step_scalars(kHyper, 1.0);
   const SegmentScalars sg = make_segment_scalars(kHyper, 1.0, true);
@@ -281,9 +316,9 @@ std::vector<Kernel> kernels() {
   };
   // The packed exchange at an owner on shared memory, 2 ranks (exact_deposit_combine_packed):
   // each rank's words (8 bytes, from sums and low) and its last micro-batch (g, v) read, the
-  // result (m) written, with its exact squares. "_scratch": the method before (2026-11-28):
-  // each rank's last micro-batch deposited into a per-window scratch, then
-  // exact_combine_packed, through the same table.
+  // result (m) written, with its exact squares ("_nosq": without them). "_scratch": the method
+  // before (2026-11-28): each rank's last micro-batch deposited into a per-window scratch,
+  // then exact_combine_packed, through the same table.
   auto fill_words = [](Buffers& b) {
     exact_buffers(b);
     cpu::exact_deposit_packed(b.g.get(), b.n, nullptr, reinterpret_cast<std::uint64_t*>(b.sums.get()));
@@ -305,6 +340,13 @@ std::vector<Kernel> kernels() {
     cpu::SquareDigits sq;
     cpu::exact_deposit_combine_packed(words, last, 2, b.m.get(), b.n, &sq);
     return static_cast<double>(sq.digit[0]);
+  };
+  auto deposit_combine_nosq = [](Buffers& b) {
+    const std::uint64_t* words[2] = {reinterpret_cast<const std::uint64_t*>(b.sums.get()),
+                                     reinterpret_cast<const std::uint64_t*>(b.low.get())};
+    const float* last[2] = {b.g.get(), b.v.get()};
+    cpu::exact_deposit_combine_packed(words, last, 2, b.m.get(), b.n, nullptr);
+    return static_cast<double>(b.m[0]);
   };
   auto deposit_combine_scratch = [](Buffers& b) {
     const std::uint64_t* words[2] = {reinterpret_cast<const std::uint64_t*>(b.sums.get()),
@@ -463,6 +505,7 @@ std::vector<Kernel> kernels() {
       {"exact_deposit_clear", 24, deposit_clear, false, nullptr, false, fill_g},
       {"exact_deposit_multi_2", 24, deposit_multi, false, nullptr, true, fill_words},
       {"exact_deposit_combine_2", 28, deposit_combine, false, nullptr, true, fill_words},
+      {"exact_deposit_combine_2_nosq", 28, deposit_combine_nosq, false, nullptr, true, fill_words},
       {"exact_deposit_combine_2_scratch", 28, deposit_combine_scratch, false, nullptr, true, fill_words},
       {"all_finite", 4, finite, false,
        [](Buffers& b) {
