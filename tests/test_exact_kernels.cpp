@@ -29,6 +29,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #include "backend.hpp"
 #include "cpu/kernels.hpp"
 #include "exact_sum.hpp"
@@ -518,6 +522,69 @@ TEST(ExactKernels, DepositCombineGivesTheOneProcessResult) {
       }
     }
   }
+}
+
+// The owners' pass's squares on the SIMD windows: in DepositCombineGivesTheOneProcessResult the
+// boundary corpus puts a NaN or Inf in every window of 4096 results (a kernel that skipped the
+// squares of finite windows passed it), and such a window's squares go one by one. Here the
+// windows are finite, one per kind: ordinary values, a few outliers 2^30 times larger (the
+// rest fall below the window and go one by one), subnormal sums, a window with a NaN between
+// finite ones, and a short last window; over two work items of the threading (each with a
+// last window of its own), on 1, 2 and 3 threads.
+TEST(ExactKernels, DepositCombineSquaresOverFiniteWindows) {
+  const IsaScope restore;
+  constexpr std::size_t kWin = 4096;
+  const std::size_t n = 16 * kWin + 5 * kWin + 19;  // kExactGrain is 16 windows
+#if defined(_OPENMP)
+  const int initial_threads = omp_get_max_threads();
+#endif
+  for (int ranks : {1, 2, 3}) {
+    std::mt19937_64 rng(77u + static_cast<std::uint64_t>(ranks));
+    const int rows_n = 2 * ranks;  // two micro-batches deposited per rank before the last
+    PerRank rows(static_cast<std::size_t>(rows_n), std::vector<float>(n));
+    PerRank last(static_cast<std::size_t>(ranks), std::vector<float>(n));
+    auto value = [&](std::size_t i) {
+      switch ((i / kWin) % 5) {
+        case 0: return with_exponent(rng, 100 + static_cast<int>(rng() % 6));
+        case 1: return rng() % 300 == 0 ? with_exponent(rng, 180) : with_exponent(rng, 140 + static_cast<int>(rng() % 4));
+        case 2: return std::ldexp(static_cast<float>(rng() % 0x800000), -149) * ((rng() & 1) ? -1.0f : 1.0f);
+        case 3: return i % kWin == 777 ? std::numeric_limits<float>::quiet_NaN() : with_exponent(rng, 90);
+        default: return random_value(rng);  // finite: zeros, subnormals, any exponent field below 255
+      }
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+      for (auto& row : rows) row[i] = value(i);
+      for (auto& row : last) row[i] = value(i);
+    }
+    PerRank everything = rows;
+    everything.insert(everything.end(), last.begin(), last.end());
+    const std::vector<float> want = oracle_binned(everything);
+    const cpu::SquareDigits want_squares = squares_one_by_one(want.data(), n);
+    const auto states = packed_states(rows, ranks);
+    std::vector<const std::uint64_t*> words;
+    for (const auto& st : states) words.push_back(st.data());
+    std::vector<const float*> at;
+    for (const auto& row : last) at.push_back(row.data());
+    for (cpu::Isa isa : isas()) {
+      cpu::set_isa(isa);
+      for (int threads : {1, 2, 3}) {
+#if defined(_OPENMP)
+        omp_set_num_threads(threads);
+#endif
+        std::vector<float> dst(n);
+        cpu::SquareDigits sq;
+        cpu::exact_deposit_combine_packed(words.data(), at.data(), ranks, dst.data(), n, &sq);
+        const std::string what = std::string(cpu::isa_name(isa)) + ", " + std::to_string(ranks) +
+                                 " ranks, " + std::to_string(threads) + " threads";
+        for (std::size_t i = 0; i < n; ++i)
+          ASSERT_EQ(bits(dst[i]), bits(want[i])) << what << ", element " << i;
+        expect_same_digits(sq, want_squares, what + " squares");
+      }
+    }
+  }
+#if defined(_OPENMP)
+  omp_set_num_threads(initial_threads);
+#endif
 }
 
 // Sums of 2^50 and more go to fp32 through a rounding to odd; a sum one unit above or below
