@@ -164,9 +164,8 @@ std::vector<Kernel> kernels() {
   });
   // The streams of exact_deposit_combine_2 below with no arithmetic: two ranks' 8-byte words
   // and 4-byte values read, one float written (28 bytes per element), each source asked for
-  // kExactPrefetchElems ahead as the library's SIMD combines do (this VM's hardware
-  // prefetchers alone leave five read streams at half the speed). That kernel's own memory
-  // floor in the same run: its time over this row's is what arithmetic adds.
+  // kExactPrefetchElems ahead as the library's SIMD combines do. That kernel's own memory
+  // floor in the same run: its time over this row's is what its arithmetic adds.
   add(
       "combine_streams_2", 28, Variant::Ceiling,
       [](Buffers& b) {

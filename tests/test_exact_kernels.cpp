@@ -527,7 +527,7 @@ TEST(ExactKernels, DepositCombineGivesTheOneProcessResult) {
 // The owners' pass's squares on the SIMD windows: in DepositCombineGivesTheOneProcessResult the
 // boundary corpus puts a NaN or Inf in every window of 4096 results (a kernel that skipped the
 // squares of finite windows passed it), and such a window's squares go one by one. Here the
-// windows are finite, one per kind: ordinary values, a few outliers 2^30 times larger (the
+// windows are finite, one per kind: ordinary values, a few outliers 2^37 times larger (the
 // rest fall below the window and go one by one), subnormal sums, a window with a NaN between
 // finite ones, and a short last window; over two work items of the threading (each with a
 // last window of its own), on 1, 2 and 3 threads.
