@@ -29,13 +29,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #include "backend.hpp"
 #include "cpu/kernels.hpp"
 #include "exact_sum.hpp"
+#include "support/omp_threads.hpp"
 
 using namespace shardopt;
 
@@ -535,9 +532,6 @@ TEST(ExactKernels, DepositCombineSquaresOverFiniteWindows) {
   const IsaScope restore;
   constexpr std::size_t kWin = 4096;
   const std::size_t n = 16 * kWin + 5 * kWin + 19;  // kExactGrain is 16 windows
-#if defined(_OPENMP)
-  const int initial_threads = omp_get_max_threads();
-#endif
   for (int ranks : {1, 2, 3}) {
     std::mt19937_64 rng(77u + static_cast<std::uint64_t>(ranks));
     const int rows_n = 2 * ranks;  // two micro-batches deposited per rank before the last
@@ -568,9 +562,7 @@ TEST(ExactKernels, DepositCombineSquaresOverFiniteWindows) {
     for (cpu::Isa isa : isas()) {
       cpu::set_isa(isa);
       for (int threads : {1, 2, 3}) {
-#if defined(_OPENMP)
-        omp_set_num_threads(threads);
-#endif
+        const test::OmpThreads scope(threads);
         std::vector<float> dst(n);
         cpu::SquareDigits sq;
         cpu::exact_deposit_combine_packed(words.data(), at.data(), ranks, dst.data(), n, &sq);
@@ -582,9 +574,6 @@ TEST(ExactKernels, DepositCombineSquaresOverFiniteWindows) {
       }
     }
   }
-#if defined(_OPENMP)
-  omp_set_num_threads(initial_threads);
-#endif
 }
 
 // Sums of 2^50 and more go to fp32 through a rounding to odd; a sum one unit above or below

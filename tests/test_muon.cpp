@@ -21,6 +21,7 @@
 #include "shardopt/bf16.hpp"
 #include "shardopt/error.hpp"
 #include "support/muon_model.hpp"
+#include "support/omp_threads.hpp"
 
 namespace shardopt::rules::muon {
 namespace {
@@ -116,14 +117,11 @@ std::vector<float> ns(std::size_t rows, std::size_t cols, const std::vector<floa
   return out;
 }
 
-/// Runs f at `threads` OpenMP threads, then restores the default.
+/// Runs f at `threads` OpenMP threads, then restores the count before.
 template <class F>
 auto with_threads(int threads, F f) {
-  const int before = omp_get_max_threads();
-  omp_set_num_threads(threads);
-  auto r = f();
-  omp_set_num_threads(before);
-  return r;
+  const test::OmpThreads scope(threads);
+  return f();
 }
 
 // ---- against the double model ---------------------------------------------------------------
