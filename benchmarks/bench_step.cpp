@@ -17,6 +17,13 @@
 // phase and the step from 2026-11-27 12:10 to 2026-11-28, when the default's accumulation
 // was in no column: the benchmark overwrote each gradient), and both are in "iteration s".
 //   SHARDOPT_COMM=mpi selects plain MPI instead of shared memory.
+// --interleave builds every reduction's optimizer of a stage at once (their memory together)
+// and steps them in turns (each timed step: the first reduction, then the second; every other
+// turn the other way round), so that both see the same machine minute by minute; the tables
+// then show each phase's median over the timed steps (not the mean), and a last table
+// gives, per later reduction, its step and iteration over the first's in the same turn (min,
+// median, max over the timed steps). On a VM whose bandwidth drifts by tens of percent between
+// minutes, the median of these ratios is the figure to quote.
 //
 // Floor bytes per rank (P padded elements, N ranks, bf16 replica):
 //   reduce-scatter  4P read + 4P/N written      (every rank sums its 1/N over N inputs)
@@ -36,9 +43,12 @@
 // s": the step time of each untimed step (--warmup), slowest rank, where one-time costs show.
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,6 +78,9 @@ struct Args {
   std::vector<Reduction> reductions{Reduction::Default};
   int micro_batches = 1;
   int buckets_in_flight = OptimizerOptions{}.buckets_in_flight;  ///< stage-2 staging slots
+  /// Every reduction's optimizer of a stage at once, stepping in turns (robust ratios on a
+  /// machine whose bandwidth drifts).
+  bool interleave = false;
 };
 
 // The command line: the exit code after --help, --version or bad input, or -1 to run.
@@ -106,6 +119,10 @@ int parse(int argc, char** argv, bool print, Args& a) {
       ->check(CLI::Range(1, 1 << 16))->capture_default_str();
   bool no_overlap = false;
   app.add_flag("--no-overlap", no_overlap, "issue every collective inside step()");
+  app.add_flag("--interleave", a.interleave,
+               "build every reduction's optimizer of a stage at once and step them in turns "
+               "(memory of all of them); prints each one's step and iteration over the first's, "
+               "turn by turn");
   const int rc = cli::parse(app, argc, argv, print);
   a.overlap = !no_overlap;
   return rc;
@@ -132,7 +149,6 @@ struct Extra {
   std::size_t grads_bytes = 0;   ///< this rank's gradient memory (tracker)
   int nodes = 1;                      ///< as MPI sees them (MPI_COMM_TYPE_SHARED)
   std::size_t internode_planned = 0;  ///< MemoryPlan::internode_bytes, per node and step
-  double internode_counted = 0;       ///< rank 0's Communicator::internode_bytes() per step
   std::string warmup;                 ///< each untimed step's step time (slowest rank), "a+b"
 };
 
@@ -149,99 +165,157 @@ int count_nodes() {
   return nodes;
 }
 
-Phases run_stage(const Args& a, Stage stage, Reduction reduction, std::string& comm_name,
-                 std::size_t& padded, Extra& extra) {
-  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
-  comm_name = comm->name();
-  OptimizerOptions o;
-  o.stage = stage;
-  o.bucket_elems = a.bucket_elems;
-  o.overlap = a.overlap;
-  o.reduction = reduction;
-  o.buckets_in_flight = a.buckets_in_flight;
-  ShardedOptimizer opt(comm, o);
-  const FlatLayout model = uniform_layout(a.psi, a.tensor_elems);
-  for (const ParamInfo& p : model.params()) opt.add_param(p.name, p.numel, p.group);
-  opt.finalize();
-  padded = opt.layout().padded_size();
-  PlanConfig plan = plan_config(o, comm->size());
-  extra.nodes = count_nodes();
-  if (comm->size() % extra.nodes == 0) plan.nodes = extra.nodes;  // else: unequal nodes, 0
-  const MemoryPlan planned = plan_memory(opt.layout(), plan);
-  // Several micro-batches: reproducible mode exchanges its packed state (8 bytes per element);
-  // on one node's shared memory the timed steps (after the warm-up) read the words and the
-  // last micro-batch in place (12); the planner says which (plan_exact_step).
-  const char* exchange = std::getenv("SHARDOPT_REPRO_EXCHANGE");
-  const bool in_place = comm->name() == "mpi-shm" && comm->size() > 1 &&
-                        (exchange == nullptr || std::string(exchange) != "packed-wire");
-  if (o.reduction == Reduction::Reproducible) {
-    // The planner's path for these micro-batches (plan_exact_step), as the optimizer takes it.
-    const std::string e = exchange == nullptr ? "" : exchange;
-    ExactStep st;
-    st.most_micro_batches = a.micro_batches;
-    st.fastest = e == "packed" || e == "packed-wire" ? ExactPath::Packed
-                 : e == "two-phase"                  ? ExactPath::TwoPhase
-                                                     : ExactPath::Direct;
-    st.words_shared = in_place;
-    extra.reduce_bytes = plan_exact_step(planned, st).wire_bytes;
-  } else {
-    extra.reduce_bytes = a.micro_batches <= 1 ? planned.reduce_bytes : planned.reduce_bytes_accumulated;
+// One optimizer of one stage and reduction, stepped one step at a time (so that two can
+// take turns: --interleave).
+class Run {
+ public:
+  Run(const Args& a, Stage stage, Reduction reduction) : a_(a) {
+    comm_ = make_mpi_communicator(MPI_COMM_WORLD);
+    comm_name = comm_->name();
+    OptimizerOptions o;
+    o.stage = stage;
+    o.bucket_elems = a.bucket_elems;
+    o.overlap = a.overlap;
+    o.reduction = reduction;
+    o.buckets_in_flight = a.buckets_in_flight;
+    opt_ = std::make_unique<ShardedOptimizer>(comm_, o);
+    const FlatLayout model = uniform_layout(a.psi, a.tensor_elems);
+    for (const ParamInfo& p : model.params()) opt_->add_param(p.name, p.numel, p.group);
+    opt_->finalize();
+    padded = opt_->layout().padded_size();
+    PlanConfig plan = plan_config(o, comm_->size());
+    extra.nodes = count_nodes();
+    if (comm_->size() % extra.nodes == 0) plan.nodes = extra.nodes;  // else: unequal nodes, 0
+    const MemoryPlan planned = plan_memory(opt_->layout(), plan);
+    // Several micro-batches: reproducible mode exchanges its packed state (8 bytes per element);
+    // on one node's shared memory the timed steps (after the warm-up) read the words and the
+    // last micro-batch in place (12); the planner says which (plan_exact_step).
+    const char* exchange = std::getenv("SHARDOPT_REPRO_EXCHANGE");
+    const bool in_place = comm_->name() == "mpi-shm" && comm_->size() > 1 &&
+                          (exchange == nullptr || std::string(exchange) != "packed-wire");
+    if (o.reduction == Reduction::Reproducible) {
+      // The planner's path for these micro-batches (plan_exact_step), as the optimizer takes it.
+      const std::string e = exchange == nullptr ? "" : exchange;
+      ExactStep st;
+      st.most_micro_batches = a.micro_batches;
+      st.fastest = e == "packed" || e == "packed-wire" ? ExactPath::Packed
+                   : e == "two-phase"                  ? ExactPath::TwoPhase
+                                                       : ExactPath::Direct;
+      st.words_shared = in_place;
+      extra.reduce_bytes = plan_exact_step(planned, st).wire_bytes;
+    } else {
+      extra.reduce_bytes = a.micro_batches <= 1 ? planned.reduce_bytes : planned.reduce_bytes_accumulated;
+    }
+    extra.internode_planned = plan.nodes > 1 ? planned.internode_bytes : 0;
   }
-  extra.internode_planned = plan.nodes > 1 ? planned.internode_bytes : 0;
-  std::uint64_t internode_start = 0;
-  const std::size_t n = opt.layout().num_params();
-  Phases sum;
-  for (int s = 0; s < a.warmup + a.steps; ++s) {  // the first a.warmup steps are untimed
+
+  // Step s (0-based; the first a.warmup are untimed and return nothing): the micro-batches'
+  // gradient writes, step() and the last gathers; each phase the slowest rank's.
+  std::optional<Phases> step(int s) {
     // Library work between micro-batches (reproducible mode deposits the previous
     // micro-batch into its accumulator in begin_backward): its own column, in the iteration,
     // where the default's accumulation (+=) is too.
+    const std::size_t n = opt_->layout().num_params();
     double between = 0;
     const double iteration_start = MPI_Wtime();
-    for (int mb = 0; mb < a.micro_batches; ++mb) {
+    for (int mb = 0; mb < a_.micro_batches; ++mb) {
       const double b0 = MPI_Wtime();
-      opt.begin_backward(mb + 1 == a.micro_batches);
+      opt_->begin_backward(mb + 1 == a_.micro_batches);
       between += MPI_Wtime() - b0;
       for (std::size_t i = n; i-- > 0;) {  // backward order
-        const std::span<float> g = opt.grad(i);
+        const std::span<float> g = opt_->grad(i);
         if (mb == 0) {
           for (std::size_t k = 0; k < g.size(); ++k) g[k] = value(i, k, s + mb);
         } else {
           for (std::size_t k = 0; k < g.size(); ++k) g[k] += value(i, k, s + mb);
         }
-        opt.grad_ready(i);
+        opt_->grad_ready(i);
       }
     }
     MPI_Barrier(MPI_COMM_WORLD);
-    const StepTimings t = opt.step().timings;
+    const StepTimings t = opt_->step().timings;
     // The step ends when the replica is complete: with overlap the last gathers finish here.
     // Its time: step() (which counts the time blocked in reductions during backward too),
     // plus these waits.
     const double t0 = MPI_Wtime();
-    for (std::size_t i = 0; i < n; ++i) opt.wait_param(i);
+    for (std::size_t i = 0; i < n; ++i) opt_->wait_param(i);
     const double wall = t.total + (MPI_Wtime() - t0);
     const double iteration = MPI_Wtime() - iteration_start;
-    if (s < a.warmup) {
+    if (s < a_.warmup) {
       // Shown apart: one-time costs (first touch of what the first steps allocate).
       char w[32];
       std::snprintf(w, sizeof w, "%s%.3f", s == 0 ? "" : "+", max_over_ranks(wall));
       extra.warmup += w;
-      internode_start = comm->internode_bytes();
+      internode_start_ = comm_->internode_bytes();
       // After a step: what is allocated on demand (reproducible mode's accumulator) counts.
-      extra.grads_bytes = opt.memory_report()[MemCategory::Grads];
-      continue;
+      extra.grads_bytes = opt_->memory_report()[MemCategory::Grads];
+      return std::nullopt;
     }
-    sum.reduce += max_over_ranks(t.reduce);
-    sum.between += max_over_ranks(between);
-    sum.norm += max_over_ranks(t.norm);
-    sum.update += max_over_ranks(t.update);
-    sum.gather += max_over_ranks(t.gather);
-    sum.total += max_over_ranks(wall);
-    sum.iteration += max_over_ranks(iteration);
+    ++timed_;
+    return Phases{max_over_ranks(t.reduce), max_over_ranks(t.norm), max_over_ranks(t.update),
+                  max_over_ranks(t.gather), max_over_ranks(wall), max_over_ranks(iteration),
+                  max_over_ranks(between)};
   }
-  const double k = 1.0 / a.steps;
-  extra.internode_counted = static_cast<double>(comm->internode_bytes() - internode_start) * k;
-  return {sum.reduce * k, sum.norm * k, sum.update * k, sum.gather * k, sum.total * k,
-          sum.iteration * k, sum.between * k};
+
+  // Rank 0's count of inter-node bytes per timed step.
+  double internode_per_step() const {
+    return timed_ == 0 ? 0.0
+                       : static_cast<double>(comm_->internode_bytes() - internode_start_) / timed_;
+  }
+
+  std::string comm_name;
+  std::size_t padded = 0;
+  Extra extra;
+
+ private:
+  const Args& a_;
+  std::shared_ptr<Communicator> comm_;
+  std::unique_ptr<ShardedOptimizer> opt_;
+  std::uint64_t internode_start_ = 0;
+  int timed_ = 0;
+};
+
+Phases mean(const std::vector<Phases>& v) {
+  Phases m;
+  for (const Phases& p : v) {
+    m.reduce += p.reduce;
+    m.norm += p.norm;
+    m.update += p.update;
+    m.gather += p.gather;
+    m.total += p.total;
+    m.iteration += p.iteration;
+    m.between += p.between;
+  }
+  const double k = v.empty() ? 0.0 : 1.0 / static_cast<double>(v.size());
+  return {m.reduce * k, m.norm * k, m.update * k, m.gather * k, m.total * k, m.iteration * k,
+          m.between * k};
+}
+
+double median_of(std::vector<double> x) {
+  if (x.empty()) return 0.0;
+  std::sort(x.begin(), x.end());
+  const std::size_t h = x.size() / 2;
+  return x.size() % 2 == 1 ? x[h] : 0.5 * (x[h - 1] + x[h]);
+}
+
+// Each phase's median over the steps (each phase on its own: the columns need not add up).
+Phases median(const std::vector<Phases>& v) {
+  auto of = [&](double Phases::*f) {
+    std::vector<double> x;
+    for (const Phases& p : v) x.push_back(p.*f);
+    return median_of(std::move(x));
+  };
+  return {of(&Phases::reduce), of(&Phases::norm),      of(&Phases::update), of(&Phases::gather),
+          of(&Phases::total),  of(&Phases::iteration), of(&Phases::between)};
+}
+
+// "min / median / max" of x.
+std::string spread(std::vector<double> x) {
+  if (x.empty()) return "-";
+  std::sort(x.begin(), x.end());
+  char c[96];
+  std::snprintf(c, sizeof c, "%.2f / **%.2f** / %.2f", x.front(), median_of(x), x.back());
+  return c;
 }
 
 }  // namespace
@@ -264,9 +338,10 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       const char* threads = std::getenv("OMP_NUM_THREADS");
       std::printf("cpu: %s; ranks %d; OMP_NUM_THREADS=%s; psi %zu, tensors of %zu, buckets of "
-                  "%zu, overlap %s, %d micro-batch(es)\n",
+                  "%zu, overlap %s, %d micro-batch(es)%s\n",
                   bench::cpu_model_name().c_str(), ranks, threads ? threads : "(unset)", a.psi,
-                  a.tensor_elems, a.bucket_elems, a.overlap ? "on" : "off", a.micro_batches);
+                  a.tensor_elems, a.bucket_elems, a.overlap ? "on" : "off", a.micro_batches,
+                  a.interleave ? "; interleaved: each time is its median over the timed steps" : "");
       std::printf("in-place a+=s*b bandwidth per rank (all ranks at once): %.2f GB/s\n\n", bw / 1e9);
       std::printf("| stage | reduction | comm | reduce s | norm s | update s | gather s | step s "
                   "| floor s | step/floor | clear s (not in floor) | reduce MiB/rank | grads MiB "
@@ -279,13 +354,9 @@ int main(int argc, char** argv) {
     std::string phases =
         "\neach phase over its own floor (bytes per rank / in-place bandwidth):\n\n"
         "| stage | reduction | comm | reduce | norm | update | gather |\n|---|---|---|---|---|---|---|\n";
-    for (Stage stage : a.stages)
-    for (Reduction reduction : a.reductions) {
-      std::string comm_name;
-      std::size_t padded = 0;
-      Extra extra;
-      const Phases ph = run_stage(a, stage, reduction, comm_name, padded, extra);
-      const double P = static_cast<double>(padded);
+    // One row of each table for a run's mean phases.
+    auto report = [&](Stage stage, Reduction reduction, Run& run, const Phases& ph) {
+      const double P = static_cast<double>(run.padded);
       const bool dp = stage == Stage::DataParallel;
       // Per phase: data-parallel's all-reduce and full update (its norm reads 4P/N, which the
       // step's floor leaves out); stages 1-2 as in the header. One rank reduces nothing.
@@ -304,22 +375,63 @@ int main(int argc, char** argv) {
       };
       char row[256];
       std::snprintf(row, sizeof row, "| %s | %s | %s | %s | %s | %s | %s |\n",
-                    stage_name(stage), reduction_name(reduction), comm_name.c_str(),
+                    stage_name(stage), reduction_name(reduction), run.comm_name.c_str(),
                     over(ph.reduce, f_reduce).c_str(), over(ph.norm, f_norm).c_str(),
                     over(ph.update, f_update).c_str(), over(ph.gather, f_gather).c_str());
       phases += row;
       if (rank == 0)
         std::printf("| %s | %s | %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.2f | %.4f | %.1f "
                     "| %.1f | %d | %.2f | %.2f | %.4f | %.4f | %s |\n",
-                    stage_name(stage), reduction_name(reduction), comm_name.c_str(), ph.reduce,
+                    stage_name(stage), reduction_name(reduction), run.comm_name.c_str(), ph.reduce,
                     ph.norm, ph.update, ph.gather, ph.total, floor, ph.total / floor, clear / bw,
-                    static_cast<double>(extra.reduce_bytes) / (1 << 20),
-                    static_cast<double>(extra.grads_bytes) / (1 << 20), extra.nodes,
-                    extra.internode_counted / (1 << 20),
-                    static_cast<double>(extra.internode_planned) / (1 << 20), ph.iteration, ph.between,
-                    extra.warmup.c_str());
+                    static_cast<double>(run.extra.reduce_bytes) / (1 << 20),
+                    static_cast<double>(run.extra.grads_bytes) / (1 << 20), run.extra.nodes,
+                    run.internode_per_step() / (1 << 20),
+                    static_cast<double>(run.extra.internode_planned) / (1 << 20), ph.iteration, ph.between,
+                    run.extra.warmup.c_str());
+    };
+    // Per stage: each reduction's steps in turn, or with --interleave every reduction's
+    // optimizer at once, taking turns step by step (and the per-step ratios to the first).
+    std::string ratios =
+        "\nstep by step, over the first reduction's step of the same turn (--interleave; min / "
+        "median / max over the timed steps):\n\n"
+        "| stage | reduction | step s ratio | iteration s ratio |\n|---|---|---|---|\n";
+    for (Stage stage : a.stages) {
+      if (!a.interleave) {
+        for (Reduction reduction : a.reductions) {
+          Run run(a, stage, reduction);
+          std::vector<Phases> timed;
+          for (int s = 0; s < a.warmup + a.steps; ++s)
+            if (const auto ph = run.step(s)) timed.push_back(*ph);
+          report(stage, reduction, run, mean(timed));
+        }
+        continue;
+      }
+      std::vector<std::unique_ptr<Run>> runs;
+      for (Reduction reduction : a.reductions) runs.push_back(std::make_unique<Run>(a, stage, reduction));
+      std::vector<std::vector<Phases>> timed(runs.size());
+      for (std::unique_ptr<Run>& run : runs)
+        for (int s = 0; s < a.warmup; ++s) run->step(s);
+      for (int s = a.warmup; s < a.warmup + a.steps; ++s)
+        for (std::size_t k = 0; k < runs.size(); ++k) {
+          // Odd turns in reverse order, so that neither goes first every time.
+          const std::size_t r = (s - a.warmup) % 2 == 0 ? k : runs.size() - 1 - k;
+          timed[r].push_back(*runs[r]->step(s));
+        }
+      for (std::size_t r = 0; r < runs.size(); ++r) {
+        report(stage, a.reductions[r], *runs[r], median(timed[r]));
+        if (r == 0) continue;
+        std::vector<double> step_ratio, iteration_ratio;
+        for (std::size_t s = 0; s < timed[r].size(); ++s) {
+          step_ratio.push_back(timed[r][s].total / timed[0][s].total);
+          iteration_ratio.push_back(timed[r][s].iteration / timed[0][s].iteration);
+        }
+        ratios += std::string("| ") + stage_name(stage) + " | " + reduction_name(a.reductions[r]) +
+                  " | " + spread(step_ratio) + " | " + spread(iteration_ratio) + " |\n";
+      }
     }
     if (rank == 0) std::fputs(phases.c_str(), stdout);
+    if (rank == 0 && a.interleave) std::fputs(ratios.c_str(), stdout);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_step: %s\n", e.what());
     rc = 2;
